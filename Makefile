@@ -1,0 +1,44 @@
+# kvbench: two commands on a fresh machine.
+#   make demo   set up, run the default sweep on the embedded default model, write the report
+#   make test   set up, run the test suite
+#
+# Set-up installs torch first: the CPU build (torch==2.13.0) where there is no NVIDIA GPU, the regular
+# CUDA build where there is; then the package with its test and eval extras, editable.
+# On a machine whose pip would fetch a CUDA torch for the CPU pin, set TORCH_INDEX, e.g.
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_CPU ?= torch==2.13.0
+TORCH_GPU ?= torch
+TORCH_INDEX ?=
+RUN ?= runs/demo
+PYTEST_ARGS ?=
+
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC := $(if $(HAS_GPU),$(TORCH_GPU),$(TORCH_CPU))
+INDEX_FLAG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+
+.PHONY: setup demo test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet $(INDEX_FLAG) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test,eval]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/kvbench sweep configs/default.yaml --out $(RUN) --resume
+	$(BIN)/kvbench report $(RUN) --out $(RUN)/report
+
+test: setup
+	$(BIN)/python -m pytest -q --timeout 900 $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

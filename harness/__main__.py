@@ -1,0 +1,3 @@
+from kvbench.harness.cli import main
+
+main()

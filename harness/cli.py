@@ -1,0 +1,48 @@
+"""The ``kvbench`` command line.
+
+Each command lives in ``harness/commands/<name>.py`` with a ``register(app)`` function; heavy imports
+(torch, the engine, pandas) happen inside the command bodies so ``kvbench --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+from kvbench.harness import __version__
+
+COMMANDS = ("serve", "eval", "load", "sweep", "report", "compare", "gate", "bench", "capacity", "formats")
+
+app = typer.Typer(
+    name="kvbench",
+    help="What does fp8 or nvfp4 KV cost in accuracy, and what does it buy in speed and capacity?",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_show_locals=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvbench {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """kvbench: accuracy-and-throughput harness for KV-cache precision."""
+
+
+for _name in COMMANDS:
+    importlib.import_module(f"kvbench.harness.commands.{_name}").register(app)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

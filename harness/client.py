@@ -1,0 +1,99 @@
+"""The one interface between the harness and a model: a ``Client``.
+
+A client is either the embedded engine in-process (``EngineClient``, in ``harness/targets.py``) or any
+OpenAI-compatible server (``OpenAIClient``).  Suites, the fidelity task and the sweep runner talk only to
+this protocol, so a cell never cares where its tokens come from.
+
+All calls are synchronous and thread-safe; callers run many at once from a thread pool (the embedded
+engine batches concurrent calls through its continuous-batching scheduler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Protocol, Sequence, runtime_checkable
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: Optional[int] = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: Optional[int] = None  # number of top logprobs per generated token, None = off
+
+
+@dataclass
+class GenRequest:
+    """Exactly one of ``prompt`` (completion API, raw text) or ``messages`` (chat API) is set."""
+
+    prompt: Optional[str] = None
+    messages: Optional[list[dict]] = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("GenRequest needs exactly one of prompt or messages")
+
+
+@dataclass
+class GenResult:
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int
+    output_tokens: int
+    latency_s: float
+    ttft_s: Optional[float] = None
+    token_ids: Optional[list[int]] = None
+    logprobs: Optional[list[float]] = None  # logprob of each generated token, when asked for
+    error: Optional[str] = None
+
+
+@dataclass
+class ScoreRequest:
+    """Teacher-forced scoring: log-probs of ``continuation`` given ``context`` (raw text, no template)."""
+
+    context: str
+    continuation: str
+    top_k: int = 0  # also return the top-k next-token distribution at each continuation position
+    full_distribution: bool = False  # in-process clients may return full log-softmax rows
+
+
+@dataclass
+class ScoreResult:
+    token_ids: list[int]  # continuation token ids
+    logprobs: list[float]  # log p(token_i | prefix) for each continuation token
+    greedy: list[bool]  # whether each token was the argmax
+    top_ids: Optional[list[list[int]]] = None
+    top_logprobs: Optional[list[list[float]]] = None
+    full_logprobs: Optional[object] = None  # torch.Tensor [n, vocab] float32 when asked and available
+
+    @property
+    def total_logprob(self) -> float:
+        return float(sum(self.logprobs))
+
+    @property
+    def is_greedy(self) -> bool:
+        return all(self.greedy)
+
+
+@runtime_checkable
+class Client(Protocol):
+    model_id: str
+
+    def generate(self, request: GenRequest) -> GenResult: ...
+
+    def stream(self, request: GenRequest) -> Iterator[str]: ...
+
+    def score(self, request: ScoreRequest) -> ScoreResult: ...
+
+    def info(self) -> dict:
+        """Target description for provenance: model, kv format, backends, capacity where known."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,99 @@
+"""Samples of a server's Prometheus ``/metrics`` during a load run (kvbench, vLLM and SGLang names)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Optional
+
+RUNNING = ("kvbench_num_requests_running", "vllm:num_requests_running", "sglang:num_running_reqs")
+WAITING = ("kvbench_num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs")
+KV_USAGE = ("kvbench_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Metric name -> value summed over label sets (comments and unparsable lines are skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name, _, rest = line.partition("{")
+            rest = rest.rpartition("}")[2]
+        else:
+            name, _, rest = line.partition(" ")
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        out[name.strip()] = out.get(name.strip(), 0.0) + value
+    return out
+
+
+def _first(values: dict[str, float], names) -> Optional[float]:
+    for n in names:
+        if n in values:
+            return values[n]
+    return None
+
+
+class MetricsSampler:
+    """Polls ``url`` every ``interval_s`` until stopped; a failing first poll turns sampling off."""
+
+    def __init__(self, session, url: str, interval_s: float, t0: float):
+        self.session, self.url, self.interval_s, self.t0 = session, url, interval_s, t0
+        self.samples: list[tuple[float, Optional[float], Optional[float], Optional[float]]] = []
+        self.available = True
+        self._stop = asyncio.Event()
+
+    async def _poll(self) -> bool:
+        try:
+            async with self.session.get(self.url) as resp:
+                if resp.status != 200:
+                    return False
+                values = parse_prometheus(await resp.text())
+        except Exception:  # noqa: BLE001 - a server without /metrics is fine
+            return False
+        self.samples.append(
+            (time.perf_counter() - self.t0, _first(values, RUNNING), _first(values, WAITING), _first(values, KV_USAGE))
+        )
+        return True
+
+    async def run(self) -> None:
+        first = True
+        while not self._stop.is_set():
+            ok = await self._poll()
+            if first and not ok:
+                self.available = False
+                return
+            first = False
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def summary(self) -> dict:
+        if not self.available or not self.samples:
+            return {"available": False}
+        running = [s[1] for s in self.samples if s[1] is not None]
+        waiting = [s[2] for s in self.samples if s[2] is not None]
+        kv = [s[3] for s in self.samples if s[3] is not None]
+        no_queue = [s[1] for s in self.samples if s[1] is not None and s[2] is not None and s[2] == 0]
+        return {
+            "available": True,
+            "samples": len(self.samples),
+            "interval_s": self.interval_s,
+            "max_running": max(running) if running else None,
+            "max_waiting": max(waiting) if waiting else None,
+            "max_running_without_queueing": max(no_queue) if no_queue else None,
+            "kv_usage_max": max(kv) if kv else None,
+            "kv_usage_mean": sum(kv) / len(kv) if kv else None,
+            "timeline": [list(s) for s in self.samples],  # [t_s, running, waiting, kv_usage]
+        }

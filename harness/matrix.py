@@ -1,0 +1,127 @@
+"""Sweep config → cells.
+
+A cell is one point of the matrix (model, target, prefill_backend, decode_backend, kv_dtype, kv_scales,
+concurrency); its key is ``store.canonical_key`` of that canonical config, so the same cell gets the same
+directory in every run.  Cells come out grouped: all concurrency levels of one (model, target, backends,
+kv format) are consecutive, so the engine or server is started once per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from kvbench.harness.store import canonical_key, matches, parse_selector
+from kvbench.harness.sweep_config import CELL_KEYS, DEFAULT_MODEL, SweepConfig, SweepConfigError
+
+
+@dataclass(frozen=True)
+class Cell:
+    key: str
+    label: str
+    config: dict  # CELL_KEYS (+ "options" when a KV entry sets engine options)
+    index: int  # position in the full matrix (stable across --only filters)
+    run_accuracy: bool  # concurrency == the sweep's accuracy_concurrency
+
+    @property
+    def group(self) -> tuple:
+        """Cells with the same group share one engine / server launch."""
+        c = self.config
+        return (c["model"], c["target"], c["prefill_backend"], c["decode_backend"], c["kv_dtype"], c["kv_scales"],
+                tuple(sorted(c.get("options", {}).items())))
+
+    @property
+    def concurrency(self) -> int:
+        return int(self.config["concurrency"])
+
+    @property
+    def kv_label(self) -> str:
+        c = self.config
+        opts = "".join(f"+{k}" for k, v in sorted(c.get("options", {}).items()) if v)
+        return f"{c['kv_dtype']}/{c['kv_scales']}{opts}"
+
+
+def cell_config(model: str, target: str, prefill: str, decode: str, kv_dtype: str, kv_scales: str,
+                concurrency: int, options: Optional[dict] = None) -> dict:
+    cfg = {
+        "model": model, "target": target, "prefill_backend": prefill, "decode_backend": decode,
+        "kv_dtype": kv_dtype, "kv_scales": kv_scales, "concurrency": int(concurrency),
+    }
+    if options:
+        cfg["options"] = dict(sorted(options.items()))
+    return cfg
+
+
+def _label(cfg: dict, show_model: bool, show_target: bool) -> str:
+    be = cfg["prefill_backend"] if cfg["prefill_backend"] == cfg["decode_backend"] else f"{cfg['prefill_backend']}+{cfg['decode_backend']}"
+    opts = "".join(f"+{k}" for k, v in cfg.get("options", {}).items() if v)
+    parts = [f"{cfg['kv_dtype']}/{cfg['kv_scales']}{opts}", be, f"c={cfg['concurrency']}"]
+    if show_target:
+        parts.insert(0, cfg["target"])
+    if show_model:
+        parts.insert(0, cfg["model"])
+    return " ".join(parts)
+
+
+def expand(sweep: SweepConfig) -> list[Cell]:
+    """Every cell of the matrix, grouped by engine launch, in a stable order."""
+    cells: list[Cell] = []
+    show_model, show_target = len(sweep.models) > 1, len(sweep.targets) > 1
+    for model in sweep.models:
+        for target in sweep.targets:
+            for prefill, decode in sweep.backends:
+                for kv in sweep.kv:
+                    for conc in sweep.concurrency:
+                        cfg = cell_config(model, target.name, prefill, decode, kv.dtype, kv.scales, conc, kv.options)
+                        cells.append(Cell(
+                            key=canonical_key(cfg),
+                            label=_label(cfg, show_model, show_target),
+                            config=cfg,
+                            index=len(cells),
+                            run_accuracy=conc == sweep.accuracy_concurrency,
+                        ))
+    return cells
+
+
+def select(cells: list[Cell], selector: Optional[str]) -> list[Cell]:
+    """Cells matching ``key=value[,key=value]`` (``--only``); clear errors for unknown keys / no match."""
+    if not selector:
+        return list(cells)
+    try:
+        sel = parse_selector(selector)
+    except ValueError as e:
+        raise SweepConfigError(f"--only: {e}") from None
+    for k in sel:
+        if k not in CELL_KEYS:
+            raise SweepConfigError(f"--only: unknown cell key {k!r}; allowed keys: {', '.join(CELL_KEYS)}")
+    out = [c for c in cells if matches(c.config, sel)]
+    if not out:
+        seen = {k: sorted({str(c.config[k]) for c in cells}) for k in sel}
+        raise SweepConfigError(f"--only {selector!r} matches no cell; values in this sweep: {seen}")
+    return out
+
+
+def groups(cells: list[Cell]) -> list[list[Cell]]:
+    """Consecutive runs of cells that share an engine launch."""
+    out: list[list[Cell]] = []
+    for c in cells:
+        if out and out[-1][0].group == c.group:
+            out[-1].append(c)
+        else:
+            out.append([c])
+    return out
+
+
+def engine_options(sweep: SweepConfig, cell: Cell) -> dict:
+    """EngineConfig keyword arguments of an embedded cell (sweep engine options, the target's overrides,
+    then the cell's own axes)."""
+    c = cell.config
+    target = sweep.target(c["target"])
+    opts = {**sweep.engine, **target.engine}
+    opts.update(
+        model=None if c["model"] == DEFAULT_MODEL else c["model"],
+        kv_dtype=c["kv_dtype"], kv_scales=c["kv_scales"],
+        prefill_backend=c["prefill_backend"], decode_backend=c["decode_backend"],
+        **c.get("options", {}),
+    )
+    return opts

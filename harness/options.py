@@ -1,0 +1,76 @@
+"""Engine flags shared by ``serve``, ``eval`` and ``bench`` (DESIGN §11).
+
+``@engine_options`` adds the flags to a typer command's signature and hands the command one
+``engine: EngineConfig`` argument instead, so every command spells the flags the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable, Optional
+
+import typer
+
+from kvbench.runtime.config import ConfigError, EngineConfig
+
+_PANEL = "Engine"
+
+
+def _opt(default, *names, help: str):
+    return typer.Option(default, *names, help=help, rich_help_panel=_PANEL)
+
+
+# name -> (annotation, typer.Option)
+ENGINE_PARAMS: dict[str, tuple[object, object]] = {
+    "model": (Optional[str], _opt(None, "--model", help="HF directory, GGUF file, preset or synthetic:<shape>; default: SmolLM2-135M-Instruct")),
+    "kv_dtype": (str, _opt("bf16", "--kv-dtype", help="KV format: bf16, fp16, fp8_e4m3, fp8_e5m2, nvfp4")),
+    "kv_scales": (str, _opt("unit", "--kv-scales", help="KV scale source: unit, checkpoint, calibrate")),
+    "kv_scales_per_head": (bool, _opt(False, "--kv-scales-per-head", help="Calibrate one scale per kv-head instead of per layer")),
+    "backend": (Optional[str], _opt(None, "--backend", help="Attention backend for both phases: torch, triton, flashinfer")),
+    "prefill_backend": (Optional[str], _opt(None, "--prefill-backend", help="Prefill attention backend (overrides --backend)")),
+    "decode_backend": (Optional[str], _opt(None, "--decode-backend", help="Decode attention backend (overrides --backend)")),
+    "fused_append": (bool, _opt(True, "--fused-append/--no-fused-append", help="Fused RoPE+quantize+append kernel")),
+    "quantize_query": (bool, _opt(False, "--quantize-query", help="fp8 queries in attention (reproduces fp8-Q accuracy loss)")),
+    "page_size": (int, _opt(16, "--page-size", help="Tokens per KV page")),
+    "kv_budget_gb": (Optional[float], _opt(None, "--kv-budget-gb", help="KV cache budget in GiB (default: --mem-fraction of free memory)")),
+    "mem_fraction": (float, _opt(0.85, "--mem-fraction", help="Fraction of free device memory for the KV cache")),
+    "max_running": (int, _opt(64, "--max-running", help="Maximum concurrently running requests")),
+    "max_num_batched_tokens": (int, _opt(2048, "--max-batched-tokens", help="Chunked-prefill token budget per step")),
+    "max_model_len": (Optional[int], _opt(None, "--max-model-len", help="Context length limit (default: the model's)")),
+    "device": (Optional[str], _opt(None, "--device", help="cpu or cuda[:N] (default: cuda when available)")),
+    "dtype": (Optional[str], _opt(None, "--dtype", help="Compute dtype: float32 (CPU default), bfloat16 (GPU default), float16")),
+    "enforce_eager": (bool, _opt(False, "--enforce-eager", help="Disable CUDA graphs")),
+    "seed": (int, _opt(0, "--seed", help="Engine seed (weights of synthetic models, sampling defaults)")),
+}
+
+
+def build_engine_config(values: dict) -> EngineConfig:
+    v = dict(values)
+    backend = v.pop("backend", None)
+    v["prefill_backend"] = v.get("prefill_backend") or backend or "torch"
+    v["decode_backend"] = v.get("decode_backend") or backend or "torch"
+    try:
+        return EngineConfig(**v)
+    except ConfigError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def engine_options(func: Callable) -> Callable:
+    """Decorate a command whose signature has an ``engine`` parameter; adds the engine flags."""
+    sig = inspect.signature(func)
+    params = [p for p in sig.parameters.values() if p.name != "engine"]
+    extra = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=ann)
+        for name, (ann, opt) in ENGINE_PARAMS.items()
+    ]
+    # keyword-only params must come after positional ones
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind != p.VAR_KEYWORD else p for p in params]
+
+    @functools.wraps(func)
+    def wrapper(**kwargs):
+        engine_values = {name: kwargs.pop(name) for name in ENGINE_PARAMS}
+        return func(engine=build_engine_config(engine_values), **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=params + extra)  # type: ignore[attr-defined]
+    return wrapper

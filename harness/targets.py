@@ -1,0 +1,297 @@
+"""Targets: where a cell's tokens come from.  Every target yields a ``Client`` (harness/client.py).
+
+* ``embedded``: the in-process engine, ``EngineClient(EngineConfig)``; for the load test an
+  OpenAI-compatible server (runtime/server.py) is started in-process on a free loopback port.
+* ``server``: an external server started from a launch template (``{model} {kv_dtype} {kv_scales}
+  {prefill_backend} {decode_backend} {host} {port} {python}``), waited on until its health URL answers,
+  its stdout/stderr captured to a log file, its whole process group killed afterwards.
+* ``endpoint``: an already-running OpenAI-compatible URL (nothing started, nothing killed).
+
+``open_target`` is a context manager; a session is opened once per cell group (all concurrency levels of
+one engine configuration) and closed even when a cell fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from kvbench.harness.client import Client
+from kvbench.harness.sweep_config import TargetSpec
+
+log = logging.getLogger(__name__)
+
+
+class TargetError(RuntimeError):
+    """A target could not be started or reached; the message says why (with the log tail)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def http_client(base_url: str, model_id: Optional[str], api_key: Optional[str] = None) -> Client:
+    """The OpenAI-compatible ``Client`` of an HTTP target."""
+    from kvbench.harness.openai_client import OpenAIClient
+
+    return OpenAIClient(base_url=base_url, model=model_id, api_key=api_key)
+
+
+def _get(url: str, timeout: float = 5.0):
+    import httpx
+
+    return httpx.get(url, timeout=timeout)
+
+
+def served_model_id(base_url: str, timeout: float = 10.0) -> str:
+    """The first model id listed by ``GET {base_url}/v1/models``."""
+    r = _get(f"{base_url}/v1/models", timeout)
+    r.raise_for_status()
+    data = r.json().get("data") or []
+    if not data:
+        raise TargetError(f"{base_url}/v1/models lists no model")
+    return data[0]["id"]
+
+
+def wait_healthy(url: str, timeout_s: float, proc: Optional[subprocess.Popen] = None,
+                 log_path: Optional[Path] = None, interval_s: float = 0.25) -> float:
+    """Poll ``url`` until it answers 200; fail early if ``proc`` exits.  Returns the seconds waited."""
+    t0 = time.monotonic()
+    last = "no answer yet"
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise TargetError(f"server exited with code {proc.returncode} before {url} answered" + _tail(log_path))
+        try:
+            r = _get(url, timeout=min(5.0, max(timeout_s, 0.5)))
+            if r.status_code == 200:
+                return time.monotonic() - t0
+            last = f"HTTP {r.status_code}"
+        except Exception as e:  # connection refused while starting
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() - t0 > timeout_s:
+            raise TargetError(f"{url} not healthy after {timeout_s:g} s (last: {last})" + _tail(log_path))
+        time.sleep(interval_s)
+
+
+def _tail(path: Optional[Path], n: int = 2000) -> str:
+    if path is None or not Path(path).exists():
+        return ""
+    text = Path(path).read_text(errors="replace")[-n:]
+    return f"\n--- server log tail ({path}) ---\n{text}"
+
+
+def flush_cache(base_url: str, spec: Optional[str], api_key: Optional[str] = None) -> None:
+    """Flush a server's prefix cache (``'POST /flush_cache'`` style spec; None = nothing to flush)."""
+    if not spec:
+        return
+    import httpx
+
+    method, path = spec.split()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.request(method, f"{base_url}{path}", headers=headers, timeout=60.0)
+    if r.status_code >= 400:
+        raise TargetError(f"{method} {base_url}{path} (prefix-cache flush) answered HTTP {r.status_code}: {r.text[:200]}")
+
+
+class TargetSession:
+    """An open target.  ``client`` answers generate/score; ``base_url()`` is an OpenAI-compatible URL
+    for the load generator; ``capacity()`` the KV capacity when the target knows it; ``flush()`` empties
+    a prefix cache between cells; ``log_path`` the captured server log, if any."""
+
+    def __init__(self, client: Client, model_id: str, url: Optional[str] = None,
+                 capacity: Optional[Callable[[], Optional[dict]]] = None,
+                 flush: Optional[Callable[[], None]] = None,
+                 url_factory: Optional[Callable[[], str]] = None,
+                 log_path: Optional[Path] = None, info: Optional[dict] = None):
+        self.client = client
+        self.model_id = model_id
+        self._url = url
+        self._url_factory = url_factory
+        self._capacity = capacity
+        self._flush = flush
+        self.log_path = log_path
+        self.info = info or {}
+
+    def base_url(self) -> str:
+        if self._url is None:
+            if self._url_factory is None:
+                raise TargetError("this target has no HTTP endpoint for the load test")
+            self._url = self._url_factory()
+        return self._url
+
+    def capacity(self) -> Optional[dict]:
+        return self._capacity() if self._capacity else None
+
+    def flush(self) -> None:
+        if self._flush:
+            self._flush()
+
+
+# ------------------------------------------------------------------------------ embedded
+def _capacity_dict(report) -> Optional[dict]:
+    if report is None:
+        return None
+    d = asdict(report) if is_dataclass(report) else dict(report)
+    d.pop("extra", None)
+    return d
+
+
+@contextmanager
+def _in_process_server(engine, host: str = "127.0.0.1") -> Iterator[str]:
+    """Serve ``engine`` over HTTP from a thread of this process (runtime/server.py's app under uvicorn)."""
+    import uvicorn
+
+    from kvbench.runtime.server import create_app
+
+    port = free_port(host)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host=host, port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, name="kvbench-cell-server", daemon=True)
+    thread.start()
+    url = f"http://{host}:{port}"
+    try:
+        wait_healthy(f"{url}/health", timeout_s=60.0)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@contextmanager
+def open_embedded(engine_kwargs: dict) -> Iterator[TargetSession]:
+    from contextlib import ExitStack
+
+    from kvbench.harness.engine_client import EngineClient
+    from kvbench.runtime.config import EngineConfig
+
+    client = EngineClient(EngineConfig(**engine_kwargs))
+    engine = getattr(client, "engine", None)
+    with ExitStack() as stack:
+        def url_factory() -> str:
+            if engine is None:
+                raise TargetError("EngineClient exposes no engine to serve over HTTP")
+            return stack.enter_context(_in_process_server(engine))
+
+        def flush() -> None:
+            for name in ("flush_cache", "reset_prefix_cache"):
+                fn = getattr(engine, name, None)
+                if callable(fn):
+                    fn()
+                    return
+
+        session = TargetSession(
+            client, client.model_id, capacity=lambda: _capacity_dict(getattr(engine, "capacity", None)),
+            flush=flush, url_factory=url_factory, info={"type": "embedded", "engine": engine_kwargs},
+        )
+        try:
+            yield session
+        finally:
+            stack.close()
+            client.close()
+
+
+# -------------------------------------------------------------------------------- server
+def render_launch(spec: TargetSpec, cell_config: dict, port: int) -> str:
+    """Fill the launch template's placeholders (values shell-quoted; names mapped through the target's
+    ``kv_dtype_map`` / ``backend_map``)."""
+    c = cell_config
+    values = {
+        "model": c["model"],
+        "kv_dtype": spec.kv_dtype_map.get(c["kv_dtype"], c["kv_dtype"]),
+        "kv_scales": c["kv_scales"],
+        "prefill_backend": spec.backend_map.get(c["prefill_backend"], c["prefill_backend"]),
+        "decode_backend": spec.backend_map.get(c["decode_backend"], c["decode_backend"]),
+        "host": spec.host,
+        "port": port,
+        "python": sys.executable,
+    }
+    try:
+        return spec.launch.format(**{k: shlex.quote(str(v)) for k, v in values.items()})
+    except (KeyError, IndexError) as e:
+        raise TargetError(f"launch template of target {spec.name!r} has an unknown placeholder {e}; "
+                          f"allowed: {', '.join('{' + k + '}' for k in values)}") from None
+
+
+def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group, then SIGKILL what is left after ``grace_s``."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # children may outlive the leader; the group id is the leader's pid
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if proc.poll() is None:
+        proc.wait(timeout=grace_s)
+
+
+@contextmanager
+def open_server(spec: TargetSpec, cell_config: dict, log_path: Path) -> Iterator[TargetSession]:
+    port = spec.port or free_port(spec.host)
+    cmd = render_launch(spec, cell_config, port)
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **spec.env}
+    url = f"http://{spec.host}:{port}"
+    with open(log_path, "ab", buffering=0) as logf:
+        logf.write(f"$ {cmd}\n".encode())
+        proc = subprocess.Popen(cmd, shell=True, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    try:
+        waited = wait_healthy(f"{url}{spec.health_path}", spec.health_timeout_s, proc, log_path)
+        log.info("server %s healthy after %.1f s (pid %d)", url, waited, proc.pid)
+        model_id = spec.model_id or served_model_id(url)
+        client = http_client(url, model_id, spec.api_key)
+        session = TargetSession(
+            client, model_id, url=url, flush=lambda: flush_cache(url, spec.flush_cache, spec.api_key),
+            log_path=log_path, info={"type": "server", "launch": cmd, "pid": proc.pid, "url": url},
+        )
+        try:
+            yield session
+        finally:
+            client.close()
+    finally:
+        kill_group(proc)
+
+
+# ------------------------------------------------------------------------------ endpoint
+@contextmanager
+def open_endpoint(spec: TargetSpec) -> Iterator[TargetSession]:
+    url = spec.base_url
+    wait_healthy(f"{url}{spec.health_path}", min(spec.health_timeout_s, 60.0))
+    model_id = spec.model_id or served_model_id(url)
+    client = http_client(url, model_id, spec.api_key)
+    try:
+        yield TargetSession(client, model_id, url=url, flush=lambda: flush_cache(url, spec.flush_cache, spec.api_key),
+                            info={"type": "endpoint", "url": url})
+    finally:
+        client.close()
+
+
+def open_target(spec: TargetSpec, cell_config: dict, engine_kwargs: dict, log_path: Path):
+    """Open the target of a cell group (a context manager yielding a ``TargetSession``)."""
+    if spec.type == "embedded":
+        return open_embedded(engine_kwargs)
+    if spec.type == "server":
+        return open_server(spec, cell_config, log_path)
+    if spec.type == "endpoint":
+        return open_endpoint(spec)
+    raise TargetError(f"unknown target type {spec.type!r}")

@@ -1,0 +1,230 @@
+"""Read a run directory (through ``harness/store.py``) into plain objects for reports and the gate.
+
+Nothing here runs a model: a ``CellData`` is the records a sweep left in ``RUN/cells/<key>/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from kvbench.harness.store import RunStore, StoreError, matches, parse_selector
+
+__all__ = [
+    "RunLoadError",
+    "CellData",
+    "RunData",
+    "load_run",
+    "select",
+    "item_scores",
+    "accuracy_suites",
+    "suite_metrics",
+    "FIDELITY_SUITE",
+    "SERIES_EXCLUDE",
+]
+
+FIDELITY_SUITE = "fidelity"
+# config keys that do not distinguish one "format series" from another in plots and capacity tables
+SERIES_EXCLUDE = ("concurrency", "aa_control")
+_LABEL_ORDER = ("model", "target", "prefill_backend", "decode_backend", "kv_dtype", "kv_scales", "concurrency")
+
+
+class RunLoadError(RuntimeError):
+    """The run directory is missing, malformed, or a selector does not resolve."""
+
+
+@dataclass
+class CellData:
+    key: str
+    label: str
+    config: dict
+    status: Optional[str]
+    items: list[dict] = field(default_factory=list)
+    requests: list[dict] = field(default_factory=list)
+    capacity: Optional[dict] = None
+    summary: Optional[dict] = None
+    run: str = ""  # name of the run this cell came from
+    short: str = ""  # compact label over the config keys that vary in the run(s); set by the loader
+
+    @property
+    def done(self) -> bool:
+        return self.status == "done"
+
+    @property
+    def aa_control(self) -> bool:
+        return bool(self.config.get("aa_control"))
+
+    @property
+    def concurrency(self) -> Optional[int]:
+        c = self.config.get("concurrency")
+        return int(c) if c is not None else None
+
+    @property
+    def series_config(self) -> dict:
+        return {k: v for k, v in self.config.items() if k not in SERIES_EXCLUDE}
+
+    @property
+    def error(self) -> Optional[str]:
+        return (self.summary or {}).get("error")
+
+
+@dataclass
+class RunData:
+    path: Path
+    name: str
+    manifest: dict
+    cells: list[CellData]
+
+    @property
+    def config(self) -> dict:
+        return self.manifest.get("config") or {}
+
+    @property
+    def done_cells(self) -> list[CellData]:
+        return [c for c in self.cells if c.done]
+
+
+def _varying_keys(cells: list[CellData]) -> list[str]:
+    keys: list[str] = []
+    for k in list(_LABEL_ORDER) + sorted({k for c in cells for k in c.config} - set(_LABEL_ORDER)):
+        if k == "aa_control":
+            continue
+        if len({repr(c.config.get(k)) for c in cells}) > 1 and k not in keys:
+            keys.append(k)
+    return keys
+
+
+def short_label(cell: CellData, keys: list[str], with_run: bool = False) -> str:
+    parts = []
+    for k in keys:
+        v = cell.config.get(k)
+        if v is None:
+            continue
+        parts.append(f"c={v}" if k == "concurrency" else str(v))
+    label = " ".join(parts) or cell.config.get("kv_dtype") or cell.label
+    if cell.aa_control:
+        label += " (A/A)"
+    return f"{cell.run}: {label}" if with_run else label
+
+
+def assign_short_labels(cells: list[CellData], with_run: bool = False) -> None:
+    keys = _varying_keys(cells)
+    if not keys and cells:
+        keys = ["kv_dtype"]
+    for c in cells:
+        c.short = short_label(c, keys, with_run)
+
+
+def load_run(path: Path | str, name: Optional[str] = None) -> RunData:
+    """Load every cell of a run (done or not; callers decide what to use)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise RunLoadError(f"run directory not found: {path}")
+    store = RunStore(path)
+    try:
+        manifest = store.manifest()
+        refs = store.cells()
+    except (StoreError, ValueError) as e:  # ValueError covers json.JSONDecodeError
+        raise RunLoadError(f"cannot read run {path}: {e}") from None
+    run_name = name or path.resolve().name
+    cells = []
+    for ref in refs:
+        try:
+            cells.append(
+                CellData(
+                    key=ref.key,
+                    label=ref.label,
+                    config=dict(ref.config),
+                    status=ref.status,
+                    items=store.read_items(ref.key),
+                    requests=store.read_requests(ref.key),
+                    capacity=store.read_json(ref.key, "capacity"),
+                    summary=store.read_json(ref.key, "summary"),
+                    run=run_name,
+                )
+            )
+        except (StoreError, ValueError) as e:
+            raise RunLoadError(f"cannot read cell {ref.key} of {path}: {e}") from None
+    assign_short_labels(cells)
+    return RunData(path=path, name=run_name, manifest=manifest, cells=cells)
+
+
+def select(cells: list[CellData], selector: str | dict, *, need_items: bool = False) -> list[CellData]:
+    """Done cells matching ``key=value[,key=value]``.
+
+    A/A control cells match only when the selector names ``aa_control``; with ``need_items`` only
+    cells holding accuracy or fidelity records are kept.  Unknown keys raise ``RunLoadError``."""
+    try:
+        sel = parse_selector(selector) if isinstance(selector, str) else {k: str(v) for k, v in selector.items()}
+    except ValueError as e:
+        raise RunLoadError(str(e)) from None
+    known = {k for c in cells for k in c.config} | {"aa_control"}
+    unknown = sorted(set(sel) - known)
+    if unknown:
+        raise RunLoadError(f"unknown selector key(s) {', '.join(unknown)}; cell config keys: {', '.join(sorted(known))}")
+    norm = {k: (v.lower() if v.lower() in ("true", "false") else v) for k, v in sel.items()}
+    out = []
+    for c in cells:
+        cfg = dict(c.config)
+        cfg["aa_control"] = "true" if c.aa_control else "false"
+        if "aa_control" not in norm and c.aa_control:
+            continue
+        if not matches({k: (str(v).lower() if isinstance(v, bool) else v) for k, v in cfg.items()}, norm):
+            continue
+        if c.done and (not need_items or c.items):
+            out.append(c)
+    return out
+
+
+# ------------------------------------------------------------------------------ item records
+
+
+def _score(rec: dict, metric: str) -> Optional[float]:
+    if metric == "correct":
+        v = rec.get("correct")
+    elif metric == "invalid":
+        v = rec.get("invalid")
+    elif metric == "truncated":
+        v = rec.get("finish_reason") == "length"
+    else:
+        v = (rec.get("scores") or {}).get(metric)
+    if v is None:
+        return None
+    return float(v)
+
+
+def item_scores(cell: CellData, suite: str, metric: str = "correct") -> dict[tuple[str, int], float]:
+    """{(item_id, repeat): score} of one suite's metric; records without the metric are skipped.
+
+    ``metric`` is ``correct`` (the suite's primary metric), ``invalid``, ``truncated`` (finish_reason
+    ``length``) or any key of the records' ``scores``."""
+    out: dict[tuple[str, int], float] = {}
+    for rec in cell.items:
+        if rec.get("suite") != suite:
+            continue
+        v = _score(rec, metric)
+        if v is not None:
+            out[(str(rec.get("item_id")), int(rec.get("repeat") or 0))] = v
+    return out
+
+
+def accuracy_suites(cell: CellData) -> list[str]:
+    """Suites with a primary (correct) metric, in first-seen order."""
+    seen: list[str] = []
+    for rec in cell.items:
+        s = rec.get("suite")
+        if s != FIDELITY_SUITE and rec.get("correct") is not None and s not in seen:
+            seen.append(s)
+    return seen
+
+
+def suite_metrics(cell: CellData, suite: str) -> list[str]:
+    """``correct`` followed by the other per-item score names of a suite."""
+    names: list[str] = []
+    for rec in cell.items:
+        if rec.get("suite") == suite:
+            for k in (rec.get("scores") or {}):
+                if k not in names:
+                    names.append(k)
+    return ["correct"] + [n for n in names if n != "correct"]

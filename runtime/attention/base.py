@@ -1,0 +1,243 @@
+"""Attention backend protocol and the per-step metadata every backend reads.
+
+The model calls one backend per layer with **pre-RoPE** ``q``, ``k``, ``v``; the backend applies RoPE,
+quantizes and appends the new K/V to the paged cache (``runtime/kv_cache.py`` layout) and computes
+attention, returning ``[T, num_heads * head_dim]``.  Doing the three in one call is what lets a backend
+fuse them (DESIGN §6, "fused append").
+
+Semantics shared by every backend (so they agree on numbers):
+
+* ``phase == "prefill"`` (prefill, chunked prefill, extend): the new tokens of a sequence attend causally
+  to its cached prefix, read from the (quantized) pages, and to their own K/V in compute precision (not
+  round-tripped through the cache format).  The new K/V are appended to the cache in the same call.
+* ``phase == "decode"``: every sequence has exactly one new token; it is appended first and then every
+  K/V, the new one included, is read from the pages.
+* RoPE is applied before quantization.  Sliding window ``W``: a query at position ``p`` sees keys at
+  positions ``j`` with ``p - W < j <= p``.  Sinks: one learned logit per query head that joins the
+  softmax denominator only (GPT-OSS).
+* ``quantize_query``: q is rounded through float8_e4m3fn (scale ``layer.q_scale``) after RoPE.
+
+Token layout of a step: the new tokens of sequence ``b`` are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
+of ``q``/``k``/``v``; their positions are ``seq_lens[b] - q_len_b ... seq_lens[b] - 1``.  Rows past
+``cu_seqlens_q[-1]`` (CUDA-graph padding) have ``slot_mapping == -1`` and their outputs are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # torch is imported lazily by the modules that run kernels
+    import torch
+
+    from kvbench.runtime.kv_cache import PagedKVCache
+
+__all__ = [
+    "PHASES",
+    "RopeCache",
+    "AttentionLayer",
+    "AttentionMetadata",
+    "BackendOptions",
+    "AttentionBackend",
+    "UnsupportedBackend",
+    "apply_rope",
+    "build_rope_cache",
+]
+
+PHASES = ("prefill", "decode")
+
+
+class UnsupportedBackend(ValueError):
+    """A (backend, kv format, phase) combination that cannot run; the message lists what can."""
+
+
+@dataclass
+class RopeCache:
+    """Rotary tables shared by all layers of a model.
+
+    ``cos``/``sin``: float32 ``[max_positions, rotary_dim // 2]`` on the model's device (scaling such as
+    llama3/linear/yarn is already folded in).  ``style``: ``"neox"`` rotates the two halves of the
+    rotary dims (x[:d/2], x[d/2:]); ``"interleaved"`` rotates pairs (x[2i], x[2i+1]).  Dims past
+    ``rotary_dim`` are left untouched (partial rotary).
+    """
+
+    cos: "torch.Tensor"
+    sin: "torch.Tensor"
+    rotary_dim: int
+    style: str = "neox"
+
+    def __post_init__(self) -> None:
+        if self.style not in ("neox", "interleaved"):
+            raise ValueError(f"rope style must be 'neox' or 'interleaved', got {self.style!r}")
+
+
+@dataclass
+class AttentionLayer:
+    """Static, per-layer attention description (one instance per model layer)."""
+
+    layer_idx: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    softmax_scale: float
+    sliding_window: Optional[int] = None  # None = full attention
+    sinks: Optional["torch.Tensor"] = None  # float32 [num_heads] logits, or None
+    q_scale: float = 1.0  # dequant multiplier for fp8 q when quantize_query is on
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything about one forward step that is the same for all layers.
+
+    All tensors live on the model device.  ``*_cpu`` fields are host copies of the same numbers for
+    backends that loop in Python (the torch reference); kernels never need them.
+    """
+
+    phase: str  # "prefill" | "decode"
+    positions: "torch.Tensor"  # int64 [T] position of every new token
+    slot_mapping: "torch.Tensor"  # int64 [T] cache slot of every new token, -1 = skip
+    page_table: "torch.Tensor"  # int32 [B, max_pages_per_seq]
+    seq_lens: "torch.Tensor"  # int32 [B] tokens in the cache after this step's append
+    cu_seqlens_q: "torch.Tensor"  # int32 [B + 1] row offsets of each sequence's new tokens
+    max_seqlen_q: int
+    max_seqlen_k: int
+    page_size: int
+    rope: RopeCache
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    q_lens_cpu: list[int] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # backend-private per-step state (e.g. a flashinfer plan)
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def prefix_lens_cpu(self) -> list[int]:
+        """Cached tokens of each sequence before this step."""
+        return [s - q for s, q in zip(self.seq_lens_cpu, self.q_lens_cpu)]
+
+
+@dataclass
+class BackendOptions:
+    """How a backend instance is configured (fixed for the engine's lifetime)."""
+
+    kv_dtype: str = "bf16"
+    fused_append: bool = True
+    quantize_query: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"  # compute dtype name (torch attribute)
+    max_batch_size: int = 64  # for backends that pre-allocate workspaces
+    extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """One implementation of paged attention.
+
+    ``supports(kv_dtype, phase)`` is a classmethod (checked at start-up, before any weights load);
+    ``available()`` says whether the backend can run in this environment (``(False, reason)`` when a
+    package or device is missing).  ``plan`` is called once per step before the layers run (may be a
+    no-op); ``forward`` once per layer.
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    def supports(cls, kv_dtype: str, phase: str) -> bool: ...
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]: ...
+
+    def plan(self, meta: AttentionMetadata, cache: "PagedKVCache") -> None: ...
+
+    def forward(
+        self,
+        q: "torch.Tensor",  # [T, num_heads, head_dim] pre-RoPE, compute dtype
+        k: "torch.Tensor",  # [T, num_kv_heads, head_dim] pre-RoPE
+        v: "torch.Tensor",  # [T, num_kv_heads, head_dim]
+        layer: AttentionLayer,
+        cache: "PagedKVCache",
+        meta: AttentionMetadata,
+    ) -> "torch.Tensor":  # [T, num_heads * head_dim], compute dtype
+        ...
+
+
+# --------------------------------------------------------------------------------- rope helpers
+def build_rope_cache(
+    rotary_dim: int,
+    max_positions: int,
+    base: float = 10000.0,
+    scaling: Optional[dict[str, Any]] = None,
+    style: str = "neox",
+    device: Any = "cpu",
+) -> RopeCache:
+    """Cos/sin tables with the rope scaling of HF configs folded in (``rope_type`` llama3, linear,
+    dynamic (as linear at max length), yarn; None/"default" = plain)."""
+    import math
+
+    import torch
+
+    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    mscale = 1.0
+    scaling = dict(scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        lo, hi = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "yarn":
+        factor = float(scaling["factor"])
+        old = float(scaling.get("original_max_position_embeddings", 4096))
+        beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+
+        def dim_for(rot: float) -> float:
+            return rotary_dim * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(dim_for(beta_fast)), 0)
+        high = min(math.ceil(dim_for(beta_slow)), rotary_dim - 1)
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        extrap = 1 - ramp
+        inv = inv / factor * (1 - extrap) + inv * extrap
+        mscale = float(scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0))
+    elif kind in ("dynamic",):
+        inv = inv / float(scaling.get("factor", 1.0))
+    elif kind != "default":
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, dynamic, llama3, yarn")
+    t = torch.arange(max_positions, dtype=torch.float64)
+    freqs = torch.outer(t, inv)
+    cos = (freqs.cos() * mscale).float().to(device)
+    sin = (freqs.sin() * mscale).float().to(device)
+    return RopeCache(cos=cos, sin=sin, rotary_dim=rotary_dim, style=style)
+
+
+def apply_rope(x: "torch.Tensor", positions: "torch.Tensor", rope: RopeCache) -> "torch.Tensor":
+    """Reference RoPE on ``x`` ``[T, H, D]`` (returns a new tensor in x's dtype, math in float32)."""
+    import torch
+
+    rd = rope.rotary_dim
+    cos = rope.cos[positions].unsqueeze(1)  # [T, 1, rd/2]
+    sin = rope.sin[positions].unsqueeze(1)
+    xf = x.float()
+    rot, rest = xf[..., :rd], xf[..., rd:]
+    if rope.style == "neox":
+        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((out, rest), dim=-1).to(x.dtype)

@@ -1,0 +1,82 @@
+"""Backend registry: name -> implementation, and the (backend, kv format, phase) support check.
+
+The table is static (no runtime registration, no global mutable state); implementations are imported
+only when asked for, so looking at the registry costs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from kvbench.runtime.attention.base import PHASES, BackendOptions, UnsupportedBackend
+
+if TYPE_CHECKING:
+    from kvbench.runtime.attention.base import AttentionBackend
+
+__all__ = ["BACKEND_PATHS", "backend_class", "supports", "support_table", "check_supported", "create_backend"]
+
+BACKEND_PATHS: dict[str, str] = {
+    "torch": "kvbench.runtime.attention.torch_backend:TorchBackend",
+    "triton": "kvbench.runtime.attention.triton_backend:TritonBackend",
+    "flashinfer": "kvbench.runtime.attention.flashinfer_backend:FlashInferBackend",
+}
+
+
+def backend_class(name: str) -> type:
+    try:
+        path = BACKEND_PATHS[name]
+    except KeyError:
+        raise UnsupportedBackend(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_PATHS)}") from None
+    mod, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise UnsupportedBackend(f"attention backend {name!r} cannot be loaded ({path}): {e}") from e
+
+
+def supports(name: str, kv_dtype: str, phase: str) -> bool:
+    try:
+        return bool(backend_class(name).supports(kv_dtype, phase))
+    except UnsupportedBackend:
+        return False
+
+
+def support_table(kv_dtypes=None) -> dict[str, dict[str, list[str]]]:
+    """``{backend: {phase: [kv formats]}}`` of the supported combinations."""
+    from kvbench.runtime.config import KV_DTYPES
+
+    kv_dtypes = kv_dtypes or KV_DTYPES
+    return {b: {p: [f for f in kv_dtypes if supports(b, f, p)] for p in PHASES} for b in BACKEND_PATHS}
+
+
+def _table_text() -> str:
+    rows = []
+    for b, phases in support_table().items():
+        for p, fmts in phases.items():
+            rows.append(f"  {b:<11} {p:<8} {', '.join(fmts) or '(none: backend not loadable here)'}")
+    return "\n".join(rows)
+
+
+def check_supported(prefill_backend: str, decode_backend: str, kv_dtype: str) -> None:
+    """Raise UnsupportedBackend naming the supported combinations, or a missing dependency."""
+    for phase, name in (("prefill", prefill_backend), ("decode", decode_backend)):
+        cls = backend_class(name)  # clear error for unknown / unimportable names
+        if not cls.supports(kv_dtype, phase):
+            raise UnsupportedBackend(
+                f"backend {name!r} does not support kv_dtype={kv_dtype!r} for {phase}.\n"
+                f"Supported (backend, phase, formats):\n{_table_text()}"
+            )
+        ok, why = cls.available()
+        if not ok:
+            raise UnsupportedBackend(f"backend {name!r} is not available here: {why}")
+
+
+def create_backend(prefill_backend: str, decode_backend: str, opts: BackendOptions) -> "AttentionBackend":
+    """The backend for an engine: one instance, or a hybrid when the two phases differ."""
+    check_supported(prefill_backend, decode_backend, opts.kv_dtype)
+    if prefill_backend == decode_backend:
+        return backend_class(prefill_backend)(opts)
+    from kvbench.runtime.attention.hybrid import HybridBackend
+
+    return HybridBackend(backend_class(prefill_backend)(opts), backend_class(decode_backend)(opts))

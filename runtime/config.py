@@ -1,0 +1,109 @@
+"""Engine and KV-cache configuration (validated dataclasses; no torch import at module level)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
+
+KV_DTYPES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+KV_SCALE_POLICIES = ("unit", "checkpoint", "calibrate")
+BACKENDS = ("torch", "triton", "flashinfer")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which and what is allowed."""
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not supported; choose one of: {', '.join(map(str, allowed))}")
+
+
+@dataclass
+class KVCacheSpec:
+    """Shape and format of the paged KV cache of one model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str = "bf16"
+    page_size: int = 16
+    # MLA keeps one latent "head" per token that serves as both K and V (no separate V plane).
+    mla: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        for n in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            if int(getattr(self, n)) <= 0:
+                raise ConfigError(f"{n} must be positive, got {getattr(self, n)}")
+        if self.kv_dtype == "nvfp4" and self.head_dim % 16:
+            raise ConfigError(f"nvfp4 needs head_dim divisible by 16 (got {self.head_dim})")
+
+    @property
+    def planes(self) -> int:
+        """Number of cache planes per layer: K and V, or just the latent for MLA."""
+        return 1 if self.mla else 2
+
+
+@dataclass
+class EngineConfig:
+    """Everything that decides how the embedded engine runs (DESIGN §11 flags map 1:1 onto fields)."""
+
+    model: Optional[str] = None  # path, GGUF file, preset or synthetic shape; None = default model
+    kv_dtype: str = "bf16"
+    kv_scales: str = "unit"
+    kv_scales_per_head: bool = False
+    prefill_backend: str = "torch"
+    decode_backend: str = "torch"
+    fused_append: bool = True
+    quantize_query: bool = False
+    page_size: int = 16
+    kv_budget_gb: Optional[float] = None
+    mem_fraction: float = 0.85
+    max_running: int = 64
+    max_num_batched_tokens: int = 2048  # chunked-prefill token budget per step
+    max_model_len: Optional[int] = None  # None = the model's own context length
+    device: Optional[str] = None  # None = cuda if available else cpu
+    dtype: Optional[str] = None  # None = float32 on CPU, bfloat16 on GPU
+    enforce_eager: bool = False
+    seed: int = 0
+    calibration_prompts: int = 16
+    served_model_name: Optional[str] = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        _choice("kv_scales", self.kv_scales, KV_SCALE_POLICIES)
+        _choice("prefill_backend", self.prefill_backend, BACKENDS)
+        _choice("decode_backend", self.decode_backend, BACKENDS)
+        if self.dtype is not None:
+            _choice("dtype", self.dtype, COMPUTE_DTYPES)
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a positive power of two, got {self.page_size}")
+        if self.kv_budget_gb is not None and self.kv_budget_gb <= 0:
+            raise ConfigError(f"kv_budget_gb must be positive, got {self.kv_budget_gb}")
+        if not 0 < self.mem_fraction <= 1:
+            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.max_running <= 0 or self.max_num_batched_tokens <= 0:
+            raise ConfigError("max_running and max_num_batched_tokens must be positive")
+
+    @property
+    def backend_label(self) -> str:
+        if self.prefill_backend == self.decode_backend:
+            return self.prefill_backend
+        return f"{self.prefill_backend}+{self.decode_backend}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**d)

@@ -1,0 +1,240 @@
+"""Paged KV cache: page pool per layer in any KV format, page allocator, slot mapping, capacity.
+
+Invariants (every backend and kernel relies on them):
+- Per layer and plane (K, V; MLA has only the latent plane K): ``data[num_pages + 1, page_size, H_kv, Dp]``
+  in the format's storage dtype (uint8 with Dp = D/2 for nvfp4) and, for nvfp4, ``block_scale`` of shape
+  ``[num_pages + 1, page_size, H_kv, D/16]`` float8_e4m3fn.  Page ``num_pages`` is the scratch page: it is
+  never handed out, so padded work may point at it.
+- Per-tensor scales: fp32 ``k_scale[layer]``, ``v_scale[layer]`` of shape ``[H_kv]`` on the cache device
+  (a per-layer scale is repeated over heads), updated in place so pointers stay valid.
+- ``slot = page_table[pos // page_size] * page_size + pos % page_size``; slot −1 writes nothing.
+- A page is either free (in the allocator's free list) or owned by exactly one sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from kvbench.kernels.formats import KVFormat, NVFP4_BLOCK, QuantizedKV, get_format
+from kvbench.runtime.config import KVCacheSpec
+
+__all__ = [
+    "OutOfPages",
+    "PageAllocator",
+    "PagedKVCache",
+    "CapacityPlan",
+    "bytes_per_token",
+    "plan_capacity",
+    "slots_for_positions",
+]
+
+
+class OutOfPages(RuntimeError):
+    """The allocator cannot satisfy a request (the scheduler preempts or waits)."""
+
+
+# ------------------------------------------------------------------------------------ allocator
+class PageAllocator:
+    """Free-list page allocator.  LIFO reuse keeps recently freed (cache-warm) pages hot."""
+
+    def __init__(self, num_pages: int):
+        if num_pages <= 0:
+            raise ValueError(f"need at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._owned = bytearray(num_pages)  # 1 = allocated
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            raise OutOfPages(f"requested {n} pages, {len(self._free)} free of {self.num_pages}")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._owned[p] = 1
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            if not 0 <= p < self.num_pages or not self._owned[p]:
+                raise ValueError(f"double free or foreign page {p}")
+            self._owned[p] = 0
+            self._free.append(p)
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def slots_for_positions(page_table: Sequence[int], positions: Sequence[int] | torch.Tensor, page_size: int) -> torch.Tensor:
+    """Slot index of each position of one sequence (int64 tensor)."""
+    pos = torch.as_tensor(positions, dtype=torch.int64)
+    table = torch.as_tensor(list(page_table), dtype=torch.int64)
+    if pos.numel() and int(pos.max()) >= len(table) * page_size:
+        raise IndexError(f"position {int(pos.max())} beyond the {len(table)} pages of this sequence")
+    return table[pos // page_size] * page_size + pos % page_size
+
+
+# ------------------------------------------------------------------------------------- capacity
+def bytes_per_token(spec: KVCacheSpec) -> float:
+    """KV bytes one token occupies across all layers, scales included."""
+    fmt = get_format(spec.kv_dtype)
+    return spec.planes * spec.num_layers * spec.num_kv_heads * spec.head_dim * fmt.bytes_per_element
+
+
+@dataclass
+class CapacityPlan:
+    kv_dtype: str
+    page_size: int
+    bytes_per_token: float
+    num_pages: int
+    tokens: int
+    kv_bytes: int
+    context_len: int
+    max_concurrency: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_capacity(spec: KVCacheSpec, budget_bytes: float, context_len: int) -> CapacityPlan:
+    """Pages, tokens and max concurrent sequences of ``context_len`` tokens that fit ``budget_bytes``."""
+    if context_len <= 0:
+        raise ValueError(f"context_len must be positive, got {context_len}")
+    bpt = bytes_per_token(spec)
+    page_bytes = bpt * spec.page_size
+    num_pages = int(budget_bytes // page_bytes)
+    per_seq = pages_needed(context_len, spec.page_size)
+    return CapacityPlan(
+        kv_dtype=spec.kv_dtype,
+        page_size=spec.page_size,
+        bytes_per_token=bpt,
+        num_pages=num_pages,
+        tokens=num_pages * spec.page_size,
+        kv_bytes=int(math.ceil(num_pages * page_bytes)),
+        context_len=context_len,
+        max_concurrency=num_pages // per_seq,
+    )
+
+
+# ------------------------------------------------------------------------------------ the pool
+class PagedKVCache:
+    """The page pool of one model.  Owns tensors and the allocator; sequences own page-id lists."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_pages: int,
+        device: str | torch.device = "cpu",
+        k_scale: Optional[torch.Tensor] = None,
+        v_scale: Optional[torch.Tensor] = None,
+    ):
+        self.spec = spec
+        self.fmt: KVFormat = get_format(spec.kv_dtype)
+        self.num_pages = num_pages
+        self.page_size = spec.page_size
+        self.device = torch.device(device)
+        self.scratch_page = num_pages
+        self.allocator = PageAllocator(num_pages)
+        L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        shape = (num_pages + 1, spec.page_size, H, self.fmt.packed_dim(D))
+        bs_shape = (num_pages + 1, spec.page_size, H, D // NVFP4_BLOCK)
+
+        def plane() -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+            data = [torch.zeros(shape, dtype=self.fmt.storage_dtype, device=self.device) for _ in range(L)]
+            if self.fmt.has_block_scales:
+                # 2^-6 (the smallest normal e4m3) keeps never-written entries finite and non-zero
+                bs = [torch.full(bs_shape, 2.0**-6, device=self.device).to(torch.float8_e4m3fn) for _ in range(L)]
+            else:
+                bs = [None] * L
+            return data, bs
+
+        self.k_data, self.k_block_scale = plane()
+        if spec.mla:
+            self.v_data, self.v_block_scale = self.k_data, self.k_block_scale
+        else:
+            self.v_data, self.v_block_scale = plane()
+        self.k_scale = torch.ones(L, H, dtype=torch.float32, device=self.device)
+        self.v_scale = self.k_scale if spec.mla else torch.ones_like(self.k_scale)
+        if k_scale is not None or v_scale is not None:
+            self.set_scales(k_scale, v_scale)
+
+    def set_scales(self, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor] = None) -> None:
+        """Update scales in place (``[L]`` per layer or ``[L, H_kv]`` per head)."""
+        for dst, src in ((self.k_scale, k_scale), (self.v_scale, v_scale)):
+            if src is None:
+                continue
+            src = torch.as_tensor(src, dtype=torch.float32, device=self.device)
+            if src.dim() == 1:
+                src = src[:, None].expand_as(dst)
+            if not torch.isfinite(src).all() or (src <= 0).any():
+                raise ValueError("KV scales must be finite and positive")
+            dst.copy_(src)
+
+    # -- sizes
+    @property
+    def bytes_per_token(self) -> float:
+        return bytes_per_token(self.spec)
+
+    @property
+    def total_bytes(self) -> int:
+        planes = [self.k_data, self.k_block_scale] + ([] if self.spec.mla else [self.v_data, self.v_block_scale])
+        return sum(t.numel() * t.element_size() for ts in planes for t in ts if t is not None)
+
+    # -- write / read (torch reference path; Triton kernels write the same bytes)
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
+        """Quantize ``k``/``v`` ``[T, H_kv, D]`` with the layer's scales and store them at ``slots`` (−1 skips)."""
+        slots = torch.as_tensor(slots, device=self.device, dtype=torch.int64)
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, k = slots[keep], k[keep]
+            v = v[keep] if v is not None else None
+        if slots.numel() == 0:
+            return
+        self._store(self.k_data[layer], self.k_block_scale[layer], slots, self.fmt.quantize(k, self.k_scale[layer]))
+        if v is not None and not self.spec.mla:
+            self._store(self.v_data[layer], self.v_block_scale[layer], slots, self.fmt.quantize(v, self.v_scale[layer]))
+
+    def _store(self, data: torch.Tensor, bs: Optional[torch.Tensor], slots: torch.Tensor, q: QuantizedKV) -> None:
+        H = self.spec.num_kv_heads
+        data.view(-1, H, data.shape[-1])[slots] = q.data
+        if bs is not None:
+            bs.view(-1, H, bs.shape[-1])[slots] = q.block_scale
+
+    def read_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K and V ``[n, H_kv, D]`` at the given slots."""
+        slots = torch.as_tensor(slots, device=self.device, dtype=torch.int64)
+        return self._load(layer, "k", slots, dtype), self._load(layer, "v", slots, dtype)
+
+    def _load(self, layer: int, which: str, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        data = (self.k_data if which == "k" else self.v_data)[layer]
+        bs = (self.k_block_scale if which == "k" else self.v_block_scale)[layer]
+        scale = (self.k_scale if which == "k" else self.v_scale)[layer]
+        H = self.spec.num_kv_heads
+        q = QuantizedKV(data.view(-1, H, data.shape[-1])[slots], None if bs is None else bs.view(-1, H, bs.shape[-1])[slots])
+        return self.fmt.dequantize(q, scale, dtype)
+
+    def gather(self, layer: int, page_table: Sequence[int] | torch.Tensor, length: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K and V ``[length, H_kv, D]`` of one sequence's first ``length`` tokens."""
+        table = torch.as_tensor(page_table, dtype=torch.int64, device=self.device).flatten()
+        slots = slots_for_positions(table.cpu().tolist(), torch.arange(length), self.page_size).to(self.device)
+        return self.read_slots(layer, slots, dtype)
+
+    # -- capacity
+    def capacity(self, context_len: int) -> CapacityPlan:
+        return plan_capacity(self.spec, self.num_pages * self.page_size * self.bytes_per_token, context_len)

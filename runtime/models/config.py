@@ -1,0 +1,121 @@
+"""Architecture description of a llama-family model (parsed from HF config.json or GGUF metadata)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["ModelConfig", "SUPPORTED_ARCHS", "from_hf_config"]
+
+# HF ``architectures`` / ``model_type`` values the llama-family implementation covers.
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass
+class ModelConfig:
+    arch: str  # llama | mistral | qwen2 | qwen3 | gpt-oss-attn
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    rotary_dim: Optional[int] = None  # None = head_dim
+    rope_style: str = "neox"
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_windows: list = field(default_factory=list)  # per layer: int or None; [] = all full
+    attention_sinks: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: Optional[int] = None
+    eos_token_ids: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.hidden_act not in ("silu", "swiglu"):
+            raise ValueError(f"unsupported activation {self.hidden_act!r} (llama family uses silu)")
+        if not self.sliding_windows:
+            self.sliding_windows = [None] * self.num_layers
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError("sliding_windows needs one entry per layer")
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def num_params(self) -> int:
+        h, L = self.hidden_size, self.num_layers
+        attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
+        mlp = 3 * h * self.intermediate_size
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return L * (attn + mlp + 2 * h) + emb + h
+
+
+def _get(d: dict, *names: str, default: Any = None) -> Any:
+    for n in names:
+        if d.get(n) is not None:
+            return d[n]
+    return default
+
+
+def from_hf_config(cfg: dict) -> ModelConfig:
+    """ModelConfig from a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3)."""
+    archs = cfg.get("architectures") or []
+    arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
+    if arch is None:
+        mt = cfg.get("model_type")
+        arch = mt if mt in SUPPORTED_ARCHS.values() else None
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    layers = int(cfg["num_hidden_layers"])
+    head_dim = int(_get(cfg, "head_dim", default=hidden // heads))
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
+    max_window_layers = cfg.get("max_window_layers")
+    windows: list = []
+    for i in range(layers):
+        w = window
+        if arch in ("qwen2", "qwen3") and window and max_window_layers is not None and i < max_window_layers:
+            w = None  # HF Qwen2/3: the first max_window_layers layers use full attention
+        windows.append(int(w) if w else None)
+    eos = cfg.get("eos_token_id")
+    partial = float(cfg.get("partial_rotary_factor", 1.0))
+    return ModelConfig(
+        arch=arch,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
+        head_dim=head_dim,
+        intermediate_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", default=1e-6)),
+        rope_theta=float(_get(cfg, "rope_theta", default=10000.0)),
+        rope_scaling=cfg.get("rope_scaling"),
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+        max_position_embeddings=int(_get(cfg, "max_position_embeddings", default=4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        o_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
+        qk_norm=arch == "qwen3",
+        sliding_windows=windows,
+        hidden_act=cfg.get("hidden_act", "silu"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
+    )

@@ -1,0 +1,149 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), GPT-OSS-style attention
+with sinks and per-layer sliding windows) over a paged KV cache.
+
+Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj.weight`` ...), so a checkpoint's
+state dict loads as is.  Attention itself is delegated to an ``AttentionBackend`` with pre-RoPE q/k/v.
+The model works on flat token batches ``[T]`` (no padding); the metadata says which rows belong to which
+sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvbench.runtime.attention.base import AttentionBackend, AttentionLayer, AttentionMetadata
+from kvbench.runtime.models.config import ModelConfig
+
+__all__ = ["LlamaForCausalLM", "RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int):
+        super().__init__()
+        H, Hk, D, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(h, H * D, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, Hk * D, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, Hk * D, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(H * D, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(H))
+        self.spec = AttentionLayer(
+            layer_idx=idx,
+            num_heads=H,
+            num_kv_heads=Hk,
+            head_dim=D,
+            softmax_scale=D**-0.5,
+            sliding_window=cfg.sliding_windows[idx],
+        )
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x, backend: AttentionBackend, cache, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        s = self.spec
+        q = self.q_proj(x).view(T, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(T, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).view(T, s.num_kv_heads, s.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.o_proj(backend.forward(q, k, v, s, cache, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, backend, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), backend, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = _Body(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def attention_layers(self) -> list[AttentionLayer]:
+        return [layer.self_attn.spec for layer in self.model.layers]
+
+    def bind(self) -> None:
+        """Point the attention specs at their sink parameters (call after loading / moving weights)."""
+        for layer in self.model.layers:
+            att = layer.self_attn
+            att.spec.sinks = att.sinks.detach().float() if hasattr(att, "sinks") else None
+
+    def lm_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, backend: AttentionBackend, cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` (normed) of a flat token batch."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, backend, cache, meta)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.lm_weight()).float()
+
+    def load_weights(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy a HF-named state dict in (ignores ``k_scale``/``v_scale``/rotary buffers)."""
+        own = self.state_dict()
+        skip = ("rotary_emb.inv_freq", "k_scale", "v_scale", "q_scale", "prob_scale")
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own and not k.endswith(skip)]
+        if self.config.tie_word_embeddings:
+            missing = [k for k in missing if k != "lm_head.weight"]
+        if strict and (missing or unexpected):
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+        with torch.no_grad():
+            for k, t in own.items():
+                if k in state:
+                    src = state[k]
+                    if tuple(src.shape) != tuple(t.shape):
+                        raise ValueError(f"{k}: checkpoint shape {tuple(src.shape)} != model {tuple(t.shape)}")
+                    t.copy_(src.to(t.dtype))

@@ -1,0 +1,112 @@
+"""KV scale policies: ``unit``, ``checkpoint``, ``calibrate`` (DESIGN §4).
+
+A policy yields ``KVScales``: fp32 dequant multipliers ``k``/``v`` of shape ``[num_layers]`` (per layer) or
+``[num_layers, H_kv]`` (per kv-head).  ``PagedKVCache.set_scales`` copies them to the device in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+import torch
+
+from kvbench.kernels.formats import get_format, scale_from_amax
+
+log = logging.getLogger("kvbench.scales")
+
+__all__ = ["KVScales", "UnitScaleWarning", "unit_scales", "checkpoint_scales", "AmaxObserver"]
+
+
+class UnitScaleWarning(UserWarning):
+    """fp8/nvfp4 KV with unit scales: the main cause of reported fp8 accuracy drops."""
+
+
+@dataclass
+class KVScales:
+    k: torch.Tensor
+    v: torch.Tensor
+    source: str  # "unit" | "checkpoint" | "calibrate"
+    per_head: bool = False
+    details: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        """Small JSON-able description for provenance and reports."""
+        return {
+            "source": self.source,
+            "per_head": self.per_head,
+            "k_min": float(self.k.min()),
+            "k_max": float(self.k.max()),
+            "v_min": float(self.v.min()),
+            "v_max": float(self.v.max()),
+            **self.details,
+        }
+
+
+def unit_scales(kv_dtype: str, num_layers: int) -> KVScales:
+    if get_format(kv_dtype).is_quantized:
+        msg = (
+            f"KV format {kv_dtype} with unit scales: values outside the format's range saturate and small "
+            "ones lose precision; use --kv-scales calibrate (or checkpoint) for a fair accuracy comparison"
+        )
+        warnings.warn(msg, UnitScaleWarning, stacklevel=2)
+        log.warning(msg)
+    ones = torch.ones(num_layers, dtype=torch.float32)
+    return KVScales(ones, ones.clone(), "unit")
+
+
+def checkpoint_scales(tensors: Mapping[int, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]], num_layers: int) -> KVScales:
+    """Scales read from a checkpoint: ``{layer: (k_scale, v_scale)}`` (scalars or per-head vectors).
+
+    A checkpoint without scales for some layer is an error: silently using 1.0 would hide the problem.
+    """
+    missing = [i for i in range(num_layers) if i not in tensors or tensors[i][0] is None or tensors[i][1] is None]
+    if missing:
+        raise ValueError(
+            f"--kv-scales checkpoint: the checkpoint has no k_scale/v_scale for layers {missing[:8]}"
+            f"{'...' if len(missing) > 8 else ''}; use --kv-scales calibrate or unit"
+        )
+    ks = [torch.as_tensor(tensors[i][0], dtype=torch.float32).flatten() for i in range(num_layers)]
+    vs = [torch.as_tensor(tensors[i][1], dtype=torch.float32).flatten() for i in range(num_layers)]
+    per_head = any(t.numel() > 1 for t in ks + vs)
+    if per_head:
+        width = max(t.numel() for t in ks + vs)
+        ks = [t.expand(width) if t.numel() == 1 else t for t in ks]
+        vs = [t.expand(width) if t.numel() == 1 else t for t in vs]
+        k, v = torch.stack(ks), torch.stack(vs)
+    else:
+        k, v = torch.cat(ks), torch.cat(vs)
+    if not (torch.isfinite(k).all() and torch.isfinite(v).all() and (k > 0).all() and (v > 0).all()):
+        raise ValueError("--kv-scales checkpoint: the checkpoint's KV scales must be finite and positive")
+    return KVScales(k, v, "checkpoint", per_head)
+
+
+class AmaxObserver:
+    """Collects per-layer (and per-head) absolute maxima of post-RoPE K and of V during bf16 runs."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int):
+        self.k_amax = torch.zeros(num_layers, num_kv_heads, dtype=torch.float32)
+        self.v_amax = torch.zeros(num_layers, num_kv_heads, dtype=torch.float32)
+        self.tokens = 0
+
+    def observe(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k``/``v``: ``[T, H_kv, D]`` exactly as they would be stored (after RoPE)."""
+        ka = k.detach().abs().float().amax(dim=(0, 2)).cpu()
+        va = v.detach().abs().float().amax(dim=(0, 2)).cpu()
+        torch.maximum(self.k_amax[layer], ka, out=self.k_amax[layer])
+        torch.maximum(self.v_amax[layer], va, out=self.v_amax[layer])
+        if layer == 0:
+            self.tokens += k.shape[0]
+
+    def scales(self, kv_dtype: str, per_head: bool = False) -> KVScales:
+        if self.tokens == 0:
+            raise RuntimeError("calibration observed no tokens; give calibration prompts")
+        k_amax = self.k_amax if per_head else self.k_amax.amax(dim=1)
+        v_amax = self.v_amax if per_head else self.v_amax.amax(dim=1)
+        fmt = get_format(kv_dtype)
+        return KVScales(
+            scale_from_amax(fmt, k_amax), scale_from_amax(fmt, v_amax), "calibrate", per_head,
+            {"calibration_tokens": self.tokens, "k_amax_max": float(self.k_amax.max()), "v_amax_max": float(self.v_amax.max())},
+        )

@@ -1,0 +1,178 @@
+"""Suite protocol: items → requests → extraction and scoring → per-item records (DESIGN §8, §10).
+
+A generation suite is a small class: ``load_items`` (from ``--data-dir`` or the hub), ``build`` (a
+``GenRequest``, completion or chat), ``score`` (extracted answer, primary ``correct``, named scores).
+``suites/runner.py`` runs it against any ``Client`` concurrently and turns results into records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+from kvbench.harness.client import GenRequest, GenResult, SamplingParams
+
+
+class SuiteError(RuntimeError):
+    """A suite cannot run (bad options, no data, every request failed); the message says why."""
+
+
+@dataclass
+class SuiteOptions:
+    limit: Optional[int] = None  # first N items (in dataset order)
+    repeats: int = 1  # K samples per item
+    data_dir: Optional[str] = None
+    concurrency: int = 8
+    seed: int = 0  # base of the per-(item, repeat) seeds
+    max_tokens: Optional[int] = None  # override the protocol's generation budget
+    temperature: Optional[float] = None  # override the protocol's temperature
+    progress: bool = True
+    extra: dict = field(default_factory=dict)  # suite-specific knobs (e.g. fidelity reference)
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit <= 0:
+            raise SuiteError(f"--limit must be positive, got {self.limit}")
+        if self.repeats <= 0:
+            raise SuiteError(f"--repeats must be positive, got {self.repeats}")
+        if self.concurrency <= 0:
+            raise SuiteError(f"--concurrency must be positive, got {self.concurrency}")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise SuiteError(f"max_tokens must be positive, got {self.max_tokens}")
+
+
+@dataclass
+class Item:
+    item_id: str
+    target: str
+    data: dict[str, Any]
+
+
+@dataclass
+class Scored:
+    extracted: Optional[str]
+    correct: Optional[bool]
+    invalid: bool  # no answer could be extracted
+    scores: dict[str, float]
+
+
+@dataclass
+class SuiteResult:
+    suite: str
+    records: list[dict]
+    summary: dict
+    source: str = ""  # where the data came from
+
+
+def item_seed(base: int, suite: str, item_id: str, repeat: int) -> int:
+    """Seed of one (item, repeat): the same in every cell, independent of scheduling order."""
+    digest = hashlib.sha256(f"{base}:{suite}:{item_id}:{repeat}".encode()).hexdigest()
+    return int(digest[:8], 16) & 0x7FFFFFFF
+
+
+def request_text(req: GenRequest) -> str:
+    """The exact prompt as hashed into ``prompt_hash`` (chat messages as canonical JSON)."""
+    if req.prompt is not None:
+        return req.prompt
+    return json.dumps(req.messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+class GenerationTask(ABC):
+    """One generation suite.  Subclasses set ``name`` and implement the four methods."""
+
+    name: str = ""
+    default_params = SamplingParams(max_tokens=256, temperature=0.0)
+
+    @abstractmethod
+    def load_items(self, opts: SuiteOptions) -> tuple[list[Item], str]:
+        """(items in dataset order, data source description)."""
+
+    def prepare(self, item: Item, repeat: int, seed: int) -> Item:
+        """The item as seen by one repeat (e.g. GPQA's shuffled choices and target letter)."""
+        return item
+
+    @abstractmethod
+    def build(self, item: Item, repeat: int, params: SamplingParams) -> GenRequest: ...
+
+    @abstractmethod
+    def score(self, item: Item, output: str) -> Scored: ...
+
+    @abstractmethod
+    def protocol(self, opts: SuiteOptions) -> str:
+        """The pinned protocol string stored in every record."""
+
+    def params(self, opts: SuiteOptions, seed: int) -> SamplingParams:
+        p = replace(self.default_params, seed=seed)
+        if opts.max_tokens is not None:
+            p = replace(p, max_tokens=opts.max_tokens)
+        if opts.temperature is not None:
+            p = replace(p, temperature=opts.temperature)
+        return p
+
+    def extra_summary(self, records: list[dict], opts: SuiteOptions) -> dict:
+        """Suite-specific aggregate metrics (pass@k ...) added to the summary."""
+        return {}
+
+    def describe_params(self, opts: SuiteOptions) -> str:
+        p = self.params(opts, 0)
+        samp = "greedy" if p.temperature == 0 else f"t{p.temperature:g}-p{p.top_p:g}" + (f"-k{p.top_k}" if p.top_k else "")
+        return f"{samp}:max{p.max_tokens}"
+
+
+def make_record(
+    suite: str,
+    item: Item,
+    repeat: int,
+    seed: Optional[int],
+    req: GenRequest,
+    result: Optional[GenResult],
+    scored: Scored,
+    protocol: str,
+    prompt_hash_fn,
+) -> dict:
+    r = result
+    return {
+        "suite": suite,
+        "item_id": item.item_id,
+        "repeat": repeat,
+        "seed": seed,
+        "prompt_hash": prompt_hash_fn(request_text(req)),
+        "raw_output": r.text if r is not None else "",
+        "extracted": scored.extracted,
+        "target": item.target,
+        "correct": scored.correct,
+        "invalid": scored.invalid,
+        "finish_reason": r.finish_reason if r is not None else "error",
+        "prompt_tokens": int(r.prompt_tokens) if r is not None else 0,
+        "output_tokens": int(r.output_tokens) if r is not None else 0,
+        "latency_s": float(r.latency_s) if r is not None else 0.0,
+        "scores": {k: float(v) for k, v in scored.scores.items()},
+        "protocol": protocol,
+    }
+
+
+def summarize_records(records: list[dict]) -> dict:
+    """Per-suite summary: mean of ``correct`` (``accuracy``) and of every score, n, and the rates of
+    invalid answers, truncations (finish_reason = length), empty outputs and request errors."""
+    n = len(records)
+    if n == 0:
+        return {"n": 0, "invalid_rate": None, "truncation_rate": None, "empty_rate": None, "error_rate": None}
+    out: dict[str, Any] = {}
+    judged = [r["correct"] for r in records if r.get("correct") is not None]
+    if judged:
+        out["accuracy"] = sum(bool(c) for c in judged) / len(judged)
+    keys: list[str] = []
+    for r in records:
+        keys += [k for k in r.get("scores", {}) if k not in keys]
+    for k in keys:
+        vals = [r["scores"][k] for r in records if k in r.get("scores", {}) and r["scores"][k] is not None]
+        if vals:
+            out[k] = sum(vals) / len(vals)
+    out["n"] = n
+    out["invalid_rate"] = sum(bool(r.get("invalid")) for r in records) / n
+    out["truncation_rate"] = sum(r.get("finish_reason") == "length" for r in records) / n
+    out["empty_rate"] = sum(not (r.get("raw_output") or "").strip() for r in records) / n
+    out["error_rate"] = sum(r.get("finish_reason") == "error" for r in records) / n
+    return out

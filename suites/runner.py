@@ -1,0 +1,84 @@
+"""Run a generation suite against a ``Client`` concurrently, with a progress bar.
+
+Work units are (item, repeat) pairs submitted to a thread pool of ``opts.concurrency`` workers (the
+embedded engine batches concurrent calls; an HTTP client keeps that many requests in flight).  Records come
+back in dataset order whatever the completion order, and a request that raises becomes a record with
+``finish_reason = "error"`` — items are never dropped.  When every request fails the suite raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
+
+from kvbench.harness.client import Client, GenResult
+from kvbench.harness.store import prompt_hash
+from kvbench.suites.base import GenerationTask, Scored, SuiteError, SuiteOptions, SuiteResult, item_seed, make_record, summarize_records
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def progress_bar(total: int, label: str, enabled: bool) -> Iterator[Callable[[], None]]:
+    """Yields ``advance()``; a rich progress bar on stderr when enabled and stderr is a terminal."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda: bar.advance(task)
+
+
+def run_generation(task: GenerationTask, client: Client, opts: SuiteOptions) -> SuiteResult:
+    items, source = task.load_items(opts)
+    if opts.limit is not None:
+        items = items[: opts.limit]
+    if not items:
+        raise SuiteError(f"{task.name}: no items to run ({source})")
+    ids = [it.item_id for it in items]
+    if len(set(ids)) != len(ids):
+        raise SuiteError(f"{task.name}: duplicate item ids in {source}")
+    protocol = task.protocol(opts)
+    units = [(i, k) for i in range(len(items)) for k in range(opts.repeats)]
+    records: list[Optional[dict]] = [None] * len(units)
+    errors: list[str] = []
+
+    def one(idx: int) -> dict:
+        i, k = units[idx]
+        seed = item_seed(opts.seed, task.name, items[i].item_id, k)
+        item = task.prepare(items[i], k, seed)
+        req = task.build(item, k, task.params(opts, seed))
+        result: Optional[GenResult]
+        try:
+            result = client.generate(req)
+        except Exception as e:  # a failed request is recorded, never dropped
+            errors.append(f"{item.item_id}/{k}: {type(e).__name__}: {e}")
+            result = None
+        if result is None or result.finish_reason == "error":
+            if result is not None:
+                errors.append(f"{item.item_id}/{k}: {result.error or 'error'}")
+            scored = Scored(None, False, True, {})
+        else:
+            scored = task.score(item, result.text)
+        return make_record(task.name, item, k, seed, req, result, scored, protocol, prompt_hash)
+
+    with progress_bar(len(units), task.name, opts.progress) as advance:
+        with ThreadPoolExecutor(max_workers=min(opts.concurrency, len(units))) as pool:
+            futures = {pool.submit(one, idx): idx for idx in range(len(units))}
+            for fut in as_completed(futures):
+                records[futures[fut]] = fut.result()
+                advance()
+
+    if errors:
+        log.warning("%s: %d of %d requests failed; first: %s", task.name, len(errors), len(units), errors[0])
+        if len(errors) == len(units):
+            raise SuiteError(f"{task.name}: every request failed; first error: {errors[0]}")
+    done = [r for r in records if r is not None]
+    summary = summarize_records(done)
+    summary.update(task.extra_summary(done, opts))
+    return SuiteResult(task.name, done, summary, source)
