@@ -12,9 +12,7 @@ lag is sampled during the run (``client_lag_ms``) so a saturated client shows up
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -144,22 +142,20 @@ async def _lag_monitor(stop: asyncio.Event, lags: list[float], period: float = 0
 async def _run_async(base_url: str, model: str, cfg: LoadConfig, items: list[LoadItem], tokenizer) -> tuple[dict, list[dict]]:
     import random
 
-    import aiohttp
-
-    from kvbench.harness.loadgen_http import build_payload, stream_request
+    from kvbench.harness.loadgen_http import HttpPool, build_payload, stream_request
     from kvbench.harness.loadgen_server_metrics import MetricsSampler
 
     root = server_root(base_url)
-    url = root + ("/v1/chat/completions" if cfg.api == "chat" else "/v1/completions")
+    path = "/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0, ttl_dns_cache=300)
-    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     payloads = [build_payload(cfg.api, model, it.prompt, it.output_len, cfg.temperature, cfg.ignore_eos) for it in items]
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers, read_bufsize=2**18) as session:
+    pool = HttpPool(root, headers, cfg.timeout_s)
+    side_pool = HttpPool(root, headers, 30.0)  # /metrics polls never queue behind requests
+    try:
         for i in range(cfg.warmup):
-            res = await stream_request(session, url, payloads[i], cfg.api, f"warmup-{i}")
+            res = await stream_request(pool, path, payloads[i], cfg.api, f"warmup-{i}")
             if res.error is not None:
-                raise RuntimeError(f"warm-up request to {url} failed: {res.error}")
+                raise RuntimeError(f"warm-up request to {root}{path} failed: {res.error}")
         work = list(zip(items[cfg.warmup :], payloads[cfg.warmup :]))
         prefix = cfg.salt or "load"
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
@@ -171,10 +167,10 @@ async def _run_async(base_url: str, model: str, cfg: LoadConfig, items: list[Loa
 
         async def one(i: int, payload: dict):
             if sem is None:
-                res = await stream_request(session, url, payload, cfg.api, f"{prefix}-{i}")
+                res = await stream_request(pool, path, payload, cfg.api, f"{prefix}-{i}")
             else:
                 async with sem:
-                    res = await stream_request(session, url, payload, cfg.api, f"{prefix}-{i}")
+                    res = await stream_request(pool, path, payload, cfg.api, f"{prefix}-{i}")
             if bar is not None:
                 bar.update(1)
             return res
@@ -182,15 +178,19 @@ async def _run_async(base_url: str, model: str, cfg: LoadConfig, items: list[Loa
         stop = asyncio.Event()
         lags: list[float] = []
         t0 = time.perf_counter()
-        sampler = MetricsSampler(session, root + "/metrics", cfg.metrics_interval_s, t0)
+        sampler = MetricsSampler(side_pool, "/metrics", cfg.metrics_interval_s, t0)
         side = [asyncio.create_task(_lag_monitor(stop, lags))]
         if cfg.metrics_interval_s > 0:
             side.append(asyncio.create_task(sampler.run()))
         rng = random.Random(cfg.seed)
-        tasks = []
+        tasks, due = [], t0
         for i, (_, payload) in enumerate(work):
             if i and math.isfinite(cfg.request_rate):
-                await asyncio.sleep(rng.gammavariate(cfg.burstiness, 1.0 / (cfg.request_rate * cfg.burstiness)))
+                # arrivals on an absolute schedule: a late wake-up does not delay every later request
+                due += rng.gammavariate(cfg.burstiness, 1.0 / (cfg.request_rate * cfg.burstiness))
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(i, payload)))
         outcomes = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
@@ -199,6 +199,9 @@ async def _run_async(base_url: str, model: str, cfg: LoadConfig, items: list[Loa
         await asyncio.gather(*side)
         if bar is not None:
             bar.close()
+    finally:
+        pool.close()
+        side_pool.close()
     records, sources = [], set()
     for (item, _), oc in zip(work, outcomes):
         rec, src = _record(oc, item, t0, tokenizer)
@@ -206,6 +209,7 @@ async def _run_async(base_url: str, model: str, cfg: LoadConfig, items: list[Loa
         sources.add(src)
     summary = summarize(records, duration, cfg.slo, cfg.bucket_s)
     summary["token_count_source"] = "+".join(sorted(sources))
+    summary["t0_monotonic"] = t0  # time.perf_counter() at start_s = 0 (CLOCK_MONOTONIC on Linux)
     lag = describe_ms(lags, "lag")
     summary["client_lag_ms"] = {"mean": lag["mean_lag_ms"], "p99": lag["p99_lag_ms"], "max": lag["max_lag_ms"]}
     summary["server_metrics"] = sampler.summary() if cfg.metrics_interval_s > 0 else {"available": False}
@@ -275,21 +279,13 @@ def format_block(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_outputs(out_dir: str, summary: dict, records: list[dict]) -> None:
     """``out_dir/summary.json`` and ``out_dir/requests.jsonl`` (one record per line), each written atomically."""
+    from kvbench.harness.store import atomic_write_json, atomic_write_jsonl
+
     d = Path(out_dir)
-    _atomic_write(d / "requests.jsonl", "".join(json.dumps(r) + "\n" for r in records))
-    _atomic_write(d / "summary.json", json.dumps(jsonable(summary), indent=2, allow_nan=False) + "\n")
+    atomic_write_jsonl(d / "requests.jsonl", records)
+    atomic_write_json(d / "summary.json", jsonable(summary))
 
 
 def jsonable(summary: dict) -> dict:

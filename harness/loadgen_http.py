@@ -1,17 +1,21 @@
 """One streamed request against an OpenAI-compatible endpoint, timed with a monotonic clock.
 
-Timing points (``time.perf_counter``, CLOCK_MONOTONIC on Linux): ``start`` just before the request is
-written, one timestamp per SSE event that carries output text (the first gives TTFT, the rest ITL gaps),
-``end`` when the stream closes.  JSON parsing happens after the timestamp is taken.
+A minimal HTTP/1.1 client on asyncio protocols (keep-alive pool, chunked or sized bodies, optional TLS):
+each network read is timestamped (``time.perf_counter``, CLOCK_MONOTONIC on Linux) in the protocol's
+``data_received`` callback, the earliest point Python sees the bytes, before any coroutine is woken.
+Timing points: ``start`` just before the connection is taken and the request written; one timestamp
+per SSE event carrying output text (the first gives TTFT, the rest ITL gaps); ``end`` when the body ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import ssl as _ssl
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
+from urllib.parse import urlsplit
 
 
 @dataclass
@@ -45,6 +49,177 @@ def build_payload(api: str, model: str, prompt, max_tokens: int, temperature: fl
     return payload
 
 
+class _Response(asyncio.Protocol):
+    """Parses one HTTP/1.1 response at a time; body bytes go to ``on_body(data, t_received)``."""
+
+    def __init__(self) -> None:
+        self.transport = None
+        self.closed = False
+        self._reset(None)
+
+    def _reset(self, on_body) -> None:
+        self.on_body: Optional[Callable[[bytes, float], None]] = on_body
+        self.done: Optional[asyncio.Future] = asyncio.get_running_loop().create_future() if on_body else None
+        self.status = 0
+        self.keep_alive = True
+        self._head = b""
+        self._in_body = False
+        self._chunked = False
+        self._remaining: Optional[int] = None  # bytes left in a sized body or in the current chunk
+        self._buf = b""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        if self.done is not None and not self.done.done():
+            if self._in_body and not self._chunked and self._remaining is None:
+                self.done.set_result(None)  # body delimited by connection close
+            else:
+                self.done.set_exception(ConnectionError(f"connection closed mid-response: {exc or 'EOF'}"))
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        if self.done is None or self.done.done():
+            return
+        try:
+            if not self._in_body:
+                self._head += data
+                end = self._head.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                head, data = self._head[:end].decode("latin-1"), self._head[end + 4 :]
+                self._parse_head(head)
+            self._body(data, now)
+        except Exception as e:  # noqa: BLE001 - surfaced to the awaiting request
+            self.keep_alive = False
+            self.done.set_exception(e)
+
+    def _parse_head(self, head: str) -> None:
+        lines = head.split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+            raise ConnectionError(f"bad HTTP status line: {lines[0][:80]!r}")
+        self.status = int(parts[1])
+        headers = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        self.keep_alive = headers.get("connection", "").lower() != "close" and parts[0] == "HTTP/1.1"
+        if self.status in (204, 304) or 100 <= self.status < 200:
+            raise ConnectionError(f"unexpected HTTP status {self.status} without a body")
+        self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        if not self._chunked and "content-length" in headers:
+            self._remaining = int(headers["content-length"])
+        self._in_body = True
+
+    def _body(self, data: bytes, now: float) -> None:
+        if not self._chunked:
+            if self._remaining is not None:
+                data = data[: self._remaining]
+                self._remaining -= len(data)
+            if data:
+                self.on_body(data, now)
+            if self._remaining == 0:
+                self.done.set_result(None)
+            return
+        self._buf += data
+        while True:
+            if self._remaining is None:  # expecting a chunk-size line
+                eol = self._buf.find(b"\r\n")
+                if eol < 0:
+                    return
+                size = int(self._buf[:eol].split(b";")[0], 16)
+                self._buf = self._buf[eol + 2 :]
+                if size == 0:
+                    self.done.set_result(None)  # trailers, if any, are ignored
+                    return
+                self._remaining = size
+            if len(self._buf) < self._remaining + 2:
+                if self._buf and len(self._buf) <= self._remaining:  # pass partial chunk data on now
+                    self.on_body(self._buf, now)
+                    self._remaining -= len(self._buf)
+                    self._buf = b""
+                return
+            self.on_body(self._buf[: self._remaining], now)
+            self._buf = self._buf[self._remaining + 2 :]
+            self._remaining = None
+
+
+class _StaleConnection(Exception):
+    pass
+
+
+class HttpPool:
+    """Keep-alive connections to one ``scheme://host:port`` (as many as there are requests in flight)."""
+
+    def __init__(self, base_url: str, headers: Optional[dict] = None, timeout_s: float = 600.0):
+        u = urlsplit(base_url)
+        if u.scheme not in ("http", "https"):
+            raise ValueError(f"base_url must be http(s)://host[:port], got {base_url!r}")
+        self.host, self.port = u.hostname, u.port or (443 if u.scheme == "https" else 80)
+        self.ssl = _ssl.create_default_context() if u.scheme == "https" else None
+        self.prefix = u.path.rstrip("/")
+        self.headers = {"Host": f"{self.host}:{self.port}", "Accept": "*/*", **(headers or {})}
+        self.timeout_s = timeout_s
+        self._idle: list[_Response] = []
+
+    async def _conn(self, reuse: bool = True) -> tuple[_Response, bool]:
+        while reuse and self._idle:
+            proto = self._idle.pop()
+            if not proto.closed:
+                return proto, True
+        loop = asyncio.get_running_loop()
+        _, proto = await loop.create_connection(_Response, self.host, self.port, ssl=self.ssl)
+        return proto, False
+
+    async def request(self, method: str, path: str, body: Optional[bytes], on_body, headers: Optional[dict] = None) -> int:
+        """Send one request; ``on_body(data, t)`` gets every body piece with its arrival time; returns the status.
+
+        A kept-alive connection that the server closed while idle is retried once on a fresh one (only when
+        no byte of the response had arrived)."""
+        try:
+            return await self._request(method, path, body, on_body, headers, reuse=True)
+        except _StaleConnection:
+            return await self._request(method, path, body, on_body, headers, reuse=False)
+
+    async def _request(self, method, path, body, on_body, headers, reuse: bool) -> int:
+        proto, reused = await self._conn(reuse)
+        proto._reset(on_body)
+        hdrs = {**self.headers, **(headers or {})}
+        if body is not None:
+            hdrs["Content-Type"] = "application/json"
+            hdrs["Content-Length"] = str(len(body))
+        head = f"{method} {self.prefix}{path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items()) + "\r\n"
+        proto.transport.write(head.encode("latin-1") + (body or b""))
+        try:
+            await asyncio.wait_for(proto.done, self.timeout_s)
+        except ConnectionError:
+            proto.transport.close()
+            if reused and proto.status == 0 and not proto._head:
+                raise _StaleConnection() from None
+            raise
+        except BaseException:
+            proto.transport.close()
+            raise
+        if proto.keep_alive and not proto.closed:
+            self._idle.append(proto)
+        else:
+            proto.transport.close()
+        return proto.status
+
+    async def get_text(self, path: str) -> tuple[int, str]:
+        parts: list[bytes] = []
+        status = await self.request("GET", path, None, lambda d, _t: parts.append(d))
+        return status, b"".join(parts).decode("utf-8", "replace")
+
+    def close(self) -> None:
+        for proto in self._idle:
+            proto.transport.close()
+        self._idle.clear()
+
+
 def _piece(api: str, choice: dict) -> Optional[str]:
     if api == "chat":
         delta = choice.get("delta") or {}
@@ -52,40 +227,56 @@ def _piece(api: str, choice: dict) -> Optional[str]:
     return choice.get("text")
 
 
-async def stream_request(session, url: str, payload: dict, api: str, request_id: str) -> StreamOutcome:
-    """POST ``payload`` with ``stream: true`` and time every output chunk; never raises for HTTP errors."""
-    import aiohttp
+def _event(api: str, data: bytes, now: float, out: StreamOutcome, parts: list[str]) -> bool:
+    """Handle one SSE ``data:`` payload received at ``now``; True when the stream is over."""
+    if data == b"[DONE]":
+        return True
+    obj = json.loads(data)
+    if obj.get("error"):
+        err = obj["error"]
+        out.error = str(err.get("message", err) if isinstance(err, dict) else err)
+        return True
+    if obj.get("usage"):
+        out.usage = obj["usage"]
+    for choice in obj.get("choices") or ():
+        piece = _piece(api, choice)
+        if piece:
+            out.chunk_times.append(now)
+            parts.append(piece)
+        if choice.get("finish_reason"):
+            out.finish_reason = choice["finish_reason"]
+    return False
 
+
+async def stream_request(pool: HttpPool, path: str, payload: dict, api: str, request_id: str) -> StreamOutcome:
+    """POST ``payload`` (``stream: true``) and time every output chunk; never raises for HTTP/stream errors."""
+    body = json.dumps(payload).encode()
     parts: list[str] = []
+    raw: list[bytes] = []
+    state = {"buf": b"", "over": False}
     out = StreamOutcome(request_id=request_id, start=time.perf_counter())
+
+    def on_body(data: bytes, now: float) -> None:
+        if len(raw) < 64:
+            raw.append(data)  # kept for error messages
+        if state["over"]:
+            return
+        buf = state["buf"] + data
+        cut = buf.rfind(b"\n")
+        if cut < 0:
+            state["buf"] = buf
+            return
+        state["buf"] = buf[cut + 1 :]
+        for line in buf[:cut].split(b"\n"):
+            if line.startswith(b"data:") and _event(api, line[5:].strip(), now, out, parts):
+                state["over"] = True
+                return
+
     try:
-        async with session.post(url, json=payload, headers={"X-Request-Id": request_id}) as resp:
-            if resp.status != 200:
-                body = await resp.text()
-                out.error = f"HTTP {resp.status}: {body[:500]}"
-            else:
-                async for raw in resp.content:
-                    now = time.perf_counter()
-                    if not raw.startswith(b"data:"):
-                        continue
-                    data = raw[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    obj = json.loads(data)
-                    if obj.get("error"):
-                        err = obj["error"]
-                        out.error = str(err.get("message", err) if isinstance(err, dict) else err)
-                        break
-                    if obj.get("usage"):
-                        out.usage = obj["usage"]
-                    for choice in obj.get("choices") or ():
-                        piece = _piece(api, choice)
-                        if piece:
-                            out.chunk_times.append(now)
-                            parts.append(piece)
-                        if choice.get("finish_reason"):
-                            out.finish_reason = choice["finish_reason"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        status = await pool.request("POST", path, body, on_body, {"X-Request-Id": request_id})
+        if status != 200:
+            out.error = f"HTTP {status}: {b''.join(raw)[:500].decode('utf-8', 'replace')}"
+    except (OSError, ConnectionError, asyncio.TimeoutError, ValueError) as e:
         out.error = f"{type(e).__name__}: {e}"
     out.end = time.perf_counter()
     out.text = "".join(parts)

@@ -9,7 +9,8 @@ reports can recompute a summary from the store without re-running anything:
 - E2E latency: time from sending the request to the end of its stream.
 - Statistics: mean, median, p90, p95, p99 (linear interpolation) and max, in milliseconds.
 - Throughputs over the benchmark duration; peak output throughput = most output tokens completed in
-  any ``bucket_s`` window aligned to the start (each chunk counts ``output_tokens / chunks`` tokens);
+  any ``bucket_s`` window aligned to the start (each chunk counts ``output_tokens / chunks`` tokens;
+  the window shrinks to the duration for runs shorter than ``bucket_s``);
   peak concurrency = most requests in flight at one instant.
 - Goodput: successful requests that meet every given SLO (``ttft_ms``, ``tpot_ms``, ``e2el_ms``) per second.
 """
@@ -130,7 +131,7 @@ def summarize(records: Sequence[dict], duration_s: float, slo: Optional[dict] = 
         "input_throughput": input_tokens / duration_s,
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
-        "peak_output_throughput": peak_output_throughput(records, bucket_s),
+        "peak_output_throughput": peak_output_throughput(records, min(bucket_s, duration_s)),
         "peak_concurrency": peak_concurrency(records),
     }
     out.update(describe_ms([r["ttft_s"] for r in ok if r.get("ttft_s") is not None], "ttft"))

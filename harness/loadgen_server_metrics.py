@@ -42,20 +42,20 @@ def _first(values: dict[str, float], names) -> Optional[float]:
 
 
 class MetricsSampler:
-    """Polls ``url`` every ``interval_s`` until stopped; a failing first poll turns sampling off."""
+    """Polls ``path`` every ``interval_s`` until stopped; a failing first poll turns sampling off."""
 
-    def __init__(self, session, url: str, interval_s: float, t0: float):
-        self.session, self.url, self.interval_s, self.t0 = session, url, interval_s, t0
+    def __init__(self, pool, path: str, interval_s: float, t0: float):
+        self.pool, self.path, self.interval_s, self.t0 = pool, path, interval_s, t0
         self.samples: list[tuple[float, Optional[float], Optional[float], Optional[float]]] = []
         self.available = True
         self._stop = asyncio.Event()
 
     async def _poll(self) -> bool:
         try:
-            async with self.session.get(self.url) as resp:
-                if resp.status != 200:
-                    return False
-                values = parse_prometheus(await resp.text())
+            status, text = await self.pool.get_text(self.path)
+            if status != 200:
+                return False
+            values = parse_prometheus(text)
         except Exception:  # noqa: BLE001 - a server without /metrics is fine
             return False
         self.samples.append(

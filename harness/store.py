@@ -33,6 +33,15 @@ REQUEST_FIELDS = (
 )
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
 class StoreError(RuntimeError):
     pass
 
@@ -47,6 +56,7 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         try:

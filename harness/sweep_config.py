@@ -247,13 +247,15 @@ class LoadSpec:
     dataset_path: Optional[str] = None
     input_len: int = 128
     output_len: int = 32
-    range_ratio: float = 1.0
+    range_ratio: float = 0.0
     request_rate: float = math.inf
     burstiness: float = 1.0
     warmup: int = 1
     api: str = "completions"
     ignore_eos: bool = True
     seed: int = 0
+    timeout_s: float = 600.0  # per request
+    metrics_interval_s: float = 0.5  # server /metrics sampling period; 0 = off
 
 
 _LOAD_KEYS = tuple(LoadSpec.__dataclass_fields__)
@@ -271,8 +273,12 @@ def _load(d: Any, path: str) -> LoadSpec:
             setattr(s, k, _int(d[k], f"{path}.{k}", lo))
     if "range_ratio" in d:
         s.range_ratio = _num(d["range_ratio"], f"{path}.range_ratio")
-        if s.range_ratio > 1:
-            _fail(f"{path}.range_ratio", f"expected a number in [0, 1], got {s.range_ratio}")
+        if s.range_ratio >= 1:
+            _fail(f"{path}.range_ratio", f"expected a number in [0, 1), got {s.range_ratio}")
+    if "timeout_s" in d:
+        s.timeout_s = _num(d["timeout_s"], f"{path}.timeout_s", 1e-3)
+    if "metrics_interval_s" in d:
+        s.metrics_interval_s = _num(d["metrics_interval_s"], f"{path}.metrics_interval_s")
     if "request_rate" in d:
         s.request_rate = _num(d["request_rate"], f"{path}.request_rate", 0.0, allow_inf=True)
         if s.request_rate == 0:
@@ -292,13 +298,16 @@ def _load(d: Any, path: str) -> LoadSpec:
 
 @dataclass
 class GateSpec:
-    """Non-inferiority thresholds (reports/gate.py reads them from the manifest's config)."""
+    """Non-inferiority thresholds (reports/gate.py reads them from the manifest's config).  ``max_drop``
+    is one number for every gated suite or a mapping suite -> largest allowed accuracy drop (absolute);
+    ``metrics`` picks what is gated ("suite" or "suite:metric"; default every accuracy suite)."""
 
-    max_drop: dict = field(default_factory=dict)  # suite -> largest allowed accuracy drop (absolute)
+    max_drop: Any = field(default_factory=dict)
     confidence: float = 0.95
     max_invalid_rate_increase: Optional[float] = None
     max_truncation_rate_increase: Optional[float] = None
     max_kl_mean: Optional[float] = None  # fidelity: mean per-token KL vs the reference
+    metrics: Optional[list] = None
 
 
 _GATE_KEYS = tuple(GateSpec.__dataclass_fields__)
@@ -309,10 +318,14 @@ def _gate(d: Any, path: str, suites: list[SuiteSpec]) -> GateSpec:
     _check_keys(d, _GATE_KEYS, path)
     g = GateSpec()
     names = [s.name for s in suites]
-    for suite, drop in _mapping(d.get("max_drop"), f"{path}.max_drop").items():
-        if suite not in names:
-            _fail(f"{path}.max_drop.{suite}", f"not a suite of this sweep; suites: {', '.join(names) or '(none)'}")
-        g.max_drop[suite] = _num(drop, f"{path}.max_drop.{suite}")
+    md = d.get("max_drop")
+    if isinstance(md, (int, float)) and not isinstance(md, bool):
+        g.max_drop = _num(md, f"{path}.max_drop")
+    else:
+        for suite, drop in _mapping(md, f"{path}.max_drop").items():
+            if suite not in names:
+                _fail(f"{path}.max_drop.{suite}", f"not a suite of this sweep; suites: {', '.join(names) or '(none)'}")
+            g.max_drop[suite] = _num(drop, f"{path}.max_drop.{suite}")
     if "confidence" in d:
         g.confidence = _num(d["confidence"], f"{path}.confidence")
         if not 0.5 <= g.confidence < 1:
@@ -320,6 +333,11 @@ def _gate(d: Any, path: str, suites: list[SuiteSpec]) -> GateSpec:
     for k in ("max_invalid_rate_increase", "max_truncation_rate_increase", "max_kl_mean"):
         if d.get(k) is not None:
             setattr(g, k, _num(d[k], f"{path}.{k}"))
+    if d.get("metrics") is not None:
+        g.metrics = [_str(m, f"{path}.metrics[{i}]") for i, m in enumerate(_list(d["metrics"], f"{path}.metrics"))]
+        for i, m in enumerate(g.metrics):
+            if m.split(":")[0] not in names and not m.startswith("lm_eval:"):
+                _fail(f"{path}.metrics[{i}]", f"{m!r} names no suite of this sweep; suites: {', '.join(names) or '(none)'}")
     return g
 
 

@@ -157,7 +157,7 @@ def _in_process_server(engine, host: str = "127.0.0.1") -> Iterator[str]:
     from kvbench.runtime.server import create_app
 
     port = free_port(host)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host=host, port=port, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="kvbench-cell-server", daemon=True)
     thread.start()
     url = f"http://{host}:{port}"
@@ -191,9 +191,13 @@ def open_embedded(engine_kwargs: dict) -> Iterator[TargetSession]:
                     fn()
                     return
 
+        try:
+            described = client.info()
+        except Exception as e:  # provenance only; never fails the cell
+            described = {"info_error": f"{type(e).__name__}: {e}"}
         session = TargetSession(
             client, client.model_id, capacity=lambda: _capacity_dict(getattr(engine, "capacity", None)),
-            flush=flush, url_factory=url_factory, info={"type": "embedded", "engine": engine_kwargs},
+            flush=flush, url_factory=url_factory, info={"type": "embedded", "engine": engine_kwargs, "engine_info": described},
         )
         try:
             yield session
@@ -222,6 +226,47 @@ def render_launch(spec: TargetSpec, cell_config: dict, port: int) -> str:
     except (KeyError, IndexError) as e:
         raise TargetError(f"launch template of target {spec.name!r} has an unknown placeholder {e}; "
                           f"allowed: {', '.join('{' + k + '}' for k in values)}") from None
+
+
+def _die_with_parent() -> None:
+    """In the launched shell (before exec): get SIGKILL when the sweep process dies, even by kill -9."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except Exception:
+        pass
+
+
+def _start_time(pid: int) -> Optional[str]:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def reap_stale(logs_dir: Path) -> list[int]:
+    """Kill the process groups of servers that a crashed sweep left behind; returns the groups killed.
+
+    A ``*.pid`` file holds the group leader's pid and start time.  The group is killed when the leader
+    is still that process, or gone (what is left of its group is the old server's); a live process with
+    that pid but another start time is a recycled pid and is left alone."""
+    killed = []
+    for pid_file in sorted(Path(logs_dir).glob("*.pid")):
+        try:
+            pid_s, started = pid_file.read_text().split()
+            pid = int(pid_s)
+        except ValueError:
+            pid, started = -1, ""
+        now = _start_time(pid) if pid > 0 else "invalid"
+        if now is None or now == started:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        pid_file.unlink(missing_ok=True)
+    return killed
 
 
 def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -254,7 +299,9 @@ def open_server(spec: TargetSpec, cell_config: dict, log_path: Path) -> Iterator
     with open(log_path, "ab", buffering=0) as logf:
         logf.write(f"$ {cmd}\n".encode())
         proc = subprocess.Popen(cmd, shell=True, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
+                                env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    pid_file = log_path.with_suffix(".pid")
+    pid_file.write_text(f"{proc.pid} {_start_time(proc.pid)}\n")
     try:
         waited = wait_healthy(f"{url}{spec.health_path}", spec.health_timeout_s, proc, log_path)
         log.info("server %s healthy after %.1f s (pid %d)", url, waited, proc.pid)
@@ -270,6 +317,7 @@ def open_server(spec: TargetSpec, cell_config: dict, log_path: Path) -> Iterator
             client.close()
     finally:
         kill_group(proc)
+        pid_file.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------ endpoint

@@ -36,6 +36,23 @@ def format_code(kv_format: str) -> int:
     return FMT_FP8
 
 
+def dot_code(dtype: torch.dtype) -> int:
+    """Dot-operand code for a compute dtype (0 bf16, 1 fp16, 2 fp32, 3 bf16 emulated in fp32 on the
+    CPU interpreter, whose bf16 ``tl.dot`` gives wrong results)."""
+    code = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 0}.get(dtype, 2)
+    return 3 if code == 0 and interpreting() else code
+
+
+def cache_dot_code(kv_format: str, q_dtype: torch.dtype) -> int:
+    """Dot dtype for tiles read from the cache: float32 when the compute dtype is float32; otherwise the
+    cache's own half type (bf16 / fp16), and float16 for fp8 and nvfp4, whose values convert to it
+    exactly and cheaply (one conversion per pair for e4m3, a shift for e5m2)."""
+    if q_dtype == torch.float32:
+        return 2
+    name = get_format(kv_format).name
+    return dot_code(torch.bfloat16) if name == "bf16" else 1
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
@@ -106,11 +123,12 @@ def check_cache(name: str, kv_format: str, data, block_scale, scale, head_dim: i
 
 # ------------------------------------------------------------------------------- jit helpers
 @triton.jit
-def e2m1_to_f32(code):
-    """e2m1 codes (int32, 0..15, bit 3 = sign) → float32, via the float16 bit pattern: the 3 magnitude
-    bits placed at bits 9..11 of an fp16 give the e2m1 value times 2^-14 for all eight codes."""
+def e2m1_to_f16(code):
+    """e2m1 codes (int32, 0..15, bit 3 = sign) → float16: the 3 magnitude bits placed at bits 9..11 of an
+    fp16 give the e2m1 value times 2^-14 for all eight codes (subnormals included); the multiplication by
+    2^14 is exact."""
     bits = ((code & 7) << 9) | ((code & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    return bits.to(tl.int16).to(tl.float16, bitcast=True) * 16384.0
 
 
 @triton.jit
@@ -128,3 +146,82 @@ def e2m1_code(y):
         + (a > 5.0).to(tl.int32)
     )
     return code | ((y < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def to_dot(x, DOT: tl.constexpr):
+    if DOT == 0:
+        return x.to(tl.bfloat16)
+    elif DOT == 1:
+        return x.to(tl.float16)
+    elif DOT == 3:
+        # bf16-rounded operands in a float32 dot: the CPU interpreter's bf16 tl.dot is wrong (triton 3.9)
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def load_plain_tile(C, slot, hk, s_slot, s_h, d, dmask, tmask, DOT: tl.constexpr):
+    x = tl.load(C + slot[:, None] * s_slot + hk * s_h + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
+    return to_dot(x, DOT)
+
+
+@triton.jit
+def load_nvfp4_tile(C, BS, slot, hk, s_slot, s_h, sb_slot, sb_h, i, imask, tmask, NB: tl.constexpr,
+                    ND: tl.constexpr, DOT: tl.constexpr):
+    """[BLOCK_N, D/2] bytes → (even, odd) element tiles in the dot dtype, block scales applied
+    (``ND`` = D/16 block scales per row, padded to the power of two ``NB``).
+
+    Everything is exact in float16: an e2m1 value (2 significant bits) times an e4m3 block scale
+    (4 bits, at least 2^-6 by construction) lies in [2^-7, 2688]."""
+    m = tmask[:, None] & imask[None, :]
+    byte = tl.load(C + slot[:, None] * s_slot + hk * s_h + i[None, :], mask=m, other=0).to(tl.int32)
+    b = tl.arange(0, NB)
+    bs = tl.load(BS + slot[:, None] * sb_slot + hk * sb_h + b[None, :], mask=tmask[:, None] & (b[None, :] < ND),
+                 other=0.0)
+    bs = bs.to(tl.float16)
+    bs = tl.reshape(tl.broadcast_to(bs[:, :, None], (bs.shape[0], NB, 8)), (bs.shape[0], NB * 8))
+    lo = e2m1_to_f16(byte & 15) * bs
+    hi = e2m1_to_f16(byte >> 4) * bs
+    return to_dot(lo, DOT), to_dot(hi, DOT)
+
+
+@triton.jit
+def fp8_grid_rne(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Round float32 ``y`` to the nearest value of an fp8 grid (``MANT`` mantissa bits, smallest normal
+    exponent ``MIN_EXP``), ties to even, in float32 arithmetic.  Used only on the CPU interpreter, whose
+    float32→fp8 cast mis-rounds; after it the cast is exact.  ``y`` must already be clamped to the range."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    e = tl.maximum(e, MIN_EXP)
+    ulp = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - (e - MANT)) << 23).to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, ties to even
+    r = ((tl.abs(y) * inv) + magic) - magic
+    r = r * ulp
+    return tl.where(bits < 0, -r, r)  # keeps the sign of -0.0 too
+
+
+@triton.jit
+def cast_fp8(y, dst_ty: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr):
+    """float32 (clamped) → fp8 with round-to-nearest-even; ``EXACT`` rounds in float32 first (CPU
+    interpreter), otherwise the hardware cast (RNE on the GPU) does it."""
+    if EXACT:
+        if E5M2:
+            y = fp8_grid_rne(y, 2, -14)
+        else:
+            y = fp8_grid_rne(y, 3, -6)
+    return y.to(dst_ty)
+
+
+@triton.jit
+def cast_rne(x, dst_ty: tl.constexpr, EXACT: tl.constexpr):
+    """float32 → bf16/fp16/fp32 with round-to-nearest-even.  ``EXACT`` (CPU interpreter, whose
+    float32→bf16 cast truncates) rounds the bf16 bit pattern with integer arithmetic first."""
+    if EXACT:
+        if dst_ty == tl.bfloat16:
+            bits = x.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dst_ty)

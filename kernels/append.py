@@ -22,9 +22,12 @@ from kvbench.kernels._triton_utils import (
     FMT_NVFP4,
     FMT_PLAIN,
     NO_FMA,
+    cast_fp8,
+    cast_rne,
     check_cache,
     e2m1_code,
     format_code,
+    interpreting,
     next_pow2,
 )
 from kvbench.kernels.formats import get_format
@@ -64,13 +67,34 @@ def _rope_load(row, cs_row, d, dmask, ROT: tl.constexpr, NEOX: tl.constexpr, DO_
 
 
 @triton.jit
-def _quant_store_plain_fp8(dst, x, d, dmask, scale, FMT: tl.constexpr, QMAX: tl.constexpr):
+def _quant_store_plain_fp8(dst, x, d, dmask, scale, FMT: tl.constexpr, QMAX: tl.constexpr,
+                           E5M2: tl.constexpr, EXACT: tl.constexpr):
     if FMT == 1:
         y = tl.math.div_rn(x, scale)
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        tl.store(dst + d, y.to(dst.dtype.element_ty), mask=dmask)
+        tl.store(dst + d, cast_fp8(y, dst.dtype.element_ty, E5M2, EXACT), mask=dmask)
     else:
-        tl.store(dst + d, x.to(dst.dtype.element_ty), mask=dmask)
+        tl.store(dst + d, cast_rne(x, dst.dtype.element_ty, EXACT), mask=dmask)
+
+
+@triton.jit
+def _nvfp4_store(dst, bs_dst, xe, xo, blk, p, pm, bm, scale, EXACT: tl.constexpr):
+    """xe / xo: [HB, NB, 8] float32 even / odd elements of each 16-element block of HB head vectors;
+    ``dst`` / ``bs_dst`` [HB, 1, 1] row pointers; ``scale`` [HB, 1, 1]."""
+    xe = tl.where(pm, xe, 0.0)
+    xo = tl.where(pm, xo, 0.0)
+    amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))  # [HB, NB]
+    sc = tl.reshape(scale, (scale.shape[0], 1))
+    s = tl.math.div_rn(tl.math.div_rn(amax, 6.0), sc)
+    s = tl.minimum(tl.maximum(s, 0.015625), 448.0)
+    s8 = cast_fp8(s, tl.float8e4nv, False, EXACT)
+    denom = (s8.to(tl.float32) * sc)[:, :, None]
+    ce = e2m1_code(tl.math.div_rn(xe, denom))
+    co = e2m1_code(tl.math.div_rn(xo, denom))
+    byte = (ce | (co << 4)).to(tl.uint8)
+    tl.store(dst + blk * 8 + p, byte, mask=pm)
+    bs_row = tl.reshape(bs_dst, (bs_dst.shape[0], 1))
+    tl.store(bs_row + tl.reshape(blk, (1, blk.shape[1])), s8, mask=bm)
 
 
 @triton.jit
@@ -79,55 +103,65 @@ def _append_kernel(
     KC, VC, KBS, VBS, K_SCALE, V_SCALE,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, sko_t, sko_h, sq8_t, sq8_h,
     skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h, s_cs,
-    H_Q, D: tl.constexpr, D_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+    H_Q, H_KV, D: tl.constexpr, D_PAD: tl.constexpr, NB_PAD: tl.constexpr, HB: tl.constexpr,
     ROT: tl.constexpr, NEOX: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     DO_ROPE: tl.constexpr, DO_STORE: tl.constexpr, WRITE_K_OUT: tl.constexpr, Q_FP8: tl.constexpr,
+    E5M2: tl.constexpr, EXACT: tl.constexpr,
 ):
+    """One program: token ``t``, a block of ``HB`` query heads or of ``HB`` kv heads."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    hb = tl.program_id(1)
+    nqb = tl.cdiv(H_Q, HB)
     cs_row = CS
     if DO_ROPE:
         pos = tl.load(POS + t).to(tl.int64)
         cs_row = CS + pos * s_cs
-    d = tl.arange(0, D_PAD)
-    dmask = d < D
-    if h < H_Q:
+    hh = tl.arange(0, HB)
+    if hb < nqb:
+        h = (hb * HB + hh).to(tl.int64)[:, None]
+        d = tl.arange(0, D_PAD)[None, :]
+        dmask = (d < D) & (h < H_Q)
         x = _rope_load(Q + t * sq_t + h * sq_h, cs_row, d, dmask, ROT, NEOX, DO_ROPE)
-        xq = x.to(Q_OUT.dtype.element_ty)
+        xq = cast_rne(x, Q_OUT.dtype.element_ty, EXACT)
         tl.store(Q_OUT + t * sqo_t + h * sqo_h + d, xq, mask=dmask)
         if Q_FP8:
             qs = tl.load(Q_SCALE)
             y = tl.math.div_rn(xq.to(tl.float32), qs)
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-            tl.store(Q8 + t * sq8_t + h * sq8_h + d, y.to(tl.float8e4nv), mask=dmask)
+            tl.store(Q8 + t * sq8_t + h * sq8_h + d, cast_fp8(y, tl.float8e4nv, False, EXACT), mask=dmask)
     else:
-        hk = (h - H_Q).to(tl.int64)
         slot = tl.load(SLOTS + t).to(tl.int64)
-        k_row = K + t * sk_t + hk * sk_h
-        v_row = V + t * sv_t + hk * sv_h
         if FMT == 2:
-            nb = tl.arange(0, NB_PAD)
-            p = tl.arange(0, 8)
-            de = nb[:, None] * 16 + p[None, :] * 2
-            pm = de < D
-            ke = _rope_load(k_row, cs_row, de, pm, ROT, NEOX, DO_ROPE).to(K_OUT.dtype.element_ty)
-            ko = _rope_load(k_row, cs_row, de + 1, pm, ROT, NEOX, DO_ROPE).to(K_OUT.dtype.element_ty)
+            hk = ((hb - nqb) * HB + hh).to(tl.int64)[:, None, None]
+            blk = tl.arange(0, NB_PAD)[None, :, None]
+            p = tl.arange(0, 8)[None, None, :]
+            de = blk * 16 + p * 2
+            pm = (de < D) & (hk < H_KV)
+            k_row = K + t * sk_t + hk * sk_h
+            v_row = V + t * sv_t + hk * sv_h
+            ke = cast_rne(_rope_load(k_row, cs_row, de, pm, ROT, NEOX, DO_ROPE), K_OUT.dtype.element_ty, EXACT)
+            ko = cast_rne(_rope_load(k_row, cs_row, de + 1, pm, ROT, NEOX, DO_ROPE), K_OUT.dtype.element_ty, EXACT)
             if WRITE_K_OUT:
                 tl.store(K_OUT + t * sko_t + hk * sko_h + de, ke, mask=pm)
                 tl.store(K_OUT + t * sko_t + hk * sko_h + de + 1, ko, mask=pm)
             if DO_STORE:
                 if slot >= 0:
-                    ks = tl.load(K_SCALE + hk)
-                    vs = tl.load(V_SCALE + hk)
+                    hmask = hk < H_KV
+                    ks = tl.load(K_SCALE + hk, mask=hmask, other=1.0)
+                    vs = tl.load(V_SCALE + hk, mask=hmask, other=1.0)
                     ve = tl.load(v_row + de, mask=pm, other=0.0).to(tl.float32)
                     vo = tl.load(v_row + de + 1, mask=pm, other=0.0).to(tl.float32)
-                    bm = nb < D // 16
+                    bm = (tl.reshape(blk, (1, NB_PAD)) < D // 16) & (tl.reshape(hk, (HB, 1)) < H_KV)
                     _nvfp4_store(KC + slot * skc_slot + hk * skc_h, KBS + slot * skb_slot + hk * skb_h,
-                                 ke.to(tl.float32), ko.to(tl.float32), nb, pm, bm, ks)
+                                 ke.to(tl.float32), ko.to(tl.float32), blk, p, pm, bm, ks, EXACT)
                     _nvfp4_store(VC + slot * svc_slot + hk * svc_h, VBS + slot * svb_slot + hk * svb_h,
-                                 ve, vo, nb, pm, bm, vs)
+                                 ve, vo, blk, p, pm, bm, vs, EXACT)
         else:
-            kx = _rope_load(k_row, cs_row, d, dmask, ROT, NEOX, DO_ROPE).to(K_OUT.dtype.element_ty)
+            hk = ((hb - nqb) * HB + hh).to(tl.int64)[:, None]
+            d = tl.arange(0, D_PAD)[None, :]
+            dmask = (d < D) & (hk < H_KV)
+            kx = cast_rne(_rope_load(K + t * sk_t + hk * sk_h, cs_row, d, dmask, ROT, NEOX, DO_ROPE),
+                          K_OUT.dtype.element_ty, EXACT)
             if WRITE_K_OUT:
                 tl.store(K_OUT + t * sko_t + hk * sko_h + d, kx, mask=dmask)
             if DO_STORE:
@@ -135,25 +169,140 @@ def _append_kernel(
                     ks = 1.0
                     vs = 1.0
                     if FMT == 1:
-                        ks = tl.load(K_SCALE + hk)
-                        vs = tl.load(V_SCALE + hk)
-                    vx = tl.load(v_row + d, mask=dmask, other=0.0)
-                    _quant_store_plain_fp8(KC + slot * skc_slot + hk * skc_h, kx.to(tl.float32), d, dmask, ks, FMT, QMAX)
-                    _quant_store_plain_fp8(VC + slot * svc_slot + hk * svc_h, vx.to(tl.float32), d, dmask, vs, FMT, QMAX)
+                        ks = tl.load(K_SCALE + hk, mask=hk < H_KV, other=1.0)
+                        vs = tl.load(V_SCALE + hk, mask=hk < H_KV, other=1.0)
+                    vx = tl.load(V + t * sv_t + hk * sv_h + d, mask=dmask, other=0.0)
+                    _quant_store_plain_fp8(KC + slot * skc_slot + hk * skc_h, kx.to(tl.float32), d, dmask, ks, FMT,
+                                           QMAX, E5M2, EXACT)
+                    _quant_store_plain_fp8(VC + slot * svc_slot + hk * svc_h, vx.to(tl.float32), d, dmask, vs, FMT,
+                                           QMAX, E5M2, EXACT)
 
 
-@triton.jit
-def _nvfp4_store(dst, bs_dst, xe, xo, nb, pm, bm, scale):
-    xe = tl.where(pm, xe, 0.0)
-    xo = tl.where(pm, xo, 0.0)
-    amax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
-    s = tl.math.div_rn(tl.math.div_rn(amax, 6.0), scale)
-    s = tl.minimum(tl.maximum(s, 0.015625), 448.0)
-    s8 = s.to(tl.float8e4nv)
-    denom = (s8.to(tl.float32) * scale)[:, None]
-    ce = e2m1_code(tl.math.div_rn(xe, denom))
-    co = e2m1_code(tl.math.div_rn(xo, denom))
-    byte = (ce | (co << 4)).to(tl.uint8)
-    p = tl.arange(0, 8)
-    tl.store(dst + nb[:, None] * 8 + p[None, :], byte, mask=pm)
-    tl.store(bs_dst + nb, s8, mask=bm)
+# ------------------------------------------------------------------------------------ wrappers
+def _check_tokens(q, k, v, positions, slot_mapping):
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"k and v must be [T, H_kv, D] of one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q is not None and (q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]):
+        raise ValueError(f"q must be [T, H_q, D] matching k {tuple(k.shape)}, got {tuple(q.shape)}")
+    t = k.shape[0]
+    for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if x is not None and (x.dim() != 1 or x.shape[0] != t or x.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"{name} must be int32/int64 [T={t}], got {x.dtype} {tuple(x.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x is not None and x.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+
+
+def _rope_args(cos_sin_cache, rotary_dim, head_dim, style):
+    if style not in ROPE_STYLES:
+        raise ValueError(f"rope_style {style!r} is not supported; choose one of: {', '.join(ROPE_STYLES)}")
+    rot = rotary_dim or head_dim
+    if rot % 2 or rot > head_dim:
+        raise ValueError(f"rotary_dim must be even and <= head_dim ({head_dim}), got {rot}")
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != rot:
+        raise ValueError(f"cos_sin_cache must be float32 [max_pos, {rot}], got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
+    return rot, cos_sin_cache.contiguous()
+
+
+def _launch(t, q, k, v, positions, slots, cs, q_out, k_out, q8, q_scale, kc, vc, *, rot, neox, fmt_name,
+            do_rope, do_store, write_k_out, num_q_heads):
+    fmt = get_format(fmt_name)
+    hb = min(8, next_pow2(k.shape[1]))  # heads per program
+    grid = (t, triton.cdiv(num_q_heads, hb) + triton.cdiv(k.shape[1], hb))
+    d = k.shape[-1]
+    dummy = k
+    qq = q if q is not None else dummy
+    qo = q_out if q_out is not None else dummy
+    ko = k_out if k_out is not None else dummy
+    q8t = q8 if q8 is not None else dummy
+    _append_kernel[grid](
+        qq, k, v, positions if positions is not None else slots, slots if slots is not None else positions,
+        cs if cs is not None else k, qo, ko, q8t, q_scale if q_scale is not None else k,
+        kc.data if kc else dummy, vc.data if vc else dummy, kc.bs_ptr if kc else dummy, vc.bs_ptr if vc else dummy,
+        kc.scale if kc else dummy, vc.scale if vc else dummy,
+        qq.stride(0), qq.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), q8t.stride(0), q8t.stride(1),
+        kc.slot_stride if kc else 0, kc.head_stride if kc else 0, vc.slot_stride if vc else 0, vc.head_stride if vc else 0,
+        kc.bs_slot_stride if kc else 0, kc.bs_head_stride if kc else 0, vc.bs_slot_stride if vc else 0, vc.bs_head_stride if vc else 0,
+        cs.stride(0) if cs is not None else 0,
+        num_q_heads, k.shape[1], D=d, D_PAD=next_pow2(d), NB_PAD=next_pow2(max(d // 16, 1)), HB=hb,
+        ROT=rot, NEOX=neox, FMT=format_code(fmt_name), QMAX=float(fmt.max_value or 0.0),
+        DO_ROPE=do_rope, DO_STORE=do_store, WRITE_K_OUT=write_k_out, Q_FP8=q8 is not None,
+        E5M2=fmt.name == "fp8_e5m2", EXACT=interpreting(),
+        num_warps=4 if hb * d >= 1024 else 1, **NO_FMA,
+    )
+
+
+def _prepare(q, k, v, positions, slot_mapping, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, kv_format,
+             rotary_dim, rope_style, k_block_scale, v_block_scale, q_scale):
+    _check_tokens(q, k, v, positions, slot_mapping)
+    d = k.shape[-1]
+    rot, cs = _rope_args(cos_sin_cache, rotary_dim, d, rope_style)
+    kc = check_cache("k", kv_format, k_cache, k_block_scale, k_scale, d)
+    vc = check_cache("v", kv_format, v_cache, v_block_scale, v_scale, d)
+    if kc.num_kv_heads != k.shape[1]:
+        raise ValueError(f"cache has {kc.num_kv_heads} kv heads, k has {k.shape[1]}")
+    if q_scale is not None and (q_scale.dtype != torch.float32 or q_scale.numel() != 1):
+        raise ValueError("q_scale must be a one-element fp32 tensor")
+    return rot, cs, kc, vc
+
+
+def fused_rope_quant_append(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None, *,
+    kv_format: str, rotary_dim: Optional[int] = None, rope_style: str = "neox",
+    k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
+    q_scale: Optional[torch.Tensor] = None, q_out: Optional[torch.Tensor] = None, k_out: Optional[torch.Tensor] = None,
+) -> AppendOutput:
+    """One launch: RoPE(q, k) → q_out, k_out; quantize(k_rot), quantize(v) → cache slots; fp8 q if
+    ``q_scale`` is given.  ``q``/``k``/``v`` are not modified."""
+    rot, cs, kc, vc = _prepare(q, k, v, positions, slot_mapping, cos_sin_cache, k_cache, v_cache, k_scale, v_scale,
+                               kv_format, rotary_dim, rope_style, k_block_scale, v_block_scale, q_scale)
+    q_out = torch.empty_like(q) if q_out is None else q_out
+    k_out = torch.empty_like(k) if k_out is None else k_out
+    q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device) if q_scale is not None else None
+    t, hq, hk = k.shape[0], q.shape[1], k.shape[1]
+    if t:
+        _launch(t, q, k, v, positions, slot_mapping, cs, q_out, k_out, q8, q_scale, kc, vc,
+                rot=rot, neox=rope_style == "neox", fmt_name=kv_format, do_rope=True, do_store=True,
+                write_k_out=True, num_q_heads=hq)
+    return AppendOutput(q_out, k_out, q8)
+
+
+def rope(q, k, positions, cos_sin_cache, rotary_dim=None, rope_style="neox", q_scale=None):
+    """The RoPE stage alone (Triton): returns ``AppendOutput`` with rotated q, k (and fp8 q)."""
+    _check_tokens(q, k, k, positions, None)
+    rot, cs = _rope_args(cos_sin_cache, rotary_dim, k.shape[-1], rope_style)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device) if q_scale is not None else None
+    t, hq, hk = k.shape[0], q.shape[1], k.shape[1]
+    if t:
+        _launch(t, q, k, k, positions, None, cs, q_out, k_out, q8, q_scale, None, None,
+                rot=rot, neox=rope_style == "neox", fmt_name="bf16", do_rope=True, do_store=False,
+                write_k_out=True, num_q_heads=hq)
+    return AppendOutput(q_out, k_out, q8)
+
+
+def quantize_store(k, v, slot_mapping, k_cache, v_cache, k_scale=None, v_scale=None, *, kv_format,
+                   k_block_scale=None, v_block_scale=None) -> None:
+    """The quantize + store stage alone (Triton): ``k``/``v`` ``[T, H_kv, D]`` → cache slots."""
+    _check_tokens(None, k, v, None, slot_mapping)
+    d = k.shape[-1]
+    kc = check_cache("k", kv_format, k_cache, k_block_scale, k_scale, d)
+    vc = check_cache("v", kv_format, v_cache, v_block_scale, v_scale, d)
+    if k.shape[0]:
+        _launch(k.shape[0], None, k, v, None, slot_mapping, None, None, None, None, None, kc, vc,
+                rot=2, neox=True, fmt_name=kv_format, do_rope=False, do_store=True, write_k_out=False, num_q_heads=0)
+
+
+def unfused_rope_quant_append(q, k, v, positions, slot_mapping, cos_sin_cache, k_cache, v_cache,
+                              k_scale=None, v_scale=None, *, kv_format, rotary_dim=None, rope_style="neox",
+                              k_block_scale=None, v_block_scale=None, q_scale=None) -> AppendOutput:
+    """Two launches: ``rope`` then ``quantize_store``; same results as the fused kernel."""
+    _prepare(q, k, v, positions, slot_mapping, cos_sin_cache, k_cache, v_cache, k_scale, v_scale,
+             kv_format, rotary_dim, rope_style, k_block_scale, v_block_scale, q_scale)
+    out = rope(q, k, positions, cos_sin_cache, rotary_dim, rope_style, q_scale)
+    quantize_store(out.k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, kv_format=kv_format,
+                   k_block_scale=k_block_scale, v_block_scale=v_block_scale)
+    return out

@@ -64,7 +64,7 @@ def _store_nvfp4(KV, BS, slot, xe, xo, g, blk, j, byte0, blk0, PD: tl.constexpr,
 
 @triton.jit
 def _mla_append_kernel(
-    C, KPE, QPE, QOUT, POS, CS, SLOT, KV, BS, KSCALE, QLAT, Q8, QSCALE,
+    C, KPE, KOUT, QPE, QOUT, POS, CS, SLOT, KV, BS, KSCALE, QLAT, Q8, QSCALE,
     stride_c, stride_kpe, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, stride_8t, stride_8h,
     H,
     RANK: tl.constexpr, ROPE: tl.constexpr, HB: tl.constexpr, FMT: tl.constexpr, IS_NEOX: tl.constexpr,
@@ -91,10 +91,12 @@ def _mla_append_kernel(
             ql = tl.load(QLAT + t * stride_lt + h[:, None] * stride_lh + dr[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
             ql8 = tl.minimum(tl.maximum(tl.math.div_rn(ql, qs), -FP8_MAX), FP8_MAX)
             tl.store(base8 + dr[None, :], ql8.to(Q8.dtype.element_ty), mask=hm[:, None])
+    # --- k_pe after RoPE, in the compute dtype (prefill attends to the new tokens' own keys).
+    kx = KPE + t * stride_kpe
+    tl.store(KOUT + t * ROPE + dp, _rope_at(kx, cs, dp, HALF, IS_NEOX).to(KOUT.dtype.element_ty))
     # --- latent row: quantize and write to its slot.
     slot = tl.load(SLOT + t).to(tl.int64)
     if slot >= 0:
-        kx = KPE + t * stride_kpe
         cx = C + t * stride_c
         if FMT == 2:
             PD: tl.constexpr = (RANK + ROPE) // 2
@@ -165,7 +167,8 @@ def _q8_out(q_lat, q_pe, q_scale, lay):
 
 def mla_append(c_kv, k_pe, q_pe, positions, cos_sin_cache, slot_mapping, cache: LatentCache, *,
                rope_style: str = "neox", q_lat=None, q_scale=None, heads_per_block: int = 16):
-    """Fused append.  Returns ``(q_pe_rotated, q_fp8)``; ``q_fp8`` is ``[T, H, rank + rope]`` e4m3
+    """Fused append.  Returns ``(q_pe_rotated, k_pe_rotated, q_fp8)`` (the first two in the inputs'
+    dtypes, for attention over the new tokens' own keys); ``q_fp8`` is ``[T, H, rank + rope]`` e4m3
     (``[q_lat | rope(q_pe)] / q_scale``) when ``q_lat`` is given, else ``None``.  Inputs are not mutated."""
     import torch
 
@@ -174,9 +177,10 @@ def mla_append(c_kv, k_pe, q_pe, positions, cos_sin_cache, slot_mapping, cache: 
     lay = cache.layout
     t, h = q_pe.shape[:2]
     q_out = torch.empty_like(q_pe, memory_format=torch.contiguous_format)
+    k_out = torch.empty(t, lay.rope_dim, dtype=k_pe.dtype, device=k_pe.device)
     q8 = _q8_out(q_lat, q_pe, q_scale, lay)
     if t == 0:
-        return q_out, q8
+        return q_out, k_out, q8
     hb = min(triton.next_power_of_2(h), heads_per_block)
     bs = cache.block_scale if fmt == FMT_NVFP4 else cache.data
     ql = q_lat if q8 is not None else q_pe
@@ -184,14 +188,14 @@ def mla_append(c_kv, k_pe, q_pe, positions, cos_sin_cache, slot_mapping, cache: 
     qs = q_scale if q8 is not None else cache.k_scale
     fp8_max = 57344.0 if cache.data.dtype == torch.float8_e5m2 else 448.0
     _mla_append_kernel[(t,)](
-        c_kv, k_pe, q_pe, q_out, positions, cos_sin_cache.float().contiguous(), slot_mapping,
+        c_kv, k_pe, k_out, q_pe, q_out, positions, cos_sin_cache.float().contiguous(), slot_mapping,
         cache.data, bs, cache.k_scale, ql, q8a, qs,
         c_kv.stride(0), k_pe.stride(0), q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1),
         ql.stride(0), ql.stride(1), q8a.stride(0), q8a.stride(1),
         h, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, HB=hb, FMT=fmt, IS_NEOX=rope_style == "neox",
         EMIT_Q8=q8 is not None, FP8_MAX=fp8_max,
     )
-    return q_out, q8
+    return q_out, k_out, q8
 
 
 def rope_torch(x, positions, cos_sin_cache, rope_style: str = "neox"):
@@ -233,4 +237,4 @@ def mla_append_unfused(c_kv, k_pe, q_pe, positions, cos_sin_cache, slot_mapping,
     cache.data.view(-1, lay.packed_dim)[slots] = qkv.data[keep]
     if qkv.block_scale is not None:
         cache.block_scale.view(-1, lay.head_dim // 16)[slots] = qkv.block_scale[keep]
-    return q_rot.to(q_pe.dtype), q8
+    return q_rot.to(q_pe.dtype), k_rot.to(k_pe.dtype), q8

@@ -32,6 +32,7 @@ __all__ = [
     "build_cos_sin_cache",
     "rope_reference",
     "append_reference",
+    "store_reference",
     "dequantize_f64",
     "gather_kv_f64",
     "attention_f64",
@@ -109,18 +110,24 @@ def append_reference(
     q_fp8 = None
     if q_scale is not None:
         q_fp8 = get_format("fp8_e4m3").quantize(q_rot, q_scale.reshape(())).data
-    kc, vc = k_cache.clone(), v_cache.clone()
-    kbs = k_block_scale.clone() if k_block_scale is not None else None
-    vbs = v_block_scale.clone() if v_block_scale is not None else None
+    kc, kbs = store_reference(kv_format, k_cache, k_block_scale, k_rot, slot_mapping, k_scale)
+    vc, vbs = store_reference(kv_format, v_cache, v_block_scale, v, slot_mapping, v_scale)
+    return q_rot, k_rot, q_fp8, kc, vc, kbs, vbs
+
+
+def store_reference(kv_format: str, cache, block_scale, x, slot_mapping, scale):
+    """Copies of ``cache`` (and ``block_scale``) with ``formats.quantize(x)`` stored at the slots ≥ 0."""
+    fmt = get_format(kv_format)
+    c = cache.clone()
+    bs = block_scale.clone() if block_scale is not None else None
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    for src, scale, cache, bs in ((k_rot, k_scale, kc, kbs), (v, v_scale, vc, vbs)):
-        qkv = fmt.quantize(src[keep], scale)
-        hk, dp = cache.shape[-2], cache.shape[-1]
-        cache.view(-1, hk, dp)[slots] = qkv.data
-        if bs is not None:
-            bs.view(-1, hk, bs.shape[-1])[slots] = qkv.block_scale
-    return q_rot, k_rot, q_fp8, kc, vc, kbs, vbs
+    qkv = fmt.quantize(x[keep], scale)
+    hk, dp = c.shape[-2], c.shape[-1]
+    c.view(-1, hk, dp)[slots] = qkv.data
+    if bs is not None:
+        bs.view(-1, hk, bs.shape[-1])[slots] = qkv.block_scale
+    return c, bs
 
 
 # ------------------------------------------------------------------------------------ attention

@@ -22,6 +22,8 @@ __all__ = [
     "suite_metrics",
     "FIDELITY_SUITE",
     "SERIES_EXCLUDE",
+    "resolve_baseline",
+    "selector_text",
 ]
 
 FIDELITY_SUITE = "fidelity"
@@ -101,7 +103,12 @@ def short_label(cell: CellData, keys: list[str], with_run: bool = False) -> str:
         v = cell.config.get(k)
         if v is None:
             continue
-        parts.append(f"c={v}" if k == "concurrency" else str(v))
+        if k == "concurrency":
+            parts.append(f"c={v}")
+        elif isinstance(v, dict):  # engine options of a KV entry, e.g. {"quantize_query": true}
+            parts.append("".join(f"+{o}" if val is True else f"+{o}={val}" for o, val in v.items() if val) or "-")
+        else:
+            parts.append(str(v))
     label = " ".join(parts) or cell.config.get("kv_dtype") or cell.label
     if cell.aa_control:
         label += " (A/A)"
@@ -146,8 +153,26 @@ def load_run(path: Path | str, name: Optional[str] = None) -> RunData:
             )
         except (StoreError, ValueError) as e:
             raise RunLoadError(f"cannot read cell {ref.key} of {path}: {e}") from None
+    cells.sort(key=_order_key([c.get("key") for c in manifest.get("cells") or [] if isinstance(c, dict)]))
     assign_short_labels(cells)
     return RunData(path=path, name=run_name, manifest=manifest, cells=cells)
+
+
+_FORMAT_ORDER = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+
+
+def _order_key(manifest_order: list):
+    """Cells in the manifest's matrix order; cells it does not list follow, ordered by config."""
+    pos = {k: i for i, k in enumerate(manifest_order)}
+
+    def key(c: CellData):
+        cfg = c.config
+        kv = cfg.get("kv_dtype")
+        return (pos.get(c.key, len(pos)), str(cfg.get("model")), str(cfg.get("target")), str(cfg.get("prefill_backend")),
+                str(cfg.get("decode_backend")), _FORMAT_ORDER.index(kv) if kv in _FORMAT_ORDER else len(_FORMAT_ORDER),
+                str(kv), str(cfg.get("kv_scales")), c.aa_control, int(cfg.get("concurrency") or 0), c.key)
+
+    return key
 
 
 def select(cells: list[CellData], selector: str | dict, *, need_items: bool = False) -> list[CellData]:
@@ -228,3 +253,31 @@ def suite_metrics(cell: CellData, suite: str) -> list[str]:
                 if k not in names:
                     names.append(k)
     return ["correct"] + [n for n in names if n != "correct"]
+
+
+def selector_text(sel: str | dict) -> str:
+    return sel if isinstance(sel, str) else ",".join(f"{k}={v}" for k, v in sel.items())
+
+
+def resolve_baseline(run: RunData, selector: Optional[str | dict] = None) -> Optional[CellData]:
+    """The run's baseline cell: ``selector``, else the config's ``baseline``, else the first done bf16 (or
+    fp16) cell with item records, else the first done cell with item records; None when no cell has items.
+
+    Raises ``RunLoadError`` when an explicit or configured selector matches no cell or several."""
+    sel = selector if selector else run.config.get("baseline")
+    with_items = [c for c in run.done_cells if c.items and not c.aa_control]
+    if sel:
+        found = select(run.cells, sel, need_items=True)
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            if selector is None and not with_items:
+                return None
+            raise RunLoadError(f"baseline {selector_text(sel)!r} matches no done cell with item records")
+        raise RunLoadError(f"baseline {selector_text(sel)!r} matches {len(found)} cells "
+                           f"({'; '.join(c.short for c in found)}); add keys to make it unique")
+    for dtype in ("bf16", "fp16"):
+        for c in with_items:
+            if c.config.get("kv_dtype") == dtype:
+                return c
+    return with_items[0] if with_items else None

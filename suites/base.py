@@ -64,6 +64,11 @@ class SuiteResult:
     records: list[dict]
     summary: dict
     source: str = ""  # where the data came from
+    by_suite: Optional[dict[str, dict]] = None  # several record suites (lm-eval task groups)
+
+    def summaries(self) -> dict[str, dict]:
+        """Summary per record ``suite`` value (one entry except for lm-eval task groups)."""
+        return self.by_suite if self.by_suite is not None else {self.suite: self.summary}
 
 
 def item_seed(base: int, suite: str, item_id: str, repeat: int) -> int:

@@ -57,7 +57,7 @@ def gsm8k_target(answer: str) -> str:
 
 
 # ------------------------------------------------------------------------ numbers / chat answer
-_ANSWER_LINE = re.compile(r"(?im)^\W*(?:final\s+)?answer\s*(?:is)?\s*[:：]?\s*\**\s*(.+?)\s*$")
+_ANSWER_LINE = re.compile(r"(?im)^\W*(?:the\s+)?(?:final\s+)?answer\s*(?:is)?\s*[:：]?\s*\**\s*(.+?)\s*$")
 _NUMBER = re.compile(r"-?\$?\s*\d[\d,]*(?:\.\d+)?")
 
 
@@ -135,7 +135,7 @@ def extract_boxed(text: str) -> Optional[str]:
     return None
 
 
-_LATEX_NOISE = re.compile(r"\\text\{([^{}]*)\}|\\mathrm\{([^{}]*)\}|\\!|\\,|\\;|\^\{?\\circ\}?|\\%|%|\$")
+_LATEX_NOISE = re.compile(r"\\text\{([^{}]*)\}|\\mathrm\{([^{}]*)\}|\\!|\\,|\\;|\^\{?\\circ\}?|\\%|%|\\?\$")
 
 
 def parse_int_answer(text: Optional[str]) -> Optional[int]:

@@ -23,9 +23,20 @@ log = logging.getLogger(__name__)
 
 @contextmanager
 def progress_bar(total: int, label: str, enabled: bool) -> Iterator[Callable[[], None]]:
-    """Yields ``advance()``; a rich progress bar on stderr when enabled and stderr is a terminal."""
-    if not enabled or not sys.stderr.isatty():
+    """Yields ``advance()``: a rich progress bar on a terminal, a log line every 10% otherwise."""
+    if not enabled:
         yield lambda: None
+        return
+    if not sys.stderr.isatty():
+        done = [0]
+        step = max(1, total // 10)
+
+        def advance() -> None:
+            done[0] += 1
+            if done[0] % step == 0 or done[0] == total:
+                log.info("%s: %d/%d done", label, done[0], total)
+
+        yield advance
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -7,6 +7,7 @@ schemas of DESIGN §10, from seeded random numbers, with a planted accuracy drop
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -34,29 +35,34 @@ def _cell_config(kv, conc, aa=False):
     return cfg
 
 
-def _items(kv, drop, rng_base, rng, n_gsm8k, n_aime, k_aime, kl_scale, truncate_extra):
+def _items(kv, drop, rng_base, rng, n_gsm8k, n_aime, k_aime, kl_scale, truncate_extra, symmetric=False):
+    """Baseline outcomes come from ``rng_base`` (the same stream in every cell); ``drop`` flips answers."""
     recs = []
     for i in range(n_gsm8k):
-        base_ok = rng_base.random() < 0.6
-        ok = base_ok and not (rng.random() < drop)
-        invalid = (not ok) and rng.random() < 0.1
-        trunc = rng.random() < (0.02 + truncate_extra)
+        base_ok, base_inv, base_trunc, u = (rng_base.random() < 0.6, rng_base.random() < 0.1,
+                                            rng_base.random() < 0.03, rng_base.random())
+        flip = rng.random() < drop
+        ok = (not base_ok if symmetric else False) if flip else base_ok
+        invalid = (not ok) and (base_inv if not flip else rng.random() < 0.1)
+        trunc = base_trunc or rng.random() < truncate_extra
         recs.append({
             "suite": "gsm8k", "item_id": f"gsm8k-{i}", "repeat": 0, "seed": None, "prompt_hash": f"{i:016x}",
             "raw_output": f"... #### {i if ok else i + 1}", "extracted": None if invalid else str(i if ok else i + 1),
             "target": str(i), "correct": ok, "invalid": invalid, "finish_reason": "length" if trunc else "stop",
             "prompt_tokens": 120, "output_tokens": 80, "latency_s": 0.5,
-            "scores": {"strict-match": float(ok), "flexible-extract": float(ok or rng.random() < 0.3)},
+            "scores": {"strict-match": float(ok), "flexible-extract": float(ok or u < 0.3)},
             "protocol": "lm-eval-gsm8k-5shot",
         })
     for i in range(n_aime):
         p = rng_base.random()
         for r in range(k_aime):
-            ok = rng.random() < p * (1 - drop)
+            base_ok = rng_base.random() < p
+            flip = rng.random() < drop
+            ok = (not base_ok if symmetric else False) if flip else base_ok
             recs.append({
                 "suite": "aime24", "item_id": f"aime24-{i}", "repeat": r, "seed": 1000 + r, "prompt_hash": f"a{i:015x}",
-                "raw_output": "\\boxed{1}", "extracted": "1", "target": "1", "correct": ok, "invalid": False,
-                "finish_reason": "stop", "prompt_tokens": 200, "output_tokens": 400, "latency_s": 2.0,
+                "raw_output": f"\\boxed{{{int(ok)}}}", "extracted": str(int(ok)), "target": "1", "correct": ok,
+                "invalid": False, "finish_reason": "stop", "prompt_tokens": 200, "output_tokens": 400, "latency_s": 2.0,
                 "scores": {"correct": float(ok)}, "protocol": "aime-boxed",
             })
     for i in range(8):
@@ -67,8 +73,8 @@ def _items(kv, drop, rng_base, rng, n_gsm8k, n_aime, k_aime, kl_scale, truncate_
             "raw_output": "", "extracted": None, "target": "", "correct": None, "invalid": False,
             "finish_reason": "stop", "prompt_tokens": n_tok, "output_tokens": 0, "latency_s": 0.1,
             "scores": {"kl_mean": kl, "kl_p99": 4 * kl, "kl_max": 10 * kl, "top1_agree": 1.0 - kl,
-                       "nll_ref": 1.5, "nll_cand": 1.5 + kl, "ppl_ref": 4.48, "ppl_cand": 4.48 * (1 + kl),
-                       "first_divergence": -1 if kl == 0 else 10 + i, "n_tokens": n_tok},
+                       "nll_ref": 1.5, "nll_cand": 1.5 + kl, "ppl_ref": math.exp(1.5), "ppl_cand": math.exp(1.5 + kl),
+                       "first_divergence": 64 if kl == 0 else 10 + i, "n_tokens": n_tok},
             "protocol": "fidelity-teacher-forced",
         })
     return recs
@@ -91,7 +97,7 @@ def _requests(kv, conc, rng, n=24):
 
 
 def make_run(root: Path, drops=None, concurrency=(1, 4, 16), aa=True, n_gsm8k=60, n_aime=10, k_aime=4,
-             seed=0, gate=None, kl_scale=0.02, truncate_extra=None, failed=()) -> Path:
+             seed=0, gate=None, kl_scale=0.02, truncate_extra=None, failed=(), aa_flip=0.02) -> Path:
     """Write a synthetic run; returns its path.  ``drops[kv]`` is the chance a correct answer turns wrong."""
     drops = dict(DEFAULT_DROPS if drops is None else drops)
     truncate_extra = truncate_extra or {}
@@ -114,9 +120,9 @@ def make_run(root: Path, drops=None, concurrency=(1, 4, 16), aa=True, n_gsm8k=60
         rng = random.Random(f"{seed}-{kv}-{conc}-{is_aa}")
         if conc == concurrency[0]:
             rng_base = random.Random(seed)  # same base answers in every cell: paired data
-            drop = drops[kv] if not is_aa else 0.03  # A/A: a little nondeterminism
+            drop = drops[kv] if not is_aa else aa_flip  # A/A: a little nondeterminism, both directions
             store.write_items(key, _items(kv, drop, rng_base, rng, n_gsm8k, n_aime, k_aime,
-                                          kl_scale if kv != "bf16" else 0.0, truncate_extra.get(kv, 0.0)))
+                                          kl_scale if kv != "bf16" else 0.0, truncate_extra.get(kv, 0.0), symmetric=is_aa))
         if not is_aa:
             store.write_requests(key, _requests(kv, conc, rng))
         bpt = 2 * 30 * 3 * 64 * BYTES_PER_ELEMENT[kv]

@@ -1,10 +1,37 @@
-"""`kvbench bench` (placeholder until its module lands)."""
+"""`kvbench bench`: GPU benchmarks (kernels, MLA kernels, engine decode step)."""
+
+from __future__ import annotations
+
+from typing import Optional
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("bench", help="(not yet available)")
-    def _bench() -> None:
-        typer.echo("kvbench bench is not available in this build", err=True)
-        raise typer.Exit(2)
+    bench = typer.Typer(help="Benchmarks on a CUDA device: kernels, mla, engine.", no_args_is_help=True)
+    app.add_typer(bench, name="bench")
+
+    @bench.command("kernels")
+    def kernels(
+        check: bool = typer.Option(False, "--check", help="Run the correctness check against float64 references first."),
+        quick: bool = typer.Option(False, "--quick", help="Smaller grid, no tile tuning."),
+        out: Optional[str] = typer.Option(None, "--out", help="Write the results as JSON to this file."),
+        flashinfer: bool = typer.Option(True, "--flashinfer/--no-flashinfer", help="Time flashinfer's decode as an anchor when importable."),
+        parts: str = typer.Option("decode,prefill,append", "--parts", help="Comma list of decode, prefill, append."),
+    ) -> None:
+        """Paged decode / prefill / fused append vs copy bandwidth, flashinfer and SDPA anchors."""
+        from kvbench.kernels.bench import main
+
+        raise typer.Exit(main(check=check, quick=quick, out=out, flashinfer=flashinfer, parts=parts) or 0)
+
+    @bench.command("mla")
+    def mla(
+        out: Optional[str] = typer.Option(None, "--out", help="Directory for mla_check.json / .md."),
+        quick: bool = typer.Option(False, "--quick", help="Smaller benchmark grid."),
+        skip_checks: bool = typer.Option(False, "--skip-checks", help="Only time, do not check."),
+    ) -> None:
+        """MLA latent-cache kernels: checks at DeepSeek-V3 shapes and decode/append timings."""
+        from kvbench.kernels.mla_check import main
+
+        argv = (["--out", out] if out else []) + (["--quick"] if quick else []) + (["--skip-checks"] if skip_checks else [])
+        raise typer.Exit(main(argv) or 0)

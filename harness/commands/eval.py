@@ -1,10 +1,167 @@
-"""`kvbench eval` (placeholder until its module lands)."""
+"""`kvbench eval`: run accuracy / fidelity suites against the embedded engine or an external server.
+
+    kvbench eval --suite gsm8k --limit 50 --data-dir DIR --out runs/gsm8k-bf16
+    kvbench eval --suite fidelity --kv-dtype fp8_e4m3 --kv-scales calibrate --limit 16 --data-dir DIR
+    kvbench eval --lm-eval hellaswag --limit 100 --endpoint http://127.0.0.1:8000
+
+``--out DIR`` receives ``items.jsonl`` (one record per item and repeat) and ``summary.json`` (DESIGN §10),
+both written atomically.  The fidelity reference is the same engine configuration with bf16 KV, unit
+scales and torch backends; its top-k figures are cached per (model, reference, texts) in
+``--fidelity-cache`` (default ``$KVBENCH_CACHE/fidelity``, ``~/.cache/kvbench/fidelity``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
 
 import typer
 
+from kvbench.harness.options import engine_options
+
+
+def _cache_dir(opt: Optional[str]) -> Path:
+    if opt:
+        return Path(opt)
+    base = os.environ.get("KVBENCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvbench")
+    return Path(base) / "fidelity"
+
+
+def _reference_config(engine):
+    from dataclasses import replace
+
+    return replace(engine, kv_dtype="bf16", kv_scales="unit", kv_scales_per_head=False, prefill_backend="torch",
+                   decode_backend="torch", quantize_query=False)
+
+
+class _Borrowed:
+    """The candidate client lent to the fidelity suite as its own reference (closing it is a no-op)."""
+
+    def __init__(self, client):
+        self._c = client
+        self.model_id = client.model_id
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+    def close(self) -> None:
+        pass
+
+
+def _open_client(engine, endpoint: Optional[str]):
+    if endpoint:
+        try:
+            from kvbench.harness.openai_client import OpenAIClient
+        except ImportError as e:
+            raise typer.BadParameter(f"--endpoint needs kvbench.harness.openai_client ({e})") from None
+        return OpenAIClient(endpoint, model=engine.model)
+    from kvbench.harness.engine_client import EngineClient
+
+    return EngineClient(engine)
+
+
+def _print_summary(summaries: dict[str, dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="kvbench eval")
+    for col in ("suite", "n", "metrics", "invalid", "truncated", "empty"):
+        t.add_column(col)
+    skip = {"n", "invalid_rate", "truncation_rate", "empty_rate", "error_rate", "source", "subtasks"}
+    for name, s in summaries.items():
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in s.items() if k not in skip and isinstance(v, (int, float)))
+        rate = lambda k: "-" if s.get(k) is None else f"{s[k]:.1%}"  # noqa: E731
+        t.add_row(name, str(s.get("n", "")), metrics, rate("invalid_rate"), rate("truncation_rate"), rate("empty_rate"))
+    Console(stderr=True).print(t)
+
 
 def register(app: typer.Typer) -> None:
-    @app.command("eval", help="(not yet available)")
-    def _eval() -> None:
-        typer.echo("kvbench eval is not available in this build", err=True)
-        raise typer.Exit(2)
+    @app.command("eval")
+    @engine_options
+    def eval_cmd(
+        engine,
+        suite: Optional[str] = typer.Option(None, "--suite", help="Suite(s), comma-separated: gsm8k, gsm8k_cot, gsm8k_chat, aime24, aime25, gpqa_diamond, fidelity, lm_eval:<task> (default gsm8k)"),
+        limit: Optional[int] = typer.Option(None, "--limit", help="First N items of each suite (fidelity: N texts, default 32)"),
+        repeats: int = typer.Option(1, "--repeats", help="K samples per item (avg@K, pass@K)"),
+        data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local JSONL/CSV/parquet files (else the dataset hub; env KVBENCH_DATA_DIR)"),
+        out: Optional[str] = typer.Option(None, "--out", help="Write items.jsonl and summary.json here"),
+        endpoint: Optional[str] = typer.Option(None, "--endpoint", help="External OpenAI-compatible server URL instead of the embedded engine"),
+        concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight"),
+        lm_eval: Optional[str] = typer.Option(None, "--lm-eval", help="Run an lm-eval task by name (same as --suite lm_eval:TASK)"),
+        lm_eval_include: Optional[str] = typer.Option(None, "--lm-eval-include", help="Extra lm-eval task directory"),
+        protocol: Optional[str] = typer.Option(None, "--protocol", help="Suite variant, e.g. gsm8k: lm-eval (5-shot), cot (8-shot), chat (0-shot)"),
+        max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Override the protocol's generation budget"),
+        temperature: Optional[float] = typer.Option(None, "--temperature", help="Override the protocol's temperature"),
+        sample_seed: int = typer.Option(0, "--sample-seed", help="Base of the per-(item, repeat) sampling seeds"),
+        fidelity_exact: bool = typer.Option(False, "--fidelity-exact", help="Fidelity: run the reference live and compute exact full-vocabulary KL"),
+        fidelity_cache: Optional[str] = typer.Option(None, "--fidelity-cache", help="Fidelity reference cache directory"),
+        fidelity_top_k: int = typer.Option(64, "--fidelity-top-k", help="Fidelity: reference top-k kept per position"),
+        greedy_tokens: int = typer.Option(32, "--greedy-tokens", help="Fidelity: greedy continuation window"),
+        progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on a terminal"),
+    ) -> None:
+        """Run accuracy and fidelity suites; per-item records and a summary (DESIGN §8, §10)."""
+        import json
+        import logging
+
+        from kvbench.harness.store import atomic_write_json, atomic_write_jsonl, canonical_key
+        from kvbench.suites.base import SuiteError, SuiteOptions
+        from kvbench.suites.data import DataError
+        from kvbench.suites.registry import FidelityContext, RunContext, resolve, run_suite
+
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        names = [s.strip() for s in (suite or "").split(",") if s.strip()]
+        if lm_eval:
+            names.append(f"lm_eval:{lm_eval}")
+        names = names or ["gsm8k"]
+        try:
+            names = [resolve(n, protocol) for n in names]
+            opts = SuiteOptions(limit=limit, repeats=repeats, data_dir=data_dir, concurrency=concurrency, seed=sample_seed,
+                                max_tokens=max_tokens, temperature=temperature, progress=progress)
+        except SuiteError as e:
+            raise typer.BadParameter(str(e)) from None
+
+        client = _open_client(engine, endpoint)
+        ref_cfg = _reference_config(engine)
+        label = f"{client.model_id}:ref-bf16-torch:{canonical_key(ref_cfg.to_dict())}"
+
+        def make_reference():
+            if not endpoint and ref_cfg == engine:
+                return _Borrowed(client)
+            from kvbench.harness.engine_client import EngineClient
+
+            return EngineClient(ref_cfg)
+
+        ctx = RunContext(
+            fidelity=FidelityContext(label, make_reference, _cache_dir(fidelity_cache), fidelity_exact, fidelity_top_k, greedy_tokens),
+            lm_eval_include=lm_eval_include,
+        )
+        records: list[dict] = []
+        summaries: dict[str, dict] = {}
+        error: Optional[str] = None
+        info: dict = {}
+        try:
+            info = client.info()
+            for name in names:
+                res = run_suite(name, client, opts, ctx)
+                records += res.records
+                for k, s in res.summaries().items():
+                    summaries[k] = {**s, "source": res.source}
+        except (SuiteError, DataError) as e:
+            error = str(e)
+        except Exception as e:  # an engine or server failure: keep what finished, report, exit 1
+            logging.getLogger("kvbench.eval").exception("suite failed")
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            client.close()
+        summary = {"suites": summaries, "load": None, "capacity": info.get("capacity"), "error": error,
+                   "target": info, "engine": None if endpoint else engine.to_dict(), "endpoint": endpoint}
+        if out:
+            atomic_write_jsonl(Path(out) / "items.jsonl", records)
+            atomic_write_json(Path(out) / "summary.json", summary)
+        if summaries:
+            _print_summary(summaries)
+        typer.echo(json.dumps({"suites": summaries, "error": error, "out": out}, indent=2, default=str))
+        if error:
+            typer.echo(f"error: {error}", err=True)
+            raise typer.Exit(1)

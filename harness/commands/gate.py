@@ -1,10 +1,108 @@
-"""`kvbench gate` (placeholder until its module lands)."""
+"""`kvbench gate RUN --baseline SELECTOR --candidate SELECTOR`: non-inferiority exit code for CI.
+
+Exit 0 when every gated check passes, 1 when one fails, 2 for missing data or a usage error.  Prints the
+deciding table and, last, one GitHub-Actions workflow-command line (``::notice::`` / ``::error::``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 
+_HELP = ("Non-inferiority gate: pass when the one-sided lower confidence bound of (candidate − baseline) "
+         "is above −δ for every gated metric. Exit 0 pass, 1 fail, 2 missing data or usage error.")
+
+
+def _error(msg: str) -> None:
+    typer.echo(f"kvbench gate: {msg}", err=True)
+    typer.echo(f"::error title=kvbench gate::missing data or usage error: {msg}")
+    raise typer.Exit(2)
+
+
+def _apply_flags(t, max_drop, metric, max_invalid_increase, max_truncation_increase, max_kl, confidence, method):
+    from dataclasses import replace
+
+    t = replace(t, max_drop=dict(t.max_drop))
+    for spec in max_drop or []:
+        suite, sep, value = spec.rpartition("=")
+        try:
+            v = float(value)
+        except ValueError:
+            raise ValueError(f"--max-drop {spec!r}: expected D or SUITE=D with D a number (0.05 = 5 points)") from None
+        if sep:
+            t.max_drop[suite] = v
+        else:
+            t.default_max_drop, t.max_drop = v, {}
+    if metric:
+        t.metrics = list(metric)
+    for name, v in (("max_invalid_rate_increase", max_invalid_increase), ("max_truncation_rate_increase", max_truncation_increase),
+                    ("max_kl_mean", max_kl), ("confidence", confidence), ("method", method)):
+        if v is not None:
+            setattr(t, name, v)
+    return t
+
+
+def _step_summary(result) -> None:
+    path = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not path:
+        return
+    from kvbench.reports.gate import GATE_COLUMNS, check_row
+
+    lines = ["### kvbench gate: " + ("passed" if result.passed else "FAILED"), "",
+             "| " + " | ".join(GATE_COLUMNS) + " |", "|" + "---|" * len(GATE_COLUMNS)]
+    lines += ["| " + " | ".join(check_row(c, result.thresholds.confidence)) + " |" for c in result.checks]
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n\n")
+
 
 def register(app: typer.Typer) -> None:
-    @app.command("gate", help="(not yet available)")
-    def _gate() -> None:
-        typer.echo("kvbench gate is not available in this build", err=True)
-        raise typer.Exit(2)
+    @app.command("gate", help=_HELP)
+    def gate(
+        run: Path = typer.Argument(..., help="Run directory written by `kvbench sweep`."),
+        candidate: str = typer.Option(..., "--candidate", help="Cell selector key=value[,key=value]; every matching cell with accuracy records is gated."),
+        baseline: Optional[str] = typer.Option(None, "--baseline", help="Cell selector of the baseline (default: the run config's baseline)."),
+        metric: Optional[List[str]] = typer.Option(None, "--metric", help="Gated metric: SUITE or SUITE:METRIC or a score name (repeatable; default: every suite's primary metric)."),
+        max_drop: Optional[List[str]] = typer.Option(None, "--max-drop", help="Allowed drop δ as a fraction (0.05 = 5 points), or SUITE=δ (repeatable)."),
+        max_invalid_increase: Optional[float] = typer.Option(None, "--max-invalid-increase", help="Allowed increase of the invalid-answer rate (default 0.05)."),
+        max_truncation_increase: Optional[float] = typer.Option(None, "--max-truncation-increase", help="Allowed increase of the truncation rate (default 0.05)."),
+        max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Largest allowed mean per-token fidelity KL (upper bound); not gated unless set here or in the config."),
+        confidence: Optional[float] = typer.Option(None, "--confidence", help="One-sided confidence level (default 0.95)."),
+        method: Optional[str] = typer.Option(None, "--method", help="Lower-bound method: bootstrap (default) or t."),
+        config: Optional[Path] = typer.Option(None, "--config", help="Sweep config whose gate: section sets the thresholds (instead of the run's own)."),
+        json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the decision as JSON here."),
+    ) -> None:
+        from kvbench.harness.store import atomic_write_json
+        from kvbench.reports.gate import GateError, GateThresholds, format_table, merge_gate_config, run_gate, summary_line, to_json
+        from kvbench.reports.load import RunLoadError, load_run
+
+        try:
+            data = load_run(run)
+            t = merge_gate_config(GateThresholds(), data.config.get("gate"))
+            if config is not None:
+                from dataclasses import asdict
+
+                from kvbench.harness.sweep_config import SweepConfigError, load_config
+
+                try:
+                    t = merge_gate_config(t, asdict(load_config(config).gate))
+                except SweepConfigError as e:
+                    raise GateError(f"--config: {e}") from None
+            t = _apply_flags(t, max_drop, metric, max_invalid_increase, max_truncation_increase, max_kl, confidence, method)
+            if baseline is None:
+                sel = data.config.get("baseline")
+                if not sel:
+                    raise GateError("no --baseline given and the run's config names no baseline")
+                baseline = sel if isinstance(sel, str) else ",".join(f"{k}={v}" for k, v in sel.items())
+            result = run_gate(data, baseline, candidate, t)
+        except (GateError, RunLoadError, ValueError) as e:
+            _error(str(e))
+            return
+        typer.echo(format_table(result))
+        if json_out is not None:
+            atomic_write_json(json_out, to_json(result))
+        _step_summary(result)
+        typer.echo(summary_line(result))
+        raise typer.Exit(result.exit_code)

@@ -1,10 +1,101 @@
-"""`kvbench load` (placeholder until its module lands)."""
+"""`kvbench load`: the serving load generator against any OpenAI-compatible endpoint (DESIGN §9).
+
+    kvbench load --max-concurrency 1,4,16 --num-prompts 64 --input-len 64 --output-len 16 --out runs/load
+
+One run per concurrency level; each prints the "Serving Benchmark Result" block and, with ``--out``,
+writes ``OUT/c<N>/summary.json`` and ``OUT/c<N>/requests.jsonl`` (plus ``OUT/summary.json`` with every
+level), atomically.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
 
 import typer
 
 
+def _levels(text: Optional[str]) -> list[Optional[int]]:
+    if not text or text.strip().lower() in ("inf", "none"):
+        return [None]
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"--max-concurrency takes integers separated by commas, got {text!r}") from None
+    if not levels or min(levels) <= 0:
+        raise typer.BadParameter("--max-concurrency levels must be positive")
+    return levels
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("load", help="(not yet available)")
-    def _load() -> None:
-        typer.echo("kvbench load is not available in this build", err=True)
-        raise typer.Exit(2)
+    @app.command("load", help="Serving load test (TTFT, TPOT, ITL, throughput) against an OpenAI-compatible endpoint.")
+    def load(
+        base_url: str = typer.Option("http://127.0.0.1:8000", "--base-url", "--endpoint", help="Server root (or .../v1)"),
+        model: Optional[str] = typer.Option(None, "--model", help="Model id to request (default: the first of /v1/models)"),
+        max_concurrency: Optional[str] = typer.Option(None, "--max-concurrency", help="Concurrency cap(s), comma-separated: 1,4,16"),
+        num_prompts: int = typer.Option(64, "--num-prompts", help="Timed requests per level", min=1),
+        request_rate: float = typer.Option(math.inf, "--request-rate", help="Requests per second (inf = all at once)"),
+        burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape of inter-arrivals (1 = Poisson)"),
+        dataset: str = typer.Option("random", "--dataset", help="random, fixed or sharegpt"),
+        dataset_path: Optional[str] = typer.Option(None, "--dataset-path", help="ShareGPT-format JSON file"),
+        input_len: int = typer.Option(256, "--input-len", help="Prompt tokens (random/fixed)", min=1),
+        output_len: int = typer.Option(64, "--output-len", help="Output tokens", min=1),
+        range_ratio: float = typer.Option(0.0, "--range-ratio", help="Lengths uniform in [L(1-r), L(1+r)]"),
+        api: str = typer.Option("completions", "--api", help="completions or chat"),
+        ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Force output lengths"),
+        temperature: float = typer.Option(0.0, "--temperature"),
+        warmup: int = typer.Option(1, "--warmup", help="Untimed requests before each level", min=0),
+        seed: int = typer.Option(0, "--seed"),
+        salt: str = typer.Option("", "--salt", help="Vary prompts (defeats a prefix cache between runs)"),
+        slo_ttft_ms: Optional[float] = typer.Option(None, "--slo-ttft-ms", help="Goodput SLO on TTFT"),
+        slo_tpot_ms: Optional[float] = typer.Option(None, "--slo-tpot-ms", help="Goodput SLO on TPOT"),
+        slo_e2el_ms: Optional[float] = typer.Option(None, "--slo-e2el-ms", help="Goodput SLO on end-to-end latency"),
+        metrics_interval: float = typer.Option(0.5, "--metrics-interval", help="Seconds between /metrics samples (0 = off)"),
+        timeout: float = typer.Option(600.0, "--timeout", help="Per-request timeout (s)"),
+        tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json path, 'server' or 'none' (default: the server's)"),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Bearer token"),
+        out: Optional[str] = typer.Option(None, "--out", help="Directory for summary.json and requests.jsonl"),
+        progress: bool = typer.Option(True, "--progress/--no-progress"),
+    ) -> None:
+        from pathlib import Path
+
+        from kvbench.harness.loadgen import LoadConfig, discover_model, format_block, run_load, server_root, write_outputs
+
+        levels = _levels(max_concurrency)
+        try:
+            configs = [
+                LoadConfig(
+                    num_prompts=num_prompts, max_concurrency=c, request_rate=request_rate, burstiness=burstiness,
+                    dataset=dataset, input_len=input_len, output_len=output_len, range_ratio=range_ratio,
+                    dataset_path=dataset_path, api=api, ignore_eos=ignore_eos, temperature=temperature, warmup=warmup,
+                    seed=seed, salt=salt, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_e2el_ms=slo_e2el_ms,
+                    metrics_interval_s=metrics_interval, timeout_s=timeout, tokenizer=tokenizer, api_key=api_key,
+                    progress=progress,
+                )
+                for c in levels
+            ]
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+        try:
+            model = model or discover_model(base_url, api_key)
+        except Exception as e:  # noqa: BLE001 - unreachable server, bad URL
+            typer.echo(f"cannot reach {server_root(base_url)}/v1/models: {e}", err=True)
+            raise typer.Exit(2) from None
+        summaries = []
+        for cfg in configs:
+            try:
+                summary, records = run_load(base_url, model, cfg)
+            except (RuntimeError, ValueError) as e:
+                typer.echo(f"load test failed: {e}", err=True)
+                raise typer.Exit(1) from None
+            typer.echo(format_block(summary))
+            if out:
+                write_outputs(str(Path(out) / f"c{cfg.max_concurrency or 'inf'}"), summary, records)
+            summaries.append(summary)
+        if out:
+            from kvbench.harness.store import atomic_write_json
+
+            atomic_write_json(Path(out) / "summary.json", {"levels": summaries})
+            typer.echo(f"wrote {out}/summary.json and c<N>/requests.jsonl")
+        if any(s["failed"] for s in summaries):
+            raise typer.Exit(1)

@@ -1,10 +1,62 @@
-"""`kvbench report` (placeholder until its module lands)."""
+"""`kvbench report RUN --out DIR`: Markdown + one self-contained HTML report (and PNGs) from a run."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Optional
 
 import typer
 
 
+def _fail(msg: str) -> None:
+    typer.echo(f"kvbench report: {msg}", err=True)
+    raise typer.Exit(2)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("report", help="(not yet available)")
-    def _report() -> None:
-        typer.echo("kvbench report is not available in this build", err=True)
-        raise typer.Exit(2)
+    @app.command("report", help="Write report.md, report.html (self-contained) and PNG plots for a run.")
+    def report(
+        run: Path = typer.Argument(..., help="Run directory written by `kvbench sweep`."),
+        out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: RUN/report)."),
+        baseline: Optional[str] = typer.Option(None, "--baseline", help="Baseline cell selector key=value[,key=value] (default: the run config's baseline)."),
+        confidence: float = typer.Option(0.95, "--confidence", help="Confidence level of intervals."),
+        n_boot: int = typer.Option(10_000, "--bootstrap", help="Paired-bootstrap resamples."),
+        seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
+    ) -> None:
+        from kvbench.reports.compare import report_analysis, run_meta
+        from kvbench.reports.html import ReportMeta, write_report
+        from kvbench.reports.load import RunLoadError, load_run, selector_text
+
+        if not 0.5 < confidence < 1.0:
+            _fail(f"--confidence must be in (0.5, 1), got {confidence}")
+        if n_boot < 100:
+            _fail(f"--bootstrap must be at least 100, got {n_boot}")
+        try:
+            data = load_run(run)
+            analysis = report_analysis(data, baseline, confidence=confidence, n_boot=n_boot, seed=seed)
+        except (RunLoadError, ValueError) as e:
+            _fail(str(e))
+            return
+        out_dir = out or (run / "report")
+        cmd = ["kvbench", "report", str(run), "--out", str(out_dir)] + (["--baseline", baseline] if baseline else [])
+        meta_rows = run_meta(data)
+        base = analysis.baseline
+        meta_rows.append(("baseline", f"{base.short} [{base.key}]" if base else "none (no cell has item records)"))
+        meta_rows.append(("statistics", f"{100 * confidence:g}% intervals; paired bootstrap {n_boot} resamples, seed {seed}; Holm"))
+        meta = ReportMeta(title=f"kvbench report: {data.config.get('name') or data.name}", command=shlex.join(cmd),
+                          rows=meta_rows)
+        written = write_report(analysis, out_dir, meta, max_drop=_default_drop(data.config))
+        typer.echo(f"wrote {len(written)} files to {out_dir}")
+        typer.echo(f"markdown: {written['markdown']}")
+        typer.echo(f"html:     {written['html'].resolve()}")
+
+
+def _default_drop(config: dict) -> Optional[float]:
+    """A single δ line for the delta plot, when the config's gate has one value for every suite."""
+    md = (config.get("gate") or {}).get("max_drop")
+    if isinstance(md, (int, float)):
+        return float(md)
+    if isinstance(md, dict) and md and len(set(md.values())) == 1:
+        return float(next(iter(md.values())))
+    return None

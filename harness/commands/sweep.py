@@ -1,10 +1,61 @@
-"""`kvbench sweep` (placeholder until its module lands)."""
+"""`kvbench sweep CONFIG [--out RUN] [--resume] [--only SELECTOR]`: run a sweep matrix into a run directory."""
+
+from __future__ import annotations
+
+from typing import Optional
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("sweep", help="(not yet available)")
-    def _sweep() -> None:
-        typer.echo("kvbench sweep is not available in this build", err=True)
-        raise typer.Exit(2)
+    @app.command("sweep")
+    def sweep(
+        config: str = typer.Argument(..., help="Sweep config YAML (e.g. configs/default.yaml)"),
+        out: Optional[str] = typer.Option(None, "--out", help="Run directory (default: runs/<config name>)"),
+        resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run: skip done cells, redo the rest"),
+        only: Optional[str] = typer.Option(None, "--only", help="Run only cells matching key=value[,key=value]"),
+        data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local dataset directory (overrides the config's data_dir)"),
+        dry_run: bool = typer.Option(False, "--dry-run", help="List the cells and exit"),
+        progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar (off: one plain line per cell)"),
+    ) -> None:
+        """Run the matrix of a sweep config: accuracy suites, fidelity, load tests and capacity per cell."""
+        import logging
+        from pathlib import Path
+
+        from kvbench.harness.matrix import expand, select
+        from kvbench.harness.sweep_config import SweepConfigError, load_config
+
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        try:
+            cfg = load_config(config)
+            if data_dir is not None:
+                if not Path(data_dir).is_dir():
+                    raise SweepConfigError(f"--data-dir {data_dir} is not a directory")
+                cfg.data_dir = data_dir
+            cells = select(expand(cfg), only)
+        except SweepConfigError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        run_dir = Path(out or Path("runs") / cfg.name)
+        if dry_run:
+            for c in cells:
+                typer.echo(f"{c.key}  {c.label}{'  [accuracy]' if c.run_accuracy else ''}")
+            typer.echo(f"{len(cells)} cells -> {run_dir}")
+            return
+
+        from kvbench.harness.runner import run_sweep
+
+        try:
+            outcome = run_sweep(cfg, run_dir, resume=resume, only=only, progress=True if progress else None)
+        except SweepConfigError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        typer.echo(
+            f"{run_dir}: {len(outcome.done)} cells done, {len(outcome.failed)} failed, "
+            f"{len(outcome.skipped)} already done (skipped)"
+        )
+        if outcome.failed:
+            typer.echo(f"failed cells (see {run_dir}/cells/<key>/summary.json and error.txt):", err=True)
+            for key in outcome.failed:
+                typer.echo(f"  {key}", err=True)
+            raise typer.Exit(1)

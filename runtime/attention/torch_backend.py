@@ -21,7 +21,7 @@ from kvbench.runtime.attention.base import (
 )
 from kvbench.runtime.kv_cache import PagedKVCache
 
-__all__ = ["TorchBackend", "quantize_query_fp8"]
+__all__ = ["TorchBackend", "quantize_query_fp8", "write_kv"]
 
 _E4M3_MAX = 448.0
 
@@ -32,8 +32,27 @@ def quantize_query_fp8(q: torch.Tensor, q_scale: float) -> torch.Tensor:
     return (y.float() * q_scale).to(q.dtype)
 
 
+def write_kv(cache: PagedKVCache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Quantize and store post-RoPE ``k`` and ``v`` at ``slots``; slot -1 goes to the scratch page.
+
+    Same bytes as ``PagedKVCache.write`` but without a host sync, so it can run inside a CUDA graph.
+    """
+    fmt = cache.fmt
+    scratch = cache.scratch_page * cache.page_size
+    slots = torch.where(slots < 0, torch.full_like(slots, scratch), slots)
+    for data, bs, scale, x in (
+        (cache.k_data[layer], cache.k_block_scale[layer], cache.k_scale[layer], k),
+        (cache.v_data[layer], cache.v_block_scale[layer], cache.v_scale[layer], v),
+    ):
+        q = fmt.quantize(x, scale)
+        data.view(-1, data.shape[-2], data.shape[-1])[slots] = q.data
+        if bs is not None:
+            bs.view(-1, bs.shape[-2], bs.shape[-1])[slots] = q.block_scale
+
+
 class TorchBackend:
     name: ClassVar[str] = "torch"
+    graph_safe: ClassVar[bool] = True  # decode plan/forward do no host syncs (CUDA-graph capturable)
 
     def __init__(self, opts: BackendOptions):
         self.opts = opts
@@ -70,7 +89,8 @@ class TorchBackend:
         causal = pos[None, None, :] <= qpos[:, :, None]  # [B, Q, S]
         base_mask = causal & kvalid[:, None, :] & qvalid[:, :, None]
         meta.extra["torch"] = dict(
-            slots=slots, qvalid=qvalid, qpos=qpos, rows=rows, prefix=prefix, base_mask=base_mask, B=B
+            slots=slots, qvalid=qvalid,
+            valid_idx=torch.nonzero(qvalid, as_tuple=True) if meta.phase == "prefill" else None, qpos=qpos, rows=rows, prefix=prefix, base_mask=base_mask, B=B
         )
 
     # --------------------------------------------------------------------------------- forward
@@ -92,7 +112,7 @@ class TorchBackend:
         G = H // Hk
         qr = apply_rope(q, meta.positions, meta.rope)
         kr = apply_rope(k, meta.positions, meta.rope)
-        cache.write(layer.layer_idx, meta.slot_mapping, kr, v)
+        write_kv(cache, layer.layer_idx, meta.slot_mapping, kr, v)
         if self.opts.quantize_query:
             qr = quantize_query_fp8(qr, layer.q_scale)
 
@@ -103,11 +123,12 @@ class TorchBackend:
         kk, vv = kk.view(B, S, Hk, D), vv.view(B, S, Hk, D)
         if meta.phase == "prefill":
             # new tokens' own K/V in compute precision, not round-tripped through the cache format
-            idx = (st["qpos"].clamp(max=S - 1))[..., None, None].expand(B, Q, Hk, D)
-            src_k = kr.float()[rows].where(qvalid[..., None, None], kk.gather(1, idx))
-            src_v = v.float()[rows].where(qvalid[..., None, None], vv.gather(1, idx))
-            kk = kk.scatter(1, idx, src_k)
-            vv = vv.scatter(1, idx, src_v)
+            bi, qi = st["valid_idx"]
+            kpos = st["qpos"][bi, qi]
+            kk = kk.clone()
+            vv = vv.clone()
+            kk[bi, kpos] = kr.float()[rows[bi, qi]]
+            vv[bi, kpos] = v.float()[rows[bi, qi]]
 
         qq = qr.float()[rows].view(B, Q, Hk, G, D).permute(0, 2, 3, 1, 4)  # [B, Hk, G, Q, D]
         kt = kk.permute(0, 2, 3, 1)  # [B, Hk, D, S]
@@ -127,6 +148,11 @@ class TorchBackend:
             probs = torch.softmax(safe, dim=-1)
         out = torch.matmul(probs, vv.permute(0, 2, 1, 3).unsqueeze(2))  # [B, Hk, G, Q, D]
         out = out.permute(0, 3, 1, 2, 4).reshape(B, Q, H * D)
+        if meta.phase == "decode":  # one row per sequence, in order (rows past B are padding)
+            res = torch.zeros(T, H * D, dtype=torch.float32, device=q.device)
+            res[:B] = out[:, 0]
+            return res.to(q.dtype)
+        bi, qi = st["valid_idx"]
         res = torch.zeros(T, H * D, dtype=torch.float32, device=q.device)
-        res[rows[qvalid]] = out[qvalid]
+        res[rows[bi, qi]] = out[bi, qi]
         return res.to(q.dtype)

@@ -89,13 +89,27 @@ def from_hf_config(cfg: dict) -> ModelConfig:
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
     max_window_layers = cfg.get("max_window_layers")
     windows: list = []
+    layer_types = cfg.get("layer_types")
     for i in range(layers):
-        w = window
-        if arch in ("qwen2", "qwen3") and window and max_window_layers is not None and i < max_window_layers:
-            w = None  # HF Qwen2/3: the first max_window_layers layers use full attention
+        if layer_types and cfg.get("sliding_window"):
+            w = cfg["sliding_window"] if layer_types[i] == "sliding_attention" else None
+        else:
+            w = window
+            if arch in ("qwen2", "qwen3") and window and max_window_layers is not None and i < max_window_layers:
+                w = None  # HF Qwen2/3: the first max_window_layers layers use full attention
         windows.append(int(w) if w else None)
+    # rope: transformers >= 5 writes "rope_parameters" (theta inside); older configs rope_theta + rope_scaling
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and "full_attention" in rp:  # per-layer-type parameters: use the full-attention set
+        rp = rp["full_attention"]
+    theta = float((rp or {}).get("rope_theta") or _get(cfg, "rope_theta", default=10000.0))
+    scaling = rp if rp else cfg.get("rope_scaling")
+    if scaling and (scaling.get("rope_type", scaling.get("type")) in (None, "default")):
+        scaling = None
+    if scaling:
+        scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
     eos = cfg.get("eos_token_id")
-    partial = float(cfg.get("partial_rotary_factor", 1.0))
+    partial = float(cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0)
     return ModelConfig(
         arch=arch,
         hidden_size=hidden,
@@ -106,8 +120,8 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         intermediate_size=int(cfg["intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]),
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", default=1e-6)),
-        rope_theta=float(_get(cfg, "rope_theta", default=10000.0)),
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_theta=theta,
+        rope_scaling=scaling,
         rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
         max_position_embeddings=int(_get(cfg, "max_position_embeddings", default=4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -15,7 +15,7 @@ import torch
 
 from kvbench.runtime.models.config import ModelConfig
 
-__all__ = ["read_gguf_metadata", "gguf_config", "load_gguf"]
+__all__ = ["read_gguf_metadata", "gguf_config", "load_gguf", "load_gguf_cached"]
 
 _ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED = ("llama", "mistral")  # q/k rows permuted by llama.cpp's converter
@@ -68,7 +68,7 @@ def gguf_config(meta: dict) -> ModelConfig:
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     head_dim = int(g("attention.key_length", hidden // heads))
-    vocab = int(g("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or 0))
+    vocab = int(g("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or 0))  # 0: from the embedding
     scaling = None
     if g("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": g("rope.scaling.type"), "factor": float(g("rope.scaling.factor", 1.0))}
@@ -116,6 +116,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
     r = GGUFReader(str(path))
     meta = {}
     for k, f in r.fields.items():
+        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            continue  # large lists, read by the tokenizer loader
         try:
             meta[k] = f.contents()
         except Exception:
@@ -135,7 +137,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
             raise ValueError(f"unexpected tensor {t.name!r} in {path.name}")
         arr = dequantize(t.data, t.tensor_type)
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
-        ten = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))
+        ten = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
         if cfg.arch in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             ten = _unpermute(ten, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         state[name] = ten.to(dtype)
@@ -143,3 +145,41 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
     if cfg.vocab_size == 0:
         cfg.vocab_size = state["model.embed_tokens.weight"].shape[0]
     return cfg, state, meta
+
+
+def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``load_gguf`` with the dequantized float32 tensors kept as safetensors in the cache directory
+    (keyed by the file's path, size and mtime), since parsing and dequantizing a GGUF is slow."""
+    import dataclasses
+    import hashlib
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from kvbench.runtime.default_model import cache_dir
+
+    path = Path(path)
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    d = cache_dir() / "weights" / key
+    if (d / "config.json").is_file() and (d / "model.safetensors").is_file():
+        try:
+            cfg = ModelConfig(**json.loads((d / "config.json").read_text()))
+            state = load_file(str(d / "model.safetensors"))
+            # copy out of the file mapping: page faults on mapped weights slow every matmul
+            return cfg, {k: v.to(dtype, copy=True) for k, v in state.items()}
+        except Exception:  # damaged cache entry: rebuild below
+            pass
+    cfg, state, _meta = load_gguf(path, torch.float32)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f"model.safetensors.tmp{os.getpid()}"
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+        os.replace(tmp, d / "model.safetensors")
+        tmpc = d / f"config.json.tmp{os.getpid()}"
+        tmpc.write_text(json.dumps(dataclasses.asdict(cfg)))
+        os.replace(tmpc, d / "config.json")
+    except OSError:  # the cache is an optimisation only
+        pass
+    return cfg, {k: v.to(dtype) for k, v in state.items()}

@@ -130,6 +130,32 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, self.lm_weight()).float()
 
+    @classmethod
+    def from_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device, dtype) -> "LlamaForCausalLM":
+        """Build on the meta device and adopt the checkpoint tensors (no second copy of the weights)."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model._check_names(state)
+        own = model.state_dict()
+        adopted = {}
+        for k, t in own.items():
+            src = state[k]
+            if tuple(src.shape) != tuple(t.shape):
+                raise ValueError(f"{k}: checkpoint shape {tuple(src.shape)} != model {tuple(t.shape)}")
+            adopted[k] = src.to(device=device, dtype=dtype)
+        model.load_state_dict(adopted, strict=True, assign=True)
+        return model
+
+    def _check_names(self, state: dict) -> None:
+        own = self.state_dict()
+        skip = ("rotary_emb.inv_freq", "k_scale", "v_scale", "q_scale", "prob_scale")
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own and not k.endswith(skip)]
+        if self.config.tie_word_embeddings:
+            unexpected = [k for k in unexpected if k != "lm_head.weight"]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+
     def load_weights(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Copy a HF-named state dict in (ignores ``k_scale``/``v_scale``/rotary buffers)."""
         own = self.state_dict()

@@ -1,0 +1,178 @@
+"""``OpenAIClient``: the ``Client`` protocol (harness/client.py) over any OpenAI-compatible HTTP server.
+
+``generate`` uses ``/v1/completions`` (raw prompt) or ``/v1/chat/completions`` (messages); ``stream``
+yields text pieces from SSE; ``score`` teacher-forces a continuation through ``/v1/completions`` with
+``echo`` + ``logprobs`` on token-id prompts (tokenized by the server's ``/tokenize``), as lm-eval's
+``local-completions`` does.  A server without those features gets a clear ``NotImplementedError``.
+HTTP errors of single requests come back as ``GenResult(finish_reason="error", error=...)``; an
+unreachable server raises ``ConnectionError``.  Thread-safe (one pooled ``httpx.Client``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Iterator, Optional
+
+from kvbench.harness.client import GenRequest, GenResult, SamplingParams, ScoreRequest, ScoreResult
+
+
+def _root(base_url: str) -> str:
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+def _error_text(resp) -> str:
+    try:
+        err = resp.json().get("error")
+        msg = err.get("message") if isinstance(err, dict) else err
+    except (ValueError, AttributeError):
+        msg = None
+    return f"HTTP {resp.status_code}: {msg or resp.text[:300]}"
+
+
+class OpenAIClient:
+    def __init__(self, base_url: str, model: Optional[str] = None, api_key: Optional[str] = None, timeout: float = 600.0):
+        import httpx
+
+        self.base_url = _root(base_url)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout,
+                                  limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+        self.model_id = model or self._first_model()
+
+    # ------------------------------------------------------------------------------ plumbing
+    def _request(self, method: str, path: str, **kw):
+        import httpx
+
+        try:
+            return self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise ConnectionError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from None
+
+    def _first_model(self) -> str:
+        r = self._request("GET", "/v1/models")
+        if r.status_code != 200:
+            raise ConnectionError(f"{self.base_url}/v1/models: {_error_text(r)}")
+        data = r.json().get("data") or []
+        if not data:
+            raise ValueError(f"{self.base_url}/v1/models lists no model")
+        return str(data[0]["id"])
+
+    def _payload(self, request: GenRequest, stream: bool) -> tuple[str, dict]:
+        p: SamplingParams = request.params
+        body: dict = {"model": self.model_id, "max_tokens": int(p.max_tokens), "temperature": float(p.temperature), "stream": stream}
+        if p.top_p != 1.0:
+            body["top_p"] = float(p.top_p)
+        if p.top_k:
+            body["top_k"] = int(p.top_k)  # extension (kvbench, vLLM, SGLang)
+        if p.seed is not None:
+            body["seed"] = int(p.seed)
+        if p.stop:
+            body["stop"] = list(p.stop)
+        if p.stop_token_ids:
+            body["stop_token_ids"] = list(p.stop_token_ids)
+        if p.ignore_eos:
+            body["ignore_eos"] = True
+        if p.min_tokens:
+            body["min_tokens"] = int(p.min_tokens)
+        if request.messages is not None:
+            body["messages"] = request.messages
+            if p.logprobs is not None:
+                body["logprobs"] = True
+                body["top_logprobs"] = int(p.logprobs)
+            return "/v1/chat/completions", body
+        body["prompt"] = request.prompt
+        if p.logprobs is not None:
+            body["logprobs"] = int(p.logprobs)
+        return "/v1/completions", body
+
+    # ------------------------------------------------------------------------------ Client
+    def generate(self, request: GenRequest) -> GenResult:
+        path, body = self._payload(request, stream=False)
+        t0 = time.perf_counter()
+        r = self._request("POST", path, json=body)
+        latency = time.perf_counter() - t0
+        if r.status_code != 200:
+            return GenResult("", "error", 0, 0, latency, error=_error_text(r))
+        out = r.json()
+        choice = (out.get("choices") or [{}])[0]
+        usage = out.get("usage") or {}
+        chat = request.messages is not None
+        text = ((choice.get("message") or {}).get("content") or "") if chat else (choice.get("text") or "")
+        logprobs = None
+        lp = choice.get("logprobs")
+        if request.params.logprobs is not None and lp:
+            logprobs = [c["logprob"] for c in lp.get("content") or []] if chat else list(lp.get("token_logprobs") or [])
+        return GenResult(
+            text=text, finish_reason=choice.get("finish_reason") or "stop", prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            output_tokens=int(usage.get("completion_tokens", 0)), latency_s=latency, logprobs=logprobs,
+        )
+
+    def stream(self, request: GenRequest) -> Iterator[str]:
+        path, body = self._payload(request, stream=True)
+        chat = request.messages is not None
+        with self._http.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(_error_text(r))
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                obj = json.loads(data)
+                if obj.get("error"):
+                    raise RuntimeError(str(obj["error"]))
+                for choice in obj.get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    if piece:
+                        yield piece
+
+    def _tokenize(self, text: str, special: bool) -> list[int]:
+        r = self._request("POST", "/tokenize", json={"prompt": text, "add_special_tokens": special})
+        if r.status_code != 200:
+            raise NotImplementedError(f"scoring over HTTP needs the server's /tokenize route ({_error_text(r)})")
+        return list(r.json()["tokens"])
+
+    def score(self, request: ScoreRequest) -> ScoreResult:
+        ctx = self._tokenize(request.context, True)
+        cont = self._tokenize(request.continuation, False)
+        if not cont:
+            raise ValueError("score needs a non-empty continuation")
+        k = max(int(request.top_k), 1)
+        body = {"model": self.model_id, "prompt": ctx + cont, "max_tokens": 1, "temperature": 0.0, "echo": True,
+                "logprobs": k, "return_tokens_as_token_ids": True}
+        r = self._request("POST", "/v1/completions", json=body)
+        if r.status_code != 200:
+            raise NotImplementedError(f"the server refused echo+logprobs scoring: {_error_text(r)}")
+        lp = (r.json().get("choices") or [{}])[0].get("logprobs") or {}
+        token_lps, tops = lp.get("token_logprobs"), lp.get("top_logprobs")
+        n0 = len(ctx)
+        if not token_lps or not tops or len(token_lps) < n0 + len(cont) or any(v is None for v in token_lps[n0 : n0 + len(cont)]):
+            raise NotImplementedError("the server does not return prompt logprobs with echo=true")
+        lps = [float(v) for v in token_lps[n0 : n0 + len(cont)]]
+        top = tops[n0 : n0 + len(cont)]
+        greedy = [bool(t) and v >= max(t.values()) for v, t in zip(lps, top)]
+        top_ids = top_lps = None
+        if request.top_k:
+            try:
+                rows = [sorted(((int(s.split(":", 1)[1]), float(v)) for s, v in t.items()), key=lambda x: -x[1]) for t in top]
+                top_ids = [[i for i, _ in row][: request.top_k] for row in rows]
+                top_lps = [[v for _, v in row][: request.top_k] for row in rows]
+            except (ValueError, IndexError, AttributeError):
+                top_ids = top_lps = None  # the server ignored return_tokens_as_token_ids
+        return ScoreResult(token_ids=cont, logprobs=lps, greedy=greedy, top_ids=top_ids, top_logprobs=top_lps)
+
+    def info(self) -> dict:
+        info: dict = {"target": "openai", "base_url": self.base_url, "model": self.model_id}
+        r = self._request("GET", "/v1/models")
+        if r.status_code == 200:
+            for card in r.json().get("data") or []:
+                if card.get("id") == self.model_id and card.get("max_model_len"):
+                    info["max_model_len"] = card["max_model_len"]
+        return info
+
+    def close(self) -> None:
+        self._http.close()

@@ -1,0 +1,425 @@
+"""The sweep runner: cells in order, one target launch per cell group, results written atomically.
+
+For every cell: flush the target's prefix cache, run the accuracy suites (only in the cell whose
+concurrency is the sweep's ``accuracy_concurrency``), the load test (every cell; prompts salted with the
+cell key so no cell reuses another's prefixes), and record the KV capacity.  A cell is ``done`` only
+when its ``status`` file says so; a cell that raises is recorded ``failed`` with its error in
+``summary.json`` (and the traceback in ``error.txt``) and the sweep goes on.  ``resume=True`` skips done
+cells and redoes every other one.  What a cell runs comes from a ``CellWork`` (tests inject fakes; the
+default, ``DefaultWork``, calls the suites, the fidelity suite and the load generator).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+from kvbench.harness.client import Client
+from kvbench.harness.matrix import Cell, cell_config, engine_options, expand, groups, select
+from kvbench.harness.store import STATUS_DONE, STATUS_FAILED, RunStore, atomic_write_text, canonical_key
+from kvbench.harness.sweep_config import SuiteSpec, SweepConfig, SweepConfigError
+from kvbench.harness.targets import TargetSession, open_target, reap_stale
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepOutcome:
+    run_dir: Path
+    selected: list[Cell]
+    done: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+class _Display:
+    """A rich progress bar over cells on stderr; ``enabled=None``: one plain line per cell, no bar;
+    ``False``: silent."""
+
+    def __init__(self, total: int, enabled: Optional[bool]):
+        self.enabled = enabled
+        self.progress = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                     TextColumn("{task.description}"), console=Console(stderr=True))
+            self.task = self.progress.add_task("", total=total)
+
+    def __enter__(self):
+        if self.progress:
+            self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.progress:
+            self.progress.__exit__(*exc)
+
+    def phase(self, text: str) -> None:
+        if self.progress:
+            self.progress.update(self.task, description=text)
+
+    def finished(self, line: str) -> None:
+        if self.progress:
+            self.progress.console.print(line)
+            self.progress.advance(self.task)
+        elif self.enabled is None:  # plain lines (no bar)
+            import re
+            import sys
+
+            print(re.sub(r"\[/?[a-z]*\]", "", line), file=sys.stderr, flush=True)
+
+
+def _check_resume(store: RunStore, sweep: SweepConfig) -> dict:
+    old = store.manifest()
+    if old.get("config") != sweep.to_dict():
+        prev, cur = old.get("config") or {}, sweep.to_dict()
+        diff = sorted(k for k in set(prev) | set(cur) if prev.get(k) != cur.get(k))
+        raise SweepConfigError(f"{store.root} was made with a different config (differs in: {', '.join(diff)}); "
+                               "use a new --out directory")
+    return old
+
+
+def _manifest(store: RunStore, sweep: SweepConfig, cells: list[Cell], resume: bool, only: Optional[str]) -> dict:
+    prev = _check_resume(store, sweep) if store.exists() else {}
+    m = manifest_base(sweep)
+    m["created"] = prev.get("created", m["created"])
+    m["cells"] = [{"key": c.key, "label": c.label, "config": c.config, "run_accuracy": c.run_accuracy} for c in cells]
+    m["runs"] = list(prev.get("runs", [])) + [{"started": now_iso(), "resume": resume, "only": only,
+                                                "git": m["git"], "device": m["device"]}]
+    return m
+
+
+def run_sweep(sweep: SweepConfig, out: Path | str, resume: bool = False, only: Optional[str] = None,
+              work: Optional[CellWork] = None, progress: Optional[bool] = True,
+              opener: Callable = open_target) -> SweepOutcome:
+    """Run (or resume) the sweep into ``out``; returns which cells finished, failed or were skipped."""
+    store = RunStore(out)
+    if store.exists() and not resume:
+        raise SweepConfigError(f"{store.root} already holds a run; pass --resume to finish it or choose another --out")
+    all_cells = expand(sweep)
+    cells = select(all_cells, only)
+    manifest = _manifest(store, sweep, all_cells, resume, only)
+    store.write_manifest(manifest)
+    for pgid in reap_stale(store.root / "logs"):
+        log.warning("killed the process group %d of a server left behind by an interrupted sweep", pgid)
+    work = work or DefaultWork(sweep)
+    refs = FidelityRefs(sweep, store.root / "fidelity", opener)
+    outcome = SweepOutcome(store.root, cells)
+    todo = []
+    for c in cells:
+        if store.is_done(c.key):
+            outcome.skipped.append(c.key)
+        else:
+            todo.append(c)
+
+    with _Display(len(todo), progress) as display:
+        for group in groups(todo):
+            _run_group(sweep, store, group, work, refs, opener, display, outcome)
+
+    manifest["runs"][-1].update(finished=now_iso(), done=len(outcome.done), failed=len(outcome.failed),
+                                skipped=len(outcome.skipped))
+    store.write_manifest(manifest)
+    return outcome
+
+
+def _run_group(sweep, store, group, work, refs, opener, display, outcome) -> None:
+    first = group[0]
+    spec = sweep.target(first.config["target"])
+    log_path = store.root / "logs" / f"{first.key}.log"
+    display.phase(f"{first.label}: starting target")
+    try:
+        ctx = opener(spec, first.config, engine_options(sweep, first), log_path)
+        session = ctx.__enter__()
+    except Exception as e:  # the target did not come up: every cell of the group fails with that error
+        err = f"target {spec.name!r} failed to start: {type(e).__name__}: {e}"
+        for cell in group:
+            _record_failure(store, cell, err, traceback.format_exc(), {})
+            outcome.failed.append(cell.key)
+            display.finished(f"[red]failed[/] {cell.label}: {err.splitlines()[0]}")
+        return
+    try:
+        for cell in group:
+            ok = _run_cell(sweep, store, cell, session, work, refs, display)
+            (outcome.done if ok else outcome.failed).append(cell.key)
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def _run_cell(sweep: SweepConfig, store: RunStore, cell: Cell, session: TargetSession, work: CellWork,
+              refs: FidelityRefs, display: _Display) -> bool:
+    d = store.cell_dir(cell.key)
+    for name in _RESULT_FILES:  # a redone cell starts clean
+        (d / name).unlink(missing_ok=True)
+    store.init_cell(cell.key, cell.config, cell.label)
+    t0 = time.monotonic()
+    summary: dict = {"suites": {}, "load": None, "capacity": None, "error": None, "target": session.info}
+    try:
+        session.flush()
+        if cell.run_accuracy and sweep.suites:
+            items: list[dict] = []
+            try:
+                fidelity = refs.for_cell(cell, session)
+                for spec in sweep.suites:
+                    display.phase(f"{cell.label}: {spec.name}")
+                    records, suite_summary = work.suite(spec, session.client, cell, fidelity)
+                    items.extend(records)
+                    summary["suites"][spec.name] = suite_summary
+            finally:  # what finished is kept, also when a later suite fails
+                store.write_items(cell.key, items)
+        if sweep.load.enabled:
+            display.phase(f"{cell.label}: load test")
+            session.flush()
+            load_summary, requests = work.load(session.base_url(), session.model_id, cell)
+            store.write_requests(cell.key, requests)
+            summary["load"] = load_summary
+            if requests and not any(r.get("success") for r in requests):
+                first = next((r.get("error") for r in requests if r.get("error")), "no error text")
+                raise RuntimeError(f"load test: all {len(requests)} requests failed; first error: {first}")
+        summary["capacity"] = session.capacity()
+        if summary["capacity"] is not None:
+            store.write_json(cell.key, "capacity", summary["capacity"])
+        summary["elapsed_s"] = round(time.monotonic() - t0, 3)
+        store.write_json(cell.key, "summary", summary)
+        store.set_status(cell.key, STATUS_DONE)
+        display.finished(f"[green]done[/]   {cell.label} ({summary['elapsed_s']:.1f} s){_brief(summary)}")
+        return True
+    except Exception as e:
+        summary["elapsed_s"] = round(time.monotonic() - t0, 3)
+        err = f"{type(e).__name__}: {e}"
+        _record_failure(store, cell, err, traceback.format_exc(), summary)
+        display.finished(f"[red]failed[/] {cell.label}: {err.splitlines()[0][:200]}")
+        log.warning("cell %s (%s) failed: %s", cell.key, cell.label, err)
+        return False
+    finally:
+        session.log_offset = _copy_log_slice(session.log_path, getattr(session, "log_offset", 0), d / "server.log")
+
+
+_RESULT_FILES = ("items.jsonl", "requests.jsonl", "capacity.json", "summary.json", "error.txt", "server.log")
+
+
+def _record_failure(store: RunStore, cell: Cell, err: str, tb: str, summary: dict) -> None:
+    if store.status(cell.key) is None:
+        store.init_cell(cell.key, cell.config, cell.label)
+    summary = {"suites": {}, "load": None, "capacity": None, **summary, "error": err}
+    atomic_write_text(store.cell_dir(cell.key) / "error.txt", tb)
+    store.write_json(cell.key, "summary", summary)
+    store.set_status(cell.key, STATUS_FAILED)
+
+
+def _copy_log_slice(log_path: Optional[Path], offset: int, dest: Path) -> int:
+    """Copy the target log written since ``offset`` (the launch output goes to the group's first cell)
+    into the cell directory; returns the new offset."""
+    if not log_path or not Path(log_path).exists():
+        return offset
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    atomic_write_text(dest, data.decode("utf-8", errors="replace"))
+    return offset + len(data)
+
+
+def _brief(summary: dict) -> str:
+    parts = []
+    for name, s in summary["suites"].items():
+        if "accuracy" in s:
+            parts.append(f"{name} {s['accuracy']:.3f}")
+        elif "kl_mean" in s:
+            parts.append(f"{name} KL {s['kl_mean']:.2e}")
+    load = summary.get("load") or {}
+    if "output_throughput" in load:
+        parts.append(f"{load['output_throughput']:.1f} out tok/s")
+    return (": " + ", ".join(parts)) if parts else ""
+
+
+# ------------------------------------------------------------------------------ provenance
+_VERSIONED = ("kvbench", "torch", "triton", "transformers", "numpy", "flashinfer-python", "sglang", "vllm", "lm-eval")
+
+
+def now_iso() -> str:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def git_info() -> dict:
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> Optional[str]:
+        try:
+            r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"sha": sha, "dirty": bool(status) if status is not None else None}
+
+
+def package_versions() -> dict:
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def device_info() -> dict:
+    import os
+    import platform
+
+    info: dict = {"host": platform.node(), "platform": platform.platform(), "cpu_count": os.cpu_count()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            info["cuda"] = torch.version.cuda
+    except Exception:  # torch missing or broken: the manifest still gets written
+        pass
+    return info
+
+
+def manifest_base(sweep: SweepConfig) -> dict:
+    import sys
+
+    return {
+        "name": sweep.name, "config": sweep.to_dict(), "config_path": sweep.source, "baseline": sweep.baseline,
+        "command": sys.argv, "git": git_info(), "versions": package_versions(), "device": device_info(),
+        "created": now_iso(),
+    }
+
+
+# ------------------------------------------------------------------------------ cell work
+@dataclass
+class FidelityRef:
+    """How a cell's fidelity suite reaches its reference: ``label`` names the reference configuration
+    (part of the cache key), ``make_client`` opens it (called only on a cache miss; the caller closes
+    the client it gets), ``cache_dir`` is ``RUN/fidelity`` so the reference pass runs once per run."""
+
+    label: str
+    make_client: Callable[[], Client]
+    cache_dir: Path
+
+
+class CellWork(Protocol):
+    """What a cell runs; tests inject fakes, ``DefaultWork`` calls the real suites and load generator."""
+
+    def suite(self, spec: SuiteSpec, client: Client, cell: Cell, fidelity: FidelityRef) -> tuple[list[dict], dict]: ...
+
+    def load(self, base_url: str, model_id: str, cell: Cell) -> tuple[dict, list[dict]]: ...
+
+
+_FIDELITY_KEYS = ("exact", "top_k", "greedy_tokens")
+
+
+class DefaultWork:
+    def __init__(self, sweep: SweepConfig):
+        self.sweep = sweep
+
+    def suite(self, spec: SuiteSpec, client: Client, cell: Cell, fidelity: FidelityRef) -> tuple[list[dict], dict]:
+        from kvbench.suites.base import SuiteOptions
+        from kvbench.suites.registry import FidelityContext, RunContext, run_suite
+
+        params = dict(spec.params)
+        ctx = RunContext()
+        if spec.name == "fidelity":
+            knobs = {k: params.pop(k) for k in _FIDELITY_KEYS if k in params}
+            ctx.fidelity = FidelityContext(fidelity.label, fidelity.make_client, fidelity.cache_dir, **knobs)
+        opts = SuiteOptions(
+            limit=spec.limit, repeats=spec.repeats, data_dir=self.sweep.data_dir, concurrency=cell.concurrency,
+            seed=self.sweep.seed if spec.seed is None else spec.seed, max_tokens=spec.max_tokens,
+            temperature=spec.temperature, progress=False, extra=params,
+        )
+        res = run_suite(spec.name, client, opts, ctx)
+        return res.records, {**res.summary, "source": res.source}
+
+    def load(self, base_url: str, model_id: str, cell: Cell) -> tuple[dict, list[dict]]:
+        from kvbench.harness.loadgen import LoadConfig, run_load
+
+        ld, slo, conc = self.sweep.load, self.sweep.slo, cell.concurrency
+        cfg = LoadConfig(
+            num_prompts=max(ld.num_prompts, ld.prompts_per_concurrency * conc), max_concurrency=conc,
+            request_rate=ld.request_rate, burstiness=ld.burstiness, dataset=ld.dataset, input_len=ld.input_len,
+            output_len=ld.output_len, range_ratio=ld.range_ratio, dataset_path=ld.dataset_path, api=ld.api,
+            ignore_eos=ld.ignore_eos, warmup=ld.warmup, seed=ld.seed, salt=cell.key,
+            slo_ttft_ms=slo.get("ttft_ms"), slo_tpot_ms=slo.get("tpot_ms"), slo_e2el_ms=slo.get("e2el_ms"),
+            metrics_interval_s=ld.metrics_interval_s, timeout_s=ld.timeout_s, progress=False,
+        )
+        return run_load(base_url, model_id, cfg)
+
+
+class _BorrowedClient:
+    """A client handed to code that closes it, whose real owner closes it later (or runs ``on_close``)."""
+
+    def __init__(self, client: Client, on_close: Optional[Callable[[], None]] = None):
+        self._client, self._on_close = client, on_close
+        self.model_id = client.model_id
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    def close(self) -> None:
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
+
+
+class FidelityRefs:
+    """The fidelity reference of each cell: bf16 KV and torch backends for embedded targets (the target's
+    own backends otherwise), same model, target and engine options.  When the cell being run is that
+    configuration its own client serves the reference; otherwise the reference target is opened only
+    when the suite asks (a cache miss) and closed as soon as the suite closes its client."""
+
+    def __init__(self, sweep: SweepConfig, cache_dir: Path, opener: Callable):
+        self.sweep, self.cache_dir, self.opener = sweep, Path(cache_dir), opener
+
+    def reference_cell(self, cell: Cell) -> Cell:
+        c = cell.config
+        embedded = self.sweep.target(c["target"]).type == "embedded"
+        pre, dec = ("torch", "torch") if embedded else (c["prefill_backend"], c["decode_backend"])
+        cfg = cell_config(c["model"], c["target"], pre, dec, "bf16", "unit", c["concurrency"])
+        return Cell(key=canonical_key(cfg), label="fidelity reference", config=cfg, index=-1, run_accuracy=True)
+
+    def for_cell(self, cell: Cell, session: TargetSession) -> FidelityRef:
+        ref = self.reference_cell(cell)
+        ekw = engine_options(self.sweep, ref)
+        desc = {k: v for k, v in ref.config.items() if k != "concurrency"}
+        label = f"{ref.config['model']}:{ref.config['target']}:bf16:{canonical_key({**desc, 'engine': ekw})}"
+
+        def make_client() -> Client:
+            if ref.group == cell.group:
+                return _BorrowedClient(session.client)
+            stack = ExitStack()
+            target = self.sweep.target(ref.config["target"])
+            log_path = self.cache_dir.parent / "logs" / f"reference-{ref.key}.log"
+            ref_session = stack.enter_context(self.opener(target, ref.config, ekw, log_path))
+            return _BorrowedClient(ref_session.client, on_close=stack.close)
+
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        return FidelityRef(label, make_client, self.cache_dir)

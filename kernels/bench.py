@@ -1,0 +1,349 @@
+"""Kernel benchmarks (``kvbench bench kernels``): the Triton KV kernels against the device's copy
+bandwidth and against anchors measured in the same run — flashinfer's paged decode / prefill (bf16 and
+fp8 KV, when importable) and torch's ``scaled_dot_product_attention`` on the dense problem.
+
+Timings are medians (``triton.testing.do_bench``; the append kernels, a few microseconds each, are
+timed as CUDA-graph replays).  Decode bytes = KV read (block scales included) + q + out.  The target
+table of issue 3 is evaluated at the end; ``main`` returns 0 when the run completed (targets missed
+are reported, not errors) and writes ``--out`` (JSON) atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+__all__ = ["Row", "main"]
+
+
+@dataclass
+class Row:
+    name: str
+    us: float
+    gbps: Optional[float] = None
+    pct_copy: Optional[float] = None
+    tflops: Optional[float] = None
+    note: str = ""
+
+    def line(self) -> str:
+        parts = [f"{self.name:<52} {self.us:9.1f} us"]
+        if self.gbps is not None:
+            parts.append(f"{self.gbps:7.0f} GB/s ({self.pct_copy:4.0f}% of copy)")
+        if self.tflops is not None:
+            parts.append(f"{self.tflops:6.0f} TFLOP/s")
+        if self.note:
+            parts.append(self.note)
+        return "  ".join(parts)
+
+
+def _bench(fn: Callable, graph: bool = False) -> float:
+    """Median time of ``fn`` in microseconds."""
+    import triton.testing as tt
+
+    fn()
+    if graph:
+        return 1e3 * tt.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    return 1e3 * tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 2 GiB device-to-device copy (bytes read + bytes written)."""
+    import torch
+
+    n = 1 << 30
+    a = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    t = _bench(lambda: b.copy_(a))
+    del a, b
+    return 2 * 2 * n / (t * 1e-6) / 1e9
+
+
+# ------------------------------------------------------------------------------------ decode
+def _decode_case(fmt, batch, ctx, hq, hk, d, page, gen):
+    import torch
+
+    from kvbench.kernels.check import make_cache, random_page_table
+
+    lens = [ctx] * batch
+    num_pages = batch * (ctx // page) + 2
+    kc, kbs, ks, _ = make_cache(fmt, num_pages, page, hk, d, "cuda", gen)
+    vc, vbs, vs, _ = make_cache(fmt, num_pages, page, hk, d, "cuda", gen)
+    table = random_page_table(lens, page, num_pages, gen, "cuda")
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    kv = dict(k_cache=kc, v_cache=vc, k_scale=ks, v_scale=vs, k_block_scale=kbs, v_block_scale=vbs)
+    nbytes = sum(t.numel() * t.element_size() for t in (kc, vc, kbs, vbs) if t is not None) * (
+        batch * ctx / ((num_pages + 1) * page)) + 2 * q.numel() * 2
+    return q, table, seq, kv, nbytes
+
+
+def bench_decode(copy_gbps, batch=64, ctx=8192, hq=32, hk=8, d=128, page=16, formats=("bf16", "fp8_e4m3", "nvfp4"),
+                 tune=True):
+    import torch
+
+    from kvbench.kernels.decode import paged_decode
+
+    gen = torch.Generator().manual_seed(0)
+    rows, best = [], {}
+    configs = [dict(block_n=bn, num_splits=ns, num_warps=nw) for bn in (32, 64, 128, 256) for ns in (1, 2, 4, 8)
+               for nw in (4, 8)] if tune else [dict()]
+    for fmt in formats:
+        q, table, seq, kv, nbytes = _decode_case(fmt, batch, ctx, hq, hk, d, page, gen)
+        out = torch.empty_like(q)
+        timed = []
+        for cfg in configs:
+            try:
+                t = _bench(lambda: paged_decode(q, page_table=table, seq_lens=seq, kv_format=fmt, out=out, **kv, **cfg))
+                timed.append((t, cfg))
+            except Exception as e:  # a config that does not compile (registers, shared memory) is skipped
+                print(f"  decode {fmt} {cfg}: {type(e).__name__}: {str(e)[:80]}")
+        if not timed:
+            rows.append(Row(f"decode triton {fmt} (every config failed)", float("nan")))
+            continue
+        t, cfg = min(timed, key=lambda x: x[0])
+        gb = nbytes / (t * 1e-6) / 1e9
+        best[fmt] = t
+        rows.append(Row(f"decode triton {fmt} B{batch}x{ctx} {hq}/{hk} D{d} p{page}", t, gb, 100 * gb / copy_gbps,
+                        note=f"best of {len(timed)}: {cfg}"))
+        del kv
+        torch.cuda.empty_cache()
+    return rows, best
+
+
+def bench_flashinfer_decode(copy_gbps, batch=64, ctx=8192, hq=32, hk=8, d=128, page=16):
+    import torch
+
+    try:
+        import flashinfer
+    except Exception as e:  # noqa: BLE001 - any import failure means: no anchor
+        return [Row("decode flashinfer (not importable)", float("nan"), note=str(e)[:80])], {}
+    gen = torch.Generator().manual_seed(1)
+    rows, best = [], {}
+    for fmt in ("bf16", "fp8_e4m3"):
+        q, table, seq, kv, nbytes = _decode_case(fmt, batch, ctx, hq, hk, d, page, gen)
+        npg = ctx // page
+        indptr = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * npg
+        indices = table[:, :npg].reshape(-1).contiguous()
+        last = torch.full((batch,), page, dtype=torch.int32, device="cuda")
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        for tc in (False, True):
+            try:
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+                w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=torch.bfloat16,
+                       kv_data_type=kv["k_cache"].dtype)
+                ks, vs = float(kv["k_scale"][0]), float(kv["v_scale"][0])
+                if fmt == "bf16":
+                    fn = lambda: w.run(q, (kv["k_cache"], kv["v_cache"]))  # noqa: E731
+                else:
+                    fn = lambda: w.run(q, (kv["k_cache"], kv["v_cache"]), k_scale=ks, v_scale=vs)  # noqa: E731
+                t = _bench(fn)
+            except Exception as e:  # noqa: BLE001
+                rows.append(Row(f"decode flashinfer {fmt} tc={tc} (failed)", float("nan"), note=str(e)[:100]))
+                continue
+            gb = nbytes / (t * 1e-6) / 1e9
+            rows.append(Row(f"decode flashinfer {fmt} tc={tc}", t, gb, 100 * gb / copy_gbps))
+            best[fmt] = min(best.get(fmt, float("inf")), t)
+        del kv
+        torch.cuda.empty_cache()
+    return rows, best
+
+
+# ------------------------------------------------------------------------------------ prefill
+def bench_prefill(seq=8192, hq=32, hk=8, d=128, page=16):
+    """Causal 8k prefill (no prefix) vs torch SDPA on the dense problem; then an extend over a cached
+    prefix in bf16 and fp8 (batch 4 × (7168 cached + 1024 new))."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvbench.kernels.check import make_cache, random_page_table
+    from kvbench.kernels.prefill import paged_prefill
+
+    gen = torch.Generator().manual_seed(2)
+    rows, res = [], {}
+    flops = 4 * hq * d * seq * seq / 2
+    qd = torch.randn(1, hq, seq, d, device="cuda", dtype=torch.bfloat16)
+    kd = torch.randn(1, hq, seq, d, device="cuda", dtype=torch.bfloat16)
+    vd = torch.randn(1, hq, seq, d, device="cuda", dtype=torch.bfloat16)
+    t = _bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True))
+    res["sdpa"] = flops / (t * 1e-6) / 1e12
+    rows.append(Row(f"prefill torch SDPA causal {seq} {hq} heads D{d} (dense)", t, tflops=res["sdpa"]))
+    q = torch.randn(seq, hq, d, device="cuda", dtype=torch.bfloat16)
+    kn = torch.randn(seq, hk, d, device="cuda", dtype=torch.bfloat16)
+    vn = torch.randn(seq, hk, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, seq], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([seq], dtype=torch.int32, device="cuda")
+    kc, kbs, ks, _ = make_cache("bf16", seq // page + 2, page, hk, d, "cuda", gen)
+    vc, vbs, vs, _ = make_cache("bf16", seq // page + 2, page, hk, d, "cuda", gen)
+    table = random_page_table([seq], page, seq // page + 2, gen, "cuda")
+    out = torch.empty_like(q)
+    timed = []
+    for bm, bn, nw, ns in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3),
+                           (128, 64, 4, 3)):
+        try:
+            t = _bench(lambda: paged_prefill(q, kn, vn, cu, seq, kc, vc, table, lens, kv_format="bf16", out=out,
+                                             block_m=bm, block_n=bn, num_warps=nw, num_stages=ns))
+            timed.append((t, (bm, bn, nw, ns)))
+        except Exception as e:  # noqa: BLE001
+            print(f"  prefill config {(bm, bn, nw, ns)}: {type(e).__name__}: {str(e)[:80]}")
+    t, cfg = min(timed)
+    res["triton"] = flops / (t * 1e-6) / 1e12
+    rows.append(Row(f"prefill triton causal {seq} {hq}/{hk} D{d} (new tokens only)", t, tflops=res["triton"],
+                    note=f"best of {len(timed)} (BM, BN, warps, stages)={cfg}"))
+    bm, bn, nw, ns = cfg
+    del kc, vc, qd, kd, vd
+    # extend over a quantized prefix
+    b, new, pre = 4, 1024, seq - 1024
+    qx = torch.randn(b * new, hq, d, device="cuda", dtype=torch.bfloat16)
+    knx = torch.randn(b * new, hk, d, device="cuda", dtype=torch.bfloat16)
+    vnx = torch.randn(b * new, hk, d, device="cuda", dtype=torch.bfloat16)
+    cux = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * new
+    lx = torch.full((b,), seq, dtype=torch.int32, device="cuda")
+    outx = torch.empty_like(qx)
+    fl = b * (4 * hq * d * new * pre + 4 * hq * d * new * new / 2)
+    for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
+        npg = b * (seq // page) + 2
+        kc, kbs, ks, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen)
+        vc, vbs, vs, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen)
+        table = random_page_table([seq] * b, page, npg, gen, "cuda")
+        t = _bench(lambda: paged_prefill(qx, knx, vnx, cux, new, kc, vc, table, lx, kv_format=fmt, k_scale=ks,
+                                         v_scale=vs, k_block_scale=kbs, v_block_scale=vbs, out=outx, block_m=bm,
+                                         block_n=bn, num_warps=nw, num_stages=ns))
+        res[f"extend_{fmt}"] = t
+        rows.append(Row(f"extend triton {fmt} prefix B{b}x({pre}+{new})", t, tflops=fl / (t * 1e-6) / 1e12))
+        del kc, vc
+        torch.cuda.empty_cache()
+    return rows, res
+
+
+# ------------------------------------------------------------------------------------- append
+def bench_append(tokens=(1, 16, 128, 512), hq=32, hk=8, d=128, page=16):
+    import torch
+
+    from kvbench.kernels.append import fused_rope_quant_append, quantize_store, unfused_rope_quant_append
+    from kvbench.kernels.check import make_cache
+    from kvbench.kernels.reference import build_cos_sin_cache
+
+    gen = torch.Generator().manual_seed(3)
+    rows, res = [], {}
+    cs = build_cos_sin_cache(8192, d, device="cuda")
+    for t in tokens:
+        q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
+        pos = torch.randint(0, 8192, (t,), device="cuda")
+        npg = 64
+        slots = torch.randperm(npg * page, device="cuda")[:t]
+        kcb, _, _, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen)
+        vcb, _, _, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen)
+        plain = _bench(lambda: quantize_store(k, v, slots, kcb, vcb, kv_format="bf16"), graph=True)
+        rows.append(Row(f"append plain bf16 store T={t}", plain))
+        for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
+            kc, kbs, ks, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen)
+            vc, vbs, vs, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen)
+            args = (q, k, v, pos, slots, cs, kc, vc, ks, vs)
+            kw = dict(kv_format=fmt, k_block_scale=kbs, v_block_scale=vbs)
+            tf = _bench(lambda: fused_rope_quant_append(*args, **kw), graph=True)
+            tu = _bench(lambda: unfused_rope_quant_append(*args, **kw), graph=True)
+            res[(t, fmt)] = (tf, tu, plain)
+            rows.append(Row(f"append fused {fmt} T={t}", tf, note=f"unfused {tu:.1f} us -> {tf / tu:.2f}x; "
+                                                                  f"{tf / plain:.2f}x plain store"))
+    return rows, res
+
+
+# ------------------------------------------------------------------------------------ targets
+def _targets(copy_gbps, dec_rows, dec, fi, pre, app):
+    res = []
+    pct = {r.name.split()[2]: r.pct_copy for r in dec_rows}
+    if "bf16" in pct:
+        res.append(("decode bf16 >= 90% of copy bandwidth", pct["bf16"] >= 90, f"{pct['bf16']:.0f}%"))
+    if "fp8_e4m3" in pct:
+        res.append(("decode fp8 >= 80% of copy bandwidth", pct["fp8_e4m3"] >= 80, f"{pct['fp8_e4m3']:.0f}%"))
+    if "bf16" in dec and "fp8_e4m3" in dec:
+        r = dec["bf16"] / dec["fp8_e4m3"]
+        res.append(("decode fp8 >= 1.8x faster than bf16", r >= 1.8, f"{r:.2f}x"))
+    if "bf16" in dec and "nvfp4" in dec:
+        r = dec["bf16"] / dec["nvfp4"]
+        res.append(("decode nvfp4 >= 2.5x faster than bf16", r >= 2.5, f"{r:.2f}x"))
+    if "bf16" in fi and "bf16" in dec:
+        r = fi["bf16"] / dec["bf16"]
+        res.append(("decode bf16 at least as fast as flashinfer bf16", r >= 1.0, f"{r:.2f}x flashinfer's speed"))
+    if "fp8_e4m3" in fi and "fp8_e4m3" in dec:
+        r = fi["fp8_e4m3"] / dec["fp8_e4m3"]
+        res.append(("decode fp8 >= 2x faster than flashinfer fp8", r >= 2.0, f"{r:.2f}x"))
+    if app:
+        worst_u = max(tf / tu for tf, tu, _ in app.values())
+        res.append(("append fused <= 0.6x unfused (1-512 tokens)", worst_u <= 0.6, f"worst {worst_u:.2f}x"))
+        worst_p = max(tf / p for (t, f), (tf, tu, p) in app.items() if f == "bf16")
+        res.append(("append fused bf16 within 1.3x of a plain bf16 store", worst_p <= 1.3, f"worst {worst_p:.2f}x"))
+    if "sdpa" in pre and "triton" in pre:
+        r = pre["triton"] / pre["sdpa"]
+        res.append(("prefill bf16 >= 0.8x SDPA TFLOP/s", r >= 0.8, f"{r:.2f}x"))
+    if "extend_bf16" in pre and "extend_fp8_e4m3" in pre:
+        r = pre["extend_bf16"] / pre["extend_fp8_e4m3"]
+        res.append(("prefill fp8 prefix >= 0.9x its bf16 speed", r >= 0.9, f"{r:.2f}x"))
+    return res
+
+
+def main(check: bool = False, quick: bool = False, out: Optional[str] = None, flashinfer: bool = True,
+         parts: str = "decode,prefill,append") -> int:
+    """Run the kernel benchmarks on the CUDA device (``check`` first runs the correctness check)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("kvbench bench kernels needs a CUDA device")
+        return 2
+    if check:
+        from kvbench.kernels.check import main as check_main
+
+        rc = check_main(["--quick"] if quick else [])
+        if rc:
+            return rc
+    want = set(parts.split(","))
+    dev = torch.cuda.get_device_name()
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    copy = copy_bandwidth()
+    rows = [Row("device-to-device copy (2 GiB)", 2 * 2 * (1 << 30) / copy / 1e3, copy, 100.0)]
+    dec_rows, dec, fi, pre, app = [], {}, {}, {}, {}
+    if "decode" in want:
+        dec_rows, dec = bench_decode(copy, tune=not quick)
+        rows += dec_rows
+        if flashinfer:
+            fr, fi = bench_flashinfer_decode(copy)
+            rows += fr
+    if "prefill" in want:
+        pr, pre = bench_prefill()
+        rows += pr
+    if "append" in want:
+        ar, app = bench_append()
+        rows += ar
+    tg = _targets(copy, dec_rows, dec, fi, pre, app)
+    print(f"\n## kernel benchmarks — {dev}, torch {torch.__version__}, {stamp}")
+    for r in rows:
+        print(r.line())
+    print("\n## targets")
+    for name, ok, detail in tg:
+        print(f"{'MET ' if ok else 'MISS'}  {name:<55} {detail}")
+    if out:
+        doc = dict(device=dev, date=stamp, torch=torch.__version__, rows=[asdict(r) for r in rows],
+                   targets=[dict(name=n, met=ok, value=v) for n, ok, v in tg])
+        with open(out + ".tmp", "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(out + ".tmp", out)
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m kvbench.kernels.bench")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--parts", default="decode,prefill,append")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    sys.exit(main(a.check, a.quick, a.out, not a.no_flashinfer, a.parts))

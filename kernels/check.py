@@ -1,0 +1,320 @@
+"""Correctness check of the Triton KV kernels against ``reference.py`` on fresh random inputs.
+
+``python -m kvbench.kernels.check`` runs every kernel × format × feature at real shapes on the GPU
+(head_dim 64/128, H_q/H_kv 32/8 and 64/8, pages of 16 and 64, contexts up to 32k, batch up to 256,
+ragged lengths) and exits non-zero on any failure.  The CPU tests use the same case builders at small
+shapes under ``TRITON_INTERPRET=1``.
+
+Rules: inputs are random with outliers and drawn anew for every case; outputs are poisoned (NaN, or
+random bytes for the caches) before each run; errors are ``‖out − ref‖ / ‖ref‖`` against float64 and
+NaN never passes.  Append kernels are compared bit for bit (``exact=True``, the GPU); on the CPU
+interpreter, whose float32→fp8 cast mis-rounds values that round up to a power of two, an fp8 value
+may be exactly half its reference when the reference is a power of two, and nvfp4 codes are then
+checked against the block scale the kernel chose (DESIGN §12).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from kvbench.kernels import reference as R
+from kvbench.kernels.formats import FORMAT_NAMES, get_format, quantize_e2m1, scale_from_amax, unpack_nibbles
+
+__all__ = ["Case", "rel_err", "fp8_mismatch", "nvfp4_mismatch", "check_append", "check_decode", "check_prefill", "main"]
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-3}
+
+
+@dataclass
+class Case:
+    kernel: str
+    label: str
+    err: float
+    tol: float
+    detail: str = ""
+    ok: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ok = math.isfinite(self.err) and self.err <= self.tol
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'}  {self.kernel:<8} {self.label:<58} err {self.err:.2e} (tol {self.tol:.0e}) {self.detail}"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    o, r = out.double(), ref.double()
+    if not torch.isfinite(o).all():
+        return float("inf")
+    return float((o - r).norm() / r.norm().clamp_min(1e-300))
+
+
+def randn_outliers(shape, gen, device, dtype, scale=1.0, frac=1e-3, mult=20.0) -> torch.Tensor:
+    """Gaussian values with a fraction ``frac`` of outliers ``mult`` times larger, drawn on ``device``
+    from a generator seeded by ``gen``."""
+    dg = torch.Generator(device=device).manual_seed(int(torch.randint(1 << 62, (1,), generator=gen)))
+    x = torch.randn(shape, generator=dg, device=device) * scale
+    hit = torch.rand(shape, generator=dg, device=device) < frac
+    return torch.where(hit, x * mult, x).to(dtype)
+
+
+def calibrated_scale(fmt_name: str, x: torch.Tensor) -> torch.Tensor:
+    """Per-kv-head scale from the amax of ``x`` ``[..., H_kv, D]`` (fp32 ``[H_kv]``)."""
+    amax = x.float().abs().flatten(0, -3).amax(dim=(0, 2))
+    return scale_from_amax(fmt_name, amax.cpu()).to(x.device)
+
+
+# ------------------------------------------------------------------------------ comparisons
+def fp8_mismatch(got: torch.Tensor, ref: torch.Tensor, exact: bool) -> int:
+    """Number of fp8 values that differ.  Not exact (CPU interpreter): a neighbour on the grid passes
+    (its float32→fp8 cast double-rounds), and so does half the reference when the reference is a power
+    of two (it rounds those down across the binade)."""
+    if exact:
+        return int((got.view(torch.uint8) != ref.view(torch.uint8)).sum())
+    g, r = got.float(), ref.float()
+    gb, rb = got.view(torch.uint8).int(), ref.view(torch.uint8).int()
+    same_sign = (gb >> 7) == (rb >> 7)
+    neighbour = same_sign & ((gb - rb).abs() <= 1)
+    pow2 = (r != 0) & (torch.exp2(torch.floor(torch.log2(r.abs()))) == r.abs())
+    ok = (g == r) | (torch.isnan(g) & torch.isnan(r)) | neighbour | (pow2 & (g == r / 2))
+    return int((~ok).sum())
+
+
+def nvfp4_mismatch(data, bs, ref_data, ref_bs, src, scale, exact: bool) -> int:
+    """Mismatching bytes + block scales of nvfp4 entries; ``src`` ``[N, H, D]`` is what was quantized."""
+    if exact:
+        return int((data != ref_data).sum()) + fp8_mismatch(bs, ref_bs, True)
+    bad = fp8_mismatch(bs, ref_bs, False)
+    d = src.shape[-1]
+    y = src.float().reshape(*src.shape[:-1], d // 16, 16) / (bs.float()[..., None] * scale.float()[:, None, None])
+    codes = quantize_e2m1(y).reshape(src.shape)
+    return bad + int((unpack_nibbles(data) != codes).sum())
+
+
+def cache_mismatch(fmt: str, got, ref, got_bs, ref_bs, src, slots, scale, exact: bool) -> int:
+    """Compare whole cache planes: rows at ``slots`` as quantized values, every other row unchanged."""
+    hk, dp = got.shape[-2], got.shape[-1]
+    g, r = got.view(-1, hk, dp), ref.view(-1, hk, dp)
+    keep = torch.ones(g.shape[0], dtype=torch.bool, device=g.device)
+    keep[slots] = False
+    bad = int((g[keep].view(torch.uint8) != r[keep].view(torch.uint8)).sum())
+    if fmt == "nvfp4":
+        gb, rb = got_bs.view(-1, hk, got_bs.shape[-1]), ref_bs.view(-1, hk, ref_bs.shape[-1])
+        bad += int((gb[keep].view(torch.uint8) != rb[keep].view(torch.uint8)).sum())
+        return bad + nvfp4_mismatch(g[slots], gb[slots], r[slots], rb[slots], src, scale, exact)
+    if fmt in ("fp8_e4m3", "fp8_e5m2"):
+        return bad + fp8_mismatch(g[slots], r[slots], exact)
+    return bad + plain_mismatch(g[slots], r[slots], exact)
+
+
+def plain_mismatch(got: torch.Tensor, ref: torch.Tensor, exact: bool) -> int:
+    """bf16/fp16/fp32 values: bitwise, or within one bf16 step (the interpreter truncates to bf16)."""
+    if exact or got.dtype != torch.bfloat16:
+        return int((got.view(torch.uint8) != ref.view(torch.uint8)).sum())
+    g, r = got.float(), ref.float()
+    return int(((g - r).abs() > r.abs() * 2**-7).sum())
+
+
+# -------------------------------------------------------------------------------- case builders
+def make_cache(fmt_name, num_pages, page, hk, d, device, gen):
+    """Random stored values in every page (scratch included), as raw bytes: poison for unwritten rows."""
+    fmt = get_format(fmt_name)
+    dp = fmt.packed_dim(d)
+    x = randn_outliers((num_pages + 1, page, hk, d), gen, device, torch.float32)
+    scale = calibrated_scale(fmt_name, x)
+    q = fmt.quantize(x, scale)
+    return q.data.contiguous(), (q.block_scale.contiguous() if q.block_scale is not None else None), scale, dp
+
+
+def random_page_table(lens, page, num_pages, gen, device):
+    per = [max(1, -(-n // page)) for n in lens]
+    width = max(per)
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.full((len(lens), width), num_pages, dtype=torch.int32)
+    at = 0
+    for b, p in enumerate(per):
+        table[b, :p] = perm[at : at + p].to(torch.int32)
+        at += p
+    return table.to(device)
+
+
+def _pages_for(lens, page):
+    return sum(max(1, -(-n // page)) for n in lens) + 2
+
+
+# ----------------------------------------------------------------------------------- runners
+def _tokens(gen, t, heads, d, dtype, device, scale=1.0):
+    return randn_outliers((t, heads, d), gen, device, dtype, scale)
+
+
+def check_append(fmt, t, hq, hk, d, page, *, rot=None, style="neox", dtype=torch.bfloat16, q_fp8=False,
+                 fused=True, device="cuda", seed=0, exact=True) -> Case:
+    from kvbench.kernels.append import fused_rope_quant_append, unfused_rope_quant_append
+
+    gen = torch.Generator().manual_seed(seed)
+    rot = rot or d
+    num_pages = -(-t // page) + 3
+    kc, kbs, _, _ = make_cache(fmt, num_pages, page, hk, d, device, gen)
+    vc, vbs, _, _ = make_cache(fmt, num_pages, page, hk, d, device, gen)
+    q, k, v = (_tokens(gen, t, h, d, dtype, device, s) for h, s in ((hq, 1.0), (hk, 2.0), (hk, 0.5)))
+    ks, vs = calibrated_scale(fmt, k) * 0.8, calibrated_scale(fmt, v)  # 0.8: some values saturate
+    pos = torch.randint(0, 4096, (t,), generator=gen).to(device)
+    slots = torch.randperm(num_pages * page, generator=gen)[:t]
+    slots = torch.where(torch.rand(t, generator=gen) < 0.1, -1, slots).to(device)
+    cs = R.build_cos_sin_cache(4096, rot, device=device)
+    qs = (q.float().abs().amax() / 448).reshape(1).to(device) if q_fp8 else None
+    kw = dict(kv_format=fmt, rotary_dim=rot, rope_style=style, q_scale=qs)
+    # The reference runs on the CPU: torch's CUDA kernels divide by a Python scalar as a multiplication
+    # by its reciprocal (nvfp4's ``amax / 6``), which is not the correctly rounded division of the spec.
+    cpu = [x.cpu() if isinstance(x, torch.Tensor) else x for x in (q, k, v, pos, slots, cs, kc, vc, ks, vs, kbs, vbs, qs)]
+    ref = R.append_reference(*cpu[:10], k_block_scale=cpu[10], v_block_scale=cpu[11], q_scale=cpu[12],
+                             kv_format=fmt, rotary_dim=rot, rope_style=style)
+    ref = tuple(x.to(device) if x is not None else None for x in ref)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kbs2 = kbs.clone() if kbs is not None else None
+    vbs2 = vbs.clone() if vbs is not None else None
+    fn = fused_rope_quant_append if fused else unfused_rope_quant_append
+    out = fn(q, k, v, pos, slots, cs, kc2, vc2, ks, vs, k_block_scale=kbs2, v_block_scale=vbs2, **kw)
+    bad = plain_mismatch(out.q, ref[0], exact) + plain_mismatch(out.k, ref[1], exact)
+    if q_fp8:
+        bad += fp8_mismatch(out.q_fp8, ref[2], exact)
+    keep = slots >= 0
+    src = ref[1][keep]
+    sl = slots[keep].long()
+    bad += cache_mismatch(fmt, kc2, ref[3], kbs2, ref[5], src, sl, ks, exact)
+    bad += cache_mismatch(fmt, vc2, ref[4], vbs2, ref[6], v[keep], sl, vs, exact)
+    label = f"{fmt} T={t} {hq}/{hk} D={d} rot={rot} {style} {str(dtype)[6:]}{' q8' if q_fp8 else ''} {'fused' if fused else 'unfused'}"
+    return Case("append", label, float(bad), 0.0, "mismatches")
+
+
+def _attn_inputs(fmt, lens, hk, d, page, device, gen):
+    num_pages = _pages_for(lens, page)
+    kc, kbs, ks, _ = make_cache(fmt, num_pages, page, hk, d, device, gen)
+    vc, vbs, vs, _ = make_cache(fmt, num_pages, page, hk, d, device, gen)
+    table = random_page_table(lens, page, num_pages, gen, device)
+    return dict(k_cache=kc, v_cache=vc, k_scale=ks, v_scale=vs, k_block_scale=kbs, v_block_scale=vbs), table
+
+
+def _query(gen, shape, dtype, device, q_fp8):
+    q = randn_outliers(shape, gen, device, dtype)
+    if not q_fp8:
+        return q, None
+    qs = (q.float().abs().amax() / 448).reshape(1)
+    return get_format("fp8_e4m3").quantize(q, qs).data, qs
+
+
+def _features(window, sinks, q_fp8):
+    return "".join((f" win={window}" if window else "", " sinks" if sinks else "", " q8" if q_fp8 else ""))
+
+
+def check_decode(fmt, lens, hq, hk, d, page, *, dtype=torch.bfloat16, window=None, sinks=False, q_fp8=False,
+                 device="cuda", seed=0, **launch) -> Case:
+    from kvbench.kernels.decode import paged_decode
+
+    gen = torch.Generator().manual_seed(seed)
+    kv, table = _attn_inputs(fmt, lens, hk, d, page, device, gen)
+    q, qs = _query(gen, (len(lens), hq, d), dtype, device, q_fp8)
+    sk = (torch.randn(hq, generator=gen) * 2).to(device) if sinks else None
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = torch.full((len(lens), hq, d), float("nan"), dtype=dtype, device=device)
+    paged_decode(q, page_table=table, seq_lens=seq_lens, kv_format=fmt, sliding_window=window, sinks=sk,
+                 q_scale=qs, out=out, **kv, **launch)
+    ref = R.decode_reference(q, page_table=table, seq_lens=seq_lens, kv_format=fmt, sliding_window=window,
+                             sinks=sk, q_scale=qs, **kv)
+    label = f"{fmt} B={len(lens)} ctx<={max(lens)} {hq}/{hk} D={d} page={page}{_features(window, sinks, q_fp8)}"
+    return Case("decode", label, rel_err(out, ref), TOL[dtype])
+
+
+def check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype=torch.bfloat16, window=None, sinks=False,
+                  q_fp8=False, device="cuda", seed=0, **launch) -> Case:
+    from kvbench.kernels.prefill import paged_prefill
+
+    gen = torch.Generator().manual_seed(seed)
+    lens = [a + b for a, b in zip(q_lens, prefixes)]
+    kv, table = _attn_inputs(fmt, lens, hk, d, page, device, gen)
+    t = sum(q_lens)
+    q, qs = _query(gen, (t, hq, d), dtype, device, q_fp8)
+    k_new, v_new = _tokens(gen, t, hk, d, dtype, device), _tokens(gen, t, hk, d, dtype, device)
+    sk = (torch.randn(hq, generator=gen) * 2).to(device) if sinks else None
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
+    paged_prefill(q, k_new, v_new, cu, max(q_lens), page_table=table, seq_lens=seq_lens, kv_format=fmt,
+                  sliding_window=window, sinks=sk, q_scale=qs, out=out, **kv, **launch)
+    ref = R.prefill_reference(q, k_new, v_new, cu.cpu(), page_table=table, seq_lens=seq_lens, kv_format=fmt,
+                              sliding_window=window, sinks=sk, q_scale=qs, **kv)
+    label = f"{fmt} new={q_lens} prefix={prefixes} {hq}/{hk} D={d} page={page}{_features(window, sinks, q_fp8)}"
+    return Case("prefill", label, rel_err(out, ref), TOL[dtype])
+
+
+# -------------------------------------------------------------------------------------- GPU run
+def gpu_cases(quick: bool = False):
+    """Every kernel × format × feature at real shapes (a generator of thunks)."""
+    gen = torch.Generator().manual_seed(1234)
+    shapes = [(32, 8, 128, 16), (64, 8, 64, 64)]
+    fmts = FORMAT_NAMES
+    for fmt in fmts:
+        for hq, hk, d, page in shapes:
+            for style, rot in (("neox", d), ("interleaved", d), ("neox", d // 2)):
+                for t in ((1, 512) if not quick else (37,)):
+                    for fused in (True, False):
+                        yield lambda f=fmt, t=t, a=(hq, hk, d, page), s=style, r=rot, fu=fused: check_append(
+                            f, t, *a, rot=r, style=s, fused=fu, q_fp8=(t == 512), seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+    for fmt in fmts:
+        ragged = [int(x) for x in torch.randint(1, 4097, (64,), generator=gen)]
+        many = [int(x) for x in torch.randint(1, 1025, (256,), generator=gen)]
+        for lens, (hq, hk, d, page) in ((ragged, shapes[0]), (many, shapes[1]), ([32768, 17, 20000, 1], shapes[0])):
+            for window, sinks, q8 in ((None, False, False), (1000, True, False), (None, False, True)):
+                yield lambda f=fmt, l=lens, a=(hq, hk, d, page), w=window, s=sinks, q=q8: check_decode(
+                    f, l, *a, window=w, sinks=s, q_fp8=q, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+        for (ql, pre), (hq, hk, d, page) in (
+            (([512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31]), shapes[0]),
+            (([200, 1, 640], [4000, 64, 0]), shapes[1]),
+            (([128, 2048], [32768 - 128, 0]), shapes[0]),
+        ):
+            for window, sinks, q8 in ((None, False, False), (700, True, False), (None, False, True)):
+                yield lambda f=fmt, ql=ql, pre=pre, a=(hq, hk, d, page), w=window, s=sinks, q=q8: check_prefill(
+                    f, ql, pre, *a, window=w, sinks=s, q_fp8=q, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvbench.kernels.check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer append sizes")
+    ap.add_argument("--out", help="also write the results as a Markdown table to this file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: the GPU check needs one (the CPU tests run the same checks at small shapes)")
+        return 2
+    t0 = time.time()
+    results = []
+    for thunk in gpu_cases(args.quick):
+        try:
+            case = thunk()
+        except Exception as e:  # a crash is a failure, reported with the others
+            case = Case("error", repr(e)[:120], float("inf"), 0.0)
+        results.append(case)
+        print(case.line(), flush=True)
+        torch.cuda.empty_cache()
+    failed = [c for c in results if not c.ok]
+    dev = torch.cuda.get_device_name()
+    summary = f"{len(results) - len(failed)}/{len(results)} passed on {dev} in {time.time() - t0:.0f} s"
+    print(summary)
+    if args.out:
+        rows = ["| result | kernel | case | error | tol |", "|---|---|---|---|---|"]
+        rows += [f"| {'PASS' if c.ok else 'FAIL'} | {c.kernel} | {c.label} | {c.err:.2e} {c.detail} | {c.tol:.0e} |" for c in results]
+        with open(args.out + ".tmp", "w") as f:
+            f.write(summary + "\n\n" + "\n".join(rows) + "\n")
+        import os
+
+        os.replace(args.out + ".tmp", args.out)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

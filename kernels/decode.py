@@ -1,0 +1,218 @@
+"""Paged decode attention over the quantized KV cache (Triton, split-K flash-decoding).
+
+One program per (sequence, kv head, split) processes every query head of its GQA group as the rows of
+one ``tl.dot``; K/V tiles are gathered from the pages through the page table and dequantized in
+registers.  fp8: ``k_scale`` is folded into the softmax scale and ``v_scale`` into the final reduce;
+nvfp4: the packed bytes are split into even / odd elements (the query is split the same way), the e2m1
+codes become float16 bit patterns and are multiplied by their e4m3 block scale.  A second small kernel
+merges the splits, adds the attention-sink logit to the denominator and applies ``v_scale``.
+The split count is a launch constant and every split bound is computed on the device from
+``seq_lens``, so one launch configuration serves any lengths (CUDA-graph friendly).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbench.kernels._triton_utils import cache_dot_code, check_cache, format_code, load_nvfp4_tile, load_plain_tile, next_pow2, to_dot
+
+__all__ = ["paged_decode", "default_num_splits"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KC, VC, KBS, VBS, K_SCALE, Q_SCALE, PT, SEQ_LENS, ACC, ML,
+    sm_scale_log2,
+    sq_b, sq_h, skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h, spt_b,
+    sacc_b, sacc_h, sacc_s, sml_b, sml_h, sml_s,
+    window, num_splits,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DP_PAD: tl.constexpr, NB: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    start = seq_len * 0
+    if window > 0:
+        start = tl.maximum(seq_len - window, 0)
+    per = tl.cdiv(tl.cdiv(seq_len - start, num_splits), BLOCK_N) * BLOCK_N
+    lo = start + split * per
+    hi = tl.minimum(lo + per, seq_len)
+
+    g = tl.arange(0, G_PAD)
+    gmask = g < G
+    heads = hk * G + g
+    qk_scale = sm_scale_log2
+    if FMT != 0:
+        qk_scale = qk_scale * tl.load(K_SCALE + hk)
+    if HAS_Q_SCALE:
+        qk_scale = qk_scale * tl.load(Q_SCALE)
+    i = tl.arange(0, DP_PAD)
+    pt_row = PT + b.to(tl.int64) * spt_b
+    n_off = tl.arange(0, BLOCK_N)
+    m_i = tl.full([G_PAD], -1.0e30, tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    if FMT == 2:
+        imask = i < D // 2
+        qrow = Q + b.to(tl.int64) * sq_b + heads[:, None] * sq_h
+        qm = gmask[:, None] & imask[None, :]
+        q_e = to_dot(tl.load(qrow + 2 * i[None, :], mask=qm, other=0.0), DOT)
+        q_o = to_dot(tl.load(qrow + 2 * i[None, :] + 1, mask=qm, other=0.0), DOT)
+        acc_e = tl.zeros([G_PAD, DP_PAD], tl.float32)
+        acc_o = tl.zeros([G_PAD, DP_PAD], tl.float32)
+    else:
+        imask = i < D
+        q = tl.load(Q + b.to(tl.int64) * sq_b + heads[:, None] * sq_h + i[None, :],
+                    mask=gmask[:, None] & imask[None, :], other=0.0)
+        q = to_dot(q, DOT)
+        acc = tl.zeros([G_PAD, DP_PAD], tl.float32)
+
+    for j in range(lo, hi, BLOCK_N):
+        offs = j + n_off
+        tmask = offs < hi
+        page = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64)
+        slot = page * PAGE + (offs % PAGE)
+        if FMT == 2:
+            k_e, k_o = load_nvfp4_tile(KC, KBS, slot, hk, skc_slot, skc_h, skb_slot, skb_h, i, imask, tmask, NB, D // 16, DOT)
+            qk = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
+        else:
+            k = load_plain_tile(KC, slot, hk, skc_slot, skc_h, i, imask, tmask, DOT)
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(tmask[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pd = to_dot(p, DOT)
+        if FMT == 2:
+            v_e, v_o = load_nvfp4_tile(VC, VBS, slot, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask, NB, D // 16, DOT)
+            acc_e = acc_e * alpha[:, None] + tl.dot(pd, v_e)
+            acc_o = acc_o * alpha[:, None] + tl.dot(pd, v_o)
+        else:
+            v = load_plain_tile(VC, slot, hk, svc_slot, svc_h, i, imask, tmask, DOT)
+            acc = acc * alpha[:, None] + tl.dot(pd, v)
+        m_i = m_new
+
+    ml = ML + b.to(tl.int64) * sml_b + heads * sml_h + split * sml_s
+    tl.store(ml, m_i, mask=gmask)
+    tl.store(ml + 1, l_i, mask=gmask)
+    arow = ACC + b.to(tl.int64) * sacc_b + heads[:, None] * sacc_h + split * sacc_s
+    om = gmask[:, None] & imask[None, :]
+    if FMT == 2:
+        tl.store(arow + 2 * i[None, :], acc_e, mask=om)
+        tl.store(arow + 2 * i[None, :] + 1, acc_o, mask=om)
+    else:
+        tl.store(arow + i[None, :], acc, mask=om)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    ACC, ML, OUT, V_SCALE, SINKS,
+    sacc_b, sacc_h, sacc_s, sml_b, sml_h, sml_s, so_b, so_h,
+    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    FMT: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    smask = s < NUM_SPLITS
+    d = tl.arange(0, D_PAD)
+    dmask = d < D
+    ml = ML + b * sml_b + h * sml_h + s * sml_s
+    m = tl.load(ml, mask=smask, other=-1.0e30)
+    l = tl.load(ml + 1, mask=smask, other=0.0)
+    mx = tl.max(m, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        mx = tl.maximum(mx, sink)
+    w = tl.math.exp2(m - mx)
+    denom = tl.sum(l * w, axis=0)
+    if HAS_SINKS:
+        denom += tl.math.exp2(sink - mx)
+    acc = tl.load(ACC + b * sacc_b + h * sacc_h + s[:, None] * sacc_s + d[None, :],
+                  mask=smask[:, None] & dmask[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0)
+    o = tl.where(denom > 0, o / denom, 0.0)
+    if FMT != 0:
+        o = o * tl.load(V_SCALE + h // G)
+    tl.store(OUT + b * so_b + h * so_h + d, o.to(OUT.dtype.element_ty), mask=dmask)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64) -> int:
+    """Enough programs to fill the device about twice, never more splits than tiles."""
+    work = max(batch * num_kv_heads, 1)
+    splits = max(1, math.ceil(2 * num_sms / work))
+    return int(min(splits, max(1, math.ceil(max_seq_len / block_n)), 64))
+
+
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, *,
+    kv_format: str, k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+    k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None, sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
+    q_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
+    block_n: int = 64, num_warps: int = 4, num_stages: int = 2, out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Decode attention: ``q`` ``[B, H_q, D]`` (bf16/fp16/fp32, or float8_e4m3fn with ``q_scale``) over
+    each sequence's ``seq_lens[b]`` cached tokens (including the one just appended) → ``[B, H_q, D]``."""
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [B, H_q, D] with a contiguous last dim, got {tuple(q.shape)}")
+    bsz, hq, d = q.shape
+    kc = check_cache("k", kv_format, k_cache, k_block_scale, k_scale, d)
+    vc = check_cache("v", kv_format, v_cache, v_block_scale, v_scale, d)
+    hk = kc.num_kv_heads
+    if hq % hk:
+        raise ValueError(f"H_q ({hq}) must be a multiple of H_kv ({hk})")
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] < bsz:
+        raise ValueError(f"page_table must be int32 [B, max_pages], got {page_table.dtype} {tuple(page_table.shape)}")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape[0] < bsz:
+        raise ValueError(f"seq_lens must be int32 [B], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    is_fp8_q = q.dtype == torch.float8_e4m3fn
+    if is_fp8_q != (q_scale is not None):
+        raise ValueError("an fp8 q needs q_scale, and q_scale needs an fp8 q")
+    if sinks is not None and sinks.numel() != hq:
+        raise ValueError(f"sinks must have H_q={hq} elements, got {sinks.numel()}")
+    fmt = format_code(kv_format)
+    odt = out_dtype or (torch.bfloat16 if is_fp8_q else q.dtype)
+    out = torch.empty(bsz, hq, d, dtype=odt, device=q.device) if out is None else out
+    if bsz == 0:
+        return out
+    g = hq // hk
+    if num_splits is None:
+        num_splits = default_num_splits(bsz, hk, page_table.shape[1] * kc.page_size, _num_sms(q.device), block_n)
+    acc = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
+    scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
+    dp = d // 2 if fmt == 2 else d
+    _decode_split_kernel[(bsz, hk, num_splits)](
+        q, kc.data, vc.data, kc.bs_ptr, vc.bs_ptr, kc.scale, q_scale if q_scale is not None else kc.scale,
+        page_table, seq_lens, acc, ml, scale,
+        q.stride(0), q.stride(1), kc.slot_stride, kc.head_stride, vc.slot_stride, vc.head_stride,
+        kc.bs_slot_stride, kc.bs_head_stride, vc.bs_slot_stride, vc.bs_head_stride, page_table.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
+        int(sliding_window or 0), num_splits,
+        G=g, G_PAD=max(16, next_pow2(g)), D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size, BLOCK_N=block_n,
+        FMT=fmt, DOT=cache_dot_code(kv_format, odt if is_fp8_q else q.dtype),
+        HAS_Q_SCALE=q_scale is not None, num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_reduce_kernel[(bsz, hq)](
+        acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale,
+        acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2), out.stride(0), out.stride(1),
+        G=g, D=d, D_PAD=next_pow2(d), NUM_SPLITS=num_splits, S_PAD=next_pow2(num_splits), FMT=fmt,
+        HAS_SINKS=sinks is not None, num_warps=4 if d >= 128 else 2,
+    )
+    return out
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count

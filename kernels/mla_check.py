@@ -1,0 +1,328 @@
+"""GPU check and benchmarks of the MLA kernels: ``python -m kvbench.kernels.mla_check [--out DIR] [--quick]``.
+
+1. Measured copy bandwidth (device-to-device clone, bytes read + written).
+2. Checks at DeepSeek-V3 attention shapes (128 heads, kv_lora_rank 512, rope 64, nope 128, v 128) for
+   every cache format: fused append bit-exact against kernels/formats.py on the latent part (the RoPE
+   part computed in float32 may differ from float64 RoPE by an ulp, so a tiny fraction of its codes may
+   sit one step away) and identical to the unfused path; decode and prefill/extend of ragged batches
+   (contexts to 32k) against the non-absorbed float64 reference (‖out−ref‖/‖ref‖, outputs poisoned).
+3. Benchmarks: a small tile sweep at batch 64 × 8192, decode µs and GB/s at batch 1–128 × 1k–32k,
+   fused vs unfused append.  Prints Markdown tables; with ``--out`` writes ``mla_check.json`` and
+   ``mla_check.md`` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import sys
+import traceback
+
+import torch
+
+from kvbench.kernels.formats import get_format
+from kvbench.kernels.mla import LatentCache, LatentLayout, absorb_query, rope_cos_sin_cache, unabsorb_output
+from kvbench.kernels.mla_append import mla_append, mla_append_unfused
+from kvbench.kernels.mla_decode import mla_decode
+from kvbench.kernels.mla_prefill import mla_prefill
+from kvbench.kernels.mla_reference import ref_append_rows, ref_decode, ref_prefill, sequence_slots
+
+H, RANK, ROPE, NOPE, VD, PAGE = 128, 512, 64, 128, 128, 64
+FORMATS = ("bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+SM = (NOPE + ROPE) ** -0.5
+
+
+def _bench(fn, ms: int = 200) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=ms, return_mode="median")) * 1e3  # µs
+
+
+def copy_bandwidth(dev) -> float:
+    x = torch.empty(1 << 29, dtype=torch.uint8, device=dev).random_()  # 512 MiB
+    y = torch.empty_like(x)
+    us = _bench(lambda: y.copy_(x))
+    return 2 * x.numel() / (us * 1e-6) / 1e9
+
+
+def _cache_for(kv_dtype, lens, gen, dev, k_scale=0.02):
+    lay = LatentLayout(RANK, ROPE, kv_dtype)
+    pages = [math.ceil(n / PAGE) for n in lens]
+    cache = LatentCache.allocate(lay, sum(pages) + 1, PAGE, device=dev, k_scale=1.0 if kv_dtype == "bf16" else k_scale)
+    cache.data.view(torch.uint8).fill_(0xFF)  # NaN everywhere a kernel should not read
+    if cache.block_scale is not None:
+        cache.block_scale.view(torch.uint8).fill_(0xFF)
+    perm = torch.randperm(sum(pages), generator=gen).int()
+    pt = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    off = 0
+    for i, k in enumerate(pages):
+        pt[i, :k] = perm[off : off + k]
+        off += k
+    return cache, pt.to(dev)
+
+
+def _fill(cache, pt, lens, gen, dev):
+    fmt = get_format(cache.layout.kv_dtype)
+    for b, n in enumerate(lens):
+        if n:
+            slots = sequence_slots(pt[b], n, PAGE)
+            q = fmt.quantize(torch.randn(n, RANK + ROPE, generator=gen).to(dev) * 2, cache.k_scale[0])
+            cache.data.view(-1, cache.layout.packed_dim)[slots] = q.data
+            if q.block_scale is not None:
+                cache.block_scale.view(-1, (RANK + ROPE) // 16)[slots] = q.block_scale
+
+
+def _weights(gen, dev):
+    w_uk = (torch.randn(H, NOPE, RANK, generator=gen) / math.sqrt(RANK)).to(dev)
+    w_uv = (torch.randn(H, VD, RANK, generator=gen) / math.sqrt(RANK)).to(dev)
+    return w_uk, w_uv
+
+
+def _rel(out, ref) -> float:
+    out = out.double()
+    if torch.isnan(out).any():
+        return float("nan")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def check_append(kv_dtype, dev, gen) -> dict:
+    t = 4096
+    lay = LatentLayout(RANK, ROPE, kv_dtype)
+    c = (torch.randn(t, RANK, generator=gen) * 3).to(dev, torch.bfloat16)
+    k = (torch.randn(t, ROPE, generator=gen) * 3).to(dev, torch.bfloat16)
+    q = torch.randn(t, H, ROPE, generator=gen).to(dev, torch.bfloat16)
+    pos = torch.randint(0, 30000, (t,), generator=gen).to(dev)
+    cs = rope_cos_sin_cache(32768, ROPE, device=dev)
+    slots = torch.randperm(t + 100, generator=gen)[:t].to(dev)
+    slots[::17] = -1
+    res = {}
+    caches = []
+    for fn in (mla_append, mla_append_unfused):
+        cache = LatentCache.allocate(lay, (t + 100) // PAGE + 2, PAGE, device=dev, k_scale=0.01 if kv_dtype != "bf16" else 1.0)
+        cache.data.view(torch.uint8).fill_(0xFF)
+        if cache.block_scale is not None:
+            cache.block_scale.view(torch.uint8).fill_(0xFF)
+        fn(c, k, q, pos, cs, slots, cache, rope_style="interleaved")
+        caches.append(cache)
+    keep = slots >= 0
+    _, ref = ref_append_rows(c[keep].float(), k[keep].float(), pos[keep], cs, kv_dtype, caches[0].k_scale[0], "interleaved")
+    got = caches[0].data.view(-1, lay.packed_dim)[slots[keep]].view(torch.uint8)
+    rd = ref.data.view(torch.uint8)
+    lb = RANK // 2 if kv_dtype == "nvfp4" else RANK * (2 if kv_dtype == "bf16" else 1)
+    gb = got.reshape(got.shape[0], -1)
+    rb = rd.reshape(rd.shape[0], -1)
+    res["latent_bit_exact"] = bool(torch.equal(gb[:, :lb], rb[:, :lb]))
+    res["rope_bytes_differing"] = float((gb[:, lb:] != rb[:, lb:]).float().mean().item())
+    if ref.block_scale is not None:
+        gs = caches[0].block_scale.view(-1, (RANK + ROPE) // 16)[slots[keep]].view(torch.uint8)
+        res["latent_block_scales_bit_exact"] = bool(torch.equal(gs[:, : RANK // 16], ref.block_scale.view(torch.uint8)[:, : RANK // 16]))
+    untouched = torch.ones(caches[0].data.view(-1, lay.packed_dim).shape[0], dtype=torch.bool, device=dev)
+    untouched[slots[keep]] = False
+    res["skipped_slots_untouched"] = bool((caches[0].data.view(-1, lay.packed_dim)[untouched].view(torch.uint8) == 0xFF).all())
+    res["fused_equals_unfused_frac"] = float((caches[0].data.view(torch.uint8) == caches[1].data.view(torch.uint8)).float().mean().item())
+    res["pass"] = (res["latent_bit_exact"] and res["rope_bytes_differing"] < 1e-3 and res["skipped_slots_untouched"]
+                   and res.get("latent_block_scales_bit_exact", True))
+    return res
+
+
+def check_decode(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768)) -> dict:
+    lens = list(lens)
+    cache, pt = _cache_for(kv_dtype, lens, gen, dev)
+    _fill(cache, pt, lens, gen, dev)
+    w_uk, w_uv = _weights(gen, dev)
+    b = len(lens)
+    qn = torch.randn(b, H, NOPE, generator=gen).to(dev)
+    qp = torch.randn(b, H, ROPE, generator=gen).to(dev)
+    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+    ql = absorb_query(qn, w_uk).bfloat16()
+    out = torch.full((b, H, RANK), float("nan"), dtype=torch.bfloat16, device=dev)
+    o = mla_decode(ql, qp.bfloat16(), cache, pt, sl, SM, out=out)
+    ref = ref_decode(qn, qp.bfloat16().double(), cache, pt, sl, w_uk, w_uv, SM)
+    err = _rel(unabsorb_output(o.double(), w_uv.double()), ref)
+    return {"rel_err": err, "pass": bool(err < 2e-2)}
+
+
+def check_prefill(kv_dtype, dev, gen, prefix=(0, 1000, 5000, 16), new=(300, 64, 17, 1)) -> dict:
+    lens = [p + n for p, n in zip(prefix, new)]
+    cache, pt = _cache_for(kv_dtype, lens, gen, dev)
+    _fill(cache, pt, list(prefix), gen, dev)
+    w_uk, w_uv = _weights(gen, dev)
+    t = sum(new)
+    cu = torch.zeros(len(new) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(new), 0)
+    cu = cu.to(dev)
+    qn = torch.randn(t, H, NOPE, generator=gen).to(dev)
+    qp = torch.randn(t, H, ROPE, generator=gen).to(dev).bfloat16()
+    cn = (torch.randn(t, RANK, generator=gen) * 2).to(dev).bfloat16()
+    kn = (torch.randn(t, ROPE, generator=gen) * 2).to(dev).bfloat16()
+    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+    out = torch.full((t, H, RANK), float("nan"), dtype=torch.bfloat16, device=dev)
+    o = mla_prefill(absorb_query(qn, w_uk).bfloat16(), qp, cn, kn, cache, pt, sl, cu, SM, out=out)
+    ref = ref_prefill(qn, qp, cn, kn, cache, pt, sl, cu, w_uk, w_uv, SM)
+    err = _rel(unabsorb_output(o.double(), w_uv.double()), ref)
+    return {"rel_err": err, "pass": bool(err < 2e-2)}
+
+
+def _decode_setup(kv_dtype, batch, ctx, dev, gen):
+    lens = [ctx] * batch
+    cache, pt = _cache_for(kv_dtype, lens, gen, dev)
+    fmt = get_format(kv_dtype)
+    rows = fmt.quantize(torch.randn(1024, RANK + ROPE, device=dev) * 2, cache.k_scale[0])  # real-looking bytes
+    n = cache.data.shape[0] * PAGE
+    idx = torch.arange(n, device=dev) % 1024
+    cache.data.view(-1, cache.layout.packed_dim).copy_(rows.data[idx])
+    if rows.block_scale is not None:
+        cache.block_scale.view(-1, (RANK + ROPE) // 16).copy_(rows.block_scale[idx])
+    ql = torch.randn(batch, H, RANK, device=dev, dtype=torch.bfloat16)
+    qp = torch.randn(batch, H, ROPE, device=dev, dtype=torch.bfloat16)
+    sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    bytes_read = batch * ctx * (RANK + ROPE) * fmt.bytes_per_element
+    return cache, pt, ql, qp, sl, bytes_read
+
+
+DECODE_CONFIGS = [  # (block_h, block_n, num_warps, num_stages)
+    (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 4, 3), (32, 32, 4, 2), (32, 64, 4, 2), (16, 64, 4, 2),
+]
+
+
+def tune_decode(kv_dtype, dev, gen, batch=64, ctx=8192) -> tuple[dict, list]:
+    cache, pt, ql, qp, sl, nbytes = _decode_setup(kv_dtype, batch, ctx, dev, gen)
+    rows, best = [], None
+    for bh, bn, nw, ns in DECODE_CONFIGS:
+        kw = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, max_seq_len=ctx)
+        try:
+            us = _bench(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw))
+        except Exception as e:  # out of shared memory / registers for this tile: record and go on
+            rows.append({"config": kw, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        rows.append({"config": kw, "us": us, "GBps": nbytes / (us * 1e-6) / 1e9})
+        if best is None or us < best[1]:
+            best = (kw, us)
+    del cache
+    return (best[0] if best else dict(max_seq_len=ctx)), rows
+
+
+def bench_decode(kv_dtype, cfg, dev, gen, batches, ctxs) -> list:
+    out = []
+    for b in batches:
+        for ctx in ctxs:
+            cache, pt, ql, qp, sl, nbytes = _decode_setup(kv_dtype, b, ctx, dev, gen)
+            kw = dict(cfg, max_seq_len=ctx)
+            us = _bench(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw), ms=100)
+            flops = 2 * b * H * ctx * (2 * RANK + ROPE)
+            out.append({"format": kv_dtype, "batch": b, "ctx": ctx, "us": us, "GBps": nbytes / (us * 1e-6) / 1e9,
+                        "TFLOPs": flops / (us * 1e-6) / 1e12})
+            del cache
+    return out
+
+
+def bench_append(kv_dtype, dev, gen, tokens=(64, 4096)) -> list:
+    out = []
+    lay = LatentLayout(RANK, ROPE, kv_dtype)
+    cs = rope_cos_sin_cache(32768, ROPE, device=dev)
+    for t in tokens:
+        c = torch.randn(t, RANK, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(t, ROPE, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(t, H, ROPE, device=dev, dtype=torch.bfloat16)
+        pos = torch.randint(0, 30000, (t,), device=dev)
+        slots = torch.randperm(t, device=dev)
+        cache = LatentCache.allocate(lay, t // PAGE + 2, PAGE, device=dev, k_scale=0.01)
+        fu = _bench(lambda: mla_append(c, k, q, pos, cs, slots, cache), ms=100)
+        un = _bench(lambda: mla_append_unfused(c, k, q, pos, cs, slots, cache), ms=100)
+        out.append({"format": kv_dtype, "tokens": t, "fused_us": fu, "unfused_us": un, "ratio": fu / un})
+    return out
+
+
+def _md(report: dict) -> str:
+    L = [f"Device: {report['device']}; torch {report['torch']}, triton {report['triton']}; {report['date']}.",
+         f"Copy bandwidth (read + write): {report['copy_GBps']:.0f} GB/s.", "",
+         "| check | " + " | ".join(FORMATS) + " |", "|---|" + "---|" * len(FORMATS)]
+    for name in ("append", "decode", "prefill"):
+        cells = []
+        for f in FORMATS:
+            r = report["checks"].get(f, {}).get(name, {})
+            if "error" in r:
+                cells.append("ERROR")
+            elif "rel_err" in r:
+                cells.append(f"{'pass' if r['pass'] else 'FAIL'} ({r['rel_err']:.1e})")
+            else:
+                cells.append(("pass" if r.get("pass") else "FAIL") + (f" (rope bytes off {r['rope_bytes_differing']:.1e})" if r else ""))
+        L.append(f"| {name} | " + " | ".join(cells) + " |")
+    L += ["", "Decode (absorbed, bf16 q, H=128, latent 512+64, page 64); GB/s = cache bytes read / time, % of copy bandwidth:", "",
+          "| format | batch | context | µs | GB/s | % copy | TFLOP/s |", "|---|---|---|---|---|---|---|"]
+    for r in report["decode"]:
+        L.append(f"| {r['format']} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {r['GBps']:.0f} | "
+                 f"{100 * r['GBps'] / report['copy_GBps']:.0f}% | {r['TFLOPs']:.0f} |")
+    L += ["", "Append (H=128 q_pe heads): fused Triton vs unfused torch (RoPE, formats.quantize, indexed store):", "",
+          "| format | tokens | fused µs | unfused µs | fused / unfused |", "|---|---|---|---|---|"]
+    for r in report["append"]:
+        L.append(f"| {r['format']} | {r['tokens']} | {r['fused_us']:.1f} | {r['unfused_us']:.1f} | {r['ratio']:.2f} |")
+    return "\n".join(L) + "\n"
+
+
+def _guard(fn, *a, **k):
+    try:
+        return fn(*a, **k)
+    except Exception as e:
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"[:300], "pass": False}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvbench.kernels.mla_check", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="directory for mla_check.json and mla_check.md")
+    ap.add_argument("--quick", action="store_true", help="smaller benchmark grid")
+    ap.add_argument("--skip-checks", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("mla_check needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
+              "date": _dt.date.today().isoformat(), "checks": {}, "decode": [], "tuning": {}, "append": []}
+    report["copy_GBps"] = copy_bandwidth(dev)
+    print(f"copy bandwidth {report['copy_GBps']:.0f} GB/s", flush=True)
+    ok = True
+    if not args.skip_checks:
+        for f in FORMATS:
+            r = {"append": _guard(check_append, f, dev, gen), "decode": _guard(check_decode, f, dev, gen),
+                 "prefill": _guard(check_prefill, f, dev, gen)}
+            report["checks"][f] = r
+            ok &= all(x.get("pass") for x in r.values())
+            print(f, json.dumps(r), flush=True)
+            torch.cuda.empty_cache()
+    batches = (1, 64, 128) if args.quick else (1, 8, 32, 64, 128)
+    ctxs = (1024, 8192, 32768) if args.quick else (1024, 4096, 8192, 32768)
+    for f in ("bf16", "fp8_e4m3", "nvfp4"):
+        tuned = _guard(tune_decode, f, dev, gen)
+        best, rows = tuned if isinstance(tuned, tuple) else ({}, [tuned])
+        report["tuning"][f] = rows
+        print("tuning", f, json.dumps(rows), flush=True)
+        res = _guard(bench_decode, f, {k: v for k, v in best.items() if k != "max_seq_len"}, dev, gen, batches, ctxs)
+        if isinstance(res, list):
+            report["decode"] += res
+        torch.cuda.empty_cache()
+        res = _guard(bench_append, f, dev, gen)
+        if isinstance(res, list):
+            report["append"] += res
+    md = _md(report)
+    print(md)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "mla_check.json.tmp"), "w") as fh:
+            json.dump(report, fh, indent=1)
+        os.replace(os.path.join(args.out, "mla_check.json.tmp"), os.path.join(args.out, "mla_check.json"))
+        with open(os.path.join(args.out, "mla_check.md.tmp"), "w") as fh:
+            fh.write(md)
+        os.replace(os.path.join(args.out, "mla_check.md.tmp"), os.path.join(args.out, "mla_check.md"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""MLA prefill / extend in the absorbed form (Triton).
+
+The new tokens of a sequence attend, causally, to its cached prefix — read from the quantized latent
+pages and dequantized in registers, with no dequantized workspace — and to their own latent and rope
+keys in compute precision (not round-tripped through the cache format; DESIGN "attention semantics").
+All heads share the latent (one KV head), so a program's rows are (token, head) pairs: ``TB`` tokens ×
+``HB`` heads, each latent tile serving every row.  Output is ``o_lat [T, H, rank]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from kvbench.kernels.mla import LatentCache
+from kvbench.kernels.mla_common import check_cache, check_paging, load_latent_tile, tl_dtype
+
+
+@triton.jit
+def _attend_tile(acc, m, l, ql, qp, c, kpe, visible, scale, vscale, DT: tl.constexpr):
+    s = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(kpe))
+    s = tl.where(visible, s * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot((p * vscale).to(DT), c)
+    return acc, m_new, l
+
+
+@triton.jit
+def _mla_prefill_kernel(
+    QL, QP, CN, KN, KV, BS, KSCALE, QSCALE, PT, SL, CU, OUT,
+    sm_scale_log2,
+    stride_lt, stride_lh, stride_pt_, stride_ph, stride_ct, stride_kt, stride_tab, stride_ot, stride_oh,
+    H,
+    PAGE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, TB: tl.constexpr, HB: tl.constexpr,
+    BLOCK_N: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr, Q_FP8: tl.constexpr,
+):
+    tb = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    hg = tl.program_id(2)
+    q0 = tl.load(CU + b)
+    q_len = tl.load(CU + b + 1) - q0
+    if tb * TB < q_len:
+        prefix = tl.load(SL + b) - q_len
+        r = tl.arange(0, TB * HB)
+        tt = tb * TB + r // HB
+        hh = hg * HB + r % HB
+        rm = (tt < q_len) & (hh < H)
+        tok = (q0 + tl.where(rm, tt, 0)).to(tl.int64)
+        hs = tl.where(rm, hh, 0).to(tl.int64)
+        dr = tl.arange(0, RANK)
+        dp = tl.arange(0, ROPE)
+        ql = tl.load(QL + tok[:, None] * stride_lt + hs[:, None] * stride_lh + dr[None, :]).to(DT)
+        qp = tl.load(QP + tok[:, None] * stride_pt_ + hs[:, None] * stride_ph + dp[None, :]).to(DT)
+        scale = sm_scale_log2
+        if Q_FP8:
+            scale = scale * tl.load(QSCALE)
+        kscale = tl.load(KSCALE)
+        m = tl.full([TB * HB], float("-inf"), tl.float32)
+        l = tl.zeros([TB * HB], tl.float32)
+        acc = tl.zeros([TB * HB, RANK], tl.float32)
+        # Cached prefix, from the pages (every prefix token precedes every new token).
+        for n0 in range(0, prefix, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            nm = pos < prefix
+            page = tl.load(PT + b * stride_tab + pos // PAGE, mask=nm, other=0).to(tl.int64)
+            c, kpe = load_latent_tile(KV, BS, page * PAGE + pos % PAGE, nm, RANK, ROPE, FMT, DT)
+            acc, m, l = _attend_tile(acc, m, l, ql, qp, c, kpe, nm[None, :], scale * kscale, kscale, DT)
+        # The new tokens themselves, causally, in compute precision.
+        hi = tl.minimum(q_len, (tb + 1) * TB)
+        for n0 in range(0, hi, BLOCK_N):
+            j = n0 + tl.arange(0, BLOCK_N)
+            jm = j < hi
+            jt = (q0 + tl.where(jm, j, 0)).to(tl.int64)
+            c = tl.load(CN + jt[:, None] * stride_ct + dr[None, :], mask=jm[:, None], other=0.0).to(DT)
+            kpe = tl.load(KN + jt[:, None] * stride_kt + dp[None, :], mask=jm[:, None], other=0.0).to(DT)
+            vis = jm[None, :] & (j[None, :] <= tt[:, None])
+            acc, m, l = _attend_tile(acc, m, l, ql, qp, c, kpe, vis, scale, 1.0, DT)
+        out = acc / l[:, None]
+        tl.store(OUT + tok[:, None] * stride_ot + hs[:, None] * stride_oh + dr[None, :], out.to(OUT.dtype.element_ty), mask=rm[:, None])
+
+
+def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_lens, cu_seqlens_q, sm_scale: float, *,
+                max_q_len: int | None = None, q_scale=None, block_m: int = 64, heads_per_block: int = 16,
+                block_n: int = 32, num_warps: int = 4, num_stages: int = 2, out=None):
+    """Absorbed MLA prefill/extend over ragged batches.
+
+    ``q_lat [T, H, rank]``, ``q_pe [T, H, rope]`` (RoPE applied; or both fp8 e4m3 with ``q_scale``),
+    ``c_kv [T, rank]`` and ``k_pe [T, rope]`` (RoPE applied) are the new tokens in compute precision,
+    sequence ``i`` owning rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``; ``seq_lens`` counts cached prefix
+    plus new tokens.  The new latent must already be appended (or be appended in the same step): only the
+    prefix is read from the pages.  Returns ``o_lat [T, H, rank]``.
+    """
+    import torch
+
+    fmt = check_cache(cache)
+    lay = cache.layout
+    dev = cache.data.device
+    if q_lat.dim() != 3 or q_lat.shape[2] != lay.kv_lora_rank:
+        raise ValueError(f"q_lat must be [T, H, {lay.kv_lora_rank}], got {tuple(q_lat.shape)}")
+    t, h = q_lat.shape[:2]
+    if tuple(q_pe.shape) != (t, h, lay.rope_dim) or q_pe.dtype != q_lat.dtype:
+        raise ValueError(f"q_pe must be [T={t}, H={h}, {lay.rope_dim}] of q_lat's dtype")
+    if tuple(c_kv.shape) != (t, lay.kv_lora_rank) or tuple(k_pe.shape) != (t, lay.rope_dim):
+        raise ValueError(f"c_kv must be [T={t}, {lay.kv_lora_rank}] and k_pe [T={t}, {lay.rope_dim}]")
+    for x in (q_lat, q_pe, c_kv, k_pe, cu_seqlens_q):
+        if x.device != dev:
+            raise ValueError("all inputs must be on the cache's device")
+    if q_lat.stride(2) != 1 or q_pe.stride(2) != 1 or c_kv.stride(1) != 1 or k_pe.stride(1) != 1:
+        raise ValueError("inputs must be contiguous in their last dimension")
+    b = page_table.shape[0]
+    check_paging(page_table, seq_lens, b, dev)
+    if cu_seqlens_q.dtype != torch.int32 or tuple(cu_seqlens_q.shape) != (b + 1,):
+        raise ValueError(f"cu_seqlens_q must be int32 [batch + 1 = {b + 1}]")
+    q_fp8 = q_lat.dtype == torch.float8_e4m3fn
+    if q_fp8 and (q_scale is None or q_scale.dtype != torch.float32):
+        raise ValueError("fp8 queries need q_scale, an fp32 tensor [1]")
+    cdt = c_kv.dtype if q_fp8 else q_lat.dtype
+    # fp8 queries: dot operands in fp16 (fp8 / e2m1·e4m3 values are exact in it) unless the cache is bf16.
+    dt = tl_dtype(torch.bfloat16 if cache.data.dtype == torch.bfloat16 else torch.float16) if q_fp8 else tl_dtype(cdt)
+    if out is None:
+        out = torch.empty(t, h, lay.kv_lora_rank, dtype=cdt, device=dev)
+    if t == 0 or b == 0:
+        return out
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    hb = min(triton.next_power_of_2(h), heads_per_block, block_m)
+    tb = max(1, block_m // hb)
+    grid = (triton.cdiv(max_q_len, tb), b, triton.cdiv(h, hb))
+    bs = cache.block_scale if cache.block_scale is not None else cache.data
+    qs = q_scale if q_fp8 else cache.k_scale
+    _mla_prefill_kernel[grid](
+        q_lat, q_pe, c_kv, k_pe, cache.data, bs, cache.k_scale, qs, page_table, seq_lens, cu_seqlens_q, out,
+        float(sm_scale) * math.log2(math.e),
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), c_kv.stride(0), k_pe.stride(0),
+        page_table.stride(0), out.stride(0), out.stride(1),
+        h,
+        PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, TB=tb, HB=hb, BLOCK_N=block_n,
+        FMT=fmt, DT=dt, Q_FP8=q_fp8, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,254 @@
+"""Paged prefill / extend attention over a quantized prefix (Triton).
+
+New tokens of several sequences come packed (``cu_seqlens_q``).  Each program takes ``BLOCK_M`` new
+tokens of one sequence and one query head and runs causal flash attention in two phases:
+
+1. the cached prefix ``[0, seq_len − q_len)``, gathered tile by tile from the pages through the page
+   table and dequantized in registers (fp8: ``k_scale`` folded into the logit scale, ``v_scale`` applied
+   to each tile's ``P·V``; nvfp4: even / odd element tiles with their e4m3 block scales) — no
+   dequantized copy of the cache is ever written;
+2. the new tokens themselves, read from ``k_new`` / ``v_new`` in compute precision (the append kernel
+   wrote their quantized copy to the pages in the same step), with the causal mask on the diagonal
+   tiles only.
+
+Sliding window and attention sinks follow ``reference.py``'s conventions.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbench.kernels._triton_utils import (
+    cache_dot_code,
+    check_cache,
+    dot_code,
+    format_code,
+    load_nvfp4_tile,
+    load_plain_tile,
+    next_pow2,
+    to_dot,
+)
+
+__all__ = ["paged_prefill"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_new(KN, tok, hk, s_t, s_h, i, imask, tmask, SPLIT: tl.constexpr, DOT: tl.constexpr):
+    base = KN + tok[:, None] * s_t + hk * s_h
+    m = tmask[:, None] & imask[None, :]
+    if SPLIT:
+        a = to_dot(tl.load(base + 2 * i[None, :], mask=m, other=0.0), DOT)
+        b = to_dot(tl.load(base + 2 * i[None, :] + 1, mask=m, other=0.0), DOT)
+    else:
+        a = to_dot(tl.load(base + i[None, :], mask=m, other=0.0), DOT)
+        b = a
+    return a, b
+
+
+@triton.jit
+def _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask, scale, vscale,
+            SPLIT: tl.constexpr, DOT: tl.constexpr, SCALE_V: tl.constexpr, MASKED: tl.constexpr):
+    qk = tl.dot(q_a, tl.trans(k_a))
+    if SPLIT:
+        qk += tl.dot(q_b, tl.trans(k_b))
+    qk = qk * scale
+    if MASKED:
+        qk = tl.where(mask, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if SCALE_V:
+        p = p * vscale
+    pd = to_dot(p, DOT)
+    acc_a = acc_a * alpha[:, None] + tl.dot(pd, v_a)
+    if SPLIT:
+        acc_b = acc_b * alpha[:, None] + tl.dot(pd, v_b)
+    return acc_a, acc_b, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, KN, VN, KC, VC, KBS, VBS, K_SCALE, V_SCALE, Q_SCALE, SINKS, PT, SEQ_LENS, CU_Q, OUT,
+    sm_scale_log2,
+    sq_t, sq_h, skn_t, skn_h, svn_t, svn_h, so_t, so_h,
+    skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h, spt_b,
+    window,
+    G: tl.constexpr, D: tl.constexpr, DP_PAD: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, DOT_P: tl.constexpr,
+    HAS_Q_SCALE: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(CU_Q + b)
+    q_len = tl.load(CU_Q + b + 1) - q_start
+    if mb * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(SEQ_LENS + b)
+    prefix = seq_len - q_len
+    hk = h // G
+    SPLIT: tl.constexpr = FMT == 2
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len
+    tok = (q_start + rows).to(tl.int64)
+    i = tl.arange(0, DP_PAD)
+    if SPLIT:
+        imask = i < D // 2
+    else:
+        imask = i < D
+    q_a, q_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT)
+    if DOT_P == DOT:
+        qp_a = q_a
+        qp_b = q_b
+    else:  # the prefix tiles use their own dot dtype (fp16 for fp8 / nvfp4)
+        qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT_P)
+    scale = sm_scale_log2
+    if HAS_Q_SCALE:
+        scale = scale * tl.load(Q_SCALE)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_a = tl.zeros([BLOCK_M, DP_PAD], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, DP_PAD], tl.float32)
+    n_off = tl.arange(0, BLOCK_N)
+
+    # ---- phase 1: the cached prefix, from the pages
+    qpos = prefix + rows
+    kstart = prefix * 0
+    if window > 0:
+        kstart = tl.maximum(prefix + mb * BLOCK_M - window + 1, 0)
+    pscale = scale
+    vscale = 1.0
+    if FMT != 0:
+        pscale = scale * tl.load(K_SCALE + hk)
+        vscale = tl.load(V_SCALE + hk)
+    pt_row = PT + b.to(tl.int64) * spt_b
+    wlim = tl.where(window > 0, window, 1 << 30)  # keys with qpos − kpos >= wlim are outside the window
+    for j in range(kstart, prefix, BLOCK_N):
+        offs = j + n_off
+        tmask = offs < prefix
+        page = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64)
+        slot = page * PAGE + (offs % PAGE)
+        if FMT == 2:
+            k_a, k_b = load_nvfp4_tile(KC, KBS, slot, hk, skc_slot, skc_h, skb_slot, skb_h, i, imask, tmask,
+                                       NB, D // 16, DOT_P)
+            v_a, v_b = load_nvfp4_tile(VC, VBS, slot, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask,
+                                       NB, D // 16, DOT_P)
+        else:
+            k_a = load_plain_tile(KC, slot, hk, skc_slot, skc_h, i, imask, tmask, DOT_P)
+            v_a = load_plain_tile(VC, slot, hk, svc_slot, svc_h, i, imask, tmask, DOT_P)
+            k_b = k_a
+            v_b = v_a
+        mask = tmask[None, :] & ((qpos[:, None] - offs[None, :]) < wlim)
+        acc_a, acc_b, m_i, l_i = _update(qp_a, qp_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask, pscale,
+                                         vscale, SPLIT, DOT_P, FMT != 0, True)
+
+    # ---- phase 2: the new tokens (compute precision); full tiles first, then the diagonal
+    jstart = prefix * 0
+    if window > 0:
+        jstart = tl.maximum(mb * BLOCK_M - window + 1, 0)
+    diag = (mb * BLOCK_M // BLOCK_N) * BLOCK_N
+    full_end = diag
+    if window > 0:
+        full_end = jstart  # the window cuts into tiles: every tile takes the masked path
+    kn_base = q_start.to(tl.int64)
+    for j in range(jstart, full_end, BLOCK_N):
+        offs = j + n_off
+        kt = kn_base + offs
+        k_a, k_b = _load_new(KN, kt, hk, skn_t, skn_h, i, imask, offs < q_len, SPLIT, DOT)
+        v_a, v_b = _load_new(VN, kt, hk, svn_t, svn_h, i, imask, offs < q_len, SPLIT, DOT)
+        acc_a, acc_b, m_i, l_i = _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, rmask[:, None],
+                                         scale, 1.0, SPLIT, DOT, False, False)
+    jend = tl.minimum(q_len, (mb + 1) * BLOCK_M)
+    for j in range(full_end, jend, BLOCK_N):
+        offs = j + n_off
+        kt = kn_base + offs
+        tmask = offs < q_len
+        k_a, k_b = _load_new(KN, kt, hk, skn_t, skn_h, i, imask, tmask, SPLIT, DOT)
+        v_a, v_b = _load_new(VN, kt, hk, svn_t, svn_h, i, imask, tmask, SPLIT, DOT)
+        diff = rows[:, None] - offs[None, :]
+        mask = tmask[None, :] & (diff >= 0) & (diff < wlim)
+        acc_a, acc_b, m_i, l_i = _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask,
+                                         scale, 1.0, SPLIT, DOT, False, True)
+
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_new)
+        acc_a = acc_a * alpha[:, None]
+        acc_b = acc_b * alpha[:, None]
+    inv = 1.0 / l_i
+    obase = OUT + tok[:, None] * so_t + h * so_h
+    om = rmask[:, None] & imask[None, :]
+    if SPLIT:
+        tl.store(obase + 2 * i[None, :], (acc_a * inv[:, None]).to(OUT.dtype.element_ty), mask=om)
+        tl.store(obase + 2 * i[None, :] + 1, (acc_b * inv[:, None]).to(OUT.dtype.element_ty), mask=om)
+    else:
+        tl.store(obase + i[None, :], (acc_a * inv[:, None]).to(OUT.dtype.element_ty), mask=om)
+
+
+def paged_prefill(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, *,
+    kv_format: str, k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+    k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None, sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
+    q_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens ``q`` ``[T, H_q, D]`` (``k_new``/``v_new`` ``[T, H_kv, D]``,
+    compute dtype) over their prefix in the pages plus themselves → ``[T, H_q, D]``.
+    ``cu_seqlens_q`` int32 ``[B+1]``; ``seq_lens`` int32 ``[B]`` counts prefix + new tokens."""
+    if q.dim() != 3 or k_new.dim() != 3 or v_new.shape != k_new.shape:
+        raise ValueError(f"q [T,H_q,D], k_new/v_new [T,H_kv,D] expected, got {tuple(q.shape)}, {tuple(k_new.shape)}, {tuple(v_new.shape)}")
+    t, hq, d = q.shape
+    if k_new.shape[0] != t or k_new.shape[2] != d:
+        raise ValueError(f"k_new {tuple(k_new.shape)} does not match q {tuple(q.shape)}")
+    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    kc = check_cache("k", kv_format, k_cache, k_block_scale, k_scale, d)
+    vc = check_cache("v", kv_format, v_cache, v_block_scale, v_scale, d)
+    hk = kc.num_kv_heads
+    if k_new.shape[1] != hk or hq % hk:
+        raise ValueError(f"H_kv mismatch: cache {hk}, k_new {k_new.shape[1]}, H_q {hq}")
+    if cu_seqlens_q.dtype != torch.int32 or seq_lens.dtype != torch.int32 or page_table.dtype != torch.int32:
+        raise ValueError("cu_seqlens_q, seq_lens and page_table must be int32")
+    bsz = cu_seqlens_q.shape[0] - 1
+    if seq_lens.shape[0] < bsz or page_table.shape[0] < bsz:
+        raise ValueError(f"seq_lens / page_table have fewer rows than the {bsz} sequences")
+    is_fp8_q = q.dtype == torch.float8_e4m3fn
+    if is_fp8_q != (q_scale is not None):
+        raise ValueError("an fp8 q needs q_scale, and q_scale needs an fp8 q")
+    if sinks is not None and sinks.numel() != hq:
+        raise ValueError(f"sinks must have H_q={hq} elements, got {sinks.numel()}")
+    fmt = format_code(kv_format)
+    odt = out_dtype or (k_new.dtype if is_fp8_q else q.dtype)
+    out = torch.empty(t, hq, d, dtype=odt, device=q.device) if out is None else out
+    if t == 0 or bsz == 0 or max_q_len <= 0:
+        return out
+    dp = d // 2 if fmt == 2 else d
+    scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
+    grid = (triton.cdiv(max_q_len, block_m), hq, bsz)
+    _prefill_kernel[grid](
+        q, k_new, v_new, kc.data, vc.data, kc.bs_ptr, vc.bs_ptr, kc.scale, vc.scale,
+        q_scale if q_scale is not None else kc.scale, sinks if sinks is not None else kc.scale,
+        page_table, seq_lens, cu_seqlens_q, out, scale,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        out.stride(0), out.stride(1),
+        kc.slot_stride, kc.head_stride, vc.slot_stride, vc.head_stride,
+        kc.bs_slot_stride, kc.bs_head_stride, vc.bs_slot_stride, vc.bs_head_stride, page_table.stride(0),
+        int(sliding_window or 0),
+        G=hq // hk, D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, DOT=dot_code(k_new.dtype),
+        DOT_P=cache_dot_code(kv_format, k_new.dtype), HAS_Q_SCALE=q_scale is not None,
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

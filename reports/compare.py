@@ -1,0 +1,78 @@
+"""Build the analysis behind ``kvbench report RUN`` (cells against the run's baseline) and
+``kvbench compare RUN...`` (each cell against the cell with the same config in the first run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from kvbench.reports.load import RunData, RunLoadError, assign_short_labels, load_run, resolve_baseline
+from kvbench.reports.tables import Analysis, analyze
+
+__all__ = ["report_analysis", "compare_analysis", "load_runs", "run_meta"]
+
+
+def report_analysis(run: RunData, baseline: Optional[str] = None, confidence: float = 0.95, n_boot: int = 10_000,
+                    seed: int = 0) -> Analysis:
+    base = resolve_baseline(run, baseline)
+    return analyze(run.cells, lambda cell: base, baseline=base, confidence=confidence, n_boot=n_boot, seed=seed)
+
+
+def load_runs(paths: list[Path | str]) -> list[RunData]:
+    """Load several runs with distinct names (the directory name, made unique with its parent's)."""
+    if len(paths) < 2:
+        raise RunLoadError("compare needs at least two runs")
+    resolved = [Path(p).resolve() for p in paths]
+    if len(set(resolved)) != len(resolved):
+        raise RunLoadError("the same run directory is given twice")
+    names = [p.name for p in resolved]
+    if len(set(names)) != len(names):
+        names = [f"{p.parent.name}/{p.name}" for p in resolved]
+    if len(set(names)) != len(names):
+        names = [str(p) for p in resolved]
+    return [load_run(p, name=n) for p, n in zip(paths, names)]
+
+
+def _config_id(config: dict) -> str:
+    return json.dumps(config, sort_keys=True, default=str)
+
+
+def compare_analysis(runs: list[RunData], confidence: float = 0.95, n_boot: int = 10_000, seed: int = 0) -> Analysis:
+    cells = [c for r in runs for c in r.cells]
+    assign_short_labels(cells, with_run=True)
+    first = runs[0]
+    reference = {_config_id(c.config): c for c in first.done_cells if c.items}
+
+    def baseline_for(cell):
+        if cell.run == first.name:
+            return None
+        return reference.get(_config_id(cell.config))
+
+    base = resolve_baseline(first)
+    return analyze(cells, baseline_for, baseline=base, confidence=confidence, n_boot=n_boot, seed=seed)
+
+
+def _short(v) -> str:
+    if isinstance(v, dict):
+        for k in ("sha", "commit", "name"):
+            if k in v:
+                extra = " (dirty)" if v.get("dirty") else ""
+                return f"{v[k]}{extra}"
+        return json.dumps(v, sort_keys=True, default=str)[:160]
+    return str(v)
+
+
+def run_meta(run: RunData) -> list[tuple[str, str]]:
+    """Rows describing a run at the top of a report."""
+    m, cfg = run.manifest, run.config
+    rows = [("run", str(run.path))]
+    if cfg.get("name"):
+        rows.append(("config", str(cfg["name"])))
+    for key, label in (("created", "created"), ("date", "date"), ("git", "git"), ("git_sha", "git"), ("device", "device")):
+        if m.get(key) not in (None, "", {}):
+            rows.append((label, _short(m[key])))
+    done = len(run.done_cells)
+    failed = sum(1 for c in run.cells if c.status == "failed")
+    rows.append(("cells", f"{done} done, {failed} failed, {len(run.cells) - done - failed} unfinished, of {len(run.cells)}"))
+    return rows

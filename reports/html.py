@@ -1,0 +1,132 @@
+"""Write a report directory: ``report.md`` (PNG files next to it) and ``report.html`` (one self-contained
+file: CSS and PNGs inlined as base64, no network access needed to open it)."""
+
+from __future__ import annotations
+
+import base64
+import html
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from kvbench.harness.store import atomic_write_text
+from kvbench.reports.plots import write_plots
+from kvbench.reports.tables import (
+    Analysis,
+    Table,
+    aa_table,
+    accuracy_table,
+    capacity_table,
+    cells_table,
+    delta_table,
+    fidelity_table,
+    fmt_p,
+    fmt_pp,
+    serving_table,
+)
+
+__all__ = ["ReportMeta", "write_report", "headline"]
+
+_CSS = """
+body{font-family:-apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:2em auto;
+max-width:1300px;padding:0 1.5em;color:#1b1f23;line-height:1.45}
+h1{font-size:1.7em;border-bottom:2px solid #e1e4e8;padding-bottom:.3em}
+h2{font-size:1.3em;margin-top:2em;border-bottom:1px solid #e1e4e8;padding-bottom:.2em}
+h3{font-size:1.05em;margin-top:1.4em}
+table{border-collapse:collapse;margin:.6em 0;font-size:.86em;font-variant-numeric:tabular-nums}
+th,td{border:1px solid #d0d7de;padding:.3em .6em;text-align:right;white-space:nowrap}
+th{background:#f6f8fa;text-align:center}
+td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}
+tr:nth-child(even) td{background:#fbfcfd}
+tr.fail td{background:#ffebe9}
+.meta td{text-align:left}
+.note{color:#57606a;font-size:.85em;max-width:1100px}
+.empty{color:#57606a;font-style:italic}
+img{max-width:100%;border:1px solid #e1e4e8;margin:.5em 0}
+ul.headline li{margin:.2em 0}
+code{background:#f6f8fa;padding:.1em .3em;border-radius:3px}
+"""
+
+
+@dataclass
+class ReportMeta:
+    title: str
+    command: str  # the command that regenerates the report
+    rows: list[tuple[str, str]] = field(default_factory=list)  # run metadata shown at the top
+
+
+def headline(a: Analysis) -> list[str]:
+    """One line per paired comparison, for pasting into a PR."""
+    out = []
+    for r in a.deltas:
+        d = r.d
+        sig = r.p_holm is not None and r.p_holm < 1 - a.confidence
+        out.append(f"{r.cell.short} vs {r.base.short}, {r.suite}: {fmt_pp(d.delta)} "
+                   f"[{fmt_pp(d.ci_lo)}, {fmt_pp(d.ci_hi)}], p(Holm) {fmt_p(r.p_holm)}"
+                   f"{' — significant' if sig else ''}")
+    for r in a.aa:
+        out.append(f"A/A control {r.suite}: {fmt_pp(r.d.delta)} [{fmt_pp(r.d.ci_lo)}, {fmt_pp(r.d.ci_hi)}], "
+                   f"{100 * r.output_agreement:.1f}% identical outputs")
+    return out
+
+
+def _sections(a: Analysis) -> list[tuple[str, list[Table], Optional[str]]]:
+    return [
+        ("Accuracy", [accuracy_table(a)], "accuracy"),
+        ("Deltas against the baseline", [delta_table(a), aa_table(a)], "deltas"),
+        ("Fidelity", [fidelity_table(a)], "fidelity"),
+        ("Serving", [serving_table(a)], "serving"),
+        ("Capacity", [capacity_table(a)], "capacity"),
+        ("Cells", [cells_table(a)], None),
+    ]
+
+
+def _markdown(a: Analysis, meta: ReportMeta, plots: dict[str, Path]) -> str:
+    out = [f"# {meta.title}", ""]
+    out += [f"- **{k}**: {v}" for k, v in meta.rows]
+    out += [f"- **regenerate**: `{meta.command}`", ""]
+    lines = headline(a)
+    if lines:
+        out += ["## Summary", ""] + [f"- {line}" for line in lines] + [""]
+    for title, tables, plot in _sections(a):
+        out += [f"## {title}", ""]
+        if plot and plot in plots:
+            out += [f"![{plot}]({plots[plot].name})", ""]
+        out += [t.to_markdown() for t in tables]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _img(path: Path, alt: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f"<img alt='{html.escape(alt)}' src='data:image/png;base64,{data}'>"
+
+
+def _html(a: Analysis, meta: ReportMeta, plots: dict[str, Path]) -> str:
+    out = ["<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
+           "<meta name='viewport' content='width=device-width, initial-scale=1'>",
+           f"<title>{html.escape(meta.title)}</title><style>{_CSS}</style></head><body>",
+           f"<h1>{html.escape(meta.title)}</h1>", "<table class='meta'>"]
+    for k, v in meta.rows + [("regenerate", meta.command)]:
+        out.append(f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(str(v))}</code></td></tr>")
+    out.append("</table>")
+    lines = headline(a)
+    if lines:
+        out.append("<h2>Summary</h2><ul class='headline'>" + "".join(f"<li>{html.escape(x)}</li>" for x in lines) + "</ul>")
+    for title, tables, plot in _sections(a):
+        out.append(f"<h2>{html.escape(title)}</h2>")
+        if plot and plot in plots:
+            out.append(_img(plots[plot], plot))
+        out += [t.to_html() for t in tables]
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def write_report(a: Analysis, out_dir: Path | str, meta: ReportMeta, max_drop: Optional[float] = None) -> dict[str, Path]:
+    """Write PNGs, report.md and report.html into ``out_dir``; returns {name: path} of what was written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(a, out_dir, max_drop=max_drop)
+    md, page = out_dir / "report.md", out_dir / "report.html"
+    atomic_write_text(md, _markdown(a, meta, plots))
+    atomic_write_text(page, _html(a, meta, plots))
+    return {"markdown": md, "html": page, **plots}

@@ -1,0 +1,369 @@
+"""The numbers of a report: accuracy with intervals, paired deltas (Holm-corrected), the A/A control,
+fidelity, serving metrics and capacity, computed from loaded cells, plus a ``Table`` that renders them
+as Markdown or HTML.
+
+``analyze`` takes a ``baseline_for(cell)`` function, so one code path serves ``kvbench report`` (one
+baseline cell for the run) and ``kvbench compare`` (each cell against the same config in the first run).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from kvbench.harness.loadgen_metrics import summarize
+from kvbench.reports import stats
+from kvbench.reports.load import FIDELITY_SUITE, CellData, accuracy_suites, item_scores, suite_metrics
+
+__all__ = ["Table", "Analysis", "analyze", "fmt_pct", "fmt_pp", "fmt_p", "fmt_num"]
+
+
+# ------------------------------------------------------------------------------ formatting
+
+
+def fmt_pct(x: Optional[float], digits: int = 1) -> str:
+    return "—" if x is None or math.isnan(x) else f"{100 * x:.{digits}f}%"
+
+
+def fmt_pp(x: Optional[float], digits: int = 1) -> str:
+    if x is None or math.isnan(x):
+        return "—"
+    if math.isinf(x):
+        return "−∞" if x < 0 else "+∞"
+    v = round(100 * x, digits) + 0.0  # no "−0.0"
+    return f"{v:+.{digits}f} pp".replace("-", "−")
+
+
+def fmt_p(p: Optional[float]) -> str:
+    if p is None or math.isnan(p):
+        return "—"
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def fmt_num(x, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return f"{x:,.{digits}f}"
+
+
+@dataclass
+class Table:
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    note: str = ""
+
+    def to_markdown(self) -> str:
+        def esc(s: str) -> str:
+            return str(s).replace("|", "\\|").replace("\n", " ")
+
+        out = [f"### {self.title}", ""]
+        if not self.rows:
+            out += ["_No data._", ""]
+        else:
+            out.append("| " + " | ".join(esc(c) for c in self.columns) + " |")
+            out.append("|" + "|".join("---" for _ in self.columns) + "|")
+            out += ["| " + " | ".join(esc(v) for v in row) + " |" for row in self.rows]
+            out.append("")
+        if self.note:
+            out += [self.note, ""]
+        return "\n".join(out)
+
+    def to_html(self) -> str:
+        out = [f"<h3>{html.escape(self.title)}</h3>"]
+        if not self.rows:
+            out.append("<p class='empty'>No data.</p>")
+        else:
+            out.append("<table><thead><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in self.columns) + "</tr></thead><tbody>")
+            for row in self.rows:
+                cls = " class='fail'" if any(str(v) == "FAIL" for v in row) else ""
+                out.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>")
+            out.append("</tbody></table>")
+        if self.note:
+            out.append(f"<p class='note'>{html.escape(self.note)}</p>")
+        return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------ analysis rows
+
+
+@dataclass
+class AccuracyRow:
+    cell: CellData
+    suite: str
+    metric: str
+    est: stats.Estimate
+    invalid_rate: float
+    truncation_rate: float
+    pass_at_k: Optional[float]
+
+
+@dataclass
+class DeltaRow:
+    base: CellData
+    cell: CellData
+    suite: str
+    metric: str
+    d: stats.PairedDelta
+    p_holm: Optional[float] = None
+
+
+@dataclass
+class AARow:
+    base: CellData
+    cell: CellData
+    suite: str
+    d: stats.PairedDelta
+    output_agreement: float  # fraction of shared (item, repeat) keys with byte-identical raw output
+
+
+@dataclass
+class FidelityRow:
+    cell: CellData
+    n_texts: int
+    n_tokens: int
+    kl_mean: float  # token-weighted mean of per-text mean KL
+    kl_p99: float  # mean over texts of per-text p99 KL
+    kl_max: float
+    top1_agree: float  # token-weighted
+    ppl_ref: float  # exp of the token-weighted mean NLL (pooled over texts)
+    ppl_cand: float
+    first_divergence_median: Optional[float]  # token index; the greedy window length when nothing diverged
+    first_divergence_min: Optional[float]
+
+
+@dataclass
+class Analysis:
+    cells: list[CellData]
+    baseline: Optional[CellData]
+    confidence: float
+    accuracy: list[AccuracyRow] = field(default_factory=list)
+    deltas: list[DeltaRow] = field(default_factory=list)
+    aa: list[AARow] = field(default_factory=list)
+    fidelity: list[FidelityRow] = field(default_factory=list)
+    serving: list[tuple[CellData, dict]] = field(default_factory=list)
+    capacity: list[tuple[CellData, dict, Optional[float]]] = field(default_factory=list)
+
+
+def _rate(cell: CellData, suite: str, metric: str) -> float:
+    v = list(item_scores(cell, suite, metric).values())
+    return sum(v) / len(v) if v else math.nan
+
+
+def _pass_at_k(scores: dict) -> Optional[float]:
+    per_q = stats.group_by_question(scores)
+    if max(len(v) for v in per_q.values()) < 2:
+        return None
+    return sum(1 for v in per_q.values() if max(v) > 0) / len(per_q)
+
+
+def _fidelity(cell: CellData) -> Optional[FidelityRow]:
+    recs = [r.get("scores") or {} for r in cell.items if r.get("suite") == FIDELITY_SUITE]
+    recs = [s for s in recs if s.get("kl_mean") is not None]
+    if not recs:
+        return None
+    w = [float(s.get("n_tokens") or 1) for s in recs]
+    tw = sum(w)
+
+    def wmean(k):
+        vals = [(float(s[k]), wi) for s, wi in zip(recs, w) if s.get(k) is not None]
+        return sum(v * wi for v, wi in vals) / sum(wi for _, wi in vals) if vals else math.nan
+
+    def mean(k):
+        vals = [float(s[k]) for s in recs if s.get(k) is not None]
+        return sum(vals) / len(vals) if vals else math.nan
+
+    divs = [float(s["first_divergence"]) for s in recs if s.get("first_divergence") is not None]
+    return FidelityRow(
+        cell=cell, n_texts=len(recs), n_tokens=int(tw), kl_mean=wmean("kl_mean"), kl_p99=mean("kl_p99"),
+        kl_max=max((float(s.get("kl_max") or 0.0) for s in recs), default=math.nan), top1_agree=wmean("top1_agree"),
+        ppl_ref=math.exp(wmean("nll_ref")), ppl_cand=math.exp(wmean("nll_cand")),
+        first_divergence_median=statistics.median(divs) if divs else None,
+        first_divergence_min=min(divs) if divs else None,
+    )
+
+
+def _serving(cell: CellData) -> dict:
+    recs = cell.requests
+    load = (cell.summary or {}).get("load") or {}
+    duration = load.get("duration_s")
+    if not duration:
+        ends = [float(r["start_s"]) + float(r["latency_s"]) for r in recs if r.get("start_s") is not None and r.get("latency_s") is not None]
+        starts = [float(r["start_s"]) for r in recs if r.get("start_s") is not None]
+        duration = (max(ends) - min(starts)) if ends and starts else 0.0
+    if duration <= 0:
+        duration = 1e-9
+    return summarize(recs, duration)
+
+
+def analyze(
+    cells: list[CellData],
+    baseline_for: Callable[[CellData], Optional[CellData]],
+    baseline: Optional[CellData] = None,
+    confidence: float = 0.95,
+    n_boot: int = 10_000,
+    seed: int = 0,
+) -> Analysis:
+    done = [c for c in cells if c.done]
+    a = Analysis(cells=cells, baseline=baseline, confidence=confidence)
+    for cell in done:
+        for suite in accuracy_suites(cell):
+            inv, trunc = _rate(cell, suite, "invalid"), _rate(cell, suite, "truncated")
+            for metric in suite_metrics(cell, suite):
+                scores = item_scores(cell, suite, metric)
+                if scores:
+                    a.accuracy.append(AccuracyRow(cell, suite, metric, stats.estimate(scores, confidence), inv, trunc, _pass_at_k(scores)))
+        fid = _fidelity(cell)
+        if fid:
+            a.fidelity.append(fid)
+        if cell.requests:
+            a.serving.append((cell, _serving(cell)))
+    for cell in done:
+        base = baseline_for(cell)
+        if base is None or base is cell or not cell.items:
+            continue
+        for suite in accuracy_suites(cell):
+            b, c = item_scores(base, suite), item_scores(cell, suite)
+            if not (set(b) & set(c)):
+                continue
+            d = stats.paired_delta(b, c, confidence=confidence, n_boot=n_boot, seed=seed)
+            if cell.aa_control:
+                shared = set(b) & set(c)
+                raw_b = {(str(r["item_id"]), int(r.get("repeat") or 0)): r.get("raw_output") for r in base.items if r.get("suite") == suite}
+                raw_c = {(str(r["item_id"]), int(r.get("repeat") or 0)): r.get("raw_output") for r in cell.items if r.get("suite") == suite}
+                agree = sum(1 for k in shared if raw_b.get(k) == raw_c.get(k)) / len(shared)
+                a.aa.append(AARow(base, cell, suite, d, agree))
+            else:
+                a.deltas.append(DeltaRow(base, cell, suite, "correct", d))
+    for row, p in zip(a.deltas, stats.holm([r.d.p_value for r in a.deltas])):
+        row.p_holm = p
+    # capacity: one row per format series (capacity does not depend on concurrency)
+    seen: dict[str, tuple[CellData, dict]] = {}
+    for cell in done:
+        if cell.capacity and not cell.aa_control:
+            seen.setdefault(json.dumps(cell.series_config, sort_keys=True, default=str) + cell.run, (cell, cell.capacity))
+    base_tokens = None
+    if baseline is not None:
+        for cell, cap in seen.values():
+            if cell.series_config == baseline.series_config and cell.run == baseline.run:
+                base_tokens = cap.get("tokens")
+    for cell, cap in seen.values():
+        ratio = (cap.get("tokens") or 0) / base_tokens if base_tokens else None
+        a.capacity.append((cell, cap, ratio))
+    return a
+
+
+# ------------------------------------------------------------------------------ tables
+
+
+def _series(cell: CellData, with_run: bool) -> str:
+    label = cell.short.replace(f" c={cell.concurrency}", "") if cell.concurrency is not None else cell.short
+    return label
+
+
+def cells_table(a: Analysis) -> Table:
+    rows = []
+    for c in a.cells:
+        cfg = c.config
+        rows.append([c.short, c.key, str(cfg.get("model", "")), str(cfg.get("target", "")),
+                     f"{cfg.get('prefill_backend', '')}/{cfg.get('decode_backend', '')}", str(cfg.get("kv_dtype", "")),
+                     str(cfg.get("kv_scales", "")), str(cfg.get("concurrency", "")), str(c.status or "missing"),
+                     fmt_num(len(c.items)), fmt_num(len(c.requests)), (c.error or "")[:120]])
+    return Table("Cells", ["cell", "key", "model", "target", "prefill/decode", "kv", "scales", "conc.", "status",
+                           "items", "requests", "error"], rows)
+
+
+def accuracy_table(a: Analysis) -> Table:
+    conf = f"{100 * a.confidence:g}%"
+    rows = []
+    order = {s: i for i, s in enumerate(dict.fromkeys(r.suite for r in a.accuracy))}
+    for r in sorted(a.accuracy, key=lambda r: (order[r.suite], r.metric != "correct", r.metric)):
+        e = r.est
+        rows.append([r.suite, r.metric, r.cell.short, fmt_num(e.n), str(e.k), fmt_pct(e.mean),
+                     f"[{fmt_pct(max(0.0, e.lo))}, {fmt_pct(min(1.0, e.hi))}]", e.method,
+                     fmt_pct(r.pass_at_k) if r.pass_at_k is not None else "—", fmt_pct(r.invalid_rate), fmt_pct(r.truncation_rate)])
+    return Table("Accuracy", ["suite", "metric", "cell", "questions", "K", "accuracy", f"{conf} CI", "interval",
+                              "pass@K", "invalid", "truncated"], rows,
+                 note="Wilson interval when every question was asked once, t-interval over per-question means for K>1. "
+                      "`correct` is the suite's primary metric.")
+
+
+def delta_table(a: Analysis) -> Table:
+    conf = f"{100 * a.confidence:g}%"
+    rows = []
+    for r in a.deltas:
+        d = r.d
+        disc = f"{d.base_only}/{d.cand_only}" if d.base_only >= 0 else "—"
+        rows.append([r.suite, r.cell.short, r.base.short, fmt_num(d.n_pairs), fmt_pct(d.base_mean), fmt_pct(d.cand_mean),
+                     fmt_pp(d.delta), f"[{fmt_pp(d.ci_lo)}, {fmt_pp(d.ci_hi)}]", f"{fmt_p(d.p_value)} ({d.p_method})",
+                     fmt_p(r.p_holm), fmt_num(d.correlation, 2) if d.correlation is not None else "—", disc])
+    return Table("Paired deltas against the baseline", ["suite", "cell", "baseline", "pairs", "baseline acc.", "cell acc.",
+                 "Δ", f"{conf} CI (bootstrap)", "p", "p (Holm)", "corr.", "lost/gained"], rows,
+                 note="Pairs share (item, repeat). CI: paired bootstrap over questions (seeded). p: exact McNemar for K=1, "
+                      "paired t-test over per-question means for K>1; Holm-corrected across the comparisons of this report. "
+                      "lost/gained: items the baseline got right and the cell wrong, and the reverse.")
+
+
+def aa_table(a: Analysis) -> Table:
+    conf = f"{100 * a.confidence:g}%"
+    rows = []
+    for r in a.aa:
+        d = r.d
+        disc = f"{d.base_only}/{d.cand_only}" if d.base_only >= 0 else "—"
+        rows.append([r.suite, r.cell.short, r.base.short, fmt_num(d.n_pairs), fmt_pp(d.delta),
+                     f"[{fmt_pp(d.ci_lo)}, {fmt_pp(d.ci_hi)}]", f"{fmt_p(d.p_value)} ({d.p_method})", disc,
+                     fmt_pct(r.output_agreement)])
+    return Table("A/A control (baseline run twice): measured nondeterminism", ["suite", "cell", "baseline", "pairs", "Δ",
+                 f"{conf} CI", "p", "lost/gained", "identical outputs"], rows,
+                 note="Any difference here comes from nondeterminism of the stack itself (batching, kernels, sampling); "
+                      "deltas of the same size in other cells are not attributable to the KV format.")
+
+
+def fidelity_table(a: Analysis) -> Table:
+    rows = []
+    for f in a.fidelity:
+        dppl = (f.ppl_cand / f.ppl_ref - 1.0) if f.ppl_ref and not math.isnan(f.ppl_ref) else math.nan
+        rows.append([f.cell.short, fmt_num(f.n_texts), fmt_num(f.n_tokens), f"{f.kl_mean:.4g}", f"{f.kl_p99:.4g}",
+                     f"{f.kl_max:.4g}", fmt_pct(f.top1_agree, 2), fmt_num(f.ppl_ref, 3), fmt_num(f.ppl_cand, 3),
+                     fmt_pp(dppl, 2).replace(" pp", "%"), fmt_num(f.first_divergence_median, 0),
+                     fmt_num(f.first_divergence_min, 0)])
+    return Table("Fidelity against the reference cell (teacher-forced)", ["cell", "texts", "tokens", "KL mean", "KL p99",
+                 "KL max", "top-1 agree", "ppl ref", "ppl cell", "Δppl", "first div. median", "first div. min"], rows,
+                 note="KL(reference ‖ cell) per token in nats. KL mean, top-1 agreement and perplexities are pooled over "
+                      "tokens; KL p99 is the mean of per-text p99s. First divergence: token index where the greedy "
+                      "continuation first differs from the reference's (the greedy window length when it never does).")
+
+
+def serving_table(a: Analysis) -> Table:
+    rows = []
+    for cell, s in sorted(a.serving, key=lambda t: (t[0].run, _series(t[0], False), t[0].concurrency or 0)):
+        rows.append([_series(cell, False), str(cell.concurrency), f"{s['completed']}/{s['failed']}",
+                     fmt_num(s["request_throughput"], 2), fmt_num(s["output_throughput"]), fmt_num(s["peak_output_throughput"]),
+                     fmt_num(s["median_ttft_ms"]), fmt_num(s["p99_ttft_ms"]), fmt_num(s["median_tpot_ms"], 2),
+                     fmt_num(s["p99_tpot_ms"], 2), fmt_num(s["median_itl_ms"], 2), fmt_num(s["median_e2el_ms"]),
+                     fmt_num(s["p99_e2el_ms"])])
+    return Table("Serving metrics by concurrency", ["series", "conc.", "ok/failed", "req/s", "out tok/s", "peak out tok/s",
+                 "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "ITL p50 ms", "E2E p50 ms", "E2E p99 ms"], rows,
+                 note="Recomputed from each cell's requests.jsonl (TPOT = (latency − TTFT)/(output tokens − 1)).")
+
+
+def capacity_table(a: Analysis) -> Table:
+    rows = []
+    for cell, cap, ratio in a.capacity:
+        kv_bytes = cap.get("kv_bytes")
+        rows.append([_series(cell, False), str(cap.get("kv_dtype", "")), fmt_num(cap.get("bytes_per_token"), 0),
+                     fmt_num(cap.get("tokens")), f"{kv_bytes / 2**30:.3f}" if kv_bytes else "—",
+                     fmt_num(cap.get("context_len")), fmt_num(cap.get("max_concurrency")),
+                     f"{ratio:.2f}×" if ratio else "—"])
+    return Table("KV capacity by format", ["series", "kv", "bytes/token", "tokens", "KV GiB", "context", "max concurrency",
+                 "tokens vs baseline"], rows, note="Bytes per token include block and tensor scales.")
+
+
+def all_tables(a: Analysis) -> list[Table]:
+    return [accuracy_table(a), delta_table(a), aa_table(a), fidelity_table(a), serving_table(a), capacity_table(a), cells_table(a)]

@@ -1,0 +1,104 @@
+"""The Triton attention backend: fused (or unfused) RoPE + quantize + append, then paged prefill or
+decode attention, all from ``kvbench.kernels`` (every KV format, both phases).
+
+Runs on a CUDA device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``; slow, for
+tests).  Numbers agree with the torch backend up to the compute dtype's rounding: same RoPE (float32,
+same operation order), same quantizer (``kernels/formats.py``, bit for bit on the GPU), same attention
+semantics (``base.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+
+from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, RopeCache
+
+__all__ = ["TritonBackend"]
+
+_FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+
+
+class TritonBackend:
+    name: ClassVar[str] = "triton"
+
+    def __init__(self, opts: BackendOptions):
+        self.opts = opts
+        self._cos_sin: dict[int, tuple[RopeCache, torch.Tensor]] = {}
+        self._q_scales: dict[tuple[float, str], torch.Tensor] = {}
+
+    @classmethod
+    def supports(cls, kv_dtype: str, phase: str) -> bool:
+        return kv_dtype in _FORMATS and phase in ("prefill", "decode")
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:  # pragma: no cover - triton is a dependency on Linux
+            return False, f"triton is not importable ({e})"
+        if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            return True, ""
+        return False, "needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels on the CPU, slowly)"
+
+    def plan(self, meta: AttentionMetadata, cache) -> None:
+        """Nothing to plan: the kernels read the page table and lengths on the device."""
+
+    # ------------------------------------------------------------------------------ helpers
+    def _cos_sin_cache(self, rope: RopeCache) -> torch.Tensor:
+        hit = self._cos_sin.get(id(rope))
+        if hit is None or hit[0] is not rope:
+            table = torch.cat((rope.cos, rope.sin), dim=-1).float().contiguous()
+            hit = (rope, table)
+            self._cos_sin[id(rope)] = hit
+        return hit[1]
+
+    def _q_scale(self, value: float, device: torch.device) -> torch.Tensor:
+        key = (float(value), str(device))
+        t = self._q_scales.get(key)
+        if t is None:
+            t = torch.tensor([float(value)], dtype=torch.float32, device=device)
+            self._q_scales[key] = t
+        return t
+
+    # ------------------------------------------------------------------------------ forward
+    def forward(self, q, k, v, layer: AttentionLayer, cache, meta: AttentionMetadata) -> torch.Tensor:
+        from kvbench.kernels.append import fused_rope_quant_append, unfused_rope_quant_append
+        from kvbench.kernels.decode import paged_decode
+        from kvbench.kernels.prefill import paged_prefill
+
+        li = layer.layer_idx
+        fmt = cache.fmt.name
+        T, H, D = q.shape
+        kc = dict(
+            k_cache=cache.k_data[li], v_cache=cache.v_data[li],
+            k_scale=cache.k_scale[li], v_scale=cache.v_scale[li],
+        )
+        bs = dict(k_block_scale=cache.k_block_scale[li], v_block_scale=cache.v_block_scale[li])
+        q_scale = self._q_scale(layer.q_scale, q.device) if self.opts.quantize_query else None
+        append = fused_rope_quant_append if self.opts.fused_append else unfused_rope_quant_append
+        app = append(
+            q, k, v, meta.positions, meta.slot_mapping, self._cos_sin_cache(meta.rope), kv_format=fmt,
+            rotary_dim=meta.rope.rotary_dim, rope_style=meta.rope.style, q_scale=q_scale, **kc, **bs,
+        )
+        qq = app.q_fp8 if q_scale is not None else app.q
+        attn = dict(
+            kv_format=fmt, sm_scale=layer.softmax_scale, sliding_window=layer.sliding_window,
+            sinks=layer.sinks, q_scale=q_scale, out_dtype=q.dtype, **kc, **bs,
+        )
+        if meta.phase == "decode":
+            B = meta.num_seqs
+            out = torch.zeros(T, H, D, dtype=q.dtype, device=q.device) if T != B else None
+            res = paged_decode(qq[:B], page_table=meta.page_table, seq_lens=meta.seq_lens, **attn)
+            if out is None:
+                out = res
+            else:
+                out[:B] = res
+        else:
+            out = paged_prefill(
+                qq, app.k, v, meta.cu_seqlens_q, int(meta.max_seqlen_q), page_table=meta.page_table,
+                seq_lens=meta.seq_lens, **attn,
+            )
+        return out.reshape(T, H * D)

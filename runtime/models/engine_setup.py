@@ -1,0 +1,116 @@
+"""Engine start-up: device and dtype, backend check (before any weights load), model, KV budget and
+capacity, KV scales per policy, cache, backend and runner."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbench.runtime.attention.base import BackendOptions, build_rope_cache
+from kvbench.runtime.attention.registry import check_supported, create_backend
+from kvbench.runtime.config import EngineConfig, KVCacheSpec
+from kvbench.runtime.engine_api import CapacityReport
+from kvbench.runtime.kv_cache import PagedKVCache, bytes_per_token, plan_capacity
+from kvbench.runtime.models.loader import LoadedModel, load_model
+from kvbench.runtime.models.runner import ModelRunner
+from kvbench.runtime.scales import KVScales, checkpoint_scales, unit_scales
+
+__all__ = ["EngineParts", "build_engine_parts", "CPU_DEFAULT_KV_GB"]
+
+log = logging.getLogger("kvbench.runtime")
+
+CPU_DEFAULT_KV_GB = 1.0  # KV budget on CPU when neither --kv-budget-gb nor a GPU says otherwise
+
+
+@dataclass
+class EngineParts:
+    device: torch.device
+    dtype: torch.dtype
+    loaded: LoadedModel
+    cache: PagedKVCache
+    runner: ModelRunner
+    scales: KVScales
+    capacity: CapacityReport
+    max_model_len: int
+    backend: Any
+
+
+def _device(cfg: EngineConfig) -> torch.device:
+    if cfg.device:
+        dev = torch.device(cfg.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda requested but no CUDA device is available")
+        return dev
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _kv_budget_bytes(cfg: EngineConfig, device: torch.device, loaded: LoadedModel) -> float:
+    if cfg.kv_budget_gb is not None:
+        return cfg.kv_budget_gb * 2**30
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_GB * 2**30
+    torch.cuda.synchronize(device)
+    free, _total = torch.cuda.mem_get_info(device)
+    m = loaded.config
+    # activations of one chunked-prefill step plus sampling rows (generous, in bytes)
+    act = cfg.max_num_batched_tokens * (3 * m.intermediate_size + 6 * m.hidden_size) * 4
+    act += cfg.max_running * m.vocab_size * 4 * 3 + 512 * 2**20
+    return max(free * cfg.mem_fraction - act, 64 * 2**20)
+
+
+def _scales(cfg: EngineConfig, loaded: LoadedModel, rope, device: torch.device) -> KVScales:
+    L = loaded.config.num_layers
+    if cfg.kv_scales == "unit":
+        return unit_scales(cfg.kv_dtype, L)
+    if cfg.kv_scales == "checkpoint":
+        sc = loaded.scales
+        return checkpoint_scales({i: (sc.k[i], sc.v[i]) for i in range(L)}, L)
+    from kvbench.runtime.models.calibration import calibrate_scales
+
+    return calibrate_scales(
+        loaded.model, loaded.tokenizer, rope, cfg.kv_dtype, cfg.calibration_prompts, cfg.kv_scales_per_head, device
+    )
+
+
+def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+    """``loaded``: reuse an already loaded model (tests, sweeps over KV formats) instead of loading ``cfg.model``."""
+    device = _device(cfg)
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    check_supported(cfg.prefill_backend, cfg.decode_backend, cfg.kv_dtype)  # fail before loading weights
+    if loaded is None:
+        loaded = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed)
+    elif next(loaded.model.parameters()).device.type != device.type:
+        raise ValueError(f"pre-loaded model is on {next(loaded.model.parameters()).device}, engine device is {device}")
+    m = loaded.config
+    max_len = min(cfg.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
+    rope = build_rope_cache(m.rope_dim, max(max_len, 1), m.rope_theta, m.rope_scaling, m.rope_style, device)
+    spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, cfg.kv_dtype, cfg.page_size)
+    scales = _scales(cfg, loaded, rope, device)
+    budget = _kv_budget_bytes(cfg, device, loaded)
+    plan = plan_capacity(spec, budget, max(max_len, 1))
+    if plan.num_pages < 1:
+        raise ValueError(f"KV budget {budget / 2**30:.3f} GiB holds no page of {cfg.page_size} tokens ({bytes_per_token(spec):.0f} B/token)")
+    max_len = min(max_len, plan.tokens)
+    plan = plan_capacity(spec, plan.num_pages * cfg.page_size * plan.bytes_per_token, max_len)
+    cache = PagedKVCache(spec, plan.num_pages, device=device)
+    cache.set_scales(scales.k, scales.v)
+    opts = BackendOptions(
+        kv_dtype=cfg.kv_dtype, fused_append=cfg.fused_append, quantize_query=cfg.quantize_query,
+        device=str(device), dtype=str(dtype).replace("torch.", ""), max_batch_size=cfg.max_running, extra=dict(cfg.extra),
+    )
+    backend = create_backend(cfg.prefill_backend, cfg.decode_backend, opts)
+    runner = ModelRunner(loaded.model, cache, backend, rope, device)
+    if device.type == "cuda" and not cfg.enforce_eager:
+        from kvbench.runtime.graphs import DecodeGraphs
+
+        runner.graphs = DecodeGraphs(runner, max_batch=cfg.max_running, max_model_len=max_len)
+    capacity = CapacityReport(
+        kv_dtype=cfg.kv_dtype, page_size=cfg.page_size, num_pages=plan.num_pages, tokens=plan.tokens,
+        bytes_per_token=plan.bytes_per_token, kv_bytes=plan.kv_bytes, context_len=max_len,
+        max_concurrency=plan.max_concurrency,
+        extra={"kv_budget_bytes": int(budget), "kv_scales": scales.source, "model": loaded.model_id},
+    )
+    return EngineParts(device, dtype, loaded, cache, runner, scales, capacity, max_len, backend)

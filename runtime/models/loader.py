@@ -1,0 +1,120 @@
+"""Resolve ``--model`` (None, a GGUF file, a HF directory, a preset or a synthetic shape) into a loaded
+model, its tokenizer and any checkpoint KV scales."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from kvbench.runtime.models.config import ModelConfig
+from kvbench.runtime.models.hf_loader import CheckpointScales
+from kvbench.runtime.models.llama import LlamaForCausalLM
+
+__all__ = ["LoadedModel", "load_model", "resolve_model", "MODEL_PRESETS"]
+
+log = logging.getLogger("kvbench.runtime")
+
+# preset name -> how to find it (only the embedded default for now; others are paths or synthetic names)
+MODEL_PRESETS = {"smollm2-135m": "default", "default": "default"}
+
+
+@dataclass
+class LoadedModel:
+    model_id: str
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Any
+    scales: CheckpointScales
+    source: str  # "gguf" | "hf" | "synthetic"
+    load_seconds: float = 0.0
+
+
+def resolve_model(name: Optional[str]) -> tuple[str, str]:
+    """(kind, location): kind in gguf | hf | synthetic."""
+    if name is None or name in MODEL_PRESETS:
+        from kvbench.runtime.default_model import default_model_path
+
+        return "gguf", str(default_model_path())
+    if name.startswith("synthetic:"):
+        return "synthetic", name
+    p = Path(name).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return "gguf", str(p)
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        if (p / "config.json").is_file():
+            return "hf", str(p)
+        if len(ggufs) == 1:
+            return "gguf", str(ggufs[0])
+    raise ValueError(
+        f"cannot resolve model {name!r}: expected a .gguf file, a Hugging Face directory with config.json, "
+        f"a preset ({', '.join(MODEL_PRESETS)}) or synthetic:<{'|'.join(_synthetic_names())}>"
+    )
+
+
+def _synthetic_names() -> list[str]:
+    from kvbench.runtime.models.synthetic import SYNTHETIC_PRESETS
+
+    return list(SYNTHETIC_PRESETS)
+
+
+def _build(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    return model.to_empty(device=device).to(dtype)
+
+
+def load_model(name: Optional[str], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    kind, loc = resolve_model(name)
+    if kind == "synthetic":
+        from kvbench.runtime.models.synthetic import ByteTokenizer, parse_synthetic
+
+        cfg = parse_synthetic(loc)
+        model = _build(cfg, device, dtype)
+        g = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if pname.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif pname.endswith("sinks"):
+                    p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32).to(dtype))
+                elif pname.endswith("bias"):
+                    p.zero_()
+                else:
+                    fan_in = p.shape[-1]
+                    p.normal_(0.0, fan_in**-0.5, generator=g)
+        tok = ByteTokenizer(cfg.vocab_size)
+        scales = CheckpointScales(cfg.num_layers)
+        model_id = loc
+    elif kind == "gguf":
+        from kvbench.runtime.models.gguf_loader import load_gguf_cached
+        from kvbench.runtime.tokenizer import load_tokenizer
+
+        cfg, state = load_gguf_cached(loc)
+        model = LlamaForCausalLM.from_state(cfg, state, device, dtype)
+        del state
+        p = Path(loc)
+        tok = load_tokenizer(p.parent, gguf_file=p.name, extra_eos=cfg.eos_token_ids)
+        scales = CheckpointScales(cfg.num_layers)
+        model_id = p.stem.split(".")[0] if name in (None, *MODEL_PRESETS) else p.stem
+    else:
+        from kvbench.runtime.models.hf_loader import load_hf_dir
+        from kvbench.runtime.tokenizer import load_tokenizer
+
+        cfg, state, scales = load_hf_dir(loc)
+        model = LlamaForCausalLM.from_state(cfg, state, device, dtype)
+        del state
+        tok = load_tokenizer(loc, extra_eos=cfg.eos_token_ids)
+        model_id = Path(loc).name
+    model.eval()
+    model.bind()
+    dt = time.perf_counter() - t0
+    log.info("loaded %s (%s, %.1fM params) in %.1fs", model_id, kind, cfg.num_params() / 1e6, dt)
+    return LoadedModel(model_id, cfg, model, tok, scales, kind, dt)

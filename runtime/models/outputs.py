@@ -1,0 +1,111 @@
+"""Per-request output bookkeeping: appending sampled tokens, stop ids / stop strings / length checks,
+incremental detokenization with stop-string hold-back, stream deltas and the final RequestOutput."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kvbench.runtime.engine_api import RequestOutput, StreamDelta
+from kvbench.runtime.scheduler import Sequence
+from kvbench.runtime.tokenizer import IncrementalDetokenizer
+
+__all__ = ["OutputProcessor"]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.eos = set(int(i) for i in getattr(tokenizer, "eos_token_ids", []) or [])
+
+    def init(self, seq: Sequence) -> None:
+        p = seq.params
+        st = seq.state
+        st["detok"] = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids[-6:])
+        st["stops"] = [s for s in (p.stop or ()) if s]
+        st["holdback"] = max((len(s) for s in st["stops"]), default=1) - 1
+        st["emitted"] = 0
+        st["text"] = None  # final text once finished
+        st["logprobs"], st["top_ids"], st["top_lps"], st["greedy"] = [], [], [], []
+
+    def _find_stop(self, seq: Sequence, text: str) -> Optional[int]:
+        st = seq.state
+        start = max(0, st["emitted"] - st["holdback"] - 1)
+        hits = [i for i in (text.find(s, start) for s in st["stops"]) if i >= 0]
+        return min(hits) if hits else None
+
+    def append(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps, greedy: bool) -> tuple[Optional[str], StreamDelta]:
+        p, st = seq.params, seq.state
+        seq.output_ids.append(tok)
+        st["logprobs"].append(lp)
+        st["top_ids"].append(top_ids)
+        st["top_lps"].append(top_lps)
+        st["greedy"].append(greedy)
+        reason: Optional[str] = None
+        detok: IncrementalDetokenizer = st["detok"]
+        forced = st.get("forced")
+        if forced is not None:
+            if len(seq.output_ids) >= len(forced):
+                reason = "length"
+            return reason, self._delta(seq, tok, lp, top_ids, top_lps, "")
+        is_stop_tok = tok in set(p.stop_token_ids) or (not p.ignore_eos and tok in self.eos)
+        if is_stop_tok and len(seq.output_ids) >= p.min_tokens:
+            reason = "stop"
+            final = detok.text + detok.flush()
+        else:
+            detok.add(tok)
+            final = None
+            if len(seq.output_ids) >= st["max_new"]:
+                reason = "length"
+                detok.flush()
+            cut = self._find_stop(seq, detok.text) if st["stops"] else None
+            if cut is not None:
+                reason, final = "stop", detok.text[:cut]
+            elif reason is not None:
+                final = detok.text
+        if reason is not None:
+            upto = final
+            st["text"] = final
+        else:
+            upto = detok.text[: len(detok.text) - st["holdback"]] if st["holdback"] else detok.text
+        text = upto[st["emitted"]:] if len(upto) > st["emitted"] else ""
+        st["emitted"] = max(st["emitted"], len(upto))
+        return reason, self._delta(seq, tok, lp, top_ids, top_lps, text)
+
+    def _delta(self, seq: Sequence, tok, lp, top_ids, top_lps, text: str) -> StreamDelta:
+        want = seq.params.logprobs is not None
+        return StreamDelta(
+            request_id=seq.request_id,
+            token_ids=[tok],
+            text=text,
+            logprobs=[lp] if want else None,
+            top_logprobs=[dict(zip(top_ids or [], top_lps or []))] if want else None,
+        )
+
+    def final_delta(self, seq: Sequence, reason: str, last: Optional[StreamDelta], error: Optional[str]) -> StreamDelta:
+        st = seq.state
+        if st.get("text") is None:
+            st["text"] = st["detok"].text[: st["emitted"]]
+        d = last or StreamDelta(request_id=seq.request_id, token_ids=[], text="")
+        d.finish_reason = reason
+        d.error = error
+        return d
+
+    def request_output(self, seq: Sequence, d: StreamDelta) -> RequestOutput:
+        st = seq.state
+        want = seq.params.logprobs is not None or st.get("forced") is not None
+        tops = None
+        if seq.params.logprobs:
+            tops = [dict(zip(i or [], v or [])) for i, v in zip(st["top_ids"], st["top_lps"])]
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=list(seq.prompt_ids),
+            token_ids=list(seq.output_ids),
+            text=st.get("text") or "",
+            finish_reason=d.finish_reason or "error",
+            logprobs=list(st["logprobs"]) if want else None,
+            top_logprobs=tops,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+            num_preemptions=seq.num_preemptions,
+        )

@@ -1,0 +1,99 @@
+"""Model runner: turns a scheduled batch into flat tensors + AttentionMetadata, runs the model, and
+returns the logits of the rows that produce a next token.  Decode steps go through CUDA graphs when a
+``DecodeGraphs`` is attached (``runtime/graphs.py``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kvbench.runtime.attention.base import AttentionBackend, AttentionMetadata, RopeCache
+from kvbench.runtime.kv_cache import PagedKVCache
+from kvbench.runtime.models.llama import LlamaForCausalLM
+from kvbench.runtime.scheduler import ScheduledBatch
+
+__all__ = ["ModelRunner", "StepInputs"]
+
+
+class StepInputs:
+    """Host-built inputs of one step (lists first, one transfer to the device)."""
+
+    def __init__(self, batch: ScheduledBatch, page_size: int, scratch_page: int, max_pages: Optional[int] = None):
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        cu = [0]
+        sample_rows: list[int] = []
+        sample_idx: list[int] = []  # index into batch.seqs of each sampled row
+        width = max(max_pages or 0, max(len(s.pages) for s in batch.seqs))
+        table: list[list[int]] = []
+        for i, (seq, q) in enumerate(zip(batch.seqs, batch.q_lens)):
+            start = seq.num_cached
+            toks = seq.token_ids
+            ids.extend(toks[start : start + q])
+            for p in range(start, start + q):
+                pos.append(p)
+                slots.append(seq.pages[p // page_size] * page_size + p % page_size)
+            seq_lens.append(start + q)
+            cu.append(cu[-1] + q)
+            if start + q == seq.num_tokens:
+                sample_rows.append(cu[-1] - 1)
+                sample_idx.append(i)
+            table.append(seq.pages + [scratch_page] * (width - len(seq.pages)))
+        self.ids, self.pos, self.slots, self.seq_lens, self.cu, self.table = ids, pos, slots, seq_lens, cu, table
+        self.q_lens = list(batch.q_lens)
+        self.sample_rows, self.sample_idx = sample_rows, sample_idx
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cache: PagedKVCache,
+        backend: AttentionBackend,
+        rope: RopeCache,
+        device: torch.device,
+    ):
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.rope = rope
+        self.device = device
+        self.graphs = None  # DecodeGraphs, attached by the engine on GPU
+
+    def metadata(self, phase: str, inp: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
+        dev = self.device
+        i64 = dict(dtype=torch.int64, device=dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            phase=phase,
+            positions=torch.tensor(inp.pos, **i64),
+            slot_mapping=torch.tensor(inp.slots, **i64),
+            page_table=torch.tensor(inp.table, **i32),
+            seq_lens=torch.tensor(inp.seq_lens, **i32),
+            cu_seqlens_q=torch.tensor(inp.cu, **i32),
+            max_seqlen_q=max(inp.q_lens),
+            max_seqlen_k=max(inp.seq_lens),
+            page_size=self.cache.page_size,
+            rope=self.rope,
+            seq_lens_cpu=list(inp.seq_lens),
+            q_lens_cpu=list(inp.q_lens),
+        )
+        return torch.tensor(inp.ids, **i64), meta
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[Optional[torch.Tensor], list[int]]:
+        """Logits ``[N, vocab]`` float32 of the sampled rows (None if none) and their sequence indices."""
+        inp = StepInputs(batch, self.cache.page_size, self.cache.scratch_page)
+        if batch.phase == "decode" and self.graphs is not None and self.graphs.can_run(inp):
+            hidden = self.graphs.run(inp)
+        else:
+            ids, meta = self.metadata(batch.phase, inp)
+            self.backend.plan(meta, self.cache)
+            hidden = self.model(ids, self.backend, self.cache, meta)
+        if not inp.sample_rows:
+            return None, []
+        rows = torch.tensor(inp.sample_rows, dtype=torch.int64, device=hidden.device)
+        return self.model.logits(hidden[rows]), inp.sample_idx

@@ -1,0 +1,105 @@
+"""Synthetic models: random weights in the shapes of real models, for performance and capacity work.
+
+Name syntax: ``synthetic:<preset>[,key=value...]`` e.g. ``synthetic:llama-3-8b,layers=2`` (overrides any
+ModelConfig field; ``layers`` is short for ``num_layers``; ``window=N`` resizes the sliding windows).  The MLP of ``gpt-oss-20b`` is a dense
+SwiGLU of the active-expert width (4 × 2880) standing in for its mixture of experts: the preset is about
+attention (sinks, alternating 128-token sliding window) and the KV cache, not the MoE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+from kvbench.runtime.models.config import ModelConfig
+
+__all__ = ["SYNTHETIC_PRESETS", "parse_synthetic", "ByteTokenizer"]
+
+
+def _llama3_8b() -> ModelConfig:
+    return ModelConfig(
+        arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        intermediate_size=14336, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072,
+    )
+
+
+def _qwen3_8b() -> ModelConfig:
+    return ModelConfig(
+        arch="qwen3", hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+        intermediate_size=12288, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, qk_norm=True,
+    )
+
+
+def _gpt_oss_20b() -> ModelConfig:
+    layers = 24
+    return ModelConfig(
+        arch="gpt-oss-attn", hidden_size=2880, num_layers=layers, num_heads=64, num_kv_heads=8, head_dim=64,
+        intermediate_size=4 * 2880, vocab_size=201088, rms_norm_eps=1e-5, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "original_max_position_embeddings": 4096},
+        max_position_embeddings=131072, qkv_bias=True, o_bias=True, attention_sinks=True,
+        sliding_windows=[128 if i % 2 == 0 else None for i in range(layers)],
+    )
+
+
+SYNTHETIC_PRESETS = {"llama-3-8b": _llama3_8b, "qwen3-8b": _qwen3_8b, "gpt-oss-20b": _gpt_oss_20b}
+_ALIASES = {"layers": "num_layers", "vocab": "vocab_size", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads"}
+
+
+def parse_synthetic(name: str) -> Optional[ModelConfig]:
+    """ModelConfig for a ``synthetic:`` name, or None when ``name`` is not synthetic."""
+    if not name.startswith("synthetic:"):
+        return None
+    preset, *opts = name[len("synthetic:"):].split(",")
+    if preset not in SYNTHETIC_PRESETS:
+        raise ValueError(f"unknown synthetic model {preset!r}; presets: {', '.join(SYNTHETIC_PRESETS)}")
+    cfg = SYNTHETIC_PRESETS[preset]()
+    known = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    changes = {}
+    window = None
+    for o in opts:
+        k, sep, v = o.partition("=")
+        k = _ALIASES.get(k.strip(), k.strip())
+        if k == "window" and sep:  # replaces the preset's sliding-window size (layers with a window)
+            window = int(v)
+            continue
+        if not sep or k not in known or k in ("sliding_windows", "rope_scaling", "eos_token_ids"):
+            raise ValueError(f"bad synthetic option {o!r}; use key=value with a ModelConfig field")
+        cur = getattr(cfg, k)
+        changes[k] = type(cur)(v) if cur is not None and not isinstance(cur, bool) else v.lower() in ("1", "true")
+    n = changes.get("num_layers", cfg.num_layers)
+    wins = [cfg.sliding_windows[i % len(cfg.sliding_windows)] for i in range(n)]
+    changes["sliding_windows"] = [w if w is None or window is None else window for w in wins]
+    return dataclasses.replace(cfg, **changes)
+
+
+class ByteTokenizer:
+    """UTF-8 byte tokenizer for synthetic models (ids 0..255 are bytes; larger ids decode to a letter)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eos_token_ids: list[int] = []  # random weights: never stop early
+        self.bos_token_id = None
+        self.chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        for i in ids:
+            out.append(int(i) if int(i) < 128 else 97 + int(i) % 26)
+        return out.decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [self.decode([i]) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + ("\nassistant:" if add_generation_prompt else "")
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))

@@ -1,0 +1,96 @@
+"""Token sampling for a batch of rows with per-request parameters.
+
+Greedy when ``temperature == 0``; otherwise temperature, then top-k, then top-p (nucleus) filtering and a
+draw from the request's own ``torch.Generator`` (seeded per request, so a seed reproduces its tokens
+regardless of what else is in the batch).  ``min_tokens`` masks EOS / stop ids until reached.
+Log-probs are those of the model's raw distribution (log-softmax of the logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from kvbench.harness.client import SamplingParams
+
+__all__ = ["SampleRow", "SampleOutput", "sample", "validate_params"]
+
+
+def validate_params(p: SamplingParams) -> None:
+    if p.max_tokens is None or int(p.max_tokens) < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
+    if p.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {p.top_k}")
+    if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
+        raise ValueError(f"min_tokens must be in [0, max_tokens], got {p.min_tokens}")
+    if p.logprobs is not None and not 0 <= p.logprobs <= 20:
+        raise ValueError(f"logprobs must be in [0, 20], got {p.logprobs}")
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    generator: Optional[torch.Generator]  # None for greedy
+    banned: Sequence[int] = ()  # ids masked for this step (EOS/stop ids before min_tokens)
+    forced: Optional[int] = None  # teacher forcing: take this token, report its logprob
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each chosen token
+    top_ids: list[Optional[list[int]]]
+    top_logprobs: list[Optional[list[float]]]
+    greedy: list[bool]  # chosen token == argmax of the raw distribution
+    logp: "torch.Tensor | None" = None  # [N, V] log-softmax of the raw logits
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    x = logits / max(p.temperature, 1e-6)
+    if p.top_k and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sx, si = torch.sort(x, descending=True)
+        probs = torch.softmax(sx, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        drop = cum - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, si, drop), float("-inf"))
+    return x
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], top_n: Sequence[int] = ()) -> SampleOutput:
+    """``logits`` float32 ``[N, V]``; ``top_n[i]`` = how many top logprobs row i wants (0 = none)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    argmax = logp.argmax(dim=-1).tolist()
+    out = SampleOutput([], [], [], [], [], logp)
+    for i, r in enumerate(rows):
+        row = logits[i].float()
+        if r.banned:
+            row = row.clone()
+            row[list(r.banned)] = float("-inf")
+        if r.forced is not None:
+            tok = int(r.forced)
+        elif r.params.temperature == 0:
+            tok = int(row.argmax()) if r.banned else argmax[i]
+        else:
+            probs = torch.softmax(_filter(row, r.params), dim=-1)
+            tok = int(torch.multinomial(probs, 1, generator=r.generator))
+        out.token_ids.append(tok)
+        out.logprobs.append(float(logp[i, tok]))
+        out.greedy.append(tok == argmax[i])
+        n = top_n[i] if i < len(top_n) else 0
+        if n:
+            v, ids = torch.topk(logp[i], n)
+            out.top_ids.append(ids.tolist())
+            out.top_logprobs.append(v.tolist())
+        else:
+            out.top_ids.append(None)
+            out.top_logprobs.append(None)
+    return out

@@ -1,0 +1,202 @@
+"""Continuous batching: waiting queue, admission by free pages, chunked prefill under a token budget,
+preemption by recompute, a cap on running sequences.
+
+Each step is either a **prefill** step (sequences whose cached tokens lag behind their known tokens:
+new prompts, later chunks of long prompts, recomputation after preemption) or a **decode** step (every
+running sequence that has all but its newest token cached).  Prefill work goes first, so new requests
+start as soon as pages allow; decode never waits more than one prefill step per chunk budget.
+
+Admission reserves pages for all of a sequence's known tokens (so its chunked prefill never stalls); a
+sequence that needs a page during decode preempts the most recently arrived running sequence, or itself
+when it is the most recent, so the oldest running sequence always progresses (no livelock).
+
+Invariant: a page is owned by at most one sequence; a finished or aborted sequence owns none.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from kvbench.harness.client import SamplingParams
+from kvbench.runtime.kv_cache import PageAllocator, pages_needed
+
+__all__ = ["Sequence", "ScheduledBatch", "Scheduler"]
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    status: str = "waiting"  # waiting | running | finished
+    finish_reason: Optional[str] = None
+    num_preemptions: int = 0
+    order: int = -1  # admission priority (arrival order), set by the scheduler
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    # per-request extras owned by the engine (callbacks, detokenizer, generator, scoring state)
+    state: dict[str, Any] = field(default_factory=dict)
+    on_delta: Optional[Callable] = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending(self) -> int:
+        """Known tokens not yet in the cache."""
+        return self.num_tokens - self.num_cached
+
+    @property
+    def in_decode(self) -> bool:
+        return self.status == "running" and self.pending == 1 and self.num_cached > 0
+
+
+@dataclass
+class ScheduledBatch:
+    phase: str  # "prefill" | "decode"
+    seqs: list[Sequence]
+    q_lens: list[int]  # new tokens per sequence this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, max_running: int, max_batched_tokens: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_running = max_running
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._next_order = 0
+
+    # ------------------------------------------------------------------------------- queue ops
+    def add(self, seq: Sequence) -> None:
+        seq.status = "waiting"
+        seq.order = self._next_order
+        self._next_order += 1
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished and free its pages (idempotent)."""
+        if seq.status == "finished":
+            return
+        self._release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        seq.status = "finished"
+        seq.finish_reason = reason
+        seq.finish_time = time.monotonic()
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.num_cached = 0
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        need = pages_needed(num_tokens, self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        seq.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, victim: Sequence) -> None:
+        """Back to the waiting queue (in arrival order), to be recomputed from scratch."""
+        self.running.remove(victim)
+        self._release(victim)
+        victim.status = "waiting"
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].order < victim.order:
+            i += 1
+        self.waiting.insert(i, victim)
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow ``seq`` to ``num_tokens``, preempting later arrivals as needed; if that is not enough,
+        preempt ``seq`` itself.  The oldest running sequence therefore always makes progress."""
+        while not self._grow(seq, num_tokens):
+            later = [s for s in self.running if s.order > seq.order]
+            if not later:
+                self._preempt(seq)
+                return False
+            self._preempt(max(later, key=lambda s: s.order))
+        return True
+
+    # -------------------------------------------------------------------------------- schedule
+    def schedule(self) -> Optional[ScheduledBatch]:
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
+        budget = self.max_batched_tokens
+        seqs: list[Sequence] = []
+        q_lens: list[int] = []
+        # 1) running sequences in the middle of a chunked prefill
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.in_decode or seq.pending <= 0:
+                continue
+            if seq.status != "running":
+                continue  # preempted by an older sequence earlier in this loop
+            n = min(seq.pending, budget)
+            if not self._make_room(seq, seq.num_cached + n):
+                continue
+            seqs.append(seq)
+            q_lens.append(n)
+            budget -= n
+        # 2) admit from the waiting queue in arrival order while pages and slots last
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            n = min(seq.pending, budget)
+            # pages for every known token up front: a chunked prefill then never stalls half-way
+            if not self._grow(seq, seq.num_tokens):
+                break  # not enough free pages: wait for running sequences to finish
+            self.waiting.popleft()
+            seq.status = "running"
+            self.running.append(seq)
+            seqs.append(seq)
+            q_lens.append(n)
+            budget -= n
+        return ScheduledBatch("prefill", seqs, q_lens) if seqs else None
+
+    def _schedule_decode(self) -> Optional[ScheduledBatch]:
+        seqs: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status != "running" or not seq.in_decode:
+                continue
+            if self._make_room(seq, seq.num_tokens):
+                seqs.append(seq)
+        seqs = [s for s in seqs if s.status == "running"]
+        if not seqs:
+            return None
+        return ScheduledBatch("decode", seqs, [1] * len(seqs))

@@ -1,0 +1,202 @@
+"""Token-level fidelity of a candidate configuration against a reference (bf16 KV, torch backend).
+
+Texts (default: GSM8K test questions with their reference solutions, ``Question: q\\nAnswer:`` as context
+and `` solution`` as continuation) are teacher-forced through both.  Per text: KL(ref ‖ cand) per token
+(mean, p99, max), top-1 agreement, NLL and perplexity of the reference solution under each, and the first
+position where greedy continuations of the context differ (``window`` when they agree throughout).
+
+KL is exact over the full vocabulary when the reference runs live next to an in-process candidate
+(``exact=True``); otherwise the cached reference top-k plus a lumped tail bucket is used (a lower bound
+that is close; tests check it against the exact value); an HTTP candidate reporting only its own top-k
+gets the overlap bound.  The method is part of the protocol string.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from kvbench.harness.client import Client, ScoreRequest
+from kvbench.harness.store import prompt_hash
+from kvbench.suites.base import SuiteError, SuiteOptions, SuiteResult, summarize_records
+from kvbench.suites.fidelity_metrics import (
+    argmax_ids,
+    first_divergence,
+    item_scores,
+    kl_full,
+    kl_topk_overlap,
+    kl_topk_tail,
+    pooled_summary,
+)
+from kvbench.suites.fidelity_ref import (
+    API_TOP_K,
+    RefText,
+    Text,
+    cache_key,
+    compute_reference,
+    greedy_request,
+    load_reference,
+    reference_one,
+    save_reference,
+    to_numpy,
+)
+from kvbench.suites.gsm8k import load_gsm8k
+
+log = logging.getLogger(__name__)
+DEFAULT_TEXTS = 32
+
+
+@dataclass
+class Reference:
+    """Where reference figures come from: a label naming the configuration (part of the cache key)
+    and a factory for its client (called only on a cache miss or for an exact run)."""
+
+    label: str
+    make_client: Callable[[], Client]
+
+
+def gsm8k_texts(opts: SuiteOptions) -> list[Text]:
+    rows, _ = load_gsm8k(opts, "test")
+    n = opts.limit or DEFAULT_TEXTS
+    return [Text(f"test-{i}", f"Question: {r['question']}\nAnswer:", " " + r["answer"]) for i, r in enumerate(rows[:n])]
+
+
+@dataclass
+class CandidateOut:
+    record: dict
+    kl: np.ndarray
+    top1: np.ndarray
+    ref_lp: np.ndarray
+    cand_lp: np.ndarray
+    divergence: int
+
+
+class FidelitySuite:
+    name = "fidelity"
+
+    def __init__(
+        self,
+        reference: Reference,
+        cache_dir: Optional[Path] = None,
+        top_k: int = 64,
+        greedy_tokens: int = 32,
+        exact: bool = False,
+        texts: Optional[Callable[[SuiteOptions], list[Text]]] = None,
+    ):
+        if top_k <= 0 or greedy_tokens <= 0:
+            raise SuiteError("fidelity top_k and greedy_tokens must be positive")
+        self.reference, self.cache_dir, self.top_k, self.greedy_tokens, self.exact = reference, cache_dir, top_k, greedy_tokens, exact
+        self.texts = texts or gsm8k_texts
+
+    def _cached_references(self, texts: list[Text], opts: SuiteOptions) -> list[RefText]:
+        key = cache_key(self.reference.label, texts, self.top_k, self.greedy_tokens)
+        if self.cache_dir is not None:
+            cached = load_reference(self.cache_dir, key)
+            if cached is not None:
+                log.info("fidelity reference from cache %s/%s", self.cache_dir, key)
+                return cached
+        client = self.reference.make_client()
+        try:
+            refs = compute_reference(client, texts, self.top_k, self.greedy_tokens, False, opts.concurrency)
+        finally:
+            client.close()
+        self._save(texts, refs)
+        return refs
+
+    def _save(self, texts: list[Text], refs: list[RefText]) -> None:
+        if self.cache_dir is not None:
+            key = cache_key(self.reference.label, texts, self.top_k, self.greedy_tokens)
+            meta = {"reference": self.reference.label, "top_k": self.top_k, "greedy_tokens": self.greedy_tokens}
+            save_reference(self.cache_dir, key, refs, meta)
+
+    def protocol(self, opts: SuiteOptions, method: str, n: int) -> str:
+        return f"kvbench:fidelity:v1:gsm8k-solutions:n{n}:ref={self.reference.label}:kl={method}:top{self.top_k}:greedy{self.greedy_tokens}"
+
+    def _one(self, client: Client, text: Text, ref: RefText, opts: SuiteOptions, n: int) -> CandidateOut:
+        t0 = time.perf_counter()
+        res = client.score(ScoreRequest(text.context, text.continuation, top_k=min(self.top_k, API_TOP_K), full_distribution=True))
+        if list(res.token_ids) != [int(x) for x in ref.token_ids]:
+            raise SuiteError(f"{text.item_id}: candidate tokenizes the text differently from the reference")
+        ref_argmax = argmax_ids(ref.top_ids, ref.top_lp)
+        extra: dict[str, float] = {}
+        if res.full_logprobs is not None:
+            full = to_numpy(res.full_logprobs)
+            cand_argmax = full.argmax(axis=-1)
+            approx = kl_topk_tail(ref.top_lp, np.take_along_axis(full, ref.top_ids, axis=-1))
+            if ref.full is not None:
+                kl, method = kl_full(ref.full, full), "full"
+                extra["kl_mean_topk"] = float(np.mean(approx)) if len(approx) else 0.0
+            else:
+                kl, method = approx, f"top{ref.top_ids.shape[1]}+tail"
+        elif res.top_ids is not None and res.top_logprobs is not None:
+            kl, method = kl_topk_overlap(ref.top_ids, ref.top_lp, res.top_ids, res.top_logprobs), "topk-overlap"
+            cand_argmax = argmax_ids(np.asarray(res.top_ids), np.asarray(res.top_logprobs))
+        else:
+            raise SuiteError("the candidate client returned neither full rows nor top-k log-probs from score()")
+        top1 = (np.asarray(cand_argmax) == ref_argmax).astype(np.float64)
+        gen = client.generate(greedy_request(text, self.greedy_tokens))
+        if gen.token_ids is not None and ref.greedy_ids is not None:
+            div = first_divergence(ref.greedy_ids, list(gen.token_ids), self.greedy_tokens)
+        else:  # no token ids from one side: compare characters, scaled to the window
+            method += ";div=chars"
+            div = first_divergence(ref.greedy_text, gen.text, len(ref.greedy_text) or 1)
+        cand_lp = np.asarray(res.logprobs, dtype=np.float64)
+        record = {
+            "suite": self.name,
+            "item_id": text.item_id,
+            "repeat": 0,
+            "seed": None,
+            "prompt_hash": prompt_hash(text.context + text.continuation),
+            "raw_output": gen.text,
+            "extracted": None,
+            "target": ref.greedy_text,
+            "correct": None,
+            "invalid": False,
+            "finish_reason": gen.finish_reason,
+            "prompt_tokens": int(gen.prompt_tokens),
+            "output_tokens": int(gen.output_tokens),
+            "latency_s": time.perf_counter() - t0,
+            "scores": {**item_scores(kl, top1, ref.logprobs, cand_lp, div), **extra},
+            "protocol": self.protocol(opts, method, n),
+        }
+        return CandidateOut(record, kl, top1, ref.logprobs, cand_lp, div)
+
+    def run(self, client: Client, opts: SuiteOptions) -> SuiteResult:
+        texts = self.texts(opts)
+        if not texts:
+            raise SuiteError("fidelity: no texts")
+        workers = max(1, min(opts.concurrency, len(texts)))
+        if self.exact:  # reference live, text by text, so full rows of only a few texts are alive at once
+            ref_client = self.reference.make_client()
+            refs: list[Optional[RefText]] = [None] * len(texts)
+
+            def both(i: int) -> CandidateOut:
+                ref = reference_one(ref_client, texts[i], self.top_k, self.greedy_tokens, True)
+                out = self._one(client, texts[i], ref, opts, len(texts))
+                ref.full = None
+                refs[i] = ref
+                return out
+
+            try:
+                with ThreadPoolExecutor(max_workers=workers) as pool:
+                    outs = list(pool.map(both, range(len(texts))))
+            finally:
+                ref_client.close()
+            self._save(texts, [r for r in refs if r is not None])
+        else:
+            refs_c = self._cached_references(texts, opts)
+            if [r.item_id for r in refs_c] != [t.item_id for t in texts]:
+                raise SuiteError("fidelity: reference cache does not match the texts")
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                outs = list(pool.map(lambda tr: self._one(client, tr[0], tr[1], opts, len(texts)), zip(texts, refs_c)))
+        records = [o.record for o in outs]
+        summary = summarize_records(records)
+        summary.update(pooled_summary([o.kl for o in outs], [o.top1 for o in outs], [o.ref_lp for o in outs], [o.cand_lp for o in outs], [o.divergence for o in outs]))
+        summary["n"] = len(records)
+        return SuiteResult(self.name, records, summary, "gsm8k test solutions")

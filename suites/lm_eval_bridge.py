@@ -1,0 +1,195 @@
+"""Run any lm-eval task against a ``Client`` and store lm-eval's per-sample logs as item records.
+
+``ClientLM`` is an lm-eval model class: ``generate_until`` → ``Client.generate`` (completion API, the
+task's ``until`` as stop strings, ``max_gen_toks``, greedy unless the task samples), ``loglikelihood`` →
+teacher-forced ``Client.score`` (sum of continuation log-probs, all-greedy flag),
+``loglikelihood_rolling`` → ``score`` of the whole text after an empty context (no windowing: a text
+longer than the context is an error).  Requests run concurrently on a thread pool.
+
+Records: one per document; ``scores`` holds every per-sample metric as ``"<metric>,<filter>"`` (lm-eval's
+own naming); ``correct`` is the first metric of the first filter when it is 0/1, else null.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+from kvbench.harness.client import Client, GenRequest, SamplingParams, ScoreRequest
+from kvbench.harness.store import prompt_hash
+from kvbench.suites.base import SuiteError, SuiteOptions, SuiteResult, summarize_records
+from kvbench.suites.extract import INVALID
+
+
+def _make_lm_class():
+    from lm_eval.api.model import LM
+
+    class ClientLM(LM):
+        def __init__(self, client: Client, concurrency: int = 8, max_gen_toks: int = 256):
+            super().__init__()
+            self.client, self.concurrency, self.max_gen_toks = client, concurrency, max_gen_toks
+            self.meta: dict[tuple[str, Any], list[dict]] = defaultdict(list)
+            self._lock = threading.Lock()
+
+        def _note(self, req, **m) -> None:
+            with self._lock:
+                self.meta[(req.task_name, req.doc_id)].append(m)
+
+        def _map(self, fn, requests):
+            if not requests:
+                return []
+            with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(requests)))) as pool:
+                return list(pool.map(fn, requests))
+
+        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+            def one(req) -> str:
+                context, kw = req.args
+                kw = dict(kw or {})
+                until = kw.pop("until", None) or []
+                if isinstance(until, str):
+                    until = [until]
+                sample = bool(kw.get("do_sample", False)) and float(kw.get("temperature", 1.0)) > 0
+                params = SamplingParams(
+                    max_tokens=int(kw.get("max_gen_toks", self.max_gen_toks)),
+                    temperature=float(kw.get("temperature", 1.0)) if sample else 0.0,
+                    top_p=float(kw.get("top_p", 1.0)) if sample else 1.0,
+                    stop=tuple(until),
+                )
+                res = self.client.generate(GenRequest(prompt=context, params=params))
+                if res.finish_reason == "error":
+                    raise RuntimeError(f"generation failed: {res.error}")
+                self._note(req, finish_reason=res.finish_reason, prompt_tokens=res.prompt_tokens,
+                           output_tokens=res.output_tokens, latency_s=res.latency_s)
+                return res.text
+
+            return self._map(one, requests)
+
+        def _score(self, req, context: str, continuation: str):
+            import time
+
+            t0 = time.perf_counter()
+            res = self.client.score(ScoreRequest(context=context, continuation=continuation))
+            self._note(req, finish_reason="score", prompt_tokens=len(res.token_ids), output_tokens=0,
+                       latency_s=time.perf_counter() - t0)
+            return res
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+            def one(req):
+                res = self._score(req, *req.args)
+                return res.total_logprob, res.is_greedy
+
+            return self._map(one, requests)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+            return self._map(lambda req: self._score(req, "", req.args[0]).total_logprob, requests)
+
+    return ClientLM
+
+
+def _scalar(v: Any) -> Optional[float]:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    return None
+
+
+def _extracted(entry: dict) -> Optional[str]:
+    fr = entry.get("filtered_resps") or []
+    if not fr:
+        return None
+    first = fr[0]
+    if isinstance(first, str):
+        return None if first == INVALID else first
+    if isinstance(first, (list, tuple)) and first and isinstance(first[0], (int, float)):
+        # loglikelihood tasks: one (logprob, greedy) per choice -> index of the most likely choice
+        lls = [f[0] if isinstance(f, (list, tuple)) else f for f in fr]
+        return str(max(range(len(lls)), key=lambda i: lls[i]))
+    return json.dumps(first, default=str)
+
+
+def samples_to_records(task: str, samples: list[dict], meta: dict, protocol: str) -> list[dict]:
+    by_doc: dict[Any, list[dict]] = {}
+    for s in samples:
+        by_doc.setdefault(s["doc_id"], []).append(s)
+    records = []
+    for doc_id in sorted(by_doc, key=lambda d: (str(type(d)), d)):
+        entries = by_doc[doc_id]
+        first = entries[0]
+        scores: dict[str, float] = {}
+        for e in entries:
+            for m in e.get("metrics", []):
+                v = _scalar(e.get(m))
+                if v is not None:
+                    scores[f"{m},{e.get('filter', 'none')}"] = v
+        primary_metric = (first.get("metrics") or [None])[0]
+        pv = _scalar(first.get(primary_metric)) if primary_metric else None
+        correct = bool(pv) if pv in (0.0, 1.0) else None
+        extracted = _extracted(first)
+        resps = first.get("resps") or []
+        raw = resps[0][0] if resps and resps[0] and isinstance(resps[0][0], str) else json.dumps(resps, default=str)
+        ms = meta.get((task, doc_id), [])
+        finish = next((m["finish_reason"] for m in reversed(ms) if m["finish_reason"] != "score"), "score" if ms else "stop")
+        context = first["arguments"][0][0] if first.get("arguments") else ""
+        records.append({
+            "suite": f"lm_eval:{task}",
+            "item_id": str(doc_id),
+            "repeat": 0,
+            "seed": None,
+            "prompt_hash": prompt_hash(str(context)),
+            "raw_output": raw,
+            "extracted": extracted,
+            "target": str(first.get("target")),
+            "correct": correct,
+            "invalid": isinstance((first.get("filtered_resps") or [None])[0], str) and extracted is None,
+            "finish_reason": finish,
+            "prompt_tokens": int(sum(m["prompt_tokens"] for m in ms)),
+            "output_tokens": int(sum(m["output_tokens"] for m in ms)),
+            "latency_s": float(sum(m["latency_s"] for m in ms)),
+            "scores": scores,
+            "protocol": protocol,
+        })
+    return records
+
+
+def run_lm_eval(task: str, client: Client, opts: SuiteOptions, include_path: Optional[str] = None) -> SuiteResult:
+    if opts.repeats != 1:
+        raise SuiteError("lm_eval tasks take their repeats from the task YAML; use --repeats 1")
+    try:
+        import lm_eval
+        from lm_eval import simple_evaluate
+        from lm_eval.tasks import TaskManager
+    except ImportError as e:
+        raise SuiteError(f"--lm-eval needs lm-eval installed (pip install 'kvbench[eval]'): {e}") from None
+    lm = _make_lm_class()(client, concurrency=opts.concurrency)
+    tm = None
+    if include_path:  # indexing lm-eval's thousands of built-in tasks is slow: skip it when not needed
+        tm = TaskManager(include_path=include_path, include_defaults=False)
+        if task not in tm.all_tasks:
+            tm = None
+    tm = tm or TaskManager(include_path=include_path)
+    out = simple_evaluate(
+        model=lm, tasks=[task], limit=opts.limit, log_samples=True, task_manager=tm, bootstrap_iters=0,
+        random_seed=opts.seed, fewshot_random_seed=1234,
+    )
+    if out is None or not out.get("samples"):
+        raise SuiteError(f"lm-eval returned no samples for task {task!r}")
+    version = getattr(lm_eval, "__version__", "?")
+    records: list[dict] = []
+    summary: dict = {}
+    for sub, samples in out["samples"].items():
+        proto = f"lm-eval-{version}:{sub}:v{out.get('versions', {}).get(sub, '?')}:{out.get('n-shot', {}).get(sub, '?')}shot:fewshot-seed1234"
+        recs = samples_to_records(sub, samples, lm.meta, proto)
+        records += recs
+        s = summarize_records(recs)
+        for k, v in (out.get("results", {}).get(sub) or {}).items():
+            if _scalar(v) is not None and "_stderr" not in k:
+                s[k] = float(v)
+        summary[f"lm_eval:{sub}"] = s
+    name = f"lm_eval:{task}"
+    if list(summary) == [name]:
+        return SuiteResult(name, records, summary[name], f"lm-eval task {task}")
+    return SuiteResult(name, records, summarize_records(records), f"lm-eval task {task}", by_suite=summary)

@@ -1,0 +1,124 @@
+"""Suite registry: names → suites, and one entry point ``run_suite`` for the CLI and the sweep runner.
+
+Generation suites: ``gsm8k``, ``gsm8k_cot``, ``gsm8k_chat``, ``aime24``, ``aime25``, ``gpqa_diamond``.
+``fidelity`` needs a reference (``FidelityContext``); ``lm_eval:<task>`` runs any lm-eval task.
+``--protocol`` picks a variant of a suite (``gsm8k`` + ``cot`` → ``gsm8k_cot``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from kvbench.harness.client import Client
+from kvbench.suites.base import GenerationTask, SuiteError, SuiteOptions, SuiteResult
+
+
+def _gsm8k() -> GenerationTask:
+    from kvbench.suites.gsm8k import Gsm8k
+
+    return Gsm8k()
+
+
+def _gsm8k_cot() -> GenerationTask:
+    from kvbench.suites.gsm8k import Gsm8kCot
+
+    return Gsm8kCot()
+
+
+def _gsm8k_chat() -> GenerationTask:
+    from kvbench.suites.gsm8k import Gsm8kChat
+
+    return Gsm8kChat()
+
+
+def _aime(name: str) -> Callable[[], GenerationTask]:
+    def make() -> GenerationTask:
+        from kvbench.suites.aime import Aime
+
+        return Aime(name)
+
+    return make
+
+
+def _gpqa() -> GenerationTask:
+    from kvbench.suites.gpqa import GpqaDiamond
+
+    return GpqaDiamond()
+
+
+GENERATION_SUITES: dict[str, Callable[[], GenerationTask]] = {
+    "gsm8k": _gsm8k,
+    "gsm8k_cot": _gsm8k_cot,
+    "gsm8k_chat": _gsm8k_chat,
+    "aime24": _aime("aime24"),
+    "aime25": _aime("aime25"),
+    "gpqa_diamond": _gpqa,
+}
+# suite -> {protocol: concrete suite}
+PROTOCOLS: dict[str, dict[str, str]] = {
+    "gsm8k": {"lm-eval": "gsm8k", "5shot": "gsm8k", "cot": "gsm8k_cot", "8shot-cot": "gsm8k_cot", "chat": "gsm8k_chat"},
+}
+SPECIAL = ("fidelity", "lm_eval:<task>")
+
+
+def suite_names() -> list[str]:
+    return [*GENERATION_SUITES, *SPECIAL]
+
+
+def resolve(name: str, protocol: Optional[str] = None) -> str:
+    """Concrete suite name for ``name`` under ``protocol`` (None = the suite's default)."""
+    if name.startswith("lm_eval:"):
+        if not name[len("lm_eval:") :]:
+            raise SuiteError("lm_eval:<task> needs a task name, e.g. lm_eval:gsm8k")
+        return name
+    if name not in GENERATION_SUITES and name != "fidelity":
+        raise SuiteError(f"unknown suite {name!r}; choose one of: {', '.join(suite_names())}")
+    if protocol is None:
+        return name
+    variants = PROTOCOLS.get(name)
+    if not variants or protocol not in variants:
+        have = ", ".join(sorted(variants)) if variants else "none (only the default)"
+        raise SuiteError(f"suite {name!r} has no protocol {protocol!r}; protocols: {have}")
+    return variants[protocol]
+
+
+@dataclass
+class FidelityContext:
+    """How the fidelity suite finds its reference (see suites/fidelity.py)."""
+
+    label: str
+    make_client: Callable[[], Client]
+    cache_dir: Optional[Path] = None
+    exact: bool = False
+    top_k: int = 64
+    greedy_tokens: int = 32
+
+
+@dataclass
+class RunContext:
+    fidelity: Optional[FidelityContext] = None
+    lm_eval_include: Optional[str] = None  # extra lm-eval task directory
+    extra: dict = field(default_factory=dict)
+
+
+def run_suite(name: str, client: Client, opts: SuiteOptions, ctx: Optional[RunContext] = None) -> SuiteResult:
+    ctx = ctx or RunContext()
+    if name.startswith("lm_eval:"):
+        from kvbench.suites.lm_eval_bridge import run_lm_eval
+
+        return run_lm_eval(name[len("lm_eval:") :], client, opts, include_path=ctx.lm_eval_include)
+    if name == "fidelity":
+        if ctx.fidelity is None:
+            raise SuiteError("the fidelity suite needs a reference configuration")
+        from kvbench.suites.fidelity import FidelitySuite, Reference
+
+        f = ctx.fidelity
+        suite = FidelitySuite(Reference(f.label, f.make_client), f.cache_dir, f.top_k, f.greedy_tokens, f.exact)
+        return suite.run(client, opts)
+    if name not in GENERATION_SUITES:
+        raise SuiteError(f"unknown suite {name!r}; choose one of: {', '.join(suite_names())}")
+    from kvbench.suites.runner import run_generation
+
+    return run_generation(GENERATION_SUITES[name](), client, opts)

@@ -1,0 +1,126 @@
+"""Fused and unfused RoPE + quantize + append kernels (Triton, CPU interpreter) against the reference,
+bit for bit.  The interpreter's own float32→bf16/fp8 casts do not round to nearest even (DESIGN §12),
+so under the interpreter the kernels round in float32 arithmetic before casting (``EXACT``); the GPU
+uses the hardware casts, and ``python -m kvbench.kernels.check`` compares those bit for bit there."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kvbench.kernels import check as C
+from kvbench.kernels import reference as R
+from kvbench.kernels.append import fused_rope_quant_append, quantize_store, rope, unfused_rope_quant_append
+from kvbench.kernels.formats import FORMAT_NAMES, get_format
+
+VARIANTS = [
+    # style, rotary dim, compute dtype, fused, fp8 q
+    ("neox", 32, torch.float16, True, False),
+    ("interleaved", 16, torch.float32, True, True),
+    ("neox", 16, torch.bfloat16, False, True),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("style,rot,dtype,fused,q8", VARIANTS)
+def test_append_matches_reference(fmt, style, rot, dtype, fused, q8):
+    case = C.check_append(fmt, 11, 4, 2, 32, 4, rot=rot, style=style, dtype=dtype, fused=fused, q_fp8=q8,
+                          device="cpu", exact=True, seed=sum(map(ord, fmt + style)) + rot)
+    assert case.ok, case.line()
+
+
+def _inputs(fmt, t=6, hq=4, hk=2, d=32, page=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kc, kbs, _, _ = C.make_cache(fmt, 4, page, hk, d, "cpu", gen)
+    vc, vbs, _, _ = C.make_cache(fmt, 4, page, hk, d, "cpu", gen)
+    q, k, v = (torch.randn(t, h, d, generator=gen).half() for h in (hq, hk, hk))
+    ks, vs = C.calibrated_scale(fmt, k), C.calibrated_scale(fmt, v)
+    pos = torch.randint(0, 64, (t,), generator=gen)
+    slots = torch.randperm(16, generator=gen)[:t]
+    slots[1] = -1
+    return q, k, v, pos, slots, R.build_cos_sin_cache(64, d), kc, vc, ks, vs, kbs, vbs
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4"])
+def test_fused_and_unfused_write_identical_bytes(fmt):
+    q, k, v, pos, slots, cs, kc, vc, ks, vs, kbs, vbs = _inputs(fmt)
+    res = []
+    for fn in (fused_rope_quant_append, unfused_rope_quant_append):
+        c = [kc.clone(), vc.clone(), kbs.clone() if kbs is not None else None, vbs.clone() if vbs is not None else None]
+        out = fn(q, k, v, pos, slots, cs, c[0], c[1], ks, vs, kv_format=fmt, k_block_scale=c[2], v_block_scale=c[3])
+        res.append((out.q, out.k, *c))
+    for a, b in zip(*res):
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_skipped_slots_and_inputs_untouched():
+    q, k, v, pos, slots, cs, kc, vc, ks, vs, kbs, vbs = _inputs("fp16")
+    q0, k0, v0, kc0 = q.clone(), k.clone(), v.clone(), kc.clone()
+    fused_rope_quant_append(q, k, v, pos, slots, cs, kc, vc, kv_format="fp16")
+    assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0)
+    written = torch.zeros(kc.shape[0] * kc.shape[1], dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    flat, flat0 = kc.view(-1, *kc.shape[2:]), kc0.view(-1, *kc.shape[2:])
+    assert torch.equal(flat[~written], flat0[~written])  # -1 and every other slot: nothing written
+    assert not torch.equal(flat[written], flat0[written])
+
+
+def test_rope_stage_matches_reference_exactly():
+    q, k, _, pos, _, cs, *_ = _inputs("fp16")
+    for style in ("neox", "interleaved"):
+        out = rope(q.float(), k.float(), pos, cs[:, :16].contiguous(), 16, style)
+        assert torch.equal(out.q, R.rope_reference(q.float(), pos, cs[:, :16], 16, style))
+        assert torch.equal(out.k, R.rope_reference(k.float(), pos, cs[:, :16], 16, style))
+
+
+def test_checker_detects_a_corrupted_byte():
+    fmt = "nvfp4"
+    q, k, v, pos, slots, cs, kc, vc, ks, vs, kbs, vbs = _inputs(fmt)
+    ref = R.append_reference(q, k, v, pos, slots, cs, kc, vc, ks, vs, kv_format=fmt, k_block_scale=kbs, v_block_scale=vbs)
+    fused_rope_quant_append(q, k, v, pos, slots, cs, kc, vc, ks, vs, kv_format=fmt, k_block_scale=kbs, v_block_scale=vbs)
+    keep = slots >= 0
+    sl = slots[keep]
+    assert C.cache_mismatch(fmt, kc, ref[3], kbs, ref[5], ref[1][keep], sl, ks, exact=True) == 0
+    kc.view(-1, kc.shape[2], kc.shape[3])[sl[0], 0, 0] ^= 0x11
+    assert C.cache_mismatch(fmt, kc, ref[3], kbs, ref[5], ref[1][keep], sl, ks, exact=True) > 0
+    bad = ref[3].clone()
+    unwritten = next(s for s in range(kc.shape[0] * kc.shape[1]) if s not in set(sl.tolist()))
+    bad.view(-1, kc.shape[2], kc.shape[3])[unwritten, 1, 1] ^= 1  # a row the kernel must leave alone
+    assert C.cache_mismatch(fmt, kc, bad, kbs, ref[5], ref[1][keep], sl, ks, exact=True) > 0
+
+
+def test_fp8_tolerance_is_narrow():
+    ref = torch.tensor([32.0, 1.5, -3.0, 448.0]).to(torch.float8_e4m3fn)
+    assert C.fp8_mismatch(torch.tensor([16.0, 1.625, -3.25, 448.0]).to(torch.float8_e4m3fn), ref, exact=False) == 0
+    assert C.fp8_mismatch(torch.tensor([16.0, 1.625, -3.25, 448.0]).to(torch.float8_e4m3fn), ref, exact=True) == 3
+    assert C.fp8_mismatch(torch.tensor([8.0, 1.75, 3.0, 416.0]).to(torch.float8_e4m3fn), ref, exact=False) == 3
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(kv_format="fp9"), "unknown KV format"),
+        (dict(rope_style="spiral"), "rope_style"),
+        (dict(rotary_dim=7), "rotary_dim"),
+        (dict(k_block_scale=None), "block_scale"),
+        (dict(k_scale=None), "scale"),
+    ],
+)
+def test_bad_input_is_rejected(change, match):
+    q, k, v, pos, slots, cs, kc, vc, ks, vs, kbs, vbs = _inputs("nvfp4")
+    kw = dict(kv_format="nvfp4", k_block_scale=kbs, v_block_scale=vbs, k_scale=ks, v_scale=vs)
+    kw.update(change)
+    with pytest.raises(ValueError, match=match):
+        fused_rope_quant_append(q, k, v, pos, slots, cs, kc, vc, **kw)
+
+
+def test_wrong_cache_dtype_is_rejected():
+    q, k, v, pos, slots, cs, kc, vc, *_ = _inputs("fp16")
+    with pytest.raises(ValueError, match="dtype"):
+        quantize_store(k, v, slots, kc.bfloat16(), vc.bfloat16(), kv_format="fp16")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        quantize_store(k, v, slots[:2], kc, vc, kv_format="fp16")
+    assert get_format("fp16").storage_dtype == kc.dtype

@@ -1,0 +1,100 @@
+"""Paged decode and prefill kernels (Triton, CPU interpreter) against the float64 references, at small
+shapes: every KV format, GQA, ragged lengths, several pages per tile and several splits, sliding
+window, sinks and fp8 queries.  Outputs are poisoned with NaN before each run."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kvbench.kernels import check as C
+from kvbench.kernels.decode import default_num_splits, paged_decode
+from kvbench.kernels.formats import FORMAT_NAMES
+from kvbench.kernels.prefill import paged_prefill
+
+FEATURES = [
+    # sliding window, sinks, fp8 q, compute dtype
+    (None, False, False, torch.float32),
+    (21, True, False, torch.bfloat16),
+    (None, False, True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("window,sinks,q8,dtype", FEATURES)
+def test_decode_matches_reference(fmt, window, sinks, q8, dtype):
+    case = C.check_decode(fmt, [1, 45, 70, 16], 8, 2, 32, 8, dtype=dtype, window=window, sinks=sinks, q_fp8=q8,
+                          device="cpu", seed=len(fmt) * 7 + (window or 0), block_n=16, num_splits=3)
+    tol = C.TOL[torch.float32] if dtype == torch.float32 else C.TOL[torch.bfloat16]
+    assert case.err <= tol, case.line()
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("window,sinks,q8,dtype", FEATURES)
+def test_prefill_matches_reference(fmt, window, sinks, q8, dtype):
+    case = C.check_prefill(fmt, [5, 40, 1], [0, 23, 50], 4, 2, 32, 8, dtype=dtype, window=window, sinks=sinks,
+                           q_fp8=q8, device="cpu", seed=len(fmt) * 5 + (window or 0), block_m=16, block_n=16)
+    tol = C.TOL[torch.float32] if dtype == torch.float32 else C.TOL[torch.bfloat16]
+    assert case.err <= tol, case.line()
+
+
+def test_decode_head_dim_64_one_split_larger_group():
+    case = C.check_decode("nvfp4", [3, 64], 8, 1, 64, 16, dtype=torch.float32, device="cpu", seed=1, block_n=32,
+                          num_splits=1)
+    assert case.err <= C.TOL[torch.float32], case.line()
+
+
+def test_prefill_block_shapes_and_pure_prefill():
+    case = C.check_prefill("fp8_e4m3", [33, 17], [0, 0], 2, 2, 32, 16, dtype=torch.float32, device="cpu", seed=2,
+                           block_m=32, block_n=16)
+    assert case.err <= C.TOL[torch.float32], case.line()
+
+
+def test_checker_fails_on_nan_and_wrong_values():
+    ref = torch.randn(4, 8, dtype=torch.float64)
+    assert C.rel_err(ref.float(), ref) < 1e-6
+    bad = ref.clone()
+    bad[0, 0] = float("nan")
+    assert not C.Case("x", "nan", C.rel_err(bad, ref), 1.0).ok
+    assert not C.Case("x", "off", C.rel_err(ref * 1.05, ref), 1e-2).ok
+
+
+def test_decode_detects_a_wrong_scale():
+    # the same run with a scale the kernel does not see must fail the tolerance
+    gen = torch.Generator().manual_seed(0)
+    kv, table = C._attn_inputs("fp8_e4m3", [20, 9], 2, 32, 8, "cpu", gen)
+    q = torch.randn(2, 4, 32, generator=gen)
+    seq = torch.tensor([20, 9], dtype=torch.int32)
+    out = paged_decode(q, page_table=table, seq_lens=seq, kv_format="fp8_e4m3", block_n=16, **kv)
+    kv2 = dict(kv, v_scale=kv["v_scale"] * 1.1)
+    from kvbench.kernels.reference import decode_reference
+
+    assert C.rel_err(out, decode_reference(q, page_table=table, seq_lens=seq, kv_format="fp8_e4m3", **kv)) < 1e-3
+    assert C.rel_err(out, decode_reference(q, page_table=table, seq_lens=seq, kv_format="fp8_e4m3", **kv2)) > 5e-2
+
+
+def test_default_num_splits():
+    assert default_num_splits(64, 8, 8192, 132) == 1
+    assert default_num_splits(1, 8, 32768, 132) == 33
+    assert default_num_splits(1, 8, 16, 132) == 1
+
+
+def test_bad_input_is_rejected():
+    gen = torch.Generator().manual_seed(0)
+    kv, table = C._attn_inputs("bf16", [5], 2, 32, 8, "cpu", gen)
+    q = torch.randn(1, 3, 32)
+    seq = torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode(q, page_table=table, seq_lens=seq, kv_format="bf16", **kv)
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode(torch.randn(1, 4, 32), page_table=table.long(), seq_lens=seq, kv_format="bf16", **kv)
+    with pytest.raises(ValueError, match="q_scale"):
+        paged_decode(torch.randn(1, 4, 32).to(torch.float8_e4m3fn), page_table=table, seq_lens=seq, kv_format="bf16", **kv)
+    with pytest.raises(ValueError, match="int32"):
+        cu = torch.tensor([0, 5])
+        paged_prefill(torch.randn(5, 4, 32), torch.randn(5, 2, 32), torch.randn(5, 2, 32), cu, 5,
+                      page_table=table, seq_lens=seq, kv_format="bf16", **kv)
+    with pytest.raises(ValueError, match="sinks"):
+        paged_decode(torch.randn(1, 4, 32), page_table=table, seq_lens=seq, kv_format="bf16", sinks=torch.zeros(3), **kv)

@@ -1,0 +1,100 @@
+"""Matrix expansion: cell count, canonical keys, grouping for engine reuse, --only selection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvbench.harness.matrix import engine_options, expand, groups, select
+from kvbench.harness.store import canonical_key
+from kvbench.harness.sweep_config import CELL_KEYS, SweepConfigError, load_config, parse_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def sweep(**over):
+    raw = {
+        "engine": {"device": "cpu", "max_running": 8},
+        "axes": {
+            "backends": ["torch", "triton+flashinfer", {"prefill": "triton", "decode": "torch"}],
+            "kv": ["bf16", {"dtype": "nvfp4", "scales": "calibrate"}, {"dtype": "fp8_e4m3", "scales": "unit", "quantize_query": True}],
+            "concurrency": [1, 4, 16],
+        },
+        "accuracy_concurrency": 4,
+    }
+    raw.update(over)
+    return parse_config(raw)
+
+
+def test_cell_count_order_and_keys():
+    cells = expand(sweep())
+    assert len(cells) == 3 * 3 * 3
+    assert [c.index for c in cells] == list(range(27))
+    for c in cells:
+        assert set(CELL_KEYS) <= set(c.config)
+        assert c.key == canonical_key(c.config)
+    assert len({c.key for c in cells}) == 27
+    # axes order: backends, then kv, then concurrency (innermost)
+    assert [c.concurrency for c in cells[:3]] == [1, 4, 16]
+    assert cells[0].config["prefill_backend"] == "torch" and cells[9].config["prefill_backend"] == "triton"
+    assert (cells[9].config["decode_backend"], cells[18].config["decode_backend"]) == ("flashinfer", "torch")
+    assert cells[9].label == "bf16/unit triton+flashinfer c=1"
+    q = [c for c in cells if c.config.get("options")]
+    assert len(q) == 9 and all(c.config["options"] == {"quantize_query": True} for c in q)
+    assert "+quantize_query" in q[0].label
+
+
+def test_keys_are_stable_across_expansions_and_axis_order():
+    a = expand(sweep())
+    b = expand(sweep(axes={"backends": ["torch"], "kv": ["bf16"], "concurrency": [16, 1]}, accuracy_concurrency=1))
+    by_key = {c.key: c.config for c in a}
+    for c in b:
+        assert by_key[c.key] == c.config
+
+
+def test_accuracy_runs_in_exactly_one_cell_per_group():
+    cells = expand(sweep())
+    gs = groups(cells)
+    assert len(gs) == 9
+    for g in gs:
+        assert len({c.group for c in g}) == 1 and [c.concurrency for c in g] == [1, 4, 16]
+        assert [c.run_accuracy for c in g] == [False, True, False]
+
+
+def test_groups_only_merge_neighbours():
+    cells = expand(sweep())
+    odd = [cells[0], cells[3], cells[1]]  # group A, group B, group A again
+    assert [len(g) for g in groups(odd)] == [1, 1, 1]
+
+
+def test_select():
+    cells = expand(sweep())
+    sel = select(cells, "kv_dtype=nvfp4,concurrency=16")
+    assert len(sel) == 3 and all(c.config["kv_dtype"] == "nvfp4" and c.concurrency == 16 for c in sel)
+    assert select(cells, None) == cells
+    with pytest.raises(SweepConfigError, match="unknown cell key 'format'.*kv_dtype"):
+        select(cells, "format=nvfp4")
+    with pytest.raises(SweepConfigError, match="matches no cell.*'kv_dtype': \\['bf16', 'fp8_e4m3', 'nvfp4'\\]"):
+        select(cells, "kv_dtype=fp16")
+    with pytest.raises(SweepConfigError, match="not key=value"):
+        select(cells, "nvfp4")
+
+
+def test_engine_options_merge_sweep_target_and_cell():
+    cfg = sweep(targets=[{"name": "e", "type": "embedded", "engine": {"max_running": 2, "dtype": "float32"}}])
+    cell = [c for c in expand(cfg) if c.config.get("options")][0]
+    opts = engine_options(cfg, cell)
+    assert opts["device"] == "cpu" and opts["max_running"] == 2 and opts["dtype"] == "float32"
+    assert opts["model"] is None  # "default" -> the engine's default model
+    assert (opts["kv_dtype"], opts["kv_scales"], opts["quantize_query"]) == ("fp8_e4m3", "unit", True)
+    from kvbench.runtime.config import EngineConfig
+
+    EngineConfig(**opts)  # every option is a real EngineConfig field
+
+
+def test_default_config_matrix():
+    cells = expand(load_config(CONFIGS / "default.yaml"))
+    assert len(cells) == 12
+    assert len(groups(cells)) == 4
+    assert sum(c.run_accuracy for c in cells) == 4

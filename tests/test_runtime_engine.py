@@ -1,0 +1,277 @@
+"""The embedded engine on the default model (CPU): the transformers anchor, continuous batching,
+preemption, chunked prefill, sampling, stops, scoring, no page leaks, and the client."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvbench.harness.client import GenRequest, SamplingParams, ScoreRequest
+from kvbench.runtime.config import EngineConfig
+from kvbench.runtime.engine import Engine
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def add(a, b):\n    return",
+    "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from kvbench.runtime.models.loader import load_model
+
+    return load_model(None)
+
+
+@pytest.fixture(scope="module")
+def engine(loaded):
+    e = Engine(EngineConfig(kv_budget_gb=0.05), loaded=loaded)
+    yield e
+    e.shutdown()
+
+
+def _engine(loaded, **kw) -> Engine:
+    kw.setdefault("kv_budget_gb", 0.05)
+    return Engine(EngineConfig(**kw), loaded=loaded)
+
+
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def _enc(engine, prompts=PROMPTS):
+    return [engine.tokenizer.encode(p) for p in prompts]
+
+
+# ------------------------------------------------------------------------------------ anchor
+def test_greedy_matches_transformers(engine, loaded):
+    """bf16 KV, torch backend: greedy tokens equal transformers' own implementation of the GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    from kvbench.runtime.default_model import default_model_path
+
+    n = 20
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    prompts = _enc(engine)[:3] + [engine.tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])]
+    ours = engine.generate(prompts, _greedy(n))
+    for ids, out in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+        assert out.token_ids == ref, (engine.tokenizer.decode(out.token_ids), engine.tokenizer.decode(ref))
+    # logits: teacher-forced full distributions vs transformers (fp16 KV is the closest stored format)
+    full = prompts[0] + ours[0].token_ids
+    with torch.no_grad():
+        ref_lp = torch.log_softmax(hf(torch.tensor([full])).logits[0].float(), -1)[len(prompts[0]) - 1 : -1]
+    res = engine.score(prompts[0], ours[0].token_ids, full_distribution=True)
+    kl = (ref_lp.exp() * (ref_lp - res.full_logprobs)).sum(-1)
+    assert res.full_logprobs.shape == ref_lp.shape
+    assert float(kl.max()) < 1e-3, kl
+
+
+# ------------------------------------------------------------------------------- batching
+def _assert_same_or_near_tie(ref, out, max_gap=0.1):
+    """Token lists agree, or first differ where the reference's top-2 log-probs are within ``max_gap``
+    (float rounding of a different batch shape / chunking can flip a near-tie, nothing else can)."""
+    n = min(len(ref.token_ids), len(out.token_ids))
+    j = next((i for i in range(n) if ref.token_ids[i] != out.token_ids[i]), None)
+    if j is None:
+        return True
+    top = sorted(ref.top_logprobs[j].values(), reverse=True)
+    assert top[0] - top[1] < max_gap, f"diverged at {j} where the reference margin is {top[0] - top[1]:.3f}"
+    return False
+
+
+def test_16_concurrent_requests(loaded):
+    """16 requests at once with the default model (256 tokens each in the documented check; 96 here to
+    keep the suite fast on 2 cores)."""
+    n_tok = 96
+    e = _engine(loaded, kv_budget_gb=0.2, max_running=16)
+    try:
+        base = _enc(e)
+        prompts = [base[i % 4] + e.tokenizer.encode(f" {i}") for i in range(16)]
+        t0 = time.monotonic()
+        outs = e.generate(prompts, _greedy(n_tok, logprobs=2))
+        dt = time.monotonic() - t0
+        assert all(o.finish_reason == "length" and len(o.token_ids) == n_tok for o in outs)
+        assert e.stats().preemptions == 0 and e.stats().generation_tokens >= 16 * n_tok
+        solo = e.generate([prompts[5]], _greedy(n_tok, logprobs=2))[0]
+        _assert_same_or_near_tie(solo, outs[5])
+        print(f"16x{n_tok} tokens on CPU: {dt:.1f}s ({16 * n_tok / dt:.0f} tok/s)")
+    finally:
+        e.shutdown()
+    assert e.cache.allocator.num_used == 0
+
+
+def test_preemption_and_chunked_prefill_keep_greedy_tokens(engine, loaded):
+    prompts = _enc(engine)
+    ref = engine.generate(prompts, _greedy(40, logprobs=2))
+    # 12 pages of 16 tokens for 4 sequences of ~60 tokens each: must preempt; 8-token prefill chunks
+    tiny = _engine(loaded, kv_budget_gb=12 * 16 * engine.cache.bytes_per_token / 2**30, max_num_batched_tokens=8)
+    try:
+        outs = tiny.generate(prompts, _greedy(40))
+        assert tiny.stats().preemptions > 0
+        assert sum(o.num_preemptions for o in outs) == tiny.stats().preemptions
+        same = [_assert_same_or_near_tie(r, o) for r, o in zip(ref, outs)]
+        assert sum(same) >= 2, same
+        assert tiny.cache.allocator.num_used == 0
+    finally:
+        tiny.shutdown()
+
+
+def test_prompt_too_long_or_empty_is_rejected(engine):
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([], _greedy(4))
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request([1] * (engine.max_model_len + 1), _greedy(4))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=0))
+
+
+# -------------------------------------------------------------------------------- sampling
+def test_sampling_seed_topk_stop_and_min_tokens(engine):
+    ids = _enc(engine)[3]
+    p = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=123, ignore_eos=True)
+    a, b = engine.generate([ids, ids], [p, p])
+    assert a.token_ids == b.token_ids  # same seed, same tokens, in one batch
+    c = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=124, ignore_eos=True))[0]
+    assert c.token_ids != a.token_ids
+    g = engine.generate([ids], _greedy(12))[0]
+    k1 = engine.generate([ids], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=5, ignore_eos=True))[0]
+    assert k1.token_ids == g.token_ids  # top-k 1 is greedy
+    # stop token id: the first greedy token that is not the first
+    stop_id = g.token_ids[3]
+    first = g.token_ids.index(stop_id)
+    s = engine.generate([ids], SamplingParams(max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True))[0]
+    assert s.finish_reason == "stop" and s.token_ids == g.token_ids[: first + 1]
+    # min_tokens bans the stop id until reached
+    m = engine.generate([ids], SamplingParams(max_tokens=12, stop_token_ids=[stop_id], min_tokens=first + 2, ignore_eos=True))[0]
+    assert stop_id not in m.token_ids[: first + 2]
+    # stop string: cut before it, across token boundaries
+    word = g.text.split()[2]
+    st = engine.generate([ids], SamplingParams(max_tokens=12, stop=[word], ignore_eos=True))[0]
+    assert st.finish_reason == "stop" and word not in st.text and g.text.startswith(st.text)
+    assert st.text == g.text[: g.text.index(word)]
+    # logprobs: raw log-softmax of each chosen token, with top alternatives
+    lp = engine.generate([ids], _greedy(6, logprobs=3))[0]
+    assert len(lp.logprobs) == 6 and all(x <= 0 for x in lp.logprobs)
+    assert all(max(d, key=d.get) == t for d, t in zip(lp.top_logprobs, lp.token_ids))
+
+
+def test_score_is_consistent_with_generation(engine):
+    ids = _enc(engine)[0]
+    g = engine.generate([ids], _greedy(10, logprobs=0))[0]
+    s = engine.score(ids, g.token_ids, top_k=2)
+    assert s.is_greedy and len(s.logprobs) == 10
+    assert s.logprobs == pytest.approx(g.logprobs, abs=1e-5)
+    assert [t[0] for t in s.top_ids] == g.token_ids
+    other = engine.score(ids, engine.tokenizer.encode(" Berlin, the capital of Germany"))
+    assert not other.is_greedy and other.total_logprob < s.total_logprob
+
+
+# ------------------------------------------------------------------------------- page leaks
+def test_no_page_leaks_after_mixed_endings(loaded):
+    e = _engine(loaded, kv_budget_gb=10 * 16 * 23040 / 2**30, max_running=4, max_num_batched_tokens=16)
+    try:
+        e.start()
+        ids = _enc(e)
+        done = threading.Event()
+        seen = []
+
+        def cb(d):
+            seen.append(d.finish_reason)
+            if d.finish_reason:
+                done.set()
+
+        # a long stream aborted mid-way, a queued request aborted before it runs, others finishing
+        long_id = e.add_request(ids[0], _greedy(200), on_delta=cb)
+        queued = [e.add_request(ids[i % 4], _greedy(30)) for i in range(6)]
+        e.abort(queued[-1])
+        stream = e.stream(ids[1], SamplingParams(max_tokens=50, stop=["\n"]))
+        for i, d in enumerate(stream):
+            if i == 3:
+                break  # closing the generator aborts the request
+        stream.close()
+        time.sleep(0.3)
+        e.abort(long_id)
+        outs = e.generate(ids, [SamplingParams(max_tokens=8), _greedy(20), SamplingParams(max_tokens=30, stop=["a"]), _greedy(3)])
+        assert [o.finish_reason in ("stop", "length") for o in outs] == [True] * 4
+        assert done.wait(30)
+        deadline = time.monotonic() + 60
+        while e.scheduler.has_work() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = e.stats()
+        assert st.running == 0 and st.waiting == 0
+        assert e.cache.allocator.num_used == 0 and e.cache.allocator.num_free == e.cache.num_pages
+        assert st.requests_aborted >= 2
+    finally:
+        e.shutdown()
+
+
+# ------------------------------------------------------------------------------------ client
+def test_engine_client_generate_stream_score(engine):
+    from kvbench.harness.client import Client
+    from kvbench.harness.engine_client import EngineClient
+
+    c = EngineClient(engine=engine)
+    assert isinstance(c, Client)
+    req = GenRequest(messages=[{"role": "user", "content": "What is 2+2?"}], params=SamplingParams(max_tokens=20))
+    r = c.generate(req)
+    assert r.finish_reason in ("stop", "length") and r.output_tokens > 0 and r.text
+    assert "".join(c.stream(req)) == r.text
+    s = c.score(ScoreRequest("The capital of France is", " Paris"))
+    assert s.token_ids == engine.tokenizer.encode(" Paris", add_special_tokens=False) and s.logprobs[0] > -2
+    info = c.info()
+    assert info["kv_dtype"] == "bf16" and info["capacity"]["tokens"] > 0
+
+
+# ----------------------------------------------------------------------- format agreement
+FORMAT_FLOOR = {"fp16": 3, "fp8_e4m3": 2, "fp8_e5m2": 0, "nvfp4": 0}  # of 4 prompts, first 16 tokens (2-bit mantissas: reported only)
+
+
+def test_format_agreement_with_bf16(engine, loaded):
+    """Every CPU format produces bf16's greedy tokens for the first 16 tokens on most prompts (reported)."""
+    prompts = _enc(engine)
+    base = engine.generate(prompts, _greedy(16))
+    report = {}
+    for fmt, floor in FORMAT_FLOOR.items():
+        scales = "calibrate" if fmt != "fp16" else "unit"
+        e = _engine(loaded, kv_dtype=fmt, kv_scales=scales, calibration_prompts=4)
+        try:
+            outs = e.generate(prompts, _greedy(16))
+        finally:
+            e.shutdown()
+        assert all(len(o.token_ids) == 16 for o in outs)
+        agree = sum(o.token_ids == b.token_ids for o, b in zip(outs, base))
+        prefix = [next((i for i, (x, y) in enumerate(zip(o.token_ids, b.token_ids)) if x != y), 16) for o, b in zip(outs, base)]
+        report[fmt] = (agree, prefix)
+        assert agree >= floor, (fmt, agree, prefix)
+    print("format agreement with bf16 (prompts identical of 4, first-divergence positions):", report)
+
+
+def test_triton_backend_bf16_identical_to_torch(engine, loaded):
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (no GPU here)
+    from kvbench.runtime.attention.registry import backend_class
+
+    try:
+        backend_class("triton")
+    except Exception as e:  # the Triton backend lives in its own module, written separately
+        pytest.skip(f"triton backend not loadable here: {e}")
+    prompts = _enc(engine)[:2]
+    base = engine.generate(prompts, _greedy(8))
+    e = _engine(loaded, prefill_backend="triton", decode_backend="triton")
+    try:
+        outs = e.generate(prompts, _greedy(8))
+    finally:
+        e.shutdown()
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
