@@ -17,7 +17,7 @@ import traceback
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from kvbench.harness.client import Client
 from kvbench.harness.matrix import Cell, cell_config, engine_options, expand, groups, select
@@ -127,6 +127,7 @@ def run_sweep(sweep: SweepConfig, out: Path | str, resume: bool = False, only: O
         for group in groups(todo):
             _run_group(sweep, store, group, work, refs, opener, display, outcome)
 
+    manifest["device"] = manifest["runs"][-1]["device"] = device_info()  # now with the GPUs torch saw
     manifest["runs"][-1].update(finished=now_iso(), done=len(outcome.done), failed=len(outcome.failed),
                                 skipped=len(outcome.skipped))
     store.write_manifest(manifest)
@@ -285,6 +286,7 @@ def package_versions() -> dict:
 def device_info() -> dict:
     import os
     import platform
+    import sys
 
     info: dict = {"host": platform.node(), "platform": platform.platform(), "cpu_count": os.cpu_count()}
     try:
@@ -294,10 +296,9 @@ def device_info() -> dict:
                 break
     except OSError:
         pass
+    torch = sys.modules.get("torch")  # only when something already loaded it (never imported just for this)
     try:
-        import torch
-
-        if torch.cuda.is_available():
+        if torch is not None and torch.cuda.is_available():
             info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             info["cuda"] = torch.version.cuda
     except Exception:  # torch missing or broken: the manifest still gets written

@@ -168,23 +168,46 @@ def load_plain_tile(C, slot, hk, s_slot, s_h, d, dmask, tmask, DOT: tl.constexpr
 
 
 @triton.jit
+def load_raw_tile(C, BS, slot, hk, s_slot, s_h, sb_slot, sb_h, i, imask, tmask, NB: tl.constexpr,
+                  ND: tl.constexpr, FMT: tl.constexpr):
+    """Stored values of a [BLOCK_N, Dp] tile (and its [BLOCK_N, NB] block scales for nvfp4, where
+    ``ND`` = D/16 scales per row are padded to the power of two ``NB``); no conversion yet, so the
+    load can be issued a tile ahead."""
+    m = tmask[:, None] & imask[None, :]
+    if FMT == 2:
+        x = tl.load(C + slot[:, None] * s_slot + hk * s_h + i[None, :], mask=m, other=0)
+        b = tl.arange(0, NB)
+        bs = tl.load(BS + slot[:, None] * sb_slot + hk * sb_h + b[None, :], mask=tmask[:, None] & (b[None, :] < ND),
+                     other=0.0)
+    else:
+        x = tl.load(C + slot[:, None] * s_slot + hk * s_h + i[None, :], mask=m, other=0.0)
+        bs = x
+    return x, bs
+
+
+@triton.jit
+def dequant_tile(x, bs, NB: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr):
+    """A raw tile → dot operands.  nvfp4 gives the (even, odd) element tiles with block scales applied,
+    exactly in float16: an e2m1 value (2 significant bits) times an e4m3 block scale (4 bits, at least
+    2^-6 by construction) lies in [2^-7, 2688].  Other formats give (tile, tile)."""
+    if FMT == 2:
+        byte = x.to(tl.int32)
+        s = bs.to(tl.float16)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (s.shape[0], NB, 8)), (s.shape[0], NB * 8))
+        lo = to_dot(e2m1_to_f16(byte & 15) * s, DOT)
+        hi = to_dot(e2m1_to_f16(byte >> 4) * s, DOT)
+    else:
+        lo = to_dot(x, DOT)
+        hi = lo
+    return lo, hi
+
+
+@triton.jit
 def load_nvfp4_tile(C, BS, slot, hk, s_slot, s_h, sb_slot, sb_h, i, imask, tmask, NB: tl.constexpr,
                     ND: tl.constexpr, DOT: tl.constexpr):
-    """[BLOCK_N, D/2] bytes → (even, odd) element tiles in the dot dtype, block scales applied
-    (``ND`` = D/16 block scales per row, padded to the power of two ``NB``).
-
-    Everything is exact in float16: an e2m1 value (2 significant bits) times an e4m3 block scale
-    (4 bits, at least 2^-6 by construction) lies in [2^-7, 2688]."""
-    m = tmask[:, None] & imask[None, :]
-    byte = tl.load(C + slot[:, None] * s_slot + hk * s_h + i[None, :], mask=m, other=0).to(tl.int32)
-    b = tl.arange(0, NB)
-    bs = tl.load(BS + slot[:, None] * sb_slot + hk * sb_h + b[None, :], mask=tmask[:, None] & (b[None, :] < ND),
-                 other=0.0)
-    bs = bs.to(tl.float16)
-    bs = tl.reshape(tl.broadcast_to(bs[:, :, None], (bs.shape[0], NB, 8)), (bs.shape[0], NB * 8))
-    lo = e2m1_to_f16(byte & 15) * bs
-    hi = e2m1_to_f16(byte >> 4) * bs
-    return to_dot(lo, DOT), to_dot(hi, DOT)
+    """[BLOCK_N, D/2] bytes → (even, odd) element tiles in the dot dtype, block scales applied."""
+    x, bs = load_raw_tile(C, BS, slot, hk, s_slot, s_h, sb_slot, sb_h, i, imask, tmask, NB, ND, 2)
+    return dequant_tile(x, bs, NB, 2, DOT)
 
 
 @triton.jit

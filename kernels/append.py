@@ -132,28 +132,28 @@ def _append_kernel(
     else:
         slot = tl.load(SLOTS + t).to(tl.int64)
         if FMT == 2:
-            hk = ((hb - nqb) * HB + hh).to(tl.int64)[:, None, None]
-            blk = tl.arange(0, NB_PAD)[None, :, None]
-            p = tl.arange(0, 8)[None, None, :]
-            de = blk * 16 + p * 2
-            pm = (de < D) & (hk < H_KV)
-            k_row = K + t * sk_t + hk * sk_h
-            v_row = V + t * sv_t + hk * sv_h
-            ke = cast_rne(_rope_load(k_row, cs_row, de, pm, ROT, NEOX, DO_ROPE), K_OUT.dtype.element_ty, EXACT)
-            ko = cast_rne(_rope_load(k_row, cs_row, de + 1, pm, ROT, NEOX, DO_ROPE), K_OUT.dtype.element_ty, EXACT)
+            # RoPE on contiguous rows, then split into the even / odd elements of each 16-block
+            hk2 = ((hb - nqb) * HB + hh).to(tl.int64)[:, None]
+            d = tl.arange(0, D_PAD)[None, :]
+            dmask = (d < D) & (hk2 < H_KV)
+            kx = cast_rne(_rope_load(K + t * sk_t + hk2 * sk_h, cs_row, d, dmask, ROT, NEOX, DO_ROPE),
+                          K_OUT.dtype.element_ty, EXACT)
             if WRITE_K_OUT:
-                tl.store(K_OUT + t * sko_t + hk * sko_h + de, ke, mask=pm)
-                tl.store(K_OUT + t * sko_t + hk * sko_h + de + 1, ko, mask=pm)
+                tl.store(K_OUT + t * sko_t + hk2 * sko_h + d, kx, mask=dmask)
             if DO_STORE:
                 if slot >= 0:
-                    hmask = hk < H_KV
-                    ks = tl.load(K_SCALE + hk, mask=hmask, other=1.0)
-                    vs = tl.load(V_SCALE + hk, mask=hmask, other=1.0)
-                    ve = tl.load(v_row + de, mask=pm, other=0.0).to(tl.float32)
-                    vo = tl.load(v_row + de + 1, mask=pm, other=0.0).to(tl.float32)
-                    bm = (tl.reshape(blk, (1, NB_PAD)) < D // 16) & (tl.reshape(hk, (HB, 1)) < H_KV)
+                    hk = tl.reshape(hk2, (HB, 1, 1))
+                    blk = tl.arange(0, NB_PAD)[None, :, None]
+                    p = tl.arange(0, 8)[None, None, :]
+                    pm = ((blk * 16 + p * 2) < D) & (hk < H_KV)
+                    ks = tl.load(K_SCALE + hk, mask=hk < H_KV, other=1.0)
+                    vs = tl.load(V_SCALE + hk, mask=hk < H_KV, other=1.0)
+                    vx = tl.load(V + t * sv_t + hk2 * sv_h + d, mask=dmask, other=0.0).to(tl.float32)
+                    ke, ko = tl.split(tl.reshape(kx.to(tl.float32), (HB, NB_PAD, 8, 2)))
+                    ve, vo = tl.split(tl.reshape(vx, (HB, NB_PAD, 8, 2)))
+                    bm = (tl.reshape(blk, (1, NB_PAD)) < D // 16) & (hk2 < H_KV)
                     _nvfp4_store(KC + slot * skc_slot + hk * skc_h, KBS + slot * skb_slot + hk * skb_h,
-                                 ke.to(tl.float32), ko.to(tl.float32), blk, p, pm, bm, ks, EXACT)
+                                 ke, ko, blk, p, pm, bm, ks, EXACT)
                     _nvfp4_store(VC + slot * svc_slot + hk * svc_h, VBS + slot * svb_slot + hk * svb_h,
                                  ve, vo, blk, p, pm, bm, vs, EXACT)
         else:
@@ -225,7 +225,7 @@ def _launch(t, q, k, v, positions, slots, cs, q_out, k_out, q8, q_scale, kc, vc,
         kc.slot_stride if kc else 0, kc.head_stride if kc else 0, vc.slot_stride if vc else 0, vc.head_stride if vc else 0,
         kc.bs_slot_stride if kc else 0, kc.bs_head_stride if kc else 0, vc.bs_slot_stride if vc else 0, vc.bs_head_stride if vc else 0,
         cs.stride(0) if cs is not None else 0,
-        num_q_heads, k.shape[1], D=d, D_PAD=next_pow2(d), NB_PAD=next_pow2(max(d // 16, 1)), HB=hb,
+        num_q_heads, k.shape[1], D=d, D_PAD=next_pow2(max(d, 16)), NB_PAD=next_pow2(max(d, 16)) // 16, HB=hb,
         ROT=rot, NEOX=neox, FMT=format_code(fmt_name), QMAX=float(fmt.max_value or 0.0),
         DO_ROPE=do_rope, DO_STORE=do_store, WRITE_K_OUT=write_k_out, Q_FP8=q8 is not None,
         E5M2=fmt.name == "fp8_e5m2", EXACT=interpreting(),

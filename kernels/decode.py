@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench.kernels._triton_utils import cache_dot_code, check_cache, format_code, load_nvfp4_tile, load_plain_tile, next_pow2, to_dot
+from kvbench.kernels._triton_utils import cache_dot_code, check_cache, dequant_tile, format_code, load_raw_tile, next_pow2, to_dot
 
 __all__ = ["paged_decode", "default_num_splits"]
 
@@ -35,6 +35,7 @@ def _decode_split_kernel(
     window, num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DP_PAD: tl.constexpr, NB: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -75,31 +76,50 @@ def _decode_split_kernel(
         q = to_dot(q, DOT)
         acc = tl.zeros([G_PAD, DP_PAD], tl.float32)
 
+    # nvfp4 (PREFETCH): the next tile's raw bytes are loaded before this tile is computed, which helps
+    # its longer dequantization; for the other formats Triton's own pipelining does better (measured).
+    offs = lo + n_off
+    tmask = offs < hi
+    slot = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64) * PAGE + (offs % PAGE)
+    kx, kb = load_raw_tile(KC, KBS, slot, hk, skc_slot, skc_h, skb_slot, skb_h, i, imask, tmask, NB, D // 16, FMT)
+    vx, vb = load_raw_tile(VC, VBS, slot, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask, NB, D // 16, FMT)
     for j in range(lo, hi, BLOCK_N):
-        offs = j + n_off
-        tmask = offs < hi
-        page = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64)
-        slot = page * PAGE + (offs % PAGE)
-        if FMT == 2:
-            k_e, k_o = load_nvfp4_tile(KC, KBS, slot, hk, skc_slot, skc_h, skb_slot, skb_h, i, imask, tmask, NB, D // 16, DOT)
-            qk = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
+        if PREFETCH:
+            offs_n = j + BLOCK_N + n_off
+            tmask_n = offs_n < hi
+            slot_n = tl.load(pt_row + offs_n // PAGE, mask=tmask_n, other=0).to(tl.int64) * PAGE + (offs_n % PAGE)
+            kx_n, kb_n = load_raw_tile(KC, KBS, slot_n, hk, skc_slot, skc_h, skb_slot, skb_h, i, imask, tmask_n, NB,
+                                       D // 16, FMT)
+            vx_n, vb_n = load_raw_tile(VC, VBS, slot_n, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask_n, NB,
+                                       D // 16, FMT)
         else:
-            k = load_plain_tile(KC, slot, hk, skc_slot, skc_h, i, imask, tmask, DOT)
-            qk = tl.dot(q, tl.trans(k))
+            offs = j + n_off
+            tmask = offs < hi
+            slot = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64) * PAGE + (offs % PAGE)
+            kx, kb = load_raw_tile(KC, KBS, slot, hk, skc_slot, skc_h, skb_slot, skb_h, i, imask, tmask, NB,
+                                   D // 16, FMT)
+            vx, vb = load_raw_tile(VC, VBS, slot, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask, NB,
+                                   D // 16, FMT)
+        k_a, k_b = dequant_tile(kx, kb, NB, FMT, DOT)
+        if FMT == 2:
+            qk = tl.dot(q_e, tl.trans(k_a)) + tl.dot(q_o, tl.trans(k_b))
+        else:
+            qk = tl.dot(q, tl.trans(k_a))
         qk = tl.where(tmask[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         pd = to_dot(p, DOT)
+        v_a, v_b = dequant_tile(vx, vb, NB, FMT, DOT)
         if FMT == 2:
-            v_e, v_o = load_nvfp4_tile(VC, VBS, slot, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask, NB, D // 16, DOT)
-            acc_e = acc_e * alpha[:, None] + tl.dot(pd, v_e)
-            acc_o = acc_o * alpha[:, None] + tl.dot(pd, v_o)
+            acc_e = acc_e * alpha[:, None] + tl.dot(pd, v_a)
+            acc_o = acc_o * alpha[:, None] + tl.dot(pd, v_b)
         else:
-            v = load_plain_tile(VC, slot, hk, svc_slot, svc_h, i, imask, tmask, DOT)
-            acc = acc * alpha[:, None] + tl.dot(pd, v)
+            acc = acc * alpha[:, None] + tl.dot(pd, v_a)
         m_i = m_new
+        if PREFETCH:
+            kx, kb, vx, vb, tmask = kx_n, kb_n, vx_n, vb_n, tmask_n
 
     ml = ML + b.to(tl.int64) * sml_b + heads * sml_h + split * sml_s
     tl.store(ml, m_i, mask=gmask)
@@ -159,7 +179,7 @@ def paged_decode(
     k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None, sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
     q_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
-    block_n: int = 64, num_warps: int = 4, num_stages: int = 2, out_dtype: Optional[torch.dtype] = None,
+    block_n: Optional[int] = None, num_warps: int = 4, num_stages: int = 2, out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Decode attention: ``q`` ``[B, H_q, D]`` (bf16/fp16/fp32, or float8_e4m3fn with ``q_scale``) over
     each sequence's ``seq_lens[b]`` cached tokens (including the one just appended) → ``[B, H_q, D]``."""
@@ -186,6 +206,8 @@ def paged_decode(
     if bsz == 0:
         return out
     g = hq // hk
+    if block_n is None:  # the tile the GPU check ran with; see docs/kernels.md for the sweep
+        block_n = 64
     if num_splits is None:
         num_splits = default_num_splits(bsz, hk, page_table.shape[1] * kc.page_size, _num_sms(q.device), block_n)
     acc = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
@@ -201,7 +223,7 @@ def paged_decode(
         int(sliding_window or 0), num_splits,
         G=g, G_PAD=max(16, next_pow2(g)), D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size, BLOCK_N=block_n,
         FMT=fmt, DOT=cache_dot_code(kv_format, odt if is_fp8_q else q.dtype),
-        HAS_Q_SCALE=q_scale is not None, num_warps=num_warps, num_stages=num_stages,
+        HAS_Q_SCALE=q_scale is not None, PREFETCH=fmt == 2, num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(bsz, hq)](
         acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale,

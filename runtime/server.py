@@ -470,11 +470,11 @@ def create_app(engine, own_engine: bool = False):
                     echo_lp[p] = await echo_logprobs(prompts[c.index], req.logprobs, req.as_ids)
         tstr = lambda i: token_str(i, req.as_ids)  # noqa: E731
 
-        def lp_block(c: _Choice, ids, lps, tops, with_echo: bool):
+        def lp_block(c: _Choice, ids, lps, tops, with_echo: bool, offset: int = 0):
             if req.logprobs is None:
                 return None
             pre = echo_lp.get(c.index // req.n) if with_echo else None
-            return render_logprobs(chat, ids, lps, tops, req.logprobs, tstr, pre)
+            return render_logprobs(chat, ids, lps, tops, req.logprobs, tstr, pre, offset)
 
         def usage() -> dict:
             done = sum(c.n_tokens for c in choices)
@@ -510,7 +510,9 @@ def create_app(engine, own_engine: bool = False):
                         c.n_tokens += len(d.token_ids)
                         fr = d.finish_reason if d.finish_reason in ("stop", "length") else None
                         if d.text or d.token_ids or fr:
-                            yield chunk(c, d.text, lp_block(c, d.token_ids, d.logprobs or [], d.top_logprobs or [], False), fr)
+                            lp = lp_block(c, d.token_ids, d.logprobs or [], d.top_logprobs or [], False, len(c.text))
+                            c.text += d.text  # streamed so far (text_offset of the next chunk)
+                            yield chunk(c, d.text, lp, fr)
                     if req.include_usage:
                         yield _sse({"id": base, "object": obj + ".chunk" if chat else obj, "created": created, "model": model_id, "choices": [], "usage": usage()})
                     yield "data: [DONE]\n\n"

@@ -1,6 +1,7 @@
 """Markdown table of fidelity summaries from ``kvbench eval --suite fidelity --out DIR`` directories.
 
     python -m kvbench.suites.fidelity_table DIR [DIR ...]
+    python -m kvbench.suites.fidelity_table --paired DIR_A DIR_B   # per-text A − B, mean ± standard error
 """
 
 from __future__ import annotations
@@ -45,10 +46,38 @@ def table(dirs: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def _items(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(out_dir) / "items.jsonl").read_text().splitlines() if line.strip()]
+
+
+def paired(a: Path, b: Path, metrics: tuple[str, ...] = ("kl_mean", "nll_cand", "top1_agree", "first_divergence")) -> str:
+    """Per-text differences A − B (same texts, same order): mean ± standard error, and A's and B's
+    per-text first-divergence positions."""
+    ia, ib = _items(a), _items(b)
+    if [r["item_id"] for r in ia] != [r["item_id"] for r in ib]:
+        raise SystemExit(f"{a} and {b} hold different texts")
+    n = len(ia)
+    lines = [f"{a} − {b} over {n} texts"]
+    for m in metrics:
+        d = [x["scores"][m] - y["scores"][m] for x, y in zip(ia, ib)]
+        mean = sum(d) / n
+        se = (sum((v - mean) ** 2 for v in d) / (n - 1)) ** 0.5 / n**0.5 if n > 1 else float("nan")
+        lines.append(f"  {m}: {mean:+.4f} ± {se:.4f}")
+    for label, items in ((a, ia), (b, ib)):
+        lines.append(f"  first_divergence {label}: {[int(r['scores']['first_divergence']) for r in items]}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__.strip(), file=sys.stderr)
         return 2
+    if argv[0] == "--paired":
+        if len(argv) != 3:
+            print(__doc__.strip(), file=sys.stderr)
+            return 2
+        print(paired(Path(argv[1]), Path(argv[2])))
+        return 0
     print(table([Path(a) for a in argv]))
     return 0
 

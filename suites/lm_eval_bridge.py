@@ -186,7 +186,7 @@ def run_lm_eval(task: str, client: Client, opts: SuiteOptions, include_path: Opt
         records += recs
         s = summarize_records(recs)
         for k, v in (out.get("results", {}).get(sub) or {}).items():
-            if _scalar(v) is not None and "_stderr" not in k:
+            if _scalar(v) is not None and "," in k and "_stderr" not in k:  # "<metric>,<filter>" entries
                 s[k] = float(v)
         summary[f"lm_eval:{sub}"] = s
     name = f"lm_eval:{task}"

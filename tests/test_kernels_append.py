@@ -124,3 +124,11 @@ def test_wrong_cache_dtype_is_rejected():
     with pytest.raises(ValueError, match="slot_mapping"):
         quantize_store(k, v, slots[:2], kc, vc, kv_format="fp16")
     assert get_format("fp16").storage_dtype == kc.dtype
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e5m2", "nvfp4"])
+def test_head_counts_that_do_not_fill_a_program(fmt):
+    # 6 query / 3 kv heads: the kernel groups heads by powers of two and must mask the rest
+    case = C.check_append(fmt, 5, 6, 3, 48, 4, rot=32, style="interleaved", dtype=torch.bfloat16, q_fp8=True,
+                          device="cpu", exact=True, seed=11)
+    assert case.ok, case.line()

@@ -99,3 +99,17 @@ def test_fidelity_table(tmp_path):
     atomic_write_json(tmp_path / "bad" / "summary.json", {"suites": {}, "error": "boom"})
     with pytest.raises(SystemExit):
         table([tmp_path / "bad"])
+
+
+def test_fidelity_paired(tmp_path):
+    from kvbench.harness.store import atomic_write_jsonl
+    from kvbench.suites.fidelity_table import paired
+
+    keys = ("kl_mean", "nll_cand", "top1_agree", "first_divergence")
+    for name, kls in (("a", [0.1, 0.3]), ("b", [0.0, 0.0])):
+        atomic_write_jsonl(tmp_path / name / "items.jsonl",
+                           [{"item_id": f"t{i}", "scores": {**{k: 1.0 for k in keys}, "kl_mean": v, "first_divergence": 4 * i}}
+                            for i, v in enumerate(kls)])
+    out = paired(tmp_path / "a", tmp_path / "b")
+    assert "kl_mean: +0.2000 ± 0.1000" in out and "nll_cand: +0.0000 ± 0.0000" in out
+    assert out.rstrip().endswith("[0, 4]")

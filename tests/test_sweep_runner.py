@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 

@@ -52,7 +52,9 @@ def write_kv(cache: PagedKVCache, layer: int, slots: torch.Tensor, k: torch.Tens
 
 class TorchBackend:
     name: ClassVar[str] = "torch"
-    graph_safe: ClassVar[bool] = True  # decode plan/forward do no host syncs (CUDA-graph capturable)
+    # capturable (no host syncs in decode), but a graph fixes the key length at max_model_len, which makes
+    # this gather-everything reference far slower than eager: decode it eagerly
+    graph_safe: ClassVar[bool] = False
 
     def __init__(self, opts: BackendOptions):
         self.opts = opts

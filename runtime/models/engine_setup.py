@@ -104,9 +104,12 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> 
     backend = create_backend(cfg.prefill_backend, cfg.decode_backend, opts)
     runner = ModelRunner(loaded.model, cache, backend, rope, device)
     if device.type == "cuda" and not cfg.enforce_eager:
-        from kvbench.runtime.graphs import DecodeGraphs
+        from kvbench.runtime.graphs import DecodeGraphs, graph_safe
 
-        runner.graphs = DecodeGraphs(runner, max_batch=cfg.max_running, max_model_len=max_len)
+        if graph_safe(backend):
+            runner.graphs = DecodeGraphs(runner, max_batch=cfg.max_running, max_model_len=max_len)
+        else:
+            log.warning("decode backend %s is not CUDA-graph capturable; decoding eagerly", cfg.decode_backend)
     capacity = CapacityReport(
         kv_dtype=cfg.kv_dtype, page_size=cfg.page_size, num_pages=plan.num_pages, tokens=plan.tokens,
         bytes_per_token=plan.bytes_per_token, kv_bytes=plan.kv_bytes, context_len=max_len,

@@ -87,9 +87,15 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[Optional[torch.Tensor], list[int]]:
         """Logits ``[N, vocab]`` float32 of the sampled rows (None if none) and their sequence indices."""
         inp = StepInputs(batch, self.cache.page_size, self.cache.scratch_page)
+        hidden = None
         if batch.phase == "decode" and self.graphs is not None and self.graphs.can_run(inp):
-            hidden = self.graphs.run(inp)
-        else:
+            from kvbench.runtime.graphs import GraphUnavailable
+
+            try:
+                hidden = self.graphs.run(inp)
+            except GraphUnavailable:
+                self.graphs = None
+        if hidden is None:
             ids, meta = self.metadata(batch.phase, inp)
             self.backend.plan(meta, self.cache)
             hidden = self.model(ids, self.backend, self.cache, meta)

@@ -1,0 +1,273 @@
+"""Engine performance checks behind docs/performance.md (run on a GPU; parts run on CPU too).
+
+    python -m kvbench.runtime.models.perf --out perf.json [--model synthetic:llama-3-8b] [--skip-default]
+
+1. copy bandwidth of the device (read + write bytes of a large tensor copy / time);
+2. decode step (forward + logits) of a model at batch B x context L, eager and with CUDA graphs,
+   against the roofline (weight bytes + KV bytes) / copy bandwidth;
+3. max concurrent sequences without queueing per KV format at a fixed KV budget (measured from the
+   scheduler's running count while requests of a fixed length are served);
+4. every KV format x backend pair generates (tokens/s, greedy agreement with bf16 on torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+
+from kvbench.harness.client import SamplingParams
+from kvbench.runtime.config import EngineConfig
+from kvbench.runtime.scheduler import ScheduledBatch, Sequence
+
+FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+
+
+def _sync(dev):
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, gib: float = 2.0) -> float:
+    n = int(gib * 2**30) // 4
+    a = torch.empty(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    _sync(device)
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        b.copy_(a)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    del a, b
+    return 2 * n * 4 / statistics.median(times)
+
+
+def decode_step(engine, batch: int, ctx: int, iters: int = 20) -> float:
+    """Median seconds of one decode step of ``batch`` sequences with ``ctx`` tokens in the cache."""
+    cache = engine.cache
+    seqs = []
+    for i in range(batch):
+        s = Sequence(f"bench{i}", [1] * (ctx - 1), SamplingParams(max_tokens=2))
+        s.output_ids = [1]
+        s.pages = cache.allocator.allocate(-(-ctx // cache.page_size))
+        s.num_cached = ctx - 1
+        s.status = "running"
+        seqs.append(s)
+    b = ScheduledBatch("decode", seqs, [1] * batch)
+    try:
+        for _ in range(3):
+            engine.runner.run(b)
+        _sync(engine.device)
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            engine.runner.run(b)
+            _sync(engine.device)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    finally:
+        for s in seqs:
+            cache.allocator.free(s.pages)
+
+
+def weight_bytes_read_per_step(model) -> int:
+    """All parameters except the embedding table (decode reads only its rows); a tied table is read
+    once as the LM head."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        e = model.model.embed_tokens.weight
+        total -= e.numel() * e.element_size()
+    return total
+
+
+def peak_concurrency(engine, n_requests: int, prompt_len: int, gen_len: int) -> dict:
+    """Serve ``n_requests`` at once (stepping the engine in this thread); the largest running count."""
+    vocab = min(engine.parts.loaded.config.vocab_size, 200)
+    p = SamplingParams(max_tokens=gen_len, ignore_eos=True)
+    for i in range(n_requests):
+        engine.add_request([(i * 7 + j) % vocab for j in range(prompt_len)], p)
+    peak = 0
+    steps = 0
+    while engine.scheduler.has_work() or engine._inbox:
+        engine.step()
+        steps += 1
+        peak = max(peak, len(engine.scheduler.running))
+    return {"peak_running": peak, "preemptions": engine.scheduler.num_preemptions, "steps": steps}
+
+
+def generate_check(loaded, fmt: str, pre: str, dec: str, prompts, n_tok: int, device: str, budget_gb: float) -> dict:
+    from kvbench.runtime.engine import Engine
+
+    scales = "unit" if fmt in ("bf16", "fp16") else "calibrate"
+    e = Engine(EngineConfig(kv_dtype=fmt, kv_scales=scales, prefill_backend=pre, decode_backend=dec, device=device,
+                            kv_budget_gb=budget_gb, max_running=len(prompts), calibration_prompts=8), loaded=loaded)
+    try:
+        e.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up / capture
+        t = time.perf_counter()
+        outs = e.generate(prompts, SamplingParams(max_tokens=n_tok, ignore_eos=True))
+        dt = time.perf_counter() - t
+        ok = all(o.finish_reason == "length" for o in outs)
+        return {"tokens": [o.token_ids for o in outs], "tok_s": sum(len(o.token_ids) for o in outs) / dt, "ok": ok,
+                "graphs": e.runner.graphs is not None}
+    finally:
+        e.shutdown()
+        del e
+        _free()
+
+
+def format_matrix(model_name, device, prompts_text, n_tok, budget_gb, pairs) -> list[dict]:
+    from kvbench.runtime.models.loader import load_model
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    loaded = load_model(model_name, device=device, dtype=dtype)
+    prompts = [loaded.tokenizer.encode(t) for t in prompts_text]
+    ref = generate_check(loaded, "bf16", "torch", "torch", prompts, n_tok, device, budget_gb)["tokens"]
+    rows = []
+    for fmt in FORMATS:
+        for pre, dec in pairs:
+            try:
+                r = generate_check(loaded, fmt, pre, dec, prompts, n_tok, device, budget_gb)
+            except Exception as e:  # an unsupported pair is reported, not hidden
+                rows.append({"model": loaded.model_id, "kv": fmt, "backend": f"{pre}+{dec}", "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            same = sum(a == b for a, b in zip(r["tokens"], ref))
+            first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n_tok) for a, b in zip(r["tokens"], ref)]
+            rows.append({"model": loaded.model_id, "kv": fmt, "backend": f"{pre}+{dec}", "ok": r["ok"], "tok_s": round(r["tok_s"], 1),
+                         "identical_to_bf16_torch": f"{same}/{len(prompts)}", "mean_first_divergence": round(sum(first) / len(first), 1),
+                         "cuda_graphs": r["graphs"]})
+            print(json.dumps(rows[-1]), flush=True)
+    del loaded
+    return rows
+
+
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Question: What is 12 times 7?\nAnswer:",
+    "Once upon a time", "The three laws of thermodynamics are", "import numpy as np\n", "List of prime numbers: 2, 3, 5,",
+    "Translate to French: good morning",
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="perf.json")
+    ap.add_argument("--model", default="synthetic:llama-3-8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--decode-backend", default="triton")
+    ap.add_argument("--capacity-budget-gb", type=float, default=2.0)
+    ap.add_argument("--skip", default="", help="comma list of: bandwidth,decode,capacity,matrix,default")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    from kvbench.runtime.engine import Engine
+
+    res: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                 "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "model": args.model}
+
+    def save():
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(tmp, args.out)
+
+    if "bandwidth" not in skip:
+        res["copy_bandwidth_GBs"] = copy_bandwidth(args.device) / 1e9
+        print("copy bandwidth GB/s", res["copy_bandwidth_GBs"], flush=True)
+        save()
+    if "decode" not in skip:
+        res["decode"] = []
+        for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
+            for eager in (True, False):
+                e = Engine(EngineConfig(model=args.model, kv_dtype=fmt, prefill_backend="torch", decode_backend=args.decode_backend,
+                                        device=args.device, max_running=args.batch, max_model_len=args.ctx + 16,
+                                        kv_budget_gb=args.batch * (args.ctx + 16) * 1.05 * _bpt(args.model, fmt) / 2**30,
+                                        enforce_eager=eager))
+                try:
+                    t = decode_step(e, args.batch, args.ctx)
+                except Exception as ex:
+                    res["decode"].append({"kv": fmt, "eager": eager, "error": f"{type(ex).__name__}: {ex}"[:300]})
+                    print(res["decode"][-1], flush=True)
+                    e.shutdown()
+                    del e
+                    _free()
+                    continue
+                try:
+                    wb = weight_bytes_read_per_step(e.runner.model)
+                    kvb = args.batch * args.ctx * e.cache.bytes_per_token
+                    row = {"kv": fmt, "cuda_graphs": e.runner.graphs is not None, "step_ms": t * 1e3,
+                           "weight_GB": wb / 1e9, "kv_GB": kvb / 1e9}
+                    if "copy_bandwidth_GBs" in res:
+                        roof = (wb + kvb) / (res["copy_bandwidth_GBs"] * 1e9)
+                        row.update(roofline_ms=roof * 1e3, ratio=t / roof)
+                    res["decode"].append(row)
+                    print(json.dumps(row), flush=True)
+                finally:
+                    e.shutdown()
+                    del e
+                    _free()
+                save()
+    if "capacity" not in skip:
+        res["capacity"] = []
+        for fmt in FORMATS:
+            e = Engine(EngineConfig(model=args.model, kv_dtype=fmt, device=args.device, prefill_backend="torch",
+                                    decode_backend=args.decode_backend, kv_budget_gb=args.capacity_budget_gb, max_running=256,
+                                    max_model_len=2048, enforce_eager=True))
+            try:
+                plan = e.cache.capacity(1024)
+                try:
+                    r = peak_concurrency(e, n_requests=min(4 * plan.max_concurrency + 4, 256), prompt_len=1000, gen_len=24)
+                except Exception as ex:
+                    r = {"error": f"{type(ex).__name__}: {ex}"[:300]}
+                row = {"kv": fmt, "budget_GiB": args.capacity_budget_gb, "bytes_per_token": e.cache.bytes_per_token,
+                       "planned_at_1024": plan.max_concurrency, **r}
+                res["capacity"].append(row)
+                print(json.dumps(row), flush=True)
+            finally:
+                e.shutdown()
+                del e
+                _free()
+            save()
+    pairs = [("triton", "triton"), ("torch", "triton"), ("triton", "torch")]
+    from kvbench.runtime.attention.registry import backend_class
+
+    try:
+        if backend_class("flashinfer").available()[0]:
+            pairs += [("flashinfer", "flashinfer"), ("triton", "flashinfer")]
+    except Exception as e:
+        print("flashinfer not used:", e)
+    if "matrix" not in skip:
+        res["matrix"] = format_matrix(args.model, args.device, PROMPTS, 32, 8.0, pairs)
+        save()
+    if "default" not in skip:
+        res["matrix_default"] = format_matrix(None, args.device, PROMPTS, 32, 1.0, pairs)
+        save()
+
+
+def _free() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _bpt(model: str, fmt: str) -> float:
+    from kvbench.kernels.formats import get_format
+    from kvbench.runtime.models.synthetic import parse_synthetic
+
+    cfg = parse_synthetic(model) if model and model.startswith("synthetic:") else None
+    if cfg is None:
+        return 2 * 32 * 8 * 128 * 2.0
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * get_format(fmt).bytes_per_element
+
+
+if __name__ == "__main__":
+    main()

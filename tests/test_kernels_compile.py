@@ -1,0 +1,69 @@
+"""The kernels compile for a Hopper GPU (sm_90) with the installed Triton, without a GPU: this catches
+what the CPU interpreter accepts but the compiler rejects (type mismatches across branches, shapes).
+Numbers are checked by the other tests (interpreter) and by ``python -m kvbench.kernels.check`` (GPU).
+
+The compilation runs in a subprocess with ``TRITON_INTERPRET=0``: the other kernel tests put this
+process's kernels into interpreter mode."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _compile(fn, consts, ptrs, floats=(), **opts):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
+    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts or None)
+
+
+def compile_decode():
+    from kvbench.kernels.decode import _decode_reduce_kernel, _decode_split_kernel
+
+    ptrs = dict(Q="*bf16", KC="*u8", VC="*u8", KBS="*fp8e4nv", VBS="*fp8e4nv", K_SCALE="*fp32", Q_SCALE="*fp32",
+                PT="*i32", SEQ_LENS="*i32", ACC="*fp32", ML="*fp32")
+    c = dict(G=4, G_PAD=16, D=128, DP_PAD=64, NB=8, PAGE=16, BLOCK_N=64, FMT=2, DOT=1, HAS_Q_SCALE=False, PREFETCH=True)
+    _compile(_decode_split_kernel, c, ptrs, ("sm_scale_log2",), num_warps=4)
+    c = dict(G=4, D=128, D_PAD=128, NUM_SPLITS=4, S_PAD=4, FMT=2, HAS_SINKS=True)
+    _compile(_decode_reduce_kernel, c, dict(ACC="*fp32", ML="*fp32", OUT="*bf16", V_SCALE="*fp32", SINKS="*fp32"))
+
+
+def compile_prefill():
+    from kvbench.kernels.prefill import _prefill_kernel
+
+    ptrs = dict(Q="*fp8e4nv", KN="*bf16", VN="*bf16", KC="*fp8e4nv", VC="*fp8e4nv", KBS="*fp8e4nv", VBS="*fp8e4nv",
+                K_SCALE="*fp32", V_SCALE="*fp32", Q_SCALE="*fp32", SINKS="*fp32", PT="*i32", SEQ_LENS="*i32",
+                CU_Q="*i32", OUT="*bf16")
+    c = dict(G=4, D=128, DP_PAD=128, NB=8, PAGE=16, BLOCK_M=64, BLOCK_N=64, FMT=1, DOT=0, DOT_P=1, HAS_Q_SCALE=True,
+             HAS_SINKS=True)
+    _compile(_prefill_kernel, c, ptrs, ("sm_scale_log2",), num_warps=4)
+
+
+def compile_append():
+    from kvbench.kernels.append import _append_kernel
+
+    ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", POS="*i64", SLOTS="*i64", CS="*fp32", Q_OUT="*bf16", K_OUT="*bf16",
+                Q8="*fp8e4nv", Q_SCALE="*fp32", KC="*u8", VC="*u8", KBS="*fp8e4nv", VBS="*fp8e4nv",
+                K_SCALE="*fp32", V_SCALE="*fp32")
+    c = dict(D=128, D_PAD=128, NB_PAD=8, HB=8, ROT=64, NEOX=False, FMT=2, QMAX=6.0, DO_ROPE=True, DO_STORE=True,
+             WRITE_K_OUT=True, Q_FP8=True, E5M2=False, EXACT=False)
+    _compile(_append_kernel, c, ptrs, num_warps=4, enable_fp_fusion=False)
+
+
+def test_kernels_compile_for_sm90():
+    pytest.importorskip("triton.backends.nvidia")
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.split() == ["decode", "prefill", "append"]
+
+
+if __name__ == "__main__":
+    for name, fn in (("decode", compile_decode), ("prefill", compile_prefill), ("append", compile_append)):
+        fn()
+        print(name, flush=True)
