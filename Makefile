@@ -14,6 +14,7 @@ TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch
 TORCH_INDEX ?=
 RUN ?= runs/demo
+DATA_DIR ?= ../shared/data
 PYTEST_ARGS ?=
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
@@ -34,7 +35,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(BIN)/kvbench sweep configs/default.yaml --out $(RUN) --resume
+	$(BIN)/kvbench sweep configs/default.yaml --out $(RUN) --resume $(if $(wildcard $(DATA_DIR)),--data-dir $(DATA_DIR))
 	$(BIN)/kvbench report $(RUN) --out $(RUN)/report
 
 test: setup

@@ -1,7 +1,7 @@
 """The one interface between the harness and a model: a ``Client``.
 
-A client is either the embedded engine in-process (``EngineClient``, in ``harness/targets.py``) or any
-OpenAI-compatible server (``OpenAIClient``).  Suites, the fidelity task and the sweep runner talk only to
+A client is either the embedded engine in-process (``EngineClient``, in ``harness/engine_client.py``) or any
+OpenAI-compatible server (``OpenAIClient``, in ``harness/openai_client.py``).  Suites, the fidelity task and the sweep runner talk only to
 this protocol, so a cell never cares where its tokens come from.
 
 All calls are synchronous and thread-safe; callers run many at once from a thread pool (the embedded

@@ -80,7 +80,23 @@ def expand(sweep: SweepConfig) -> list[Cell]:
                             index=len(cells),
                             run_accuracy=conc == sweep.accuracy_concurrency,
                         ))
+    if sweep.aa_control:
+        cells.extend(_aa_control_cells(sweep, cells))
     return cells
+
+
+def _aa_control_cells(sweep: SweepConfig, cells: list[Cell]) -> list[Cell]:
+    """The baseline's accuracy cell once more, with ``aa_control: true`` in its config (so its own key).
+
+    It runs last, in a fresh engine, so the paired comparison baseline vs control measures the
+    harness's nondeterminism (batching, scheduling, float reductions) — the floor under any delta."""
+    acc = [c for c in cells if c.run_accuracy]
+    base = [c for c in acc if matches(c.config, sweep.baseline)] if sweep.baseline else acc
+    if not base:
+        raise SweepConfigError(f"aa_control: no accuracy cell matches the baseline {sweep.baseline}")
+    b = base[0]
+    cfg = {**b.config, "aa_control": True}
+    return [Cell(key=canonical_key(cfg), label=f"{b.label} A/A", config=cfg, index=len(cells), run_accuracy=True)]
 
 
 def select(cells: list[Cell], selector: Optional[str]) -> list[Cell]:

@@ -42,6 +42,7 @@ ENGINE_PARAMS: dict[str, tuple[object, object]] = {
     "dtype": (Optional[str], _opt(None, "--dtype", help="Compute dtype: float32 (CPU default), bfloat16 (GPU default), float16")),
     "enforce_eager": (bool, _opt(False, "--enforce-eager", help="Disable CUDA graphs")),
     "seed": (int, _opt(0, "--seed", help="Engine seed (weights of synthetic models, sampling defaults)")),
+    "served_model_name": (Optional[str], _opt(None, "--served-model-name", help="Model id served at /v1/models (default: derived from --model)")),
 }
 
 

@@ -123,7 +123,7 @@ def run_sweep(sweep: SweepConfig, out: Path | str, resume: bool = False, only: O
         else:
             todo.append(c)
 
-    with _Display(len(todo), progress) as display:
+    with _Display(len(todo), progress if todo else False) as display:
         for group in groups(todo):
             _run_group(sweep, store, group, work, refs, opener, display, outcome)
 
@@ -178,7 +178,7 @@ def _run_cell(sweep: SweepConfig, store: RunStore, cell: Cell, session: TargetSe
                     summary["suites"][spec.name] = suite_summary
             finally:  # what finished is kept, also when a later suite fails
                 store.write_items(cell.key, items)
-        if sweep.load.enabled:
+        if sweep.load.enabled and not cell.config.get("aa_control"):  # the A/A cell repeats accuracy only
             display.phase(f"{cell.label}: load test")
             session.flush()
             load_summary, requests = work.load(session.base_url(), session.model_id, cell)

@@ -360,6 +360,7 @@ class SweepConfig:
     data_dir: Optional[str] = None
     description: str = ""
     seed: int = 0
+    aa_control: bool = False  # add a second copy of the baseline accuracy cell (measures nondeterminism)
     source: Optional[str] = None  # the file it came from (not part of to_dict)
 
     def to_dict(self) -> dict:
@@ -379,7 +380,7 @@ class SweepConfig:
 
 _TOP_KEYS = (
     "name", "description", "model", "engine", "targets", "axes", "accuracy_concurrency", "suites", "load",
-    "slo", "baseline", "gate", "data_dir", "seed",
+    "slo", "baseline", "gate", "data_dir", "seed", "aa_control",
 )
 _AXES_KEYS = ("backends", "kv", "concurrency")
 # engine options the sweep controls per cell (set through the axes, not through `engine:`)
@@ -462,6 +463,7 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
         data_dir=data_dir,
         description=str(raw.get("description", "")),
         seed=_int(raw.get("seed", 0), "seed"),
+        aa_control=_bool(raw.get("aa_control", False), "aa_control"),
         source=source,
     )
 

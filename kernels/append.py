@@ -18,9 +18,6 @@ import triton
 import triton.language as tl
 
 from kvbench.kernels._triton_utils import (
-    FMT_FP8,
-    FMT_NVFP4,
-    FMT_PLAIN,
     NO_FMA,
     cast_fp8,
     cast_rne,

@@ -80,8 +80,14 @@ def quantize_e2m1(y: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_e2m1(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
-    return lut[codes.long()].to(dtype)
+    """e2m1 codes → values, computed arithmetically (no lookup table, so no host→device copy and CUDA
+    graphs can capture it): magnitude m = (e, b) with e = m >> 1, b = m & 1 is b/2 for e = 0 (subnormal)
+    and 2^(e−1)·(1 + b/2) otherwise; bit 3 is the sign."""
+    c = codes.to(torch.int32)
+    e = ((c >> 1) & 3).float()
+    b = (c & 1).float()
+    mag = torch.where(e == 0, 0.5 * b, torch.exp2(e - 1) * (1 + 0.5 * b))
+    return torch.where((c & 8) != 0, -mag, mag).to(dtype)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -168,7 +174,9 @@ def _nvfp4_quant(fmt: KVFormat, x: torch.Tensor, scale) -> QuantizedKV:
     xb = x.float().reshape(*x.shape[:-1], d // NVFP4_BLOCK, NVFP4_BLOCK)
     g = _expand_scale(scale, x, 2)
     amax = xb.abs().amax(dim=-1, keepdim=True)
-    s = (amax / E2M1_MAX / g).clamp(E4M3_MIN_NORMAL, E4M3_MAX)
+    # divide by a tensor, not a Python float: CUDA turns scalar division into a reciprocal multiply,
+    # which rounds differently from true division (the kernels divide exactly)
+    s = (amax / torch.full_like(amax, E2M1_MAX) / g).clamp(E4M3_MIN_NORMAL, E4M3_MAX)
     s8 = s.to(torch.float8_e4m3fn)
     y = xb / (s8.float() * g)
     codes = quantize_e2m1(y).reshape(*x.shape[:-1], d)

@@ -23,7 +23,7 @@ from kvbench.runtime.config import EngineConfig
 from kvbench.runtime.engine_api import CapacityReport, EngineStats, RequestOutput, StreamDelta
 from kvbench.runtime.models.engine_setup import build_engine_parts
 from kvbench.runtime.models.outputs import OutputProcessor
-from kvbench.runtime.sampling import SampleRow, sample, validate_params
+from kvbench.runtime.sampling import MAX_REQUEST_LOGPROBS, MAX_SCORE_LOGPROBS, SampleRow, sample, validate_params
 from kvbench.runtime.scheduler import Scheduler, Sequence as Seq
 
 __all__ = ["Engine"]
@@ -108,7 +108,7 @@ class Engine:
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("empty prompt: give at least one token")
-        validate_params(params)
+        validate_params(params, MAX_SCORE_LOGPROBS if _forced is not None else MAX_REQUEST_LOGPROBS)
         vocab = self.parts.loaded.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")

@@ -198,14 +198,12 @@ class PagedKVCache:
 
     # -- write / read (torch reference path; Triton kernels write the same bytes)
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
-        """Quantize ``k``/``v`` ``[T, H_kv, D]`` with the layer's scales and store them at ``slots`` (−1 skips)."""
+        """Quantize ``k``/``v`` ``[T, H_kv, D]`` with the layer's scales and store them at ``slots``.
+
+        Slot −1 writes nothing outside the scratch page (whose contents are never read)."""
         slots = torch.as_tensor(slots, device=self.device, dtype=torch.int64)
-        keep = slots >= 0
-        if not bool(keep.all()):
-            slots, k = slots[keep], k[keep]
-            v = v[keep] if v is not None else None
-        if slots.numel() == 0:
-            return
+        # padded tokens (slot −1) land in the scratch page: no host sync, so CUDA graphs can capture this
+        slots = torch.where(slots >= 0, slots, torch.full_like(slots, self.scratch_page * self.page_size))
         self._store(self.k_data[layer], self.k_block_scale[layer], slots, self.fmt.quantize(k, self.k_scale[layer]))
         if v is not None and not self.spec.mla:
             self._store(self.v_data[layer], self.v_block_scale[layer], slots, self.fmt.quantize(v, self.v_scale[layer]))

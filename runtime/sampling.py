@@ -18,7 +18,11 @@ from kvbench.harness.client import SamplingParams
 __all__ = ["SampleRow", "SampleOutput", "sample", "validate_params"]
 
 
-def validate_params(p: SamplingParams) -> None:
+MAX_REQUEST_LOGPROBS = 20  # per generated token, as the OpenAI API allows
+MAX_SCORE_LOGPROBS = 1024  # teacher-forced scoring (fidelity) may ask for a wider top-k
+
+
+def validate_params(p: SamplingParams, max_logprobs: int = MAX_REQUEST_LOGPROBS) -> None:
     if p.max_tokens is None or int(p.max_tokens) < 1:
         raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
     if p.temperature < 0:
@@ -29,8 +33,8 @@ def validate_params(p: SamplingParams) -> None:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {p.top_k}")
     if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
         raise ValueError(f"min_tokens must be in [0, max_tokens], got {p.min_tokens}")
-    if p.logprobs is not None and not 0 <= p.logprobs <= 20:
-        raise ValueError(f"logprobs must be in [0, 20], got {p.logprobs}")
+    if p.logprobs is not None and not 0 <= p.logprobs <= max_logprobs:
+        raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {p.logprobs}")
 
 
 @dataclass

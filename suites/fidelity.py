@@ -199,4 +199,7 @@ class FidelitySuite:
         summary = summarize_records(records)
         summary.update(pooled_summary([o.kl for o in outs], [o.top1 for o in outs], [o.ref_lp for o in outs], [o.cand_lp for o in outs], [o.divergence for o in outs]))
         summary["n"] = len(records)
+        if all("kl_mean_topk" in r["scores"] for r in records):  # exact run: the approximation, token-weighted too
+            w = [r["scores"]["n_tokens"] for r in records]
+            summary["kl_mean_topk"] = sum(r["scores"]["kl_mean_topk"] * n for r, n in zip(records, w)) / max(sum(w), 1.0)
         return SuiteResult(self.name, records, summary, "gsm8k test solutions")

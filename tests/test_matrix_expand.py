@@ -98,3 +98,22 @@ def test_default_config_matrix():
     assert len(cells) == 12
     assert len(groups(cells)) == 4
     assert sum(c.run_accuracy for c in cells) == 4
+
+
+def test_aa_control_adds_one_copy_of_the_baseline_accuracy_cell():
+    from kvbench.harness.matrix import expand
+    from kvbench.harness.sweep_config import SweepConfigError, parse_config
+
+    raw = {"axes": {"kv": ["bf16", "fp8_e4m3"], "concurrency": [1, 4]}, "accuracy_concurrency": 4,
+           "baseline": {"kv_dtype": "bf16"}, "aa_control": True}
+    cells = expand(parse_config(raw))
+    assert len(cells) == 5
+    aa = cells[-1]
+    assert aa.config["aa_control"] is True and aa.run_accuracy
+    base = [c for c in cells[:-1] if c.config["kv_dtype"] == "bf16" and c.run_accuracy][0]
+    assert {k: v for k, v in aa.config.items() if k != "aa_control"} == base.config and aa.key != base.key
+    assert len(expand(parse_config({**raw, "aa_control": False}))) == 4
+    import pytest
+
+    with pytest.raises(SweepConfigError, match="aa_control"):
+        parse_config({**raw, "aa_control": "yes"})

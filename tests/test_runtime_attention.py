@@ -173,5 +173,16 @@ def test_registry_errors_and_table():
     assert table["torch"]["decode"] == ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
     with pytest.raises(UnsupportedBackend, match="unknown attention backend 'nope'"):
         check_supported("nope", "torch", "bf16")
-    hybrid = create_backend("torch", "torch", BackendOptions())
-    assert isinstance(hybrid, TorchBackend)
+    with pytest.raises(UnsupportedBackend, match="does not support kv_dtype='nvfp4' for decode") as ei:
+        check_supported("torch", "flashinfer", "nvfp4")
+    assert "torch       decode   bf16, fp16, fp8_e4m3, fp8_e5m2, nvfp4" in str(ei.value)  # the supported list
+    single = create_backend("torch", "torch", BackendOptions())
+    assert isinstance(single, TorchBackend)
+    from kvbench.runtime.attention.hybrid import HybridBackend
+
+    class Other(TorchBackend):
+        name = "other"
+
+    hyb = HybridBackend(TorchBackend(BackendOptions()), Other(BackendOptions()))
+    cache, meta, q, k, v, layer, _ = _setup("bf16", [(3, 1)], seed=4)
+    assert hyb._pick(meta).name == "other" and hyb.label == "torch+other"

@@ -138,6 +138,7 @@ def test_exact_mode_matches_approximation(tmp_path):
         assert a <= e + 1e-9 and abs(a - e) / e < 0.15
         assert re_["scores"]["kl_mean_topk"] == pytest.approx(a, rel=1e-9)
         assert re_["scores"]["top1_agree"] == ra["scores"]["top1_agree"]
+    assert ap.summary["kl_mean"] == pytest.approx(ex.summary["kl_mean_topk"], rel=1e-9)  # both token-weighted
     # exact KL equals an independent computation for the first text
     t = _texts(SuiteOptions())[0]
     from kvbench.harness.client import ScoreRequest

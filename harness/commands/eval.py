@@ -110,6 +110,7 @@ def register(app: typer.Typer) -> None:
         from kvbench.suites.registry import FidelityContext, RunContext, resolve, run_suite
 
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request otherwise
         names = [s.strip() for s in (suite or "").split(",") if s.strip()]
         if lm_eval:
             names.append(f"lm_eval:{lm_eval}")

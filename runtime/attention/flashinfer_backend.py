@@ -5,9 +5,9 @@ RoPE, quantization and append use the torch reference path (``torch_backend.writ
 runs in FlashInfer.  Per-tensor / per-head fp8 scales are folded exactly: ``k_scale`` into q (per kv
 head) and ``v_scale`` into the output, so no scale is passed as a Python float.
 
-Supported: decode in bf16, fp16, fp8_e4m3, fp8_e5m2; prefill in bf16, fp16 (FlashInfer reads the new
-tokens' K/V back from the pages, which equals the compute-precision values only when the cache keeps the
-compute dtype).  No nvfp4, no attention sinks.  Sliding windows map to ``window_left = W - 1``.
+Supported: decode in bf16, fp16, fp8_e4m3, fp8_e5m2; prefill in bf16, fp16 when the cache keeps the
+compute dtype (FlashInfer reads the new tokens' K/V back from the pages, which equals the compute-precision
+values only then; its Hopper prefill kernels also do not compile for bf16 q with an fp16 cache).  No nvfp4, no attention sinks.  Sliding windows map to ``window_left = W - 1``.
 Install: ``pip install flashinfer-python`` (needs a CUDA device; kernels compile just in time).
 """
 
@@ -94,6 +94,11 @@ class FlashInferBackend:
             raise NotImplementedError("the flashinfer backend does not support attention sinks; use triton or torch")
         li = layer.layer_idx
         T, H, D = q.shape
+        if meta.phase == "prefill" and cache.k_data[li].dtype != q.dtype:
+            raise NotImplementedError(
+                f"flashinfer prefill needs the KV cache in the compute dtype ({q.dtype}), not {cache.k_data[li].dtype}; "
+                "use --prefill-backend triton or torch (or --dtype to match)"
+            )
         qr = apply_rope(q, meta.positions, meta.rope)
         kr = apply_rope(k, meta.positions, meta.rope)
         write_kv(cache, li, meta.slot_mapping, kr, v)

@@ -23,6 +23,7 @@ _FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
 
 class TritonBackend:
     name: ClassVar[str] = "triton"
+    graph_safe: ClassVar[bool] = True  # no host syncs, split bounds computed on the device
 
     def __init__(self, opts: BackendOptions):
         self.opts = opts

@@ -30,6 +30,23 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def _fuse_linears(*lins: nn.Linear) -> tuple:
+    """Concatenate the weights (and biases) of linears with the same input; re-point each linear's
+    parameters at its slice so the memory is not doubled.  Returns ``(weight, bias)`` for F.linear."""
+    w = torch.cat([l.weight.detach() for l in lins], dim=0).contiguous()
+    b = None
+    if lins[0].bias is not None:
+        b = torch.cat([l.bias.detach() for l in lins], dim=0).contiguous()
+    o = 0
+    for l in lins:
+        n = l.out_features
+        l.weight = nn.Parameter(w[o : o + n], requires_grad=False)
+        if b is not None:
+            l.bias = nn.Parameter(b[o : o + n], requires_grad=False)
+        o += n
+    return w, b
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int):
         super().__init__()
@@ -53,12 +70,23 @@ class Attention(nn.Module):
         )
         self.qk_norm = cfg.qk_norm
 
+        self._qkv = None  # fused (weight, bias) views, set by fuse()
+
+    def fuse(self) -> None:
+        """One [q; k; v] weight; the q/k/v parameters become views of it (names and state dict unchanged)."""
+        self._qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
     def forward(self, x, backend: AttentionBackend, cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         s = self.spec
-        q = self.q_proj(x).view(T, s.num_heads, s.head_dim)
-        k = self.k_proj(x).view(T, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).view(T, s.num_kv_heads, s.head_dim)
+        if self._qkv is not None:
+            nq, nk = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+            q, k, v = nn.functional.linear(x, *self._qkv).split([nq, nk, nk], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(T, s.num_heads, s.head_dim)
+        k = k.reshape(T, s.num_kv_heads, s.head_dim)
+        v = v.reshape(T, s.num_kv_heads, s.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.o_proj(backend.forward(q, k, v, s, cache, meta))
@@ -72,8 +100,17 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
 
+        self._gate_up = None
+
+    def fuse(self) -> None:
+        self._gate_up = _fuse_linears(self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self._gate_up is not None:
+            gate, up = nn.functional.linear(x, *self._gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -110,10 +147,13 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.spec for layer in self.model.layers]
 
     def bind(self) -> None:
-        """Point the attention specs at their sink parameters (call after loading / moving weights)."""
+        """Point the attention specs at their sink parameters and fuse q/k/v and gate/up weights (call
+        after loading or moving weights)."""
         for layer in self.model.layers:
             att = layer.self_attn
             att.spec.sinks = att.sinks.detach().float() if hasattr(att, "sinks") else None
+            att.fuse()
+            layer.mlp.fuse()
 
     def lm_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

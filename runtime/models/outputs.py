@@ -57,7 +57,8 @@ class OutputProcessor:
             if len(seq.output_ids) >= st["max_new"]:
                 reason = "length"
                 detok.flush()
-            cut = self._find_stop(seq, detok.text) if st["stops"] else None
+            # like stop ids, stop strings only count once min_tokens are out
+            cut = self._find_stop(seq, detok.text) if st["stops"] and len(seq.output_ids) >= p.min_tokens else None
             if cut is not None:
                 reason, final = "stop", detok.text[:cut]
             elif reason is not None:

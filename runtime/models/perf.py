@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import time
@@ -148,6 +147,28 @@ def format_matrix(model_name, device, prompts_text, n_tok, budget_gb, pairs) -> 
     return rows
 
 
+def concurrent_check(device: str, n: int = 16, n_tok: int = 256) -> dict:
+    """Default model: ``n`` requests of ``n_tok`` greedy tokens at once; all finish, and two of them
+    equal the same requests run alone (first divergence reported)."""
+    from kvbench.runtime.engine import Engine
+
+    e = Engine(EngineConfig(device=device, kv_budget_gb=0.5, max_running=n))
+    try:
+        prompts = [e.tokenizer.encode(PROMPTS[i % len(PROMPTS)] + f" ({i})") for i in range(n)]
+        p = SamplingParams(max_tokens=n_tok, ignore_eos=True)
+        t = time.perf_counter()
+        outs = e.generate(prompts, p)
+        dt = time.perf_counter() - t
+        solo = [e.generate([prompts[i]], p)[0] for i in (0, n - 1)]
+        first = [next((j for j, (a, b) in enumerate(zip(o.token_ids, s_.token_ids)) if a != b), n_tok)
+                 for o, s_ in zip((outs[0], outs[-1]), solo)]
+        return {"requests": n, "tokens_each": n_tok, "all_finished": all(len(o.token_ids) == n_tok for o in outs),
+                "seconds": round(dt, 1), "tok_s": round(n * n_tok / dt, 1), "preemptions": e.stats().preemptions,
+                "solo_first_divergence": first, "pages_used_after": e.cache.allocator.num_used}
+    finally:
+        e.shutdown()
+
+
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Question: What is 12 times 7?\nAnswer:",
     "Once upon a time", "The three laws of thermodynamics are", "import numpy as np\n", "List of prime numbers: 2, 3, 5,",
@@ -248,6 +269,10 @@ def main() -> None:
         save()
     if "default" not in skip:
         res["matrix_default"] = format_matrix(None, args.device, PROMPTS, 32, 1.0, pairs)
+        save()
+    if "concurrent" not in skip:
+        res["concurrent"] = concurrent_check(args.device)
+        print(json.dumps(res["concurrent"]), flush=True)
         save()
 
 

@@ -55,6 +55,11 @@ def parse_synthetic(name: str) -> Optional[ModelConfig]:
     if not name.startswith("synthetic:"):
         return None
     preset, *opts = name[len("synthetic:"):].split(",")
+    if preset in ("deepseek-v2-lite", "deepseek-v3"):
+        raise ValueError(
+            f"synthetic:{preset} is an MLA model; the engine does not run MLA attention yet (its shapes and "
+            "random weights are in runtime/models/mla_shapes.py, its kernels in kernels/mla*.py)"
+        )
     if preset not in SYNTHETIC_PRESETS:
         raise ValueError(f"unknown synthetic model {preset!r}; presets: {', '.join(SYNTHETIC_PRESETS)}")
     cfg = SYNTHETIC_PRESETS[preset]()
