@@ -5,8 +5,9 @@ concurrency is the sweep's ``accuracy_concurrency``), the load test (every cell;
 cell key so no cell reuses another's prefixes), and record the KV capacity.  A cell is ``done`` only
 when its ``status`` file says so; a cell that raises is recorded ``failed`` with its error in
 ``summary.json`` (and the traceback in ``error.txt``) and the sweep goes on.  ``resume=True`` skips done
-cells and redoes every other one.  What a cell runs comes from a ``CellWork`` (tests inject fakes; the
-default, ``DefaultWork``, calls the suites, the fidelity suite and the load generator).
+cells and redoes every other one.  What a cell runs comes from a ``CellWork`` (``cell_work.py``; tests
+inject fakes, the default ``DefaultWork`` calls the suites, the fidelity suite and the load generator); the
+manifest's provenance (git, versions, device, dates) comes from ``provenance.py``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,20 @@ import traceback
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
+from kvbench.harness.cell_work import CellWork, DefaultWork, FidelityRef  # noqa: F401 - re-exported
 from kvbench.harness.client import Client
 from kvbench.harness.matrix import Cell, cell_config, engine_options, expand, groups, select
+from kvbench.harness.provenance import (  # noqa: F401 - re-exported
+    device_info,
+    git_info,
+    manifest_base,
+    now_iso,
+    package_versions,
+)
 from kvbench.harness.store import STATUS_DONE, STATUS_FAILED, RunStore, atomic_write_text, canonical_key
-from kvbench.harness.sweep_config import SuiteSpec, SweepConfig, SweepConfigError
+from kvbench.harness.sweep_config import SweepConfig, SweepConfigError
 from kvbench.harness.targets import TargetSession, open_target, reap_stale
 
 log = logging.getLogger(__name__)
@@ -241,138 +250,6 @@ def _brief(summary: dict) -> str:
     if "output_throughput" in load:
         parts.append(f"{load['output_throughput']:.1f} out tok/s")
     return (": " + ", ".join(parts)) if parts else ""
-
-
-# ------------------------------------------------------------------------------ provenance
-_VERSIONED = ("kvbench", "torch", "triton", "transformers", "numpy", "flashinfer-python", "sglang", "vllm", "lm-eval")
-
-
-def now_iso() -> str:
-    from datetime import datetime, timezone
-
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def git_info() -> dict:
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> Optional[str]:
-        try:
-            r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    sha = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"sha": sha, "dirty": bool(status) if status is not None else None}
-
-
-def package_versions() -> dict:
-    import platform
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for name in _VERSIONED:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
-
-
-def device_info() -> dict:
-    import os
-    import platform
-    import sys
-
-    info: dict = {"host": platform.node(), "platform": platform.platform(), "cpu_count": os.cpu_count()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    torch = sys.modules.get("torch")  # only when something already loaded it (never imported just for this)
-    try:
-        if torch is not None and torch.cuda.is_available():
-            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            info["cuda"] = torch.version.cuda
-    except Exception:  # torch missing or broken: the manifest still gets written
-        pass
-    return info
-
-
-def manifest_base(sweep: SweepConfig) -> dict:
-    import sys
-
-    return {
-        "name": sweep.name, "config": sweep.to_dict(), "config_path": sweep.source, "baseline": sweep.baseline,
-        "command": sys.argv, "git": git_info(), "versions": package_versions(), "device": device_info(),
-        "created": now_iso(),
-    }
-
-
-# ------------------------------------------------------------------------------ cell work
-@dataclass
-class FidelityRef:
-    """How a cell's fidelity suite reaches its reference: ``label`` names the reference configuration
-    (part of the cache key), ``make_client`` opens it (called only on a cache miss; the caller closes
-    the client it gets), ``cache_dir`` is ``RUN/fidelity`` so the reference pass runs once per run."""
-
-    label: str
-    make_client: Callable[[], Client]
-    cache_dir: Path
-
-
-class CellWork(Protocol):
-    """What a cell runs; tests inject fakes, ``DefaultWork`` calls the real suites and load generator."""
-
-    def suite(self, spec: SuiteSpec, client: Client, cell: Cell, fidelity: FidelityRef) -> tuple[list[dict], dict]: ...
-
-    def load(self, base_url: str, model_id: str, cell: Cell) -> tuple[dict, list[dict]]: ...
-
-
-_FIDELITY_KEYS = ("exact", "top_k", "greedy_tokens")
-
-
-class DefaultWork:
-    def __init__(self, sweep: SweepConfig):
-        self.sweep = sweep
-
-    def suite(self, spec: SuiteSpec, client: Client, cell: Cell, fidelity: FidelityRef) -> tuple[list[dict], dict]:
-        from kvbench.suites.base import SuiteOptions
-        from kvbench.suites.registry import FidelityContext, RunContext, run_suite
-
-        params = dict(spec.params)
-        ctx = RunContext()
-        if spec.name == "fidelity":
-            knobs = {k: params.pop(k) for k in _FIDELITY_KEYS if k in params}
-            ctx.fidelity = FidelityContext(fidelity.label, fidelity.make_client, fidelity.cache_dir, **knobs)
-        opts = SuiteOptions(
-            limit=spec.limit, repeats=spec.repeats, data_dir=self.sweep.data_dir, concurrency=cell.concurrency,
-            seed=self.sweep.seed if spec.seed is None else spec.seed, max_tokens=spec.max_tokens,
-            temperature=spec.temperature, progress=False, extra=params,
-        )
-        res = run_suite(spec.name, client, opts, ctx)
-        return res.records, {**res.summary, "source": res.source}
-
-    def load(self, base_url: str, model_id: str, cell: Cell) -> tuple[dict, list[dict]]:
-        from kvbench.harness.loadgen import LoadConfig, run_load
-
-        ld, slo, conc = self.sweep.load, self.sweep.slo, cell.concurrency
-        cfg = LoadConfig(
-            num_prompts=max(ld.num_prompts, ld.prompts_per_concurrency * conc), max_concurrency=conc,
-            request_rate=ld.request_rate, burstiness=ld.burstiness, dataset=ld.dataset, input_len=ld.input_len,
-            output_len=ld.output_len, range_ratio=ld.range_ratio, dataset_path=ld.dataset_path, api=ld.api,
-            ignore_eos=ld.ignore_eos, warmup=ld.warmup, seed=ld.seed, salt=cell.key,
-            slo_ttft_ms=slo.get("ttft_ms"), slo_tpot_ms=slo.get("tpot_ms"), slo_e2el_ms=slo.get("e2el_ms"),
-            metrics_interval_s=ld.metrics_interval_s, timeout_s=ld.timeout_s, progress=False,
-        )
-        return run_load(base_url, model_id, cfg)
 
 
 class _BorrowedClient:

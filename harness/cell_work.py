@@ -1,0 +1,70 @@
+"""What one sweep cell runs: the ``CellWork`` protocol (tests inject fakes) and ``DefaultWork``, which
+calls the accuracy/fidelity suites and the load generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from kvbench.harness.client import Client
+from kvbench.harness.matrix import Cell
+from kvbench.harness.sweep_config import SuiteSpec, SweepConfig
+
+
+@dataclass
+class FidelityRef:
+    """How a cell's fidelity suite reaches its reference: ``label`` names the reference configuration
+    (part of the cache key), ``make_client`` opens it (called only on a cache miss; the caller closes
+    the client it gets), ``cache_dir`` is ``RUN/fidelity`` so the reference pass runs once per run."""
+
+    label: str
+    make_client: Callable[[], Client]
+    cache_dir: Path
+
+
+class CellWork(Protocol):
+    """What a cell runs; tests inject fakes, ``DefaultWork`` calls the real suites and load generator."""
+
+    def suite(self, spec: SuiteSpec, client: Client, cell: Cell, fidelity: FidelityRef) -> tuple[list[dict], dict]: ...
+
+    def load(self, base_url: str, model_id: str, cell: Cell) -> tuple[dict, list[dict]]: ...
+
+
+_FIDELITY_KEYS = ("exact", "top_k", "greedy_tokens")
+
+
+class DefaultWork:
+    def __init__(self, sweep: SweepConfig):
+        self.sweep = sweep
+
+    def suite(self, spec: SuiteSpec, client: Client, cell: Cell, fidelity: FidelityRef) -> tuple[list[dict], dict]:
+        from kvbench.suites.base import SuiteOptions
+        from kvbench.suites.registry import FidelityContext, RunContext, run_suite
+
+        params = dict(spec.params)
+        ctx = RunContext()
+        if spec.name == "fidelity":
+            knobs = {k: params.pop(k) for k in _FIDELITY_KEYS if k in params}
+            ctx.fidelity = FidelityContext(fidelity.label, fidelity.make_client, fidelity.cache_dir, **knobs)
+        opts = SuiteOptions(
+            limit=spec.limit, repeats=spec.repeats, data_dir=self.sweep.data_dir, concurrency=cell.concurrency,
+            seed=self.sweep.seed if spec.seed is None else spec.seed, max_tokens=spec.max_tokens,
+            temperature=spec.temperature, progress=False, extra=params,
+        )
+        res = run_suite(spec.name, client, opts, ctx)
+        return res.records, {**res.summary, "source": res.source}
+
+    def load(self, base_url: str, model_id: str, cell: Cell) -> tuple[dict, list[dict]]:
+        from kvbench.harness.loadgen import LoadConfig, run_load
+
+        ld, slo, conc = self.sweep.load, self.sweep.slo, cell.concurrency
+        cfg = LoadConfig(
+            num_prompts=max(ld.num_prompts, ld.prompts_per_concurrency * conc), max_concurrency=conc,
+            request_rate=ld.request_rate, burstiness=ld.burstiness, dataset=ld.dataset, input_len=ld.input_len,
+            output_len=ld.output_len, range_ratio=ld.range_ratio, dataset_path=ld.dataset_path, api=ld.api,
+            ignore_eos=ld.ignore_eos, warmup=ld.warmup, seed=ld.seed, salt=cell.key,
+            slo_ttft_ms=slo.get("ttft_ms"), slo_tpot_ms=slo.get("tpot_ms"), slo_e2el_ms=slo.get("e2el_ms"),
+            metrics_interval_s=ld.metrics_interval_s, timeout_s=ld.timeout_s, progress=False,
+        )
+        return run_load(base_url, model_id, cfg)
