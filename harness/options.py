@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from typing import Callable, Optional
 
 import typer
@@ -71,7 +72,16 @@ def engine_options(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(**kwargs):
         engine_values = {name: kwargs.pop(name) for name in ENGINE_PARAMS}
-        return func(engine=build_engine_config(engine_values), **kwargs)
+        engine = build_engine_config(engine_values)
+        try:
+            return func(engine=engine, **kwargs)
+        except (ValueError, FileNotFoundError) as e:
+            # bad model paths, unsupported (format, phase, backend) pairs, missing optional packages:
+            # the message says what to do; the traceback only helps when debugging kvbench itself
+            if os.environ.get("KVBENCH_DEBUG"):
+                raise
+            typer.echo(f"error: {e}\n(set KVBENCH_DEBUG=1 for the traceback)", err=True)
+            raise typer.Exit(2) from None
 
     wrapper.__signature__ = sig.replace(parameters=params + extra)  # type: ignore[attr-defined]
     return wrapper
