@@ -1,7 +1,7 @@
 """FlashInfer backend (GPU, optional): FlashInfer's paged decode and prefill kernels over the cache
 layout of ``runtime/kv_cache.py`` (NHD pages, K and V planes separate).
 
-RoPE, quantization and append use the torch reference path (``torch_backend.write_kv``); attention
+RoPE, quantization and append use the torch reference path (``PagedKVCache.write``); attention
 runs in FlashInfer.  Per-tensor / per-head fp8 scales are folded exactly: ``k_scale`` into q (per kv
 head) and ``v_scale`` into the output, so no scale is passed as a Python float.
 
@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, apply_rope
-from kvbench.runtime.attention.torch_backend import quantize_query_fp8, write_kv
+from kvbench.runtime.attention.torch_backend import quantize_query_fp8
 
 __all__ = ["FlashInferBackend"]
 
@@ -101,7 +101,7 @@ class FlashInferBackend:
             )
         qr = apply_rope(q, meta.positions, meta.rope)
         kr = apply_rope(k, meta.positions, meta.rope)
-        write_kv(cache, li, meta.slot_mapping, kr, v)
+        cache.write(li, meta.slot_mapping, kr, v)
         if self.opts.quantize_query:
             qr = quantize_query_fp8(qr, layer.q_scale)
         G = H // layer.num_kv_heads

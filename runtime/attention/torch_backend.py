@@ -21,7 +21,7 @@ from kvbench.runtime.attention.base import (
 )
 from kvbench.runtime.kv_cache import PagedKVCache
 
-__all__ = ["TorchBackend", "quantize_query_fp8", "write_kv"]
+__all__ = ["TorchBackend", "quantize_query_fp8"]
 
 _E4M3_MAX = 448.0
 
@@ -30,24 +30,6 @@ def quantize_query_fp8(q: torch.Tensor, q_scale: float) -> torch.Tensor:
     """Round q through float8_e4m3fn with a dequant multiplier ``q_scale`` (returns q's dtype)."""
     y = (q.float() / q_scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
     return (y.float() * q_scale).to(q.dtype)
-
-
-def write_kv(cache: PagedKVCache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Quantize and store post-RoPE ``k`` and ``v`` at ``slots``; slot -1 goes to the scratch page.
-
-    Same bytes as ``PagedKVCache.write`` but without a host sync, so it can run inside a CUDA graph.
-    """
-    fmt = cache.fmt
-    scratch = cache.scratch_page * cache.page_size
-    slots = torch.where(slots < 0, torch.full_like(slots, scratch), slots)
-    for data, bs, scale, x in (
-        (cache.k_data[layer], cache.k_block_scale[layer], cache.k_scale[layer], k),
-        (cache.v_data[layer], cache.v_block_scale[layer], cache.v_scale[layer], v),
-    ):
-        q = fmt.quantize(x, scale)
-        data.view(-1, data.shape[-2], data.shape[-1])[slots] = q.data
-        if bs is not None:
-            bs.view(-1, bs.shape[-2], bs.shape[-1])[slots] = q.block_scale
 
 
 class TorchBackend:
@@ -114,7 +96,7 @@ class TorchBackend:
         G = H // Hk
         qr = apply_rope(q, meta.positions, meta.rope)
         kr = apply_rope(k, meta.positions, meta.rope)
-        write_kv(cache, layer.layer_idx, meta.slot_mapping, kr, v)
+        cache.write(layer.layer_idx, meta.slot_mapping, kr, v)
         if self.opts.quantize_query:
             qr = quantize_query_fp8(qr, layer.q_scale)
 
