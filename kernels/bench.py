@@ -151,6 +151,69 @@ def bench_flashinfer_decode(copy_gbps, batch=64, ctx=8192, hq=32, hk=8, d=128, p
     return rows, best
 
 
+def _sweep_configs(fmt):
+    """Launch configurations tried by ``sweep_decode`` for one format."""
+    c = lambda bn, ns, pf=False, nw=4, st=2: dict(block_n=bn, num_splits=ns, prefetch=pf, num_warps=nw,  # noqa: E731
+                                                 num_stages=st)
+    if fmt == "bf16":
+        return [c(64, ns) for ns in (1, 2, 4)] + [c(64, 1, st=3)]
+    pfs = (False, True)
+    return [c(bn, ns, pf) for bn in (64, 128) for ns in (4, 8, 16) for pf in pfs] + [
+        c(128, 8, st=3), c(256, 8), c(128, 8, nw=8)]
+
+
+def check_variants(formats=("bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4")):
+    """The decode check's hard cases at several launch configurations (the GPU check runs the defaults)."""
+    from triton.runtime.errors import OutOfResources
+
+    from kvbench.kernels.check import check_decode
+
+    cases = []
+    for fmt in formats:
+        for pf, bn, ns in ((False, 128, 8), (True, 64, 4), (False, 64, 3), (True, 128, 16)):
+            kw = dict(prefetch=pf, block_n=bn, num_splits=ns)
+            try:
+                cases.append((kw, check_decode(fmt, [4000, 1, 17, 2500] * 4, 32, 8, 128, 16, seed=ns, **kw)))
+            except OutOfResources as e:  # a tile that does not fit is not a launch configuration
+                print(f"skipped {fmt} {kw}: {str(e)[:60]}")
+                continue
+            cases.append((kw, check_decode(fmt, [32768, 17, 1000], 32, 8, 128, 16, window=1000, sinks=True, seed=bn,
+                                           **kw)))
+            cases.append((kw, check_decode(fmt, [1020, 3, 600], 64, 8, 64, 64, q_fp8=True, seed=7, **kw)))
+    for kw, case in cases:
+        print(case.line(), kw, flush=True)
+    return all(case.ok for _, case in cases)
+
+
+def sweep_decode(copy_gbps, formats=("bf16", "fp8_e4m3", "nvfp4"), batch=64, ctx=8192, hq=32, hk=8, d=128,
+                 page=16):
+    """Every configuration of ``_sweep_configs`` plus the defaults, each printed; returns the rows (fastest
+    first per format).  Used to choose ``decode._DEFAULTS``."""
+    import torch
+
+    from kvbench.kernels.decode import paged_decode
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for fmt in formats:
+        q, table, seq, kv, nbytes = _decode_case(fmt, batch, ctx, hq, hk, d, page, gen)
+        out = torch.empty_like(q)
+        timed = []
+        for cfg in [dict()] + _sweep_configs(fmt):
+            try:
+                t = _bench(lambda: paged_decode(q, page_table=table, seq_lens=seq, kv_format=fmt, out=out, **kv, **cfg))
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is reported and skipped
+                print(f"  sweep {fmt} {cfg}: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            gb = nbytes / (t * 1e-6) / 1e9
+            timed.append(Row(f"sweep {fmt}", t, gb, 100 * gb / copy_gbps, note=str(cfg or "defaults")))
+            print(timed[-1].line(), flush=True)
+        rows += sorted(timed, key=lambda r: r.us)
+        del kv
+        torch.cuda.empty_cache()
+    return rows
+
+
 # ------------------------------------------------------------------------------------ prefill
 def bench_prefill(seq=8192, hq=32, hk=8, d=128, page=16):
     """Causal 8k prefill (no prefix) vs torch SDPA on the dense problem; then an extend over a cached
@@ -288,13 +351,23 @@ def _targets(copy_gbps, dec_rows, dec, fi, pre, app):
 
 
 def main(check: bool = False, quick: bool = False, out: Optional[str] = None, flashinfer: bool = True,
-         parts: str = "decode,prefill,append") -> int:
-    """Run the kernel benchmarks on the CUDA device (``check`` first runs the correctness check)."""
+         parts: str = "decode,prefill,append", sweep: bool = False) -> int:
+    """Run the kernel benchmarks on the CUDA device (``check`` first runs the correctness check;
+    ``sweep`` runs only the decode launch-configuration sweep)."""
     import torch
 
     if not torch.cuda.is_available():
         print("kvbench bench kernels needs a CUDA device")
         return 2
+    if sweep:
+        ok = check_variants()
+        print(f"decode variants check: {'all passed' if ok else 'FAILURES'}", flush=True)
+        rows = sweep_decode(copy_bandwidth())
+        print(f"\n## decode sweep — {torch.cuda.get_device_name()}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, fastest first")
+        for r in rows:
+            print(r.line())
+        return 0 if ok else 1
     if check:
         from kvbench.kernels.check import main as check_main
 
@@ -345,5 +418,6 @@ if __name__ == "__main__":
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--parts", default="decode,prefill,append")
     ap.add_argument("--out")
+    ap.add_argument("--decode-sweep", action="store_true", help="only the decode configuration sweep")
     a = ap.parse_args()
-    sys.exit(main(a.check, a.quick, a.out, not a.no_flashinfer, a.parts))
+    sys.exit(main(a.check, a.quick, a.out, not a.no_flashinfer, a.parts, a.decode_sweep))

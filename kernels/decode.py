@@ -76,8 +76,8 @@ def _decode_split_kernel(
         q = to_dot(q, DOT)
         acc = tl.zeros([G_PAD, DP_PAD], tl.float32)
 
-    # nvfp4 (PREFETCH): the next tile's raw bytes are loaded before this tile is computed, which helps
-    # its longer dequantization; for the other formats Triton's own pipelining does better (measured).
+    # PREFETCH: the next tile's raw bytes are loaded before this tile is computed, which helps nvfp4's
+    # longer dequantization; for the other formats Triton's own pipelining does better (measured).
     offs = lo + n_off
     tmask = offs < hi
     slot = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64) * PAGE + (offs % PAGE)
@@ -166,10 +166,18 @@ def _decode_reduce_kernel(
     tl.store(OUT + b * so_b + h * so_h + d, o.to(OUT.dtype.element_ty), mask=dmask)
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64) -> int:
-    """Enough programs to fill the device about twice, never more splits than tiles."""
+# Per-format launch defaults from the decode sweep of ``kernels/bench.py`` (``--decode-sweep``; H200,
+# batch 64 x 8192, docs/kernels.md): format code -> (block_n, programs per SM, prefetch).  fp8 wants
+# larger tiles and about 8x more resident programs than bf16 (8 splits at that shape); nvfp4 4 splits
+# and the hand prefetch of the next tile.
+_DEFAULTS = {0: (64, 2, False), 1: (128, 30, False), 2: (64, 15, True)}
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64,
+                       programs_per_sm: int = 2) -> int:
+    """About ``programs_per_sm`` programs per SM, never more splits than tiles."""
     work = max(batch * num_kv_heads, 1)
-    splits = max(1, math.ceil(2 * num_sms / work))
+    splits = max(1, math.ceil(programs_per_sm * num_sms / work))
     return int(min(splits, max(1, math.ceil(max_seq_len / block_n)), 64))
 
 
@@ -180,9 +188,12 @@ def paged_decode(
     sm_scale: Optional[float] = None, sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
     q_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
     block_n: Optional[int] = None, num_warps: int = 4, num_stages: int = 2, out_dtype: Optional[torch.dtype] = None,
+    prefetch: Optional[bool] = None,
 ) -> torch.Tensor:
     """Decode attention: ``q`` ``[B, H_q, D]`` (bf16/fp16/fp32, or float8_e4m3fn with ``q_scale``) over
-    each sequence's ``seq_lens[b]`` cached tokens (including the one just appended) → ``[B, H_q, D]``."""
+    each sequence's ``seq_lens[b]`` cached tokens (including the one just appended) → ``[B, H_q, D]``.
+    ``block_n``, ``num_splits`` and ``prefetch`` (load the next tile before computing this one) default
+    per format (``_DEFAULTS``)."""
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [B, H_q, D] with a contiguous last dim, got {tuple(q.shape)}")
     bsz, hq, d = q.shape
@@ -206,10 +217,18 @@ def paged_decode(
     if bsz == 0:
         return out
     g = hq // hk
-    if block_n is None:  # the tile the GPU check ran with; see docs/kernels.md for the sweep
-        block_n = 64
+    def_bn, def_pps, def_pf = _DEFAULTS[fmt]
+    if block_n is None:
+        block_n = def_bn
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if prefetch is None:
+        prefetch = def_pf
     if num_splits is None:
-        num_splits = default_num_splits(bsz, hk, page_table.shape[1] * kc.page_size, _num_sms(q.device), block_n)
+        num_splits = default_num_splits(bsz, hk, page_table.shape[1] * kc.page_size, _num_sms(q.device), block_n,
+                                        def_pps)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     acc = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
@@ -223,7 +242,7 @@ def paged_decode(
         int(sliding_window or 0), num_splits,
         G=g, G_PAD=max(16, next_pow2(g)), D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size, BLOCK_N=block_n,
         FMT=fmt, DOT=cache_dot_code(kv_format, odt if is_fp8_q else q.dtype),
-        HAS_Q_SCALE=q_scale is not None, PREFETCH=fmt == 2, num_warps=num_warps, num_stages=num_stages,
+        HAS_Q_SCALE=q_scale is not None, PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(bsz, hq)](
         acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale,

@@ -22,11 +22,16 @@ FEATURES = [
 ]
 
 
+# decode kernel variants: with and without the hand prefetch of the next tile
+VARIANTS = [dict(prefetch=False), dict(prefetch=True)]
+
+
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 @pytest.mark.parametrize("window,sinks,q8,dtype", FEATURES)
-def test_decode_matches_reference(fmt, window, sinks, q8, dtype):
+@pytest.mark.parametrize("variant", VARIANTS, ids=["plain", "prefetch"])
+def test_decode_matches_reference(fmt, window, sinks, q8, dtype, variant):
     case = C.check_decode(fmt, [1, 45, 70, 16], 8, 2, 32, 8, dtype=dtype, window=window, sinks=sinks, q_fp8=q8,
-                          device="cpu", seed=len(fmt) * 7 + (window or 0), block_n=16, num_splits=3)
+                          device="cpu", seed=len(fmt) * 7 + (window or 0), block_n=16, num_splits=3, **variant)
     tol = C.TOL[torch.float32] if dtype == torch.float32 else C.TOL[torch.bfloat16]
     assert case.err <= tol, case.line()
 
@@ -40,10 +45,29 @@ def test_prefill_matches_reference(fmt, window, sinks, q8, dtype):
     assert case.err <= tol, case.line()
 
 
-def test_decode_head_dim_64_one_split_larger_group():
-    case = C.check_decode("nvfp4", [3, 64], 8, 1, 64, 16, dtype=torch.float32, device="cpu", seed=1, block_n=32,
-                          num_splits=1)
+@pytest.mark.parametrize("fmt,prefetch", [("nvfp4", False), ("nvfp4", True), ("fp8_e5m2", True)])
+def test_decode_head_dim_64_one_split_larger_group(fmt, prefetch):
+    case = C.check_decode(fmt, [3, 64], 8, 1, 64, 16, dtype=torch.float32, device="cpu", seed=1, block_n=32,
+                          num_splits=1, prefetch=prefetch)
     assert case.err <= C.TOL[torch.float32], case.line()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4"])
+def test_decode_per_format_defaults(fmt):
+    # no launch arguments: the per-format block_n / splits / prefetch defaults
+    case = C.check_decode(fmt, [40, 7], 8, 2, 32, 16, dtype=torch.float32, device="cpu", seed=3)
+    assert case.err <= C.TOL[torch.float32], case.line()
+
+
+def test_decode_rejects_bad_launch_arguments():
+    gen = torch.Generator().manual_seed(0)
+    kv, table = C._attn_inputs("fp8_e4m3", [20, 9], 2, 32, 8, "cpu", gen)
+    q = torch.randn(2, 4, 32, generator=gen)
+    seq = torch.tensor([20, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_n"):
+        paged_decode(q, page_table=table, seq_lens=seq, kv_format="fp8_e4m3", block_n=24, **kv)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode(q, page_table=table, seq_lens=seq, kv_format="fp8_e4m3", num_splits=0, **kv)
 
 
 def test_prefill_block_shapes_and_pure_prefill():
@@ -79,6 +103,8 @@ def test_default_num_splits():
     assert default_num_splits(64, 8, 8192, 132) == 1
     assert default_num_splits(1, 8, 32768, 132) == 33
     assert default_num_splits(1, 8, 16, 132) == 1
+    assert default_num_splits(64, 8, 8192, 132, block_n=128, programs_per_sm=30) == 8
+    assert default_num_splits(64, 8, 8192, 132, block_n=4096, programs_per_sm=30) == 2  # never more than tiles
 
 
 def test_bad_input_is_rejected():
