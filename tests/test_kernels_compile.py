@@ -56,7 +56,7 @@ def compile_append():
 
 
 def test_kernels_compile_for_sm90():
-    pytest.importorskip("triton.backends.nvidia")
+    import triton.backends.nvidia  # noqa: F401  (ships with every Linux triton wheel)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

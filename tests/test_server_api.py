@@ -140,7 +140,7 @@ def test_tokenizer_routes(server):
 
 def test_lm_eval_local_completions_end_to_end(server):
     """lm-eval's ``local-completions`` model, tokenizing through the server's /tokenizer_info + /tokenize."""
-    pytest.importorskip("tenacity", reason="lm-eval API models need lm-eval[api] (tenacity)")
+    import tenacity  # noqa: F401  (lm-eval[api], part of the eval extra; lm-eval API models need it)
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
