@@ -122,6 +122,16 @@ def check_cache(name: str, kv_format: str, data, block_scale, scale, head_dim: i
 
 
 # ------------------------------------------------------------------------------- jit helpers
+def check_query(q: torch.Tensor, q_scale, sinks, num_heads: int) -> bool:
+    """Validate the fp8-q / q_scale pairing and the sinks' length; returns whether q is fp8."""
+    is_fp8_q = q.dtype == torch.float8_e4m3fn
+    if is_fp8_q != (q_scale is not None):
+        raise ValueError("an fp8 q needs q_scale, and q_scale needs an fp8 q")
+    if sinks is not None and sinks.numel() != num_heads:
+        raise ValueError(f"sinks must have H_q={num_heads} elements, got {sinks.numel()}")
+    return is_fp8_q
+
+
 @triton.jit
 def e2m1_to_f16(code):
     """e2m1 codes (int32, 0..15, bit 3 = sign) → float16: the 3 magnitude bits placed at bits 9..11 of an

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench.kernels._triton_utils import cache_dot_code, check_cache, dequant_tile, format_code, load_raw_tile, next_pow2, to_dot
+from kvbench.kernels._triton_utils import cache_dot_code, check_cache, check_query, dequant_tile, format_code, load_raw_tile, next_pow2, to_dot
 
 __all__ = ["paged_decode", "default_num_splits"]
 
@@ -206,11 +206,7 @@ def paged_decode(
         raise ValueError(f"page_table must be int32 [B, max_pages], got {page_table.dtype} {tuple(page_table.shape)}")
     if seq_lens.dtype != torch.int32 or seq_lens.shape[0] < bsz:
         raise ValueError(f"seq_lens must be int32 [B], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    is_fp8_q = q.dtype == torch.float8_e4m3fn
-    if is_fp8_q != (q_scale is not None):
-        raise ValueError("an fp8 q needs q_scale, and q_scale needs an fp8 q")
-    if sinks is not None and sinks.numel() != hq:
-        raise ValueError(f"sinks must have H_q={hq} elements, got {sinks.numel()}")
+    is_fp8_q = check_query(q, q_scale, sinks, hq)
     fmt = format_code(kv_format)
     odt = out_dtype or (torch.bfloat16 if is_fp8_q else q.dtype)
     out = torch.empty(bsz, hq, d, dtype=odt, device=q.device) if out is None else out

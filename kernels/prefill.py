@@ -25,6 +25,7 @@ import triton.language as tl
 from kvbench.kernels._triton_utils import (
     cache_dot_code,
     check_cache,
+    check_query,
     dot_code,
     format_code,
     load_nvfp4_tile,
@@ -224,11 +225,7 @@ def paged_prefill(
     bsz = cu_seqlens_q.shape[0] - 1
     if seq_lens.shape[0] < bsz or page_table.shape[0] < bsz:
         raise ValueError(f"seq_lens / page_table have fewer rows than the {bsz} sequences")
-    is_fp8_q = q.dtype == torch.float8_e4m3fn
-    if is_fp8_q != (q_scale is not None):
-        raise ValueError("an fp8 q needs q_scale, and q_scale needs an fp8 q")
-    if sinks is not None and sinks.numel() != hq:
-        raise ValueError(f"sinks must have H_q={hq} elements, got {sinks.numel()}")
+    is_fp8_q = check_query(q, q_scale, sinks, hq)
     fmt = format_code(kv_format)
     odt = out_dtype or (k_new.dtype if is_fp8_q else q.dtype)
     out = torch.empty(t, hq, d, dtype=odt, device=q.device) if out is None else out
