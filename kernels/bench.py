@@ -88,8 +88,8 @@ def bench_decode(copy_gbps, batch=64, ctx=8192, hq=32, hk=8, d=128, page=16, for
 
     gen = torch.Generator().manual_seed(0)
     rows, best = [], {}
-    configs = [dict(block_n=bn, num_splits=ns, num_warps=nw) for bn in (32, 64, 128, 256) for ns in (1, 2, 4, 8)
-               for nw in (4, 8)] if tune else [dict()]
+    configs = [dict()] + [dict(block_n=bn, num_splits=ns, num_warps=nw) for bn in (32, 64, 128, 256)
+                          for ns in (1, 2, 4, 8, 16) for nw in (4, 8)] if tune else [dict()]
     for fmt in formats:
         q, table, seq, kv, nbytes = _decode_case(fmt, batch, ctx, hq, hk, d, page, gen)
         out = torch.empty_like(q)
@@ -106,8 +106,10 @@ def bench_decode(copy_gbps, batch=64, ctx=8192, hq=32, hk=8, d=128, page=16, for
         t, cfg = min(timed, key=lambda x: x[0])
         gb = nbytes / (t * 1e-6) / 1e9
         best[fmt] = t
+        dflt = [td for td, c in timed if not c]
+        note = f"best of {len(timed)}: {cfg or 'defaults'}" + (f"; defaults {dflt[0]:.1f} us" if dflt else "")
         rows.append(Row(f"decode triton {fmt} B{batch}x{ctx} {hq}/{hk} D{d} p{page}", t, gb, 100 * gb / copy_gbps,
-                        note=f"best of {len(timed)}: {cfg}"))
+                        note=note))
         del kv
         torch.cuda.empty_cache()
     return rows, best

@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench.kernels._triton_utils import cache_dot_code, check_cache, check_query, dequant_tile, format_code, load_raw_tile, next_pow2, to_dot
+from kvbench.kernels._triton_utils import (cache_dot_code, check_cache, check_query, dequant_tile, format_code,
+                                          fp8_pairs_split, load_raw_tile, next_pow2, nvfp4_units_split, to_dot)
+from kvbench.kernels.formats import get_format
 
 __all__ = ["paged_decode", "default_num_splits"]
 
@@ -35,7 +37,7 @@ def _decode_split_kernel(
     window, num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DP_PAD: tl.constexpr, NB: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT8: tl.constexpr = False, E5M2: tl.constexpr = False, NV4: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -61,7 +63,19 @@ def _decode_split_kernel(
     n_off = tl.arange(0, BLOCK_N)
     m_i = tl.full([G_PAD], -1.0e30, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    if FMT == 2:
+    if NV4:  # nvfp4 read as 16-bit units of 4 elements: four interleaved quarters
+        imask = i < D // 4
+        qrow = Q + b.to(tl.int64) * sq_b + heads[:, None] * sq_h
+        qm = gmask[:, None] & imask[None, :]
+        q_0 = to_dot(tl.load(qrow + 4 * i[None, :], mask=qm, other=0.0), DOT)
+        q_1 = to_dot(tl.load(qrow + 4 * i[None, :] + 1, mask=qm, other=0.0), DOT)
+        q_2 = to_dot(tl.load(qrow + 4 * i[None, :] + 2, mask=qm, other=0.0), DOT)
+        q_3 = to_dot(tl.load(qrow + 4 * i[None, :] + 3, mask=qm, other=0.0), DOT)
+        acc_0 = tl.zeros([G_PAD, DP_PAD], tl.float32)
+        acc_1 = tl.zeros([G_PAD, DP_PAD], tl.float32)
+        acc_2 = tl.zeros([G_PAD, DP_PAD], tl.float32)
+        acc_3 = tl.zeros([G_PAD, DP_PAD], tl.float32)
+    elif FMT == 2 or SPLIT8:
         imask = i < D // 2
         qrow = Q + b.to(tl.int64) * sq_b + heads[:, None] * sq_h
         qm = gmask[:, None] & imask[None, :]
@@ -100,10 +114,18 @@ def _decode_split_kernel(
                                    D // 16, FMT)
             vx, vb = load_raw_tile(VC, VBS, slot, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask, NB,
                                    D // 16, FMT)
-        k_a, k_b = dequant_tile(kx, kb, NB, FMT, DOT)
-        if FMT == 2:
+        if NV4:
+            k_0, k_1, k_2, k_3 = nvfp4_units_split(kx, kb, NB)
+            qk = tl.dot(q_0, tl.trans(k_0)) + tl.dot(q_1, tl.trans(k_1)) + tl.dot(q_2, tl.trans(k_2)) + tl.dot(
+                q_3, tl.trans(k_3))
+        elif SPLIT8:
+            k_a, k_b = fp8_pairs_split(kx, E5M2)
+            qk = tl.dot(q_e, tl.trans(k_a)) + tl.dot(q_o, tl.trans(k_b))
+        elif FMT == 2:
+            k_a, k_b = dequant_tile(kx, kb, NB, FMT, DOT)
             qk = tl.dot(q_e, tl.trans(k_a)) + tl.dot(q_o, tl.trans(k_b))
         else:
+            k_a, k_b = dequant_tile(kx, kb, NB, FMT, DOT)
             qk = tl.dot(q, tl.trans(k_a))
         qk = tl.where(tmask[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -111,11 +133,21 @@ def _decode_split_kernel(
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         pd = to_dot(p, DOT)
-        v_a, v_b = dequant_tile(vx, vb, NB, FMT, DOT)
-        if FMT == 2:
+        if NV4:
+            v_0, v_1, v_2, v_3 = nvfp4_units_split(vx, vb, NB)
+            acc_0 = acc_0 * alpha[:, None] + tl.dot(pd, v_0)
+            acc_1 = acc_1 * alpha[:, None] + tl.dot(pd, v_1)
+            acc_2 = acc_2 * alpha[:, None] + tl.dot(pd, v_2)
+            acc_3 = acc_3 * alpha[:, None] + tl.dot(pd, v_3)
+        elif FMT == 2 or SPLIT8:
+            if SPLIT8:
+                v_a, v_b = fp8_pairs_split(vx, E5M2)
+            else:
+                v_a, v_b = dequant_tile(vx, vb, NB, FMT, DOT)
             acc_e = acc_e * alpha[:, None] + tl.dot(pd, v_a)
             acc_o = acc_o * alpha[:, None] + tl.dot(pd, v_b)
         else:
+            v_a, v_b = dequant_tile(vx, vb, NB, FMT, DOT)
             acc = acc * alpha[:, None] + tl.dot(pd, v_a)
         m_i = m_new
         if PREFETCH:
@@ -126,7 +158,12 @@ def _decode_split_kernel(
     tl.store(ml + 1, l_i, mask=gmask)
     arow = ACC + b.to(tl.int64) * sacc_b + heads[:, None] * sacc_h + split * sacc_s
     om = gmask[:, None] & imask[None, :]
-    if FMT == 2:
+    if NV4:
+        tl.store(arow + 4 * i[None, :], acc_0, mask=om)
+        tl.store(arow + 4 * i[None, :] + 1, acc_1, mask=om)
+        tl.store(arow + 4 * i[None, :] + 2, acc_2, mask=om)
+        tl.store(arow + 4 * i[None, :] + 3, acc_3, mask=om)
+    elif FMT == 2 or SPLIT8:
         tl.store(arow + 2 * i[None, :], acc_e, mask=om)
         tl.store(arow + 2 * i[None, :] + 1, acc_o, mask=om)
     else:
@@ -166,11 +203,10 @@ def _decode_reduce_kernel(
     tl.store(OUT + b * so_b + h * so_h + d, o.to(OUT.dtype.element_ty), mask=dmask)
 
 
-# Per-format launch defaults from the decode sweep of ``kernels/bench.py`` (``--decode-sweep``; H200,
-# batch 64 x 8192, docs/kernels.md): format code -> (block_n, programs per SM, prefetch).  fp8 wants
-# larger tiles and about 8x more resident programs than bf16 (8 splits at that shape); nvfp4 4 splits
-# and the hand prefetch of the next tile.
-_DEFAULTS = {0: (64, 2, False), 1: (128, 30, False), 2: (64, 15, True)}
+# Per-format launch defaults from decode sweeps on an H200 (batch 64 x 8192, 32/8 heads, D 128, page 16;
+# docs/kernels.md): format code -> (block_n, programs per SM, prefetch, num_warps).  fp8 (read as 16-bit
+# pairs) wants 256-token tiles over 8 warps and one split at that shape; nvfp4 many small splits.
+_DEFAULTS = {0: (64, 2, False, 4), 1: (256, 2, False, 8), 2: (64, 60, False, 4)}
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64,
@@ -187,13 +223,15 @@ def paged_decode(
     k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None, sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
     q_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
-    block_n: Optional[int] = None, num_warps: int = 4, num_stages: int = 2, out_dtype: Optional[torch.dtype] = None,
-    prefetch: Optional[bool] = None,
+    block_n: Optional[int] = None, num_warps: Optional[int] = None, num_stages: int = 2, out_dtype: Optional[torch.dtype] = None,
+    prefetch: Optional[bool] = None, units16: Optional[bool] = None,
 ) -> torch.Tensor:
     """Decode attention: ``q`` ``[B, H_q, D]`` (bf16/fp16/fp32, or float8_e4m3fn with ``q_scale``) over
     each sequence's ``seq_lens[b]`` cached tokens (including the one just appended) → ``[B, H_q, D]``.
-    ``block_n``, ``num_splits`` and ``prefetch`` (load the next tile before computing this one) default
-    per format (``_DEFAULTS``)."""
+    ``block_n``, ``num_splits``, ``num_warps`` and ``prefetch`` (load the next tile before computing this one)
+    default per format (``_DEFAULTS``).  ``units16`` (default on for fp8 and nvfp4 caches with a float16 dot):
+    read the tiles as 16-bit units and split them into interleaved element tiles (fp8: even / odd,
+    ``_triton_utils.fp8_pairs_split``; nvfp4: four quarters, ``nvfp4_units_split``)."""
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [B, H_q, D] with a contiguous last dim, got {tuple(q.shape)}")
     bsz, hq, d = q.shape
@@ -213,7 +251,9 @@ def paged_decode(
     if bsz == 0:
         return out
     g = hq // hk
-    def_bn, def_pps, def_pf = _DEFAULTS[fmt]
+    def_bn, def_pps, def_pf, def_nw = _DEFAULTS[fmt]
+    if num_warps is None:
+        num_warps = def_nw
     if block_n is None:
         block_n = def_bn
     if block_n < 16 or block_n & (block_n - 1):
@@ -228,17 +268,27 @@ def paged_decode(
     acc = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
-    dp = d // 2 if fmt == 2 else d
+    dot = cache_dot_code(kv_format, odt if is_fp8_q else q.dtype)
+    split8 = fmt == 1 and dot == 1 and bool(units16 if units16 is not None else True)
+    nv4 = fmt == 2 and dot == 1 and bool(units16 if units16 is not None else True)
+    dp = d // 4 if nv4 else d // 2 if fmt == 2 or split8 else d
+    kdata, vdata = kc.data, vc.data
+    kss, khs, vss, vhs = kc.slot_stride, kc.head_stride, vc.slot_stride, vc.head_stride
+    if split8 or nv4:
+        if d % 2:
+            raise ValueError(f"head_dim must be even, got {d}")
+        kdata, vdata = kdata.view(torch.int16), vdata.view(torch.int16)
+        kss, khs, vss, vhs = kss // 2, khs // 2, vss // 2, vhs // 2
     _decode_split_kernel[(bsz, hk, num_splits)](
-        q, kc.data, vc.data, kc.bs_ptr, vc.bs_ptr, kc.scale, q_scale if q_scale is not None else kc.scale,
+        q, kdata, vdata, kc.bs_ptr, vc.bs_ptr, kc.scale, q_scale if q_scale is not None else kc.scale,
         page_table, seq_lens, acc, ml, scale,
-        q.stride(0), q.stride(1), kc.slot_stride, kc.head_stride, vc.slot_stride, vc.head_stride,
+        q.stride(0), q.stride(1), kss, khs, vss, vhs,
         kc.bs_slot_stride, kc.bs_head_stride, vc.bs_slot_stride, vc.bs_head_stride, page_table.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
         int(sliding_window or 0), num_splits,
         G=g, G_PAD=max(16, next_pow2(g)), D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size, BLOCK_N=block_n,
-        FMT=fmt, DOT=cache_dot_code(kv_format, odt if is_fp8_q else q.dtype),
-        HAS_Q_SCALE=q_scale is not None, PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
+        FMT=fmt, DOT=dot, HAS_Q_SCALE=q_scale is not None, PREFETCH=bool(prefetch), SPLIT8=split8,
+        E5M2=get_format(kv_format).name == "fp8_e5m2", NV4=nv4, num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(bsz, hq)](
         acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale,

@@ -22,13 +22,14 @@ FEATURES = [
 ]
 
 
-# decode kernel variants: with and without the hand prefetch of the next tile
-VARIANTS = [dict(prefetch=False), dict(prefetch=True)]
+# decode kernel variants: with and without the hand prefetch of the next tile, and with 8/4-bit tiles read
+# as bytes instead of 16-bit units (fp8 / nvfp4 with a float16 dot; the other formats ignore it)
+VARIANTS = [dict(prefetch=False), dict(prefetch=True), dict(units16=False)]
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 @pytest.mark.parametrize("window,sinks,q8,dtype", FEATURES)
-@pytest.mark.parametrize("variant", VARIANTS, ids=["plain", "prefetch"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=["plain", "prefetch", "bytes"])
 def test_decode_matches_reference(fmt, window, sinks, q8, dtype, variant):
     case = C.check_decode(fmt, [1, 45, 70, 16], 8, 2, 32, 8, dtype=dtype, window=window, sinks=sinks, q_fp8=q8,
                           device="cpu", seed=len(fmt) * 7 + (window or 0), block_n=16, num_splits=3, **variant)
@@ -52,11 +53,13 @@ def test_decode_head_dim_64_one_split_larger_group(fmt, prefetch):
     assert case.err <= C.TOL[torch.float32], case.line()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4"])
-def test_decode_per_format_defaults(fmt):
-    # no launch arguments: the per-format block_n / splits / prefetch defaults
-    case = C.check_decode(fmt, [40, 7], 8, 2, 32, 16, dtype=torch.float32, device="cpu", seed=3)
-    assert case.err <= C.TOL[torch.float32], case.line()
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_per_format_defaults(fmt, dtype):
+    # no launch arguments: the per-format block_n / splits / warps / prefetch defaults (float16: the
+    # 16-bit unit path for fp8 and nvfp4)
+    case = C.check_decode(fmt, [300, 7], 8, 2, 32, 16, dtype=dtype, device="cpu", seed=3)
+    assert case.err <= C.TOL[torch.float32 if dtype == torch.float32 else torch.bfloat16], case.line()
 
 
 def test_decode_rejects_bad_launch_arguments():

@@ -110,8 +110,8 @@ def test_synthetic_presets_parse_and_run():
     full = parse_synthetic("synthetic:llama-3-8b")
     assert (full.num_layers, full.num_kv_heads, full.head_dim, full.vocab_size) == (32, 8, 128, 128256)
     assert parse_synthetic("synthetic:qwen3-8b").qk_norm
-    with pytest.raises(ValueError, match="MLA"):
-        parse_synthetic("synthetic:deepseek-v2-lite")
+    lite = parse_synthetic("synthetic:deepseek-v2-lite")
+    assert lite.is_mla and lite.num_layers == 27
     with pytest.raises(ValueError, match="unknown synthetic model"):
         parse_synthetic("synthetic:nope")
     with pytest.raises(ValueError, match="bad synthetic option"):

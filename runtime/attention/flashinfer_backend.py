@@ -44,6 +44,11 @@ class FlashInferBackend:
         return kv_dtype in (_DECODE if phase == "decode" else _PREFILL)
 
     @classmethod
+    def supports_mla(cls, kv_dtype: str, phase: str) -> bool:
+        """FlashInfer's MLA kernels expect another latent layout; MLA models run on torch or triton."""
+        return False
+
+    @classmethod
     def available(cls) -> tuple[bool, str]:
         try:
             import flashinfer  # noqa: F401

@@ -36,6 +36,9 @@ class HybridBackend:
     def forward(self, q, k, v, layer: AttentionLayer, cache, meta: AttentionMetadata):
         return self._pick(meta).forward(q, k, v, layer, cache, meta)
 
+    def forward_mla(self, q_nope, q_pe, c_kv, k_pe, layer, cache, meta: AttentionMetadata):
+        return self._pick(meta).forward_mla(q_nope, q_pe, c_kv, k_pe, layer, cache, meta)
+
     def __getattr__(self, item):  # graph hooks etc. are asked of the decode backend
         if item in ("prefill", "decode", "label"):
             raise AttributeError(item)

@@ -35,46 +35,55 @@ def backend_class(name: str) -> type:
         raise UnsupportedBackend(f"attention backend {name!r} cannot be loaded ({path}): {e}") from e
 
 
-def supports(name: str, kv_dtype: str, phase: str) -> bool:
+def supports(name: str, kv_dtype: str, phase: str, mla: bool = False) -> bool:
+    """``mla``: the model uses MLA attention (backends say so with ``supports_mla``; absent = no)."""
     try:
-        return bool(backend_class(name).supports(kv_dtype, phase))
+        cls = backend_class(name)
     except UnsupportedBackend:
         return False
+    if mla:
+        check = getattr(cls, "supports_mla", None)
+        return bool(check and check(kv_dtype, phase))
+    return bool(cls.supports(kv_dtype, phase))
 
 
-def support_table(kv_dtypes=None) -> dict[str, dict[str, list[str]]]:
-    """``{backend: {phase: [kv formats]}}`` of the supported combinations."""
+def support_table(kv_dtypes=None, mla: bool = False) -> dict[str, dict[str, list[str]]]:
+    """``{backend: {phase: [kv formats]}}`` of the supported combinations (of MLA models with ``mla``)."""
     from kvbench.runtime.config import KV_DTYPES
 
     kv_dtypes = kv_dtypes or KV_DTYPES
-    return {b: {p: [f for f in kv_dtypes if supports(b, f, p)] for p in PHASES} for b in BACKEND_PATHS}
+    return {b: {p: [f for f in kv_dtypes if supports(b, f, p, mla)] for p in PHASES} for b in BACKEND_PATHS}
 
 
-def _table_text() -> str:
+def _table_text(mla: bool = False) -> str:
     rows = []
-    for b, phases in support_table().items():
+    for b, phases in support_table(mla=mla).items():
         for p, fmts in phases.items():
-            rows.append(f"  {b:<11} {p:<8} {', '.join(fmts) or '(none: backend not loadable here)'}")
+            none = "(none: no MLA path)" if mla else "(none: backend not loadable here)"
+            rows.append(f"  {b:<11} {p:<8} {', '.join(fmts) or none}")
     return "\n".join(rows)
 
 
-def check_supported(prefill_backend: str, decode_backend: str, kv_dtype: str) -> None:
-    """Raise UnsupportedBackend naming the supported combinations, or a missing dependency."""
+def check_supported(prefill_backend: str, decode_backend: str, kv_dtype: str, mla: bool = False) -> None:
+    """Raise UnsupportedBackend naming the supported combinations, or a missing dependency.
+    ``mla``: the model uses MLA attention (a smaller set of backends runs it)."""
     for phase, name in (("prefill", prefill_backend), ("decode", decode_backend)):
-        cls = backend_class(name)  # clear error for unknown / unimportable names
-        if not cls.supports(kv_dtype, phase):
+        backend_class(name)  # clear error for unknown / unimportable names
+        if not supports(name, kv_dtype, phase, mla):
+            what = "an MLA model with " if mla else ""
             raise UnsupportedBackend(
-                f"backend {name!r} does not support kv_dtype={kv_dtype!r} for {phase}.\n"
-                f"Supported (backend, phase, formats):\n{_table_text()}"
+                f"backend {name!r} does not support {what}kv_dtype={kv_dtype!r} for {phase}.\n"
+                f"Supported{' for MLA models' if mla else ''} (backend, phase, formats):\n{_table_text(mla)}"
             )
+        cls = backend_class(name)
         ok, why = cls.available()
         if not ok:
             raise UnsupportedBackend(f"backend {name!r} is not available here: {why}")
 
 
-def create_backend(prefill_backend: str, decode_backend: str, opts: BackendOptions) -> "AttentionBackend":
+def create_backend(prefill_backend: str, decode_backend: str, opts: BackendOptions, mla: bool = False) -> "AttentionBackend":
     """The backend for an engine: one instance, or a hybrid when the two phases differ."""
-    check_supported(prefill_backend, decode_backend, opts.kv_dtype)
+    check_supported(prefill_backend, decode_backend, opts.kv_dtype, mla)
     if prefill_backend == decode_backend:
         return backend_class(prefill_backend)(opts)
     from kvbench.runtime.attention.hybrid import HybridBackend

@@ -46,8 +46,18 @@ class TorchBackend:
         return kv_dtype in ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4") and phase in ("prefill", "decode")
 
     @classmethod
+    def supports_mla(cls, kv_dtype: str, phase: str) -> bool:
+        return cls.supports(kv_dtype, phase)
+
+    @classmethod
     def available(cls) -> tuple[bool, str]:
         return True, ""
+
+    def forward_mla(self, q_nope, q_pe, c_kv, k_pe, layer, cache, meta) -> torch.Tensor:
+        """MLA layer (``mla_base.py``): latent append + expanded reference attention."""
+        from kvbench.runtime.attention.mla_torch import torch_forward_mla
+
+        return torch_forward_mla(self, q_nope, q_pe, c_kv, k_pe, layer, cache, meta)
 
     # ------------------------------------------------------------------------------------ plan
     def plan(self, meta: AttentionMetadata, cache: PagedKVCache) -> None:

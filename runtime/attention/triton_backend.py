@@ -35,6 +35,16 @@ class TritonBackend:
         return kv_dtype in _FORMATS and phase in ("prefill", "decode")
 
     @classmethod
+    def supports_mla(cls, kv_dtype: str, phase: str) -> bool:
+        return cls.supports(kv_dtype, phase)
+
+    def forward_mla(self, q_nope, q_pe, c_kv, k_pe, layer, cache, meta) -> torch.Tensor:
+        """MLA layer (``mla_base.py``): fused latent append + absorbed decode/prefill kernels."""
+        from kvbench.runtime.attention.mla_triton import triton_forward_mla
+
+        return triton_forward_mla(self, q_nope, q_pe, c_kv, k_pe, layer, cache, meta)
+
+    @classmethod
     def available(cls) -> tuple[bool, str]:
         try:
             import triton  # noqa: F401

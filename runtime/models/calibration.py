@@ -1,5 +1,6 @@
 """KV-scale calibration: run calibration prompts with a bf16 cache and the torch backend, observing the
-absolute maxima of post-RoPE K and of V per layer (and per kv-head) with ``scales.AmaxObserver``."""
+absolute maxima of post-RoPE K and of V per layer (and per kv-head) with ``scales.AmaxObserver``.
+MLA models: the stored latent ``[c_kv | rope(k_pe)]`` is observed as both K and V (one scale per layer)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ class _ObservingBackend(TorchBackend):
         self.observer.observe(layer.layer_idx, apply_rope(k, meta.positions, meta.rope), v)
         return super().forward(q, k, v, layer, cache, meta)
 
+    def forward_mla(self, q_nope, q_pe, c_kv, k_pe, layer, cache, meta):
+        from kvbench.runtime.attention.mla_torch import rope_latent
+
+        lat = torch.cat((c_kv, rope_latent(q_pe[:, :1], k_pe, meta)[1]), dim=-1)[:, None]
+        self.observer.observe(layer.layer_idx, lat, lat)
+        return super().forward_mla(q_nope, q_pe, c_kv, k_pe, layer, cache, meta)
+
 
 @torch.inference_mode()
 def calibrate_scales(model, tokenizer, rope, kv_dtype: str, num_prompts: int, per_head: bool, device, page_size: int = 16) -> KVScales:
@@ -53,7 +61,7 @@ def calibrate_scales(model, tokenizer, rope, kv_dtype: str, num_prompts: int, pe
     prompts = [tokenizer.encode(t)[: rope.cos.shape[0]] for t in texts]
     obs = AmaxObserver(cfg.num_layers, cfg.num_kv_heads)
     longest = max(len(p) for p in prompts)
-    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "bf16", page_size)
+    spec: KVCacheSpec = cfg.kv_spec("bf16", page_size)
     npages = pages_needed(longest, page_size)
     cache = PagedKVCache(spec, npages, device=device)
     backend = _ObservingBackend(BackendOptions(kv_dtype="bf16", device=str(device)), obs)

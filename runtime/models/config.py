@@ -14,11 +14,13 @@ SUPPORTED_ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# DeepSeek-V2/V3 attention (MLA) with dense MLPs only (runtime/models/deepseek.py).
+MLA_ARCHS = {"DeepseekV2ForCausalLM": "deepseek-mla", "DeepseekV3ForCausalLM": "deepseek-mla"}
 
 
 @dataclass
 class ModelConfig:
-    arch: str  # llama | mistral | qwen2 | qwen3 | gpt-oss-attn
+    arch: str  # llama | mistral | qwen2 | qwen3 | gpt-oss-attn | deepseek-mla
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -41,8 +43,22 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: Optional[int] = None
     eos_token_ids: list = field(default_factory=list)
+    # MLA (arch "deepseek-mla"; kv_lora_rank 0 = not MLA).  head_dim is then qk_nope + qk_rope,
+    # num_kv_heads 1 (one latent "head" per token), rotary_dim qk_rope_head_dim.
+    q_lora_rank: Optional[int] = None  # None: a direct q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
+        if self.is_mla:
+            for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if int(getattr(self, n)) <= 0:
+                    raise ValueError(f"MLA config needs a positive {n}")
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+            self.num_kv_heads = 1
+            self.rotary_dim = self.qk_rope_head_dim
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.hidden_act not in ("silu", "swiglu"):
@@ -56,9 +72,30 @@ class ModelConfig:
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Head dim of a cache entry: the latent plus the rope key for MLA, else head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    def kv_spec(self, kv_dtype: str, page_size: int):
+        """The paged cache's ``KVCacheSpec`` for this model (one latent plane per layer for MLA)."""
+        from kvbench.runtime.config import KVCacheSpec
+
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.kv_head_dim, kv_dtype, page_size, mla=self.is_mla)
+
     def num_params(self) -> int:
         h, L = self.hidden_size, self.num_layers
         attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.is_mla:
+            H, r = self.num_heads, self.kv_lora_rank
+            q_in = self.q_lora_rank or h
+            attn = (h * self.q_lora_rank if self.q_lora_rank else 0) + q_in * H * self.head_dim
+            attn += h * (r + self.qk_rope_head_dim) + r * H * (self.qk_nope_head_dim + self.v_head_dim)
+            attn += H * self.v_head_dim * h
         mlp = 3 * h * self.intermediate_size
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return L * (attn + mlp + 2 * h) + emb + h
@@ -72,15 +109,21 @@ def _get(d: dict, *names: str, default: Any = None) -> Any:
 
 
 def from_hf_config(cfg: dict) -> ModelConfig:
-    """ModelConfig from a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3)."""
+    """ModelConfig from a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3; DeepSeek-V2/V3
+    attention when the checkpoint has no mixture of experts)."""
     archs = cfg.get("architectures") or []
+    if any(a in MLA_ARCHS for a in archs) or cfg.get("model_type") in ("deepseek_v2", "deepseek_v3"):
+        from kvbench.runtime.models.deepseek_config import from_hf_deepseek
+
+        return from_hf_deepseek(cfg)
     arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
     if arch is None:
         mt = cfg.get("model_type")
         arch = mt if mt in SUPPORTED_ARCHS.values() else None
     if arch is None:
         raise ValueError(
-            f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
+            f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
+            f"{', '.join([*SUPPORTED_ARCHS, *MLA_ARCHS])}"
         )
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])

@@ -14,7 +14,7 @@ from kvbench.runtime.attention.registry import check_supported, create_backend
 from kvbench.runtime.config import EngineConfig, KVCacheSpec
 from kvbench.runtime.engine_api import CapacityReport
 from kvbench.runtime.kv_cache import PagedKVCache, bytes_per_token, plan_capacity
-from kvbench.runtime.models.loader import LoadedModel, load_model
+from kvbench.runtime.models.loader import LoadedModel, load_model, model_is_mla
 from kvbench.runtime.models.runner import ModelRunner
 from kvbench.runtime.scales import KVScales, checkpoint_scales, unit_scales
 
@@ -67,6 +67,8 @@ def _scales(cfg: EngineConfig, loaded: LoadedModel, rope, device: torch.device) 
         return unit_scales(cfg.kv_dtype, L)
     if cfg.kv_scales == "checkpoint":
         sc = loaded.scales
+        if loaded.config.is_mla:  # one latent scale per layer (k_scale), used as K and V scale
+            return checkpoint_scales({i: (sc.k[i], sc.k[i]) for i in range(L)}, L)
         return checkpoint_scales({i: (sc.k[i], sc.v[i]) for i in range(L)}, L)
     from kvbench.runtime.models.calibration import calibrate_scales
 
@@ -79,7 +81,9 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> 
     """``loaded``: reuse an already loaded model (tests, sweeps over KV formats) instead of loading ``cfg.model``."""
     device = _device(cfg)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    check_supported(cfg.prefill_backend, cfg.decode_backend, cfg.kv_dtype)  # fail before loading weights
+    # fail before loading weights (MLA models run on fewer backends)
+    mla = loaded.config.is_mla if loaded is not None else model_is_mla(cfg.model)
+    check_supported(cfg.prefill_backend, cfg.decode_backend, cfg.kv_dtype, mla)
     if loaded is None:
         loaded = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed)
     elif next(loaded.model.parameters()).device.type != device.type:
@@ -87,7 +91,7 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> 
     m = loaded.config
     max_len = min(cfg.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
     rope = build_rope_cache(m.rope_dim, max(max_len, 1), m.rope_theta, m.rope_scaling, m.rope_style, device)
-    spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, cfg.kv_dtype, cfg.page_size)
+    spec: KVCacheSpec = m.kv_spec(cfg.kv_dtype, cfg.page_size)
     scales = _scales(cfg, loaded, rope, device)
     budget = _kv_budget_bytes(cfg, device, loaded)
     plan = plan_capacity(spec, budget, max(max_len, 1))
@@ -96,12 +100,13 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> 
     max_len = min(max_len, plan.tokens)
     plan = plan_capacity(spec, plan.num_pages * cfg.page_size * plan.bytes_per_token, max_len)
     cache = PagedKVCache(spec, plan.num_pages, device=device)
-    cache.set_scales(scales.k, scales.v)
+    # MLA: one latent plane whose k_scale serves as K and V scale
+    cache.set_scales(scales.k, None if spec.mla else scales.v)
     opts = BackendOptions(
         kv_dtype=cfg.kv_dtype, fused_append=cfg.fused_append, quantize_query=cfg.quantize_query,
         device=str(device), dtype=str(dtype).replace("torch.", ""), max_batch_size=cfg.max_running, extra=dict(cfg.extra),
     )
-    backend = create_backend(cfg.prefill_backend, cfg.decode_backend, opts)
+    backend = create_backend(cfg.prefill_backend, cfg.decode_backend, opts, mla=spec.mla)
     runner = ModelRunner(loaded.model, cache, backend, rope, device)
     if device.type == "cuda" and not cfg.enforce_eager:
         from kvbench.runtime.graphs import DecodeGraphs, graph_safe

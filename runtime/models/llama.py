@@ -114,9 +114,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int):
+    """Pre-norm residual block; ``attn_cls`` builds the attention (``Attention``, or MLA for DeepSeek)."""
+
+    def __init__(self, cfg: ModelConfig, idx: int, attn_cls=None):
         super().__init__()
-        self.self_attn = Attention(cfg, idx)
+        self.self_attn = (attn_cls or Attention)(cfg, idx)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -127,10 +129,10 @@ class DecoderLayer(nn.Module):
 
 
 class _Body(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attn_cls=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attn_cls) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -15,7 +15,7 @@ from kvbench.runtime.models.config import ModelConfig
 from kvbench.runtime.models.hf_loader import CheckpointScales
 from kvbench.runtime.models.llama import LlamaForCausalLM
 
-__all__ = ["LoadedModel", "load_model", "resolve_model", "MODEL_PRESETS"]
+__all__ = ["LoadedModel", "load_model", "resolve_model", "model_is_mla", "model_class", "MODEL_PRESETS"]
 
 log = logging.getLogger("kvbench.runtime")
 
@@ -63,10 +63,46 @@ def _synthetic_names() -> list[str]:
     return list(SYNTHETIC_PRESETS)
 
 
+def model_class(cfg: ModelConfig) -> type:
+    """The implementation of a config: the DeepSeek MLA decoder or the llama family."""
+    if cfg.is_mla:
+        from kvbench.runtime.models.deepseek import DeepseekForCausalLM
+
+        return DeepseekForCausalLM
+    return LlamaForCausalLM
+
+
+def model_is_mla(name: Optional[str]) -> bool:
+    """Whether ``--model`` names an MLA model, read cheaply (no weights) so backends are checked first."""
+    kind, loc = resolve_model(name)
+    if kind == "synthetic":
+        from kvbench.runtime.models.synthetic import parse_synthetic
+
+        return parse_synthetic(loc).is_mla
+    if kind == "hf":
+        import json
+
+        cfg = json.loads((Path(loc) / "config.json").read_text())
+        return cfg.get("model_type") in ("deepseek_v2", "deepseek_v3") or any(
+            a.startswith("Deepseek") for a in cfg.get("architectures") or [])
+    return False
+
+
 def _build(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     return model.to_empty(device=device).to(dtype)
+
+
+def _mla_synthetic_attention(model, cfg: ModelConfig, seed: int) -> None:
+    """Attention weights of a synthetic MLA model from ``make_mla_weights`` (seeded, device-independent)."""
+    from kvbench.runtime.models.deepseek_config import mla_shape_of
+    from kvbench.runtime.models.mla_shapes import make_mla_weights
+
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, w in make_mla_weights(mla_shape_of(cfg), cfg.num_layers, seed=seed).items():
+            own[name].copy_(w)
 
 
 def load_model(name: Optional[str], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
@@ -90,6 +126,8 @@ def load_model(name: Optional[str], device: str | torch.device = "cpu", dtype: t
                 else:
                     fan_in = p.shape[-1]
                     p.normal_(0.0, fan_in**-0.5, generator=g)
+        if cfg.is_mla:
+            _mla_synthetic_attention(model, cfg, seed)
         tok = ByteTokenizer(cfg.vocab_size)
         scales = CheckpointScales(cfg.num_layers)
         model_id = loc
@@ -109,7 +147,7 @@ def load_model(name: Optional[str], device: str | torch.device = "cpu", dtype: t
         from kvbench.runtime.tokenizer import load_tokenizer
 
         cfg, state, scales = load_hf_dir(loc)
-        model = LlamaForCausalLM.from_state(cfg, state, device, dtype)
+        model = model_class(cfg).from_state(cfg, state, device, dtype)
         del state
         tok = load_tokenizer(loc, extra_eos=cfg.eos_token_ids)
         model_id = Path(loc).name

@@ -4,7 +4,9 @@
 
 1. copy bandwidth of the device (read + write bytes of a large tensor copy / time);
 2. decode step (forward + logits) of a model at batch B x context L, eager and with CUDA graphs,
-   against the roofline (weight bytes + KV bytes) / copy bandwidth;
+   against the roofline (weight bytes + KV bytes) / copy bandwidth; MLA models (``--model
+   synthetic:deepseek-v2-lite``) count their latent cache (one ``rank + rope`` plane per layer, scales
+   included) as the KV bytes;
 3. max concurrent sequences without queueing per KV format at a fixed KV budget (measured from the
    scheduler's running count while requests of a fixed length are served);
 4. every KV format x backend pair generates (tokens/s, greedy agreement with bf16 on torch).
@@ -224,7 +226,7 @@ def main() -> None:
                     wb = weight_bytes_read_per_step(e.runner.model)
                     kvb = args.batch * args.ctx * e.cache.bytes_per_token
                     row = {"kv": fmt, "cuda_graphs": e.runner.graphs is not None, "step_ms": t * 1e3,
-                           "weight_GB": wb / 1e9, "kv_GB": kvb / 1e9}
+                           "weight_GB": wb / 1e9, "kv_GB": kvb / 1e9, "mla": e.cache.spec.mla}
                     if "copy_bandwidth_GBs" in res:
                         roof = (wb + kvb) / (res["copy_bandwidth_GBs"] * 1e9)
                         row.update(roofline_ms=roof * 1e3, ratio=t / roof)
@@ -285,13 +287,14 @@ def _free() -> None:
 
 
 def _bpt(model: str, fmt: str) -> float:
-    from kvbench.kernels.formats import get_format
+    """KV bytes per token of a synthetic model (latent plane for MLA), for sizing the decode budget."""
+    from kvbench.runtime.kv_cache import bytes_per_token
     from kvbench.runtime.models.synthetic import parse_synthetic
 
     cfg = parse_synthetic(model) if model and model.startswith("synthetic:") else None
     if cfg is None:
         return 2 * 32 * 8 * 128 * 2.0
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * get_format(fmt).bytes_per_element
+    return bytes_per_token(cfg.kv_spec(fmt, 16))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,15 @@ Name syntax: ``synthetic:<preset>[,key=value...]`` e.g. ``synthetic:llama-3-8b,l
 ModelConfig field; ``layers`` is short for ``num_layers``; ``window=N`` resizes the sliding windows).  The MLP of ``gpt-oss-20b`` is a dense
 SwiGLU of the active-expert width (4 × 2880) standing in for its mixture of experts: the preset is about
 attention (sinks, alternating 128-token sliding window) and the KV cache, not the MoE.
+
+``deepseek-v2-lite`` and ``deepseek-v3`` are MLA models (``runtime/models/deepseek.py``): the attention
+shapes of ``mla_shapes.MLA_SHAPES``, random attention weights from ``make_mla_weights``, and in every layer
+a dense SwiGLU MLP of the width of DeepSeek-V2-Lite's first (dense) layer, 10944 (V3: 18432), standing in
+for the mixture of experts.  At full depth they are large (V2-Lite 2.6e9 parameters, V3 3.7e10 of which
+2.4e10 dense MLP): ``layers=2`` keeps them small, and MLA fields such as
+``kv_lora_rank``, ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``, ``intermediate_size``
+can be overridden too (``kv_lora_rank`` and ``qk_rope_head_dim`` must stay powers of two ≥ 16 for the
+Triton kernels).
 """
 
 from __future__ import annotations
@@ -46,7 +55,20 @@ def _gpt_oss_20b() -> ModelConfig:
     )
 
 
-SYNTHETIC_PRESETS = {"llama-3-8b": _llama3_8b, "qwen3-8b": _qwen3_8b, "gpt-oss-20b": _gpt_oss_20b}
+def _deepseek(name: str, intermediate: int):
+    def build() -> ModelConfig:
+        from kvbench.runtime.models.deepseek_config import mla_config_from_shape
+        from kvbench.runtime.models.mla_shapes import get_mla_shape
+
+        return mla_config_from_shape(get_mla_shape(name), intermediate)
+
+    return build
+
+
+SYNTHETIC_PRESETS = {
+    "llama-3-8b": _llama3_8b, "qwen3-8b": _qwen3_8b, "gpt-oss-20b": _gpt_oss_20b,
+    "deepseek-v2-lite": _deepseek("deepseek-v2-lite", 10944), "deepseek-v3": _deepseek("deepseek-v3", 18432),
+}
 _ALIASES = {"layers": "num_layers", "vocab": "vocab_size", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads"}
 
 
@@ -55,11 +77,6 @@ def parse_synthetic(name: str) -> Optional[ModelConfig]:
     if not name.startswith("synthetic:"):
         return None
     preset, *opts = name[len("synthetic:"):].split(",")
-    if preset in ("deepseek-v2-lite", "deepseek-v3"):
-        raise ValueError(
-            f"synthetic:{preset} is an MLA model; the engine does not run MLA attention yet (its shapes and "
-            "random weights are in runtime/models/mla_shapes.py, its kernels in kernels/mla*.py)"
-        )
     if preset not in SYNTHETIC_PRESETS:
         raise ValueError(f"unknown synthetic model {preset!r}; presets: {', '.join(SYNTHETIC_PRESETS)}")
     cfg = SYNTHETIC_PRESETS[preset]()
@@ -75,10 +92,18 @@ def parse_synthetic(name: str) -> Optional[ModelConfig]:
         if not sep or k not in known or k in ("sliding_windows", "rope_scaling", "eos_token_ids"):
             raise ValueError(f"bad synthetic option {o!r}; use key=value with a ModelConfig field")
         cur = getattr(cfg, k)
+        if k == "q_lora_rank":  # Optional[int]: "none" = a direct q_proj
+            changes[k] = None if v.lower() in ("none", "0", "") else int(v)
+            continue
         changes[k] = type(cur)(v) if cur is not None and not isinstance(cur, bool) else v.lower() in ("1", "true")
     n = changes.get("num_layers", cfg.num_layers)
     wins = [cfg.sliding_windows[i % len(cfg.sliding_windows)] for i in range(n)]
     changes["sliding_windows"] = [w if w is None or window is None else window for w in wins]
+    if cfg.is_mla:
+        if window is not None or any(w is not None for w in changes["sliding_windows"]):
+            raise ValueError("MLA models attend to the full context; window= does not apply")
+        changes.setdefault("head_dim", changes.get("qk_nope_head_dim", cfg.qk_nope_head_dim)
+                           + changes.get("qk_rope_head_dim", cfg.qk_rope_head_dim))
     return dataclasses.replace(cfg, **changes)
 
 
