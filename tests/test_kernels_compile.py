@@ -25,10 +25,20 @@ def _compile(fn, consts, ptrs, floats=(), **opts):
 def compile_decode():
     from kvbench.kernels.decode import _decode_reduce_kernel, _decode_split_kernel
 
-    ptrs = dict(Q="*bf16", KC="*u8", VC="*u8", KBS="*fp8e4nv", VBS="*fp8e4nv", K_SCALE="*fp32", Q_SCALE="*fp32",
-                PT="*i32", SEQ_LENS="*i32", ACC="*fp32", ML="*fp32")
-    c = dict(G=4, G_PAD=16, D=128, DP_PAD=64, NB=8, PAGE=16, BLOCK_N=64, FMT=2, DOT=1, HAS_Q_SCALE=False, PREFETCH=True)
-    _compile(_decode_split_kernel, c, ptrs, ("sm_scale_log2",), num_warps=4)
+    base = dict(Q="*bf16", KBS="*fp8e4nv", VBS="*fp8e4nv", K_SCALE="*fp32", Q_SCALE="*fp32", PT="*i32",
+                SEQ_LENS="*i32", ACC="*fp32", ML="*fp32")
+    # (cache pointer type, head-dim tile, constexprs): nvfp4 as bytes (even/odd halves, hand prefetch), nvfp4
+    # as 16-bit units (quarters), fp8 as 16-bit pairs, fp8 e5m2 bytes with fp32 compute, bf16
+    variants = [
+        ("*u8", 64, dict(FMT=2, DOT=1, PREFETCH=True, SPLIT8=False, E5M2=False, NV4=False)),
+        ("*i16", 32, dict(FMT=2, DOT=1, PREFETCH=False, SPLIT8=False, E5M2=False, NV4=True)),
+        ("*i16", 64, dict(FMT=1, DOT=1, PREFETCH=False, SPLIT8=True, E5M2=False, NV4=False)),
+        ("*fp8e5", 128, dict(FMT=1, DOT=2, PREFETCH=False, SPLIT8=False, E5M2=True, NV4=False)),
+        ("*bf16", 128, dict(FMT=0, DOT=0, PREFETCH=False, SPLIT8=False, E5M2=False, NV4=False)),
+    ]
+    for cache_ty, dp, extra in variants:
+        c = dict(G=4, G_PAD=16, D=128, DP_PAD=dp, NB=8, PAGE=16, BLOCK_N=64, HAS_Q_SCALE=False, **extra)
+        _compile(_decode_split_kernel, c, dict(base, KC=cache_ty, VC=cache_ty), ("sm_scale_log2",), num_warps=4)
     c = dict(G=4, D=128, D_PAD=128, NUM_SPLITS=4, S_PAD=4, FMT=2, HAS_SINKS=True)
     _compile(_decode_reduce_kernel, c, dict(ACC="*fp32", ML="*fp32", OUT="*bf16", V_SCALE="*fp32", SINKS="*fp32"))
 
