@@ -269,14 +269,12 @@ def paged_decode(
     ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
     dot = cache_dot_code(kv_format, odt if is_fp8_q else q.dtype)
-    split8 = fmt == 1 and dot == 1 and bool(units16 if units16 is not None else True)
-    nv4 = fmt == 2 and dot == 1 and bool(units16 if units16 is not None else True)
+    units = fmt != 0 and dot == 1 and units16 is not False and d % 2 == 0
+    split8, nv4 = units and fmt == 1, units and fmt == 2
     dp = d // 4 if nv4 else d // 2 if fmt == 2 or split8 else d
     kdata, vdata = kc.data, vc.data
     kss, khs, vss, vhs = kc.slot_stride, kc.head_stride, vc.slot_stride, vc.head_stride
-    if split8 or nv4:
-        if d % 2:
-            raise ValueError(f"head_dim must be even, got {d}")
+    if units:  # the same bytes seen as int16; strides in 16-bit units
         kdata, vdata = kdata.view(torch.int16), vdata.view(torch.int16)
         kss, khs, vss, vhs = kss // 2, khs // 2, vss // 2, vhs // 2
     _decode_split_kernel[(bsz, hk, num_splits)](

@@ -20,7 +20,7 @@ from torch import nn
 from kvbench.runtime.attention.base import AttentionMetadata
 from kvbench.runtime.attention.mla_base import MLAAttentionLayer
 from kvbench.runtime.models.config import ModelConfig
-from kvbench.runtime.models.llama import LlamaForCausalLM, RMSNorm, _Body
+from kvbench.runtime.models.llama import LlamaForCausalLM, RMSNorm
 
 __all__ = ["DeepseekForCausalLM", "MLAAttention"]
 
@@ -68,18 +68,12 @@ class MLAAttention(nn.Module):
 class DeepseekForCausalLM(LlamaForCausalLM):
     """Same interface as ``LlamaForCausalLM`` (forward, logits, bind, from_state, load_weights)."""
 
+    attention_cls = MLAAttention
+
     def __init__(self, cfg: ModelConfig):
         if not cfg.is_mla:
             raise ValueError("DeepseekForCausalLM needs an MLA config (kv_lora_rank > 0)")
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = _Body(cfg, MLAAttention)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    @property
-    def attention_layers(self) -> list[MLAAttentionLayer]:
-        return [layer.self_attn.spec for layer in self.model.layers]
+        super().__init__(cfg)
 
     def bind(self) -> None:
         for layer in self.model.layers:

@@ -137,10 +137,12 @@ class _Body(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    attention_cls = Attention  # the per-layer attention module (DeepSeek's MLA subclass swaps it)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = _Body(cfg)
+        self.model = _Body(cfg, self.attention_cls)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
