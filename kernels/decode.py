@@ -5,7 +5,8 @@ one ``tl.dot``; K/V tiles are gathered from the pages through the page table and
 registers.  fp8: ``k_scale`` is folded into the softmax scale and ``v_scale`` into the final reduce;
 nvfp4: the packed bytes are split into even / odd elements (the query is split the same way), the e2m1
 codes become float16 bit patterns and are multiplied by their e4m3 block scale.  A second small kernel
-merges the splits, adds the attention-sink logit to the denominator and applies ``v_scale``.
+merges the splits, adds the attention-sink logit to the denominator and applies ``v_scale``; with a
+single split the first kernel does that itself and the second is not launched.
 The split count is a launch constant and every split bound is computed on the device from
 ``seq_lens``, so one launch configuration serves any lengths (CUDA-graph friendly).
 """
@@ -30,15 +31,18 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(
-    Q, KC, VC, KBS, VBS, K_SCALE, Q_SCALE, PT, SEQ_LENS, ACC, ML,
+    Q, KC, VC, KBS, VBS, K_SCALE, Q_SCALE, PT, SEQ_LENS, ACC, ML, OUT, V_SCALE, SINKS,
     sm_scale_log2,
     sq_b, sq_h, skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h, spt_b,
-    sacc_b, sacc_h, sacc_s, sml_b, sml_h, sml_s,
+    sacc_b, sacc_h, sacc_s, sml_b, sml_h, sml_s, so_b, so_h,
     window, num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DP_PAD: tl.constexpr, NB: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
     PREFETCH: tl.constexpr, SPLIT8: tl.constexpr = False, E5M2: tl.constexpr = False, NV4: tl.constexpr = False,
+    DIRECT: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):
+    # DIRECT (one split): the program finishes the softmax itself (sinks, v_scale) and writes OUT, and no
+    # reduce kernel runs; otherwise it writes its unnormalised partial sums to ACC / ML.
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -153,21 +157,45 @@ def _decode_split_kernel(
         if PREFETCH:
             kx, kb, vx, vb, tmask = kx_n, kb_n, vx_n, vb_n, tmask_n
 
-    ml = ML + b.to(tl.int64) * sml_b + heads * sml_h + split * sml_s
-    tl.store(ml, m_i, mask=gmask)
-    tl.store(ml + 1, l_i, mask=gmask)
-    arow = ACC + b.to(tl.int64) * sacc_b + heads[:, None] * sacc_h + split * sacc_s
     om = gmask[:, None] & imask[None, :]
-    if NV4:
-        tl.store(arow + 4 * i[None, :], acc_0, mask=om)
-        tl.store(arow + 4 * i[None, :] + 1, acc_1, mask=om)
-        tl.store(arow + 4 * i[None, :] + 2, acc_2, mask=om)
-        tl.store(arow + 4 * i[None, :] + 3, acc_3, mask=om)
-    elif FMT == 2 or SPLIT8:
-        tl.store(arow + 2 * i[None, :], acc_e, mask=om)
-        tl.store(arow + 2 * i[None, :] + 1, acc_o, mask=om)
+    if DIRECT:
+        mx = m_i
+        den = l_i * 0.0
+        if HAS_SINKS:
+            sink = tl.load(SINKS + heads, mask=gmask, other=0.0).to(tl.float32) * 1.4426950408889634
+            mx = tl.maximum(mx, sink)
+            den = tl.math.exp2(sink - mx)
+        w = tl.math.exp2(m_i - mx)
+        den += l_i * w
+        f = tl.where(den > 0, w / den, 0.0)
+        if FMT != 0:
+            f = f * tl.load(V_SCALE + hk)
+        orow = OUT + b.to(tl.int64) * so_b + heads[:, None] * so_h
+        if NV4:
+            tl.store(orow + 4 * i[None, :], (acc_0 * f[:, None]).to(OUT.dtype.element_ty), mask=om)
+            tl.store(orow + 4 * i[None, :] + 1, (acc_1 * f[:, None]).to(OUT.dtype.element_ty), mask=om)
+            tl.store(orow + 4 * i[None, :] + 2, (acc_2 * f[:, None]).to(OUT.dtype.element_ty), mask=om)
+            tl.store(orow + 4 * i[None, :] + 3, (acc_3 * f[:, None]).to(OUT.dtype.element_ty), mask=om)
+        elif FMT == 2 or SPLIT8:
+            tl.store(orow + 2 * i[None, :], (acc_e * f[:, None]).to(OUT.dtype.element_ty), mask=om)
+            tl.store(orow + 2 * i[None, :] + 1, (acc_o * f[:, None]).to(OUT.dtype.element_ty), mask=om)
+        else:
+            tl.store(orow + i[None, :], (acc * f[:, None]).to(OUT.dtype.element_ty), mask=om)
     else:
-        tl.store(arow + i[None, :], acc, mask=om)
+        ml = ML + b.to(tl.int64) * sml_b + heads * sml_h + split * sml_s
+        tl.store(ml, m_i, mask=gmask)
+        tl.store(ml + 1, l_i, mask=gmask)
+        arow = ACC + b.to(tl.int64) * sacc_b + heads[:, None] * sacc_h + split * sacc_s
+        if NV4:
+            tl.store(arow + 4 * i[None, :], acc_0, mask=om)
+            tl.store(arow + 4 * i[None, :] + 1, acc_1, mask=om)
+            tl.store(arow + 4 * i[None, :] + 2, acc_2, mask=om)
+            tl.store(arow + 4 * i[None, :] + 3, acc_3, mask=om)
+        elif FMT == 2 or SPLIT8:
+            tl.store(arow + 2 * i[None, :], acc_e, mask=om)
+            tl.store(arow + 2 * i[None, :] + 1, acc_o, mask=om)
+        else:
+            tl.store(arow + i[None, :], acc, mask=om)
 
 
 @triton.jit
@@ -224,14 +252,15 @@ def paged_decode(
     sm_scale: Optional[float] = None, sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
     q_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
     block_n: Optional[int] = None, num_warps: Optional[int] = None, num_stages: int = 2, out_dtype: Optional[torch.dtype] = None,
-    prefetch: Optional[bool] = None, units16: Optional[bool] = None,
+    prefetch: Optional[bool] = None, units16: Optional[bool] = None, split_reduce: bool = False,
 ) -> torch.Tensor:
     """Decode attention: ``q`` ``[B, H_q, D]`` (bf16/fp16/fp32, or float8_e4m3fn with ``q_scale``) over
     each sequence's ``seq_lens[b]`` cached tokens (including the one just appended) → ``[B, H_q, D]``.
     ``block_n``, ``num_splits``, ``num_warps`` and ``prefetch`` (load the next tile before computing this one)
     default per format (``_DEFAULTS``).  ``units16`` (default on for fp8 and nvfp4 caches with a float16 dot):
     read the tiles as 16-bit units and split them into interleaved element tiles (fp8: even / odd,
-    ``_triton_utils.fp8_pairs_split``; nvfp4: four quarters, ``nvfp4_units_split``)."""
+    ``_triton_utils.fp8_pairs_split``; nvfp4: four quarters, ``nvfp4_units_split``).  With one split the
+    split kernel writes the output itself; ``split_reduce=True`` keeps the separate reduce kernel."""
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [B, H_q, D] with a contiguous last dim, got {tuple(q.shape)}")
     bsz, hq, d = q.shape
@@ -265,8 +294,12 @@ def paged_decode(
                                         def_pps)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    acc = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
+    direct = num_splits == 1 and not split_reduce
+    if direct:  # the split kernel writes out; the partial buffers are never touched
+        acc = ml = out
+    else:
+        acc = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
     dot = cache_dot_code(kv_format, odt if is_fp8_q else q.dtype)
     units = fmt != 0 and dot == 1 and units16 is not False and d % 2 == 0
@@ -279,15 +312,18 @@ def paged_decode(
         kss, khs, vss, vhs = kss // 2, khs // 2, vss // 2, vhs // 2
     _decode_split_kernel[(bsz, hk, num_splits)](
         q, kdata, vdata, kc.bs_ptr, vc.bs_ptr, kc.scale, q_scale if q_scale is not None else kc.scale,
-        page_table, seq_lens, acc, ml, scale,
+        page_table, seq_lens, acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale, scale,
         q.stride(0), q.stride(1), kss, khs, vss, vhs,
         kc.bs_slot_stride, kc.bs_head_stride, vc.bs_slot_stride, vc.bs_head_stride, page_table.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
-        int(sliding_window or 0), num_splits,
+        out.stride(0), out.stride(1), int(sliding_window or 0), num_splits,
         G=g, G_PAD=max(16, next_pow2(g)), D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size, BLOCK_N=block_n,
         FMT=fmt, DOT=dot, HAS_Q_SCALE=q_scale is not None, PREFETCH=bool(prefetch), SPLIT8=split8,
-        E5M2=get_format(kv_format).name == "fp8_e5m2", NV4=nv4, num_warps=num_warps, num_stages=num_stages,
+        E5M2=get_format(kv_format).name == "fp8_e5m2", NV4=nv4, DIRECT=direct, HAS_SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
+    if direct:
+        return out
     _decode_reduce_kernel[(bsz, hq)](
         acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale,
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2), out.stride(0), out.stride(1),

@@ -5,9 +5,10 @@
    every cache format: fused append bit-exact against kernels/formats.py on the latent part (the RoPE
    part computed in float32 may differ from float64 RoPE by an ulp, so a tiny fraction of its codes may
    sit one step away) and identical to the unfused path; decode and prefill/extend of ragged batches
-   (contexts to 32k) against the non-absorbed float64 reference (‖out−ref‖/‖ref‖, outputs poisoned).
-3. Benchmarks: a small tile sweep at batch 64 × 8192, decode µs and GB/s at batch 1–128 × 1k–32k,
-   fused vs unfused append.  Prints Markdown tables; with ``--out`` writes ``mla_check.json`` and
+   (contexts to 32k) against the non-absorbed float64 reference (‖out−ref‖/‖ref‖, outputs poisoned);
+   decode also at 16 heads, and with the latent read both as 16-bit units and in its stored type.
+3. Benchmarks at ``--heads`` (default 16 and 128): a launch-configuration sweep at batch 64 × 8192,
+   decode µs and GB/s at batch 1–128 × 1k–32k with ``mla_decode``'s defaults, fused vs unfused append.  Prints Markdown tables; with ``--out`` writes ``mla_check.json`` and
    ``mla_check.md`` there.
 """
 
@@ -75,9 +76,9 @@ def _fill(cache, pt, lens, gen, dev):
                 cache.block_scale.view(-1, (RANK + ROPE) // 16)[slots] = q.block_scale
 
 
-def _weights(gen, dev):
-    w_uk = (torch.randn(H, NOPE, RANK, generator=gen) / math.sqrt(RANK)).to(dev)
-    w_uv = (torch.randn(H, VD, RANK, generator=gen) / math.sqrt(RANK)).to(dev)
+def _weights(gen, dev, heads=H):
+    w_uk = (torch.randn(heads, NOPE, RANK, generator=gen) / math.sqrt(RANK)).to(dev)
+    w_uv = (torch.randn(heads, VD, RANK, generator=gen) / math.sqrt(RANK)).to(dev)
     return w_uk, w_uv
 
 
@@ -128,18 +129,18 @@ def check_append(kv_dtype, dev, gen) -> dict:
     return res
 
 
-def check_decode(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768)) -> dict:
+def check_decode(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads=H, **launch) -> dict:
     lens = list(lens)
     cache, pt = _cache_for(kv_dtype, lens, gen, dev)
     _fill(cache, pt, lens, gen, dev)
-    w_uk, w_uv = _weights(gen, dev)
+    w_uk, w_uv = _weights(gen, dev, heads)
     b = len(lens)
-    qn = torch.randn(b, H, NOPE, generator=gen).to(dev)
-    qp = torch.randn(b, H, ROPE, generator=gen).to(dev)
+    qn = torch.randn(b, heads, NOPE, generator=gen).to(dev)
+    qp = torch.randn(b, heads, ROPE, generator=gen).to(dev)
     sl = torch.tensor(lens, dtype=torch.int32, device=dev)
     ql = absorb_query(qn, w_uk).bfloat16()
-    out = torch.full((b, H, RANK), float("nan"), dtype=torch.bfloat16, device=dev)
-    o = mla_decode(ql, qp.bfloat16(), cache, pt, sl, SM, out=out)
+    out = torch.full((b, heads, RANK), float("nan"), dtype=torch.bfloat16, device=dev)
+    o = mla_decode(ql, qp.bfloat16(), cache, pt, sl, SM, out=out, **launch)
     ref = ref_decode(qn, qp.bfloat16().double(), cache, pt, sl, w_uk, w_uv, SM)
     err = _rel(unabsorb_output(o.double(), w_uv.double()), ref)
     return {"rel_err": err, "pass": bool(err < 2e-2)}
@@ -166,7 +167,7 @@ def check_prefill(kv_dtype, dev, gen, prefix=(0, 1000, 5000, 16), new=(300, 64, 
     return {"rel_err": err, "pass": bool(err < 2e-2)}
 
 
-def _decode_setup(kv_dtype, batch, ctx, dev, gen):
+def _decode_setup(kv_dtype, batch, ctx, dev, gen, heads=H):
     lens = [ctx] * batch
     cache, pt = _cache_for(kv_dtype, lens, gen, dev)
     fmt = get_format(kv_dtype)
@@ -176,44 +177,52 @@ def _decode_setup(kv_dtype, batch, ctx, dev, gen):
     cache.data.view(-1, cache.layout.packed_dim).copy_(rows.data[idx])
     if rows.block_scale is not None:
         cache.block_scale.view(-1, (RANK + ROPE) // 16).copy_(rows.block_scale[idx])
-    ql = torch.randn(batch, H, RANK, device=dev, dtype=torch.bfloat16)
-    qp = torch.randn(batch, H, ROPE, device=dev, dtype=torch.bfloat16)
+    ql = torch.randn(batch, heads, RANK, device=dev, dtype=torch.bfloat16)
+    qp = torch.randn(batch, heads, ROPE, device=dev, dtype=torch.bfloat16)
     sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     bytes_read = batch * ctx * (RANK + ROPE) * fmt.bytes_per_element
     return cache, pt, ql, qp, sl, bytes_read
 
 
-DECODE_CONFIGS = [  # (block_h, block_n, num_warps, num_stages)
-    (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 4, 3), (32, 32, 4, 2), (32, 64, 4, 2), (16, 64, 4, 2),
-]
+DECODE_CONFIGS = {  # heads regime -> (block_h, block_n, num_warps, num_stages, num_splits or None = default)
+    "many": [(64, 32, 4, 2, None), (64, 32, 8, 2, None), (64, 64, 8, 2, None), (64, 16, 4, 3, None),
+             (32, 32, 4, 2, None), (32, 64, 4, 2, None), (16, 64, 4, 2, None)],
+    "few": [(16, 32, 4, 2, None), (16, 32, 8, 2, None), (16, 64, 4, 2, None), (16, 64, 8, 2, None),
+            (16, 64, 8, 3, None), (16, 128, 8, 2, None), (16, 64, 8, 2, 8), (16, 64, 8, 2, 16)],
+}
 
 
-def tune_decode(kv_dtype, dev, gen, batch=64, ctx=8192) -> tuple[dict, list]:
-    cache, pt, ql, qp, sl, nbytes = _decode_setup(kv_dtype, batch, ctx, dev, gen)
+def tune_decode(kv_dtype, dev, gen, batch=64, ctx=8192, heads=H) -> tuple[dict, list]:
+    cache, pt, ql, qp, sl, nbytes = _decode_setup(kv_dtype, batch, ctx, dev, gen, heads)
     rows, best = [], None
-    for bh, bn, nw, ns in DECODE_CONFIGS:
-        kw = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, max_seq_len=ctx)
+    configs = [dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, **({"num_splits": sp} if sp else {}))
+               for bh, bn, nw, ns, sp in DECODE_CONFIGS["many" if heads > 32 else "few"]]
+    configs = [{}] + configs  # {} = mla_decode's own defaults for this format and head count
+    if kv_dtype != "bf16":
+        configs += [dict(c, units16=u) for c in configs for u in (True, False)]
+    for cfg in configs:
+        kw = dict(cfg, max_seq_len=ctx)
         try:
             us = _bench(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw))
         except Exception as e:  # out of shared memory / registers for this tile: record and go on
             rows.append({"config": kw, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
-        rows.append({"config": kw, "us": us, "GBps": nbytes / (us * 1e-6) / 1e9})
+        rows.append({"config": kw, "heads": heads, "us": us, "GBps": nbytes / (us * 1e-6) / 1e9})
         if best is None or us < best[1]:
             best = (kw, us)
     del cache
     return (best[0] if best else dict(max_seq_len=ctx)), rows
 
 
-def bench_decode(kv_dtype, cfg, dev, gen, batches, ctxs) -> list:
+def bench_decode(kv_dtype, cfg, dev, gen, batches, ctxs, heads=H) -> list:
     out = []
     for b in batches:
         for ctx in ctxs:
-            cache, pt, ql, qp, sl, nbytes = _decode_setup(kv_dtype, b, ctx, dev, gen)
+            cache, pt, ql, qp, sl, nbytes = _decode_setup(kv_dtype, b, ctx, dev, gen, heads)
             kw = dict(cfg, max_seq_len=ctx)
             us = _bench(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw), ms=100)
-            flops = 2 * b * H * ctx * (2 * RANK + ROPE)
-            out.append({"format": kv_dtype, "batch": b, "ctx": ctx, "us": us, "GBps": nbytes / (us * 1e-6) / 1e9,
+            flops = 2 * b * heads * ctx * (2 * RANK + ROPE)
+            out.append({"format": kv_dtype, "heads": heads, "batch": b, "ctx": ctx, "us": us, "GBps": nbytes / (us * 1e-6) / 1e9,
                         "TFLOPs": flops / (us * 1e-6) / 1e12})
             del cache
     return out
@@ -240,7 +249,7 @@ def _md(report: dict) -> str:
     L = [f"Device: {report['device']}; torch {report['torch']}, triton {report['triton']}; {report['date']}.",
          f"Copy bandwidth (read + write): {report['copy_GBps']:.0f} GB/s.", "",
          "| check | " + " | ".join(FORMATS) + " |", "|---|" + "---|" * len(FORMATS)]
-    for name in ("append", "decode", "prefill"):
+    for name in ("append", "decode", "decode H=16", "decode H=16 bytes", "decode H=128 units", "prefill"):
         cells = []
         for f in FORMATS:
             r = report["checks"].get(f, {}).get(name, {})
@@ -251,11 +260,22 @@ def _md(report: dict) -> str:
             else:
                 cells.append(("pass" if r.get("pass") else "FAIL") + (f" (rope bytes off {r['rope_bytes_differing']:.1e})" if r else ""))
         L.append(f"| {name} | " + " | ".join(cells) + " |")
-    L += ["", "Decode (absorbed, bf16 q, H=128, latent 512+64, page 64); GB/s = cache bytes read / time, % of copy bandwidth:", "",
-          "| format | batch | context | µs | GB/s | % copy | TFLOP/s |", "|---|---|---|---|---|---|---|"]
+    L += ["", "Decode (absorbed, bf16 q, latent 512+64, page 64, mla_decode's defaults); GB/s = cache bytes read / time, "
+          "% of copy bandwidth:", "",
+          "| format | heads | batch | context | µs | GB/s | % copy | TFLOP/s |", "|---|---|---|---|---|---|---|---|"]
     for r in report["decode"]:
-        L.append(f"| {r['format']} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {r['GBps']:.0f} | "
+        L.append(f"| {r['format']} | {r['heads']} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {r['GBps']:.0f} | "
                  f"{100 * r['GBps'] / report['copy_GBps']:.0f}% | {r['TFLOPs']:.0f} |")
+    if report["tuning"]:
+        L += ["", "Launch-configuration sweep at batch 64 x 8192 ({} = the defaults):", "",
+              "| format | config | µs | GB/s | % copy |", "|---|---|---|---|---|"]
+        for name, rows in report["tuning"].items():
+            for r in rows:
+                cfg = {k: v for k, v in r.get("config", {}).items() if k != "max_seq_len"}
+                if "us" in r:
+                    L.append(f"| {name} | {cfg} | {r['us']:.1f} | {r['GBps']:.0f} | {100 * r['GBps'] / report['copy_GBps']:.0f}% |")
+                else:
+                    L.append(f"| {name} | {cfg} | {r.get('error', 'error')[:60]} | | |")
     L += ["", "Append (H=128 q_pe heads): fused Triton vs unfused torch (RoPE, formats.quantize, indexed store):", "",
           "| format | tokens | fused µs | unfused µs | fused / unfused |", "|---|---|---|---|---|"]
     for r in report["append"]:
@@ -276,6 +296,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="directory for mla_check.json and mla_check.md")
     ap.add_argument("--quick", action="store_true", help="smaller benchmark grid")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--heads", default="16,128", help="query head counts for the decode benchmark (comma list): "
+                    "16 = DeepSeek-V2-Lite, or V3 at tensor-parallel 8; 128 = V3 on one GPU")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep at 64 x 8192")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("mla_check needs a CUDA device", file=sys.stderr)
@@ -292,6 +315,9 @@ def main(argv=None) -> int:
     if not args.skip_checks:
         for f in FORMATS:
             r = {"append": _guard(check_append, f, dev, gen), "decode": _guard(check_decode, f, dev, gen),
+                 "decode H=16": _guard(check_decode, f, dev, gen, heads=16),
+                 "decode H=16 bytes": _guard(check_decode, f, dev, gen, heads=16, units16=False),
+                 "decode H=128 units": _guard(check_decode, f, dev, gen, units16=True),
                  "prefill": _guard(check_prefill, f, dev, gen)}
             report["checks"][f] = r
             ok &= all(x.get("pass") for x in r.values())
@@ -299,15 +325,19 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     batches = (1, 64, 128) if args.quick else (1, 8, 32, 64, 128)
     ctxs = (1024, 8192, 32768) if args.quick else (1024, 4096, 8192, 32768)
+    heads = [int(x) for x in args.heads.split(",") if x]
     for f in ("bf16", "fp8_e4m3", "nvfp4"):
-        tuned = _guard(tune_decode, f, dev, gen)
-        best, rows = tuned if isinstance(tuned, tuple) else ({}, [tuned])
-        report["tuning"][f] = rows
-        print("tuning", f, json.dumps(rows), flush=True)
-        res = _guard(bench_decode, f, {k: v for k, v in best.items() if k != "max_seq_len"}, dev, gen, batches, ctxs)
-        if isinstance(res, list):
-            report["decode"] += res
-        torch.cuda.empty_cache()
+        for nh in heads:
+            if not args.no_sweep:
+                tuned = _guard(tune_decode, f, dev, gen, heads=nh)
+                rows = tuned[1] if isinstance(tuned, tuple) else [tuned]
+                report["tuning"][f"{f} H={nh}"] = rows
+                print("tuning", f, nh, json.dumps(rows), flush=True)
+            # the table uses mla_decode's defaults (what the runtime runs); the sweep shows the alternatives
+            res = _guard(bench_decode, f, {}, dev, gen, batches, ctxs, heads=nh)
+            if isinstance(res, list):
+                report["decode"] += res
+            torch.cuda.empty_cache()
         res = _guard(bench_append, f, dev, gen)
         if isinstance(res, list):
             report["append"] += res

@@ -15,18 +15,49 @@ import triton
 import triton.language as tl
 
 from kvbench.kernels.mla import LatentCache
+from kvbench.kernels._triton_utils import fp8_pairs_split, nvfp4_units_split
 from kvbench.kernels.mla_common import check_cache, check_paging, load_latent_tile, tl_dtype
+
+
+@triton.jit
+def _units(KV, slot, nm, col0, W: tl.constexpr, PDU: tl.constexpr):
+    """int16 units ``[N, W]`` of the latent rows ``slot``, from unit ``col0`` (``PDU`` units per row)."""
+    j = tl.arange(0, W)
+    return tl.load(KV + slot[:, None] * PDU + col0 + j[None, :], mask=nm[:, None], other=0)
+
+
+@triton.jit
+def _scales(BS, slot, nm, col0, W: tl.constexpr, stride_bs):
+    """e4m3 block scales ``[N, W]`` of rows ``slot`` from block ``col0``.  A 576-wide row has 36 scales, so
+    rows are only 4-byte aligned; Triton 3.6 carries the first row's alignment over to the others of a
+    broadcast row offset and vectorizes the loads (8 bytes, a misaligned-address fault on the H200, seen
+    with compute-sanitizer).  Selecting the offsets against 0 leaves the compiler no contiguity to
+    vectorize on; these are 1/8 of the bytes of the tile."""
+    j = tl.arange(0, W)
+    m = nm[:, None] & (j[None, :] < W)
+    offs = tl.where(m, slot[:, None] * stride_bs + col0 + j[None, :], 0)
+    return tl.load(BS + offs, mask=m, other=0.0)
+
+
+@triton.jit
+def _q_part(row, k: tl.constexpr, STEP: tl.constexpr, W: tl.constexpr, hm, DT: tl.constexpr):
+    """Elements ``STEP·j + k`` (j < W) of the query rows (pointers ``row``)."""
+    j = tl.arange(0, W)
+    return tl.load(row[:, None] + STEP * j[None, :] + k, mask=hm[:, None], other=0.0).to(DT)
 
 
 @triton.jit
 def _mla_decode_split(
     QL, QP, KV, BS, KSCALE, QSCALE, PT, SL, MO, ML,
     sm_scale_log2,
-    stride_lb, stride_lh, stride_pb, stride_ph, stride_pt, stride_mb, stride_mh, stride_ms,
+    stride_lb, stride_lh, stride_pb, stride_ph, stride_pt, stride_mb, stride_mh, stride_ms, stride_bs,
     H, num_splits,
     PAGE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FMT: tl.constexpr, DT: tl.constexpr, Q_FP8: tl.constexpr,
+    FMT: tl.constexpr, DT: tl.constexpr, Q_FP8: tl.constexpr, UNITS: tl.constexpr = 0, E5M2: tl.constexpr = False,
 ):
+    """``UNITS`` 0: tiles in their stored type; 1: fp8 read as int16 pairs, split into even / odd element
+    tiles; 2: nvfp4 read as int16 units of four codes, split into four interleaved quarters.  The query
+    and the accumulator are split the same way, so the output stays in element order."""
     b = tl.program_id(0).to(tl.int64)
     hg = tl.program_id(1)
     sp = tl.program_id(2)
@@ -37,32 +68,96 @@ def _mla_decode_split(
     h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < H
     dr = tl.arange(0, RANK)
-    dp = tl.arange(0, ROPE)
-    ql = tl.load(QL + b * stride_lb + h[:, None] * stride_lh + dr[None, :], mask=hm[:, None], other=0.0).to(DT)
-    qp = tl.load(QP + b * stride_pb + h[:, None] * stride_ph + dp[None, :], mask=hm[:, None], other=0.0).to(DT)
+    lrow = QL + b * stride_lb + h * stride_lh
+    prow = QP + b * stride_pb + h * stride_ph
     scale = sm_scale_log2 * tl.load(KSCALE)
     if Q_FP8:
         scale = scale * tl.load(QSCALE)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, RANK], tl.float32)
+    PDU: tl.constexpr = (RANK + ROPE) // 2 if UNITS == 1 else (RANK + ROPE) // 4
+    if UNITS == 1:
+        RH: tl.constexpr = RANK // 2
+        PH: tl.constexpr = ROPE // 2
+        ql_0 = _q_part(lrow, 0, 2, RH, hm, DT)
+        ql_1 = _q_part(lrow, 1, 2, RH, hm, DT)
+        qp_0 = _q_part(prow, 0, 2, PH, hm, DT)
+        qp_1 = _q_part(prow, 1, 2, PH, hm, DT)
+        acc_0 = tl.zeros([BLOCK_H, RH], tl.float32)
+        acc_1 = tl.zeros([BLOCK_H, RH], tl.float32)
+    elif UNITS == 2:
+        RQ: tl.constexpr = RANK // 4
+        PQ: tl.constexpr = ROPE // 4
+        ql_0 = _q_part(lrow, 0, 4, RQ, hm, DT)
+        ql_1 = _q_part(lrow, 1, 4, RQ, hm, DT)
+        ql_2 = _q_part(lrow, 2, 4, RQ, hm, DT)
+        ql_3 = _q_part(lrow, 3, 4, RQ, hm, DT)
+        qp_0 = _q_part(prow, 0, 4, PQ, hm, DT)
+        qp_1 = _q_part(prow, 1, 4, PQ, hm, DT)
+        qp_2 = _q_part(prow, 2, 4, PQ, hm, DT)
+        qp_3 = _q_part(prow, 3, 4, PQ, hm, DT)
+        acc_0 = tl.zeros([BLOCK_H, RQ], tl.float32)
+        acc_1 = tl.zeros([BLOCK_H, RQ], tl.float32)
+        acc_2 = tl.zeros([BLOCK_H, RQ], tl.float32)
+        acc_3 = tl.zeros([BLOCK_H, RQ], tl.float32)
+    else:
+        ql = _q_part(lrow, 0, 1, RANK, hm, DT)
+        qp = _q_part(prow, 0, 1, ROPE, hm, DT)
+        acc = tl.zeros([BLOCK_H, RANK], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nm = pos < end
         page = tl.load(PT + b * stride_pt + pos // PAGE, mask=nm, other=0).to(tl.int64)
         slot = page * PAGE + pos % PAGE
-        c, kpe = load_latent_tile(KV, BS, slot, nm, RANK, ROPE, FMT, DT)
-        s = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(kpe))
+        if UNITS == 1:
+            c_0, c_1 = fp8_pairs_split(_units(KV, slot, nm, 0, RH, PDU), E5M2)
+            k_0, k_1 = fp8_pairs_split(_units(KV, slot, nm, RH, PH, PDU), E5M2)
+            s = (tl.dot(ql_0, tl.trans(c_0)) + tl.dot(ql_1, tl.trans(c_1)) + tl.dot(qp_0, tl.trans(k_0))
+                 + tl.dot(qp_1, tl.trans(k_1)))
+        elif UNITS == 2:
+            c_0, c_1, c_2, c_3 = nvfp4_units_split(_units(KV, slot, nm, 0, RQ, PDU),
+                                                   _scales(BS, slot, nm, 0, RANK // 16, stride_bs), RANK // 16)
+            k_0, k_1, k_2, k_3 = nvfp4_units_split(_units(KV, slot, nm, RQ, PQ, PDU),
+                                                   _scales(BS, slot, nm, RANK // 16, ROPE // 16, stride_bs), ROPE // 16)
+            s = (tl.dot(ql_0, tl.trans(c_0)) + tl.dot(ql_1, tl.trans(c_1)) + tl.dot(ql_2, tl.trans(c_2))
+                 + tl.dot(ql_3, tl.trans(c_3)) + tl.dot(qp_0, tl.trans(k_0)) + tl.dot(qp_1, tl.trans(k_1))
+                 + tl.dot(qp_2, tl.trans(k_2)) + tl.dot(qp_3, tl.trans(k_3)))
+        else:
+            c, kpe = load_latent_tile(KV, BS, slot, nm, RANK, ROPE, FMT, DT)
+            s = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(kpe))
         s = tl.where(nm[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DT), c)
+        pd = p.to(DT)
+        if UNITS == 1:
+            acc_0 = acc_0 * alpha[:, None] + tl.dot(pd, c_0)
+            acc_1 = acc_1 * alpha[:, None] + tl.dot(pd, c_1)
+        elif UNITS == 2:
+            acc_0 = acc_0 * alpha[:, None] + tl.dot(pd, c_0)
+            acc_1 = acc_1 * alpha[:, None] + tl.dot(pd, c_1)
+            acc_2 = acc_2 * alpha[:, None] + tl.dot(pd, c_2)
+            acc_3 = acc_3 * alpha[:, None] + tl.dot(pd, c_3)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pd, c)
         m = m_new
     base = b * stride_mb + h * stride_mh + sp * stride_ms
     if start < end:
-        tl.store(MO + base[:, None] + dr[None, :], acc / l[:, None], mask=hm[:, None])
+        inv = 1.0 / l
+        orow = MO + base
+        if UNITS == 1:
+            j2 = tl.arange(0, RH)
+            tl.store(orow[:, None] + 2 * j2[None, :], acc_0 * inv[:, None], mask=hm[:, None])
+            tl.store(orow[:, None] + 2 * j2[None, :] + 1, acc_1 * inv[:, None], mask=hm[:, None])
+        elif UNITS == 2:
+            j4 = tl.arange(0, RQ)
+            tl.store(orow[:, None] + 4 * j4[None, :], acc_0 * inv[:, None], mask=hm[:, None])
+            tl.store(orow[:, None] + 4 * j4[None, :] + 1, acc_1 * inv[:, None], mask=hm[:, None])
+            tl.store(orow[:, None] + 4 * j4[None, :] + 2, acc_2 * inv[:, None], mask=hm[:, None])
+            tl.store(orow[:, None] + 4 * j4[None, :] + 3, acc_3 * inv[:, None], mask=hm[:, None])
+        else:
+            tl.store(orow[:, None] + dr[None, :], acc * inv[:, None], mask=hm[:, None])
         tl.store(ML + b * (H * num_splits) + h * num_splits + sp, m + tl.log2(l), mask=hm)
     else:
         tl.store(ML + b * (H * num_splits) + h * num_splits + sp, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=hm)
@@ -92,21 +187,38 @@ def _mla_decode_merge(
     tl.store(OUT + b * stride_ob + h * stride_oh + dr, out.to(OUT.dtype.element_ty))
 
 
-def default_num_splits(batch: int, head_groups: int, max_len: int, block_n: int, num_sms: int) -> int:
-    """Enough programs to fill the device twice over, never splits shorter than a few tiles."""
-    want = max(1, (2 * num_sms + batch * head_groups - 1) // (batch * head_groups))
+def default_num_splits(batch: int, head_groups: int, max_len: int, block_n: int, num_sms: int, per_sm: int = 3) -> int:
+    """About ``per_sm`` programs per SM (never more), never splits shorter than four tiles."""
+    want = max(1, (per_sm * num_sms) // (batch * head_groups))
     most = max(1, max_len // (4 * block_n))
     return int(min(want, most, 64))
 
 
+# Launch defaults from sweeps at batch 64 x 8192 on an H200 (docs/mla.md): format code -> per head-count
+# regime (units16, block_h, block_n, num_warps, num_stages, programs per SM).  "many" (> 32 heads, e.g.
+# DeepSeek-V3's 128) runs 64-head wgmma tiles and is bound by the tensor cores; "few" (16 heads:
+# V2-Lite, or V3 at tensor-parallel 8) is bound by memory and wants ~4 programs per SM.
+_DEFAULTS = {
+    "many": {0: (False, 64, 64, 8, 2, 3), 1: (True, 64, 64, 8, 2, 3), 2: (True, 64, 64, 8, 1, 3)},
+    "few": {0: (False, 16, 64, 4, 3, 4), 1: (True, 16, 64, 4, 2, 4), 2: (True, 16, 32, 4, 2, 4)},
+}
+
+
+def _defaults(fmt: int, heads: int):
+    return _DEFAULTS["many" if heads > 32 else "few"][fmt]
+
+
 def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: float, *,
                q_scale=None, num_splits: int | None = None, max_seq_len: int | None = None,
-               block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2, out=None):
+               block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+               num_stages: int | None = None, units16: bool | None = None, out=None):
     """Absorbed MLA decode: one query token per sequence.
 
     ``q_lat [B, H, rank]``, ``q_pe [B, H, rope]`` (RoPE applied) in the compute dtype, or both fp8 e4m3
     with ``q_scale`` (fp32 [1]); ``seq_lens`` counts every cached token, the one just appended included.
     Returns ``o_lat [B, H, rank]`` in the compute dtype (bfloat16 for fp8 queries).
+    ``units16`` (fp8 / nvfp4 caches, half-precision compute): read the latent as 16-bit units and split
+    it in registers (see ``_mla_decode_split``); the default and the tile sizes come from ``_defaults``.
     """
     import torch
 
@@ -126,8 +238,18 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     if q_fp8 and (q_scale is None or q_scale.dtype != torch.float32):
         raise ValueError("fp8 queries need q_scale, an fp32 tensor [1]")
     cdt = torch.bfloat16 if q_fp8 else q_lat.dtype
-    # fp8 queries: dot operands in fp16 (fp8 / e2m1·e4m3 values are exact in it) unless the cache is bf16.
-    dt = tl_dtype(torch.bfloat16 if cache.data.dtype == torch.bfloat16 else torch.float16) if q_fp8 else tl_dtype(cdt)
+    d_units, d_bh, d_bn, d_nw, d_ns, per_sm = _defaults(fmt, h)
+    units = (d_units if units16 is None else bool(units16)) and fmt != 0 and cdt != torch.float32
+    block_h = d_bh if block_h is None else block_h
+    block_n = d_bn if block_n is None else block_n
+    num_warps = d_nw if num_warps is None else num_warps
+    num_stages = d_ns if num_stages is None else num_stages
+    # fp8 queries or 16-bit units: dot operands in fp16 (fp8 / e2m1·e4m3 values are exact in it) unless
+    # the cache is bf16.
+    if q_fp8 or units:
+        dt = tl_dtype(torch.bfloat16 if cache.data.dtype == torch.bfloat16 else torch.float16)
+    else:
+        dt = tl_dtype(cdt)
     check_paging(page_table, seq_lens, b, dev)
     if out is None:
         out = torch.empty(b, h, lay.kv_lora_rank, dtype=cdt, device=dev)
@@ -138,19 +260,21 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     if num_splits is None:
         longest = max_seq_len if max_seq_len is not None else int(seq_lens.max().item())
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        num_splits = default_num_splits(b, hg, longest, block_n, sms)
+        num_splits = default_num_splits(b, hg, longest, block_n, sms, per_sm)
     mid_o = torch.empty(b, h, num_splits, lay.kv_lora_rank, dtype=torch.float32, device=dev)
     mid_l = torch.empty(b, h, num_splits, dtype=torch.float32, device=dev)
     bs = cache.block_scale if cache.block_scale is not None else cache.data
+    kv = cache.data.view(torch.int16) if units else cache.data
     qs = q_scale if q_fp8 else cache.k_scale
     _mla_decode_split[(b, hg, num_splits)](
-        q_lat, q_pe, cache.data, bs, cache.k_scale, qs, page_table, seq_lens, mid_o, mid_l,
+        q_lat, q_pe, kv, bs, cache.k_scale, qs, page_table, seq_lens, mid_o, mid_l,
         float(sm_scale) * math.log2(math.e),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), (lay.head_dim // 16),
         h, num_splits,
         PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, BLOCK_H=block_h, BLOCK_N=block_n,
-        FMT=fmt, DT=dt, Q_FP8=q_fp8, num_warps=num_warps, num_stages=num_stages,
+        FMT=fmt, DT=dt, Q_FP8=q_fp8, UNITS=(fmt if units else 0), E5M2=cache.layout.kv_dtype == "fp8_e5m2",
+        num_warps=num_warps, num_stages=num_stages,
     )
     _mla_decode_merge[(b, h)](
         mid_o, mid_l, cache.k_scale, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

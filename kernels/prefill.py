@@ -83,9 +83,13 @@ def _prefill_kernel(
     window,
     G: tl.constexpr, D: tl.constexpr, DP_PAD: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, DOT_P: tl.constexpr,
-    HAS_Q_SCALE: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_Q_SCALE: tl.constexpr, HAS_SINKS: tl.constexpr, HEAVY_FIRST: tl.constexpr = True,
 ):
+    # HEAVY_FIRST: the last query blocks (the most causal work) are launched first, so the short ones
+    # fill the tail of the grid
     mb = tl.program_id(0)
+    if HEAVY_FIRST:
+        mb = tl.num_programs(0) - 1 - mb
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start = tl.load(CU_Q + b)
@@ -202,11 +206,12 @@ def paged_prefill(
     k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None, sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
     q_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, heavy_first: bool = True,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens ``q`` ``[T, H_q, D]`` (``k_new``/``v_new`` ``[T, H_kv, D]``,
     compute dtype) over their prefix in the pages plus themselves → ``[T, H_q, D]``.
-    ``cu_seqlens_q`` int32 ``[B+1]``; ``seq_lens`` int32 ``[B]`` counts prefix + new tokens."""
+    ``cu_seqlens_q`` int32 ``[B+1]``; ``seq_lens`` int32 ``[B]`` counts prefix + new tokens.
+    ``heavy_first`` launches the query blocks in reverse order (longest causal rows first)."""
     if q.dim() != 3 or k_new.dim() != 3 or v_new.shape != k_new.shape:
         raise ValueError(f"q [T,H_q,D], k_new/v_new [T,H_kv,D] expected, got {tuple(q.shape)}, {tuple(k_new.shape)}, {tuple(v_new.shape)}")
     t, hq, d = q.shape
@@ -246,6 +251,6 @@ def paged_prefill(
         G=hq // hk, D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, DOT=dot_code(k_new.dtype),
         DOT_P=cache_dot_code(kv_format, k_new.dtype), HAS_Q_SCALE=q_scale is not None,
-        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
+        HAS_SINKS=sinks is not None, HEAVY_FIRST=heavy_first, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -39,6 +39,19 @@ def test_decode_matches_reference(fmt, window, sinks, q8, dtype, variant):
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 @pytest.mark.parametrize("window,sinks,q8,dtype", FEATURES)
+@pytest.mark.parametrize("split_reduce", [False, True], ids=["direct", "reduce"])
+def test_decode_one_split(fmt, window, sinks, q8, dtype, split_reduce):
+    # one split: the split kernel finishes the softmax (sinks, v_scale) and writes the output itself,
+    # or (split_reduce) leaves it to the reduce kernel as with several splits
+    case = C.check_decode(fmt, [1, 45, 70, 16], 8, 2, 32, 8, dtype=dtype, window=window, sinks=sinks, q_fp8=q8,
+                          device="cpu", seed=len(fmt) * 3 + (window or 0), block_n=32, num_splits=1,
+                          split_reduce=split_reduce)
+    tol = C.TOL[torch.float32] if dtype == torch.float32 else C.TOL[torch.bfloat16]
+    assert case.err <= tol, case.line()
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("window,sinks,q8,dtype", FEATURES)
 def test_prefill_matches_reference(fmt, window, sinks, q8, dtype):
     case = C.check_prefill(fmt, [5, 40, 1], [0, 23, 50], 4, 2, 32, 8, dtype=dtype, window=window, sinks=sinks,
                            q_fp8=q8, device="cpu", seed=len(fmt) * 5 + (window or 0), block_m=16, block_n=16)

@@ -26,15 +26,18 @@ def compile_decode():
     from kvbench.kernels.decode import _decode_reduce_kernel, _decode_split_kernel
 
     base = dict(Q="*bf16", KBS="*fp8e4nv", VBS="*fp8e4nv", K_SCALE="*fp32", Q_SCALE="*fp32", PT="*i32",
-                SEQ_LENS="*i32", ACC="*fp32", ML="*fp32")
+                SEQ_LENS="*i32", ACC="*fp32", ML="*fp32", OUT="*bf16", V_SCALE="*fp32", SINKS="*fp32")
     # (cache pointer type, head-dim tile, constexprs): nvfp4 as bytes (even/odd halves, hand prefetch), nvfp4
-    # as 16-bit units (quarters), fp8 as 16-bit pairs, fp8 e5m2 bytes with fp32 compute, bf16
+    # as 16-bit units (quarters), fp8 as 16-bit pairs, fp8 e5m2 bytes with fp32 compute, bf16; the last two
+    # with one split (the output written by the split kernel, with sinks)
     variants = [
         ("*u8", 64, dict(FMT=2, DOT=1, PREFETCH=True, SPLIT8=False, E5M2=False, NV4=False)),
         ("*i16", 32, dict(FMT=2, DOT=1, PREFETCH=False, SPLIT8=False, E5M2=False, NV4=True)),
         ("*i16", 64, dict(FMT=1, DOT=1, PREFETCH=False, SPLIT8=True, E5M2=False, NV4=False)),
         ("*fp8e5", 128, dict(FMT=1, DOT=2, PREFETCH=False, SPLIT8=False, E5M2=True, NV4=False)),
         ("*bf16", 128, dict(FMT=0, DOT=0, PREFETCH=False, SPLIT8=False, E5M2=False, NV4=False)),
+        ("*i16", 64, dict(FMT=1, DOT=1, PREFETCH=False, SPLIT8=True, E5M2=False, NV4=False, DIRECT=True, HAS_SINKS=True)),
+        ("*bf16", 128, dict(FMT=0, DOT=0, PREFETCH=False, SPLIT8=False, E5M2=False, NV4=False, DIRECT=True)),
     ]
     for cache_ty, dp, extra in variants:
         c = dict(G=4, G_PAD=16, D=128, DP_PAD=dp, NB=8, PAGE=16, BLOCK_N=64, HAS_Q_SCALE=False, **extra)
@@ -65,15 +68,34 @@ def compile_append():
     _compile(_append_kernel, c, ptrs, num_warps=4, enable_fp_fusion=False)
 
 
+def compile_mla_decode():
+    import triton.language as tl
+
+    from kvbench.kernels.mla_decode import _mla_decode_split
+
+    ptrs = dict(QL="*bf16", QP="*bf16", BS="*fp8e4nv", KSCALE="*fp32", QSCALE="*fp32", PT="*i32", SL="*i32", MO="*fp32",
+                ML="*fp32")
+    # (latent pointer type, constexprs): bf16 tiles; fp8 / nvfp4 as 16-bit units (fp16 dots); fp8 bytes
+    variants = [("*bf16", dict(FMT=0, DT=tl.bfloat16, UNITS=0, E5M2=False)),
+                ("*i16", dict(FMT=1, DT=tl.float16, UNITS=1, E5M2=False)),
+                ("*i16", dict(FMT=1, DT=tl.float16, UNITS=1, E5M2=True)),
+                ("*i16", dict(FMT=2, DT=tl.float16, UNITS=2, E5M2=False)),
+                ("*fp8e4nv", dict(FMT=1, DT=tl.bfloat16, UNITS=0, E5M2=False))]
+    for kv_ty, extra in variants:
+        c = dict(PAGE=64, RANK=512, ROPE=64, BLOCK_H=16, BLOCK_N=32, Q_FP8=False, **extra)
+        _compile(_mla_decode_split, c, dict(ptrs, KV=kv_ty), ("sm_scale_log2",), num_warps=4)
+
+
 def test_kernels_compile_for_sm90():
     import triton.backends.nvidia  # noqa: F401  (ships with every Linux triton wheel)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.split() == ["decode", "prefill", "append"]
+    assert r.stdout.split() == ["decode", "prefill", "append", "mla_decode"]
 
 
 if __name__ == "__main__":
-    for name, fn in (("decode", compile_decode), ("prefill", compile_prefill), ("append", compile_append)):
+    for name, fn in (("decode", compile_decode), ("prefill", compile_prefill), ("append", compile_append),
+                     ("mla_decode", compile_mla_decode)):
         fn()
         print(name, flush=True)

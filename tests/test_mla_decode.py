@@ -16,7 +16,8 @@ from kvbench.kernels.mla_reference import ref_decode
 H, NOPE, VD = 4, 16, 16
 
 
-def _run(kv_dtype, lens, seed, rank=64, rope=32, page=4, num_splits=None, dtype=torch.float32, q_fp8=False, block_n=16):
+def _run(kv_dtype, lens, seed, rank=64, rope=32, page=4, num_splits=None, dtype=torch.float32, q_fp8=False, block_n=16,
+         **launch):
     gen = torch.Generator().manual_seed(seed)
     cache = make_cache(kv_dtype, rank, rope, num_pages=sum(math.ceil(n / page) for n in lens) + 3, page_size=page)
     pt = random_pages(lens, page, cache.num_pages, gen)
@@ -28,13 +29,14 @@ def _run(kv_dtype, lens, seed, rank=64, rope=32, page=4, num_splits=None, dtype=
     q_pe = torch.randn(b, H, rope, generator=gen)
     sm = 1.0 / math.sqrt(NOPE + rope)
     q_lat = absorb_query(q_nope, w_uk)
-    kw = {}
+    kw = dict(launch)
     if q_fp8:
         qs = torch.tensor([0.05])
         ql8 = (q_lat / qs).clamp(-448, 448).to(torch.float8_e4m3fn)
         qp8 = (q_pe / qs).clamp(-448, 448).to(torch.float8_e4m3fn)
         # The reference sees exactly the fp8 query the kernel sees (fp8 Q is lossy on purpose).
-        q_lat_in, q_pe_in, kw = ql8, qp8, {"q_scale": qs}
+        q_lat_in, q_pe_in = ql8, qp8
+        kw["q_scale"] = qs
         q_pe = qp8.float() * qs
         q_lat = ql8.float() * qs
     else:
@@ -100,3 +102,47 @@ def test_decode_rejects_bad_input():
         mla_decode(q, qp, cache, pt, sl[:1], 0.1)
     with pytest.raises(ValueError, match="fp8 queries"):
         mla_decode(q.to(torch.float8_e4m3fn), qp.to(torch.float8_e4m3fn), cache, pt, sl, 0.1)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
+@pytest.mark.parametrize("units16", [True, False], ids=["units", "bytes"])
+def test_decode_latent_as_16bit_units_or_stored_type(kv_dtype, units16):
+    # fp8 read as int16 pairs (even / odd tiles), nvfp4 as int16 units of four codes (quarter tiles), or
+    # the tiles in their stored type; the DeepSeek row (512 + 64) and a small one; fp16 compute
+    assert _run(kv_dtype, [21, 40, 1], seed=5, rank=512, rope=64, page=16, num_splits=2, block_n=16,
+                dtype=torch.float16, units16=units16) < 5e-3
+    assert _run(kv_dtype, [37, 9], seed=6, dtype=torch.float16, num_splits=3, units16=units16) < 5e-3
+    # fp8 queries take the same paths
+    assert _run(kv_dtype, [30, 7], seed=8, q_fp8=True, num_splits=2, units16=units16) < 2e-2
+
+
+def test_default_num_splits_and_head_regimes():
+    from kvbench.kernels.mla_decode import _defaults, default_num_splits
+
+    assert default_num_splits(64, 1, 8192, 64, 132, per_sm=4) == 8  # 16 heads: ~4 programs per SM
+    assert default_num_splits(64, 2, 8192, 64, 132, per_sm=3) == 3  # 128 heads in two 64-head groups
+    assert default_num_splits(1, 1, 1024, 64, 132, per_sm=4) == 4  # never splits shorter than four tiles
+    assert default_num_splits(256, 2, 8192, 64, 132) == 1
+    assert _defaults(1, 16)[0] and _defaults(2, 128)[0] and not _defaults(0, 16)[0]
+    assert _defaults(0, 16)[1] == 16 and _defaults(0, 128)[1] == 64
+
+
+def test_decode_defaults_many_heads_half_compute():
+    # more than 32 heads: the 64-head tiles and the 16-bit-unit latent for fp8 / nvfp4 (no launch arguments)
+    global H
+    saved = H
+    H = 40
+    try:
+        for i, kv_dtype in enumerate(("fp8_e4m3", "nvfp4", "bf16")):
+            assert _run(kv_dtype, [33, 5], seed=20 + i, dtype=torch.float16, num_splits=None, block_n=None) < 5e-3
+    finally:
+        H = saved
+
+
+def test_bench_mla_command_parses_its_options_and_needs_a_gpu():
+    from typer.testing import CliRunner
+
+    from kvbench.harness.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "mla", "--heads", "16", "--no-sweep", "--quick"])
+    assert r.exit_code == 2 and "needs a CUDA device" in r.output, r.output  # options parsed; no GPU here
