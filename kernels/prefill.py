@@ -40,14 +40,23 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_new(KN, tok, hk, s_t, s_h, i, imask, tmask, SPLIT: tl.constexpr, DOT: tl.constexpr):
+def _load_new(KN, tok, hk, s_t, s_h, i, imask, tmask, SPLIT: tl.constexpr, DOT: tl.constexpr,
+              UNMASKED: tl.constexpr = False):
+    """``UNMASKED``: every row is in range and the head dim fills the tile (full tiles), no predicates."""
     base = KN + tok[:, None] * s_t + hk * s_h
     m = tmask[:, None] & imask[None, :]
     if SPLIT:
-        a = to_dot(tl.load(base + 2 * i[None, :], mask=m, other=0.0), DOT)
-        b = to_dot(tl.load(base + 2 * i[None, :] + 1, mask=m, other=0.0), DOT)
+        if UNMASKED:
+            a = to_dot(tl.load(base + 2 * i[None, :]), DOT)
+            b = to_dot(tl.load(base + 2 * i[None, :] + 1), DOT)
+        else:
+            a = to_dot(tl.load(base + 2 * i[None, :], mask=m, other=0.0), DOT)
+            b = to_dot(tl.load(base + 2 * i[None, :] + 1, mask=m, other=0.0), DOT)
     else:
-        a = to_dot(tl.load(base + i[None, :], mask=m, other=0.0), DOT)
+        if UNMASKED:
+            a = to_dot(tl.load(base + i[None, :]), DOT)
+        else:
+            a = to_dot(tl.load(base + i[None, :], mask=m, other=0.0), DOT)
         b = a
     return a, b
 
@@ -58,12 +67,12 @@ def _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask, scale, v
     qk = tl.dot(q_a, tl.trans(k_a))
     if SPLIT:
         qk += tl.dot(q_b, tl.trans(k_b))
-    qk = qk * scale
     if MASKED:
         qk = tl.where(mask, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    # scale > 0 (checked by the launcher): max(s·x) = s·max(x), and s·x − m is one FMA per element
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale)
+    p = tl.math.exp2(qk * scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if SCALE_V:
         p = p * vscale
@@ -84,7 +93,9 @@ def _prefill_kernel(
     G: tl.constexpr, D: tl.constexpr, DP_PAD: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, DOT_P: tl.constexpr,
     HAS_Q_SCALE: tl.constexpr, HAS_SINKS: tl.constexpr, HEAVY_FIRST: tl.constexpr = True,
+    FULL_D: tl.constexpr = False,
 ):
+    # FULL_D: the head dim (or its halves) fills DP_PAD, so full tiles of new tokens load without masks
     # HEAVY_FIRST: the last query blocks (the most causal work) are launched first, so the short ones
     # fill the tail of the grid
     mb = tl.program_id(0)
@@ -166,8 +177,8 @@ def _prefill_kernel(
     for j in range(jstart, full_end, BLOCK_N):
         offs = j + n_off
         kt = kn_base + offs
-        k_a, k_b = _load_new(KN, kt, hk, skn_t, skn_h, i, imask, offs < q_len, SPLIT, DOT)
-        v_a, v_b = _load_new(VN, kt, hk, svn_t, svn_h, i, imask, offs < q_len, SPLIT, DOT)
+        k_a, k_b = _load_new(KN, kt, hk, skn_t, skn_h, i, imask, offs < q_len, SPLIT, DOT, FULL_D)
+        v_a, v_b = _load_new(VN, kt, hk, svn_t, svn_h, i, imask, offs < q_len, SPLIT, DOT, FULL_D)
         acc_a, acc_b, m_i, l_i = _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, rmask[:, None],
                                          scale, 1.0, SPLIT, DOT, False, False)
     jend = tl.minimum(q_len, (mb + 1) * BLOCK_M)
@@ -237,6 +248,8 @@ def paged_prefill(
     if t == 0 or bsz == 0 or max_q_len <= 0:
         return out
     dp = d // 2 if fmt == 2 else d
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"sm_scale must be positive, got {sm_scale}")
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
     grid = (triton.cdiv(max_q_len, block_m), hq, bsz)
     _prefill_kernel[grid](
@@ -251,6 +264,7 @@ def paged_prefill(
         G=hq // hk, D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, DOT=dot_code(k_new.dtype),
         DOT_P=cache_dot_code(kv_format, k_new.dtype), HAS_Q_SCALE=q_scale is not None,
-        HAS_SINKS=sinks is not None, HEAVY_FIRST=heavy_first, num_warps=num_warps, num_stages=num_stages,
+        HAS_SINKS=sinks is not None, HEAVY_FIRST=heavy_first, FULL_D=dp == next_pow2(dp),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -140,3 +140,7 @@ def test_bad_input_is_rejected():
                       page_table=table, seq_lens=seq, kv_format="bf16", **kv)
     with pytest.raises(ValueError, match="sinks"):
         paged_decode(torch.randn(1, 4, 32), page_table=table, seq_lens=seq, kv_format="bf16", sinks=torch.zeros(3), **kv)
+    with pytest.raises(ValueError, match="sm_scale must be positive"):
+        cu = torch.tensor([0, 5], dtype=torch.int32)
+        paged_prefill(torch.randn(5, 4, 32), torch.randn(5, 2, 32), torch.randn(5, 2, 32), cu, 5,
+                      page_table=table, seq_lens=seq, kv_format="bf16", sm_scale=0.0, **kv)
