@@ -3,8 +3,12 @@
 Each program takes ``BLOCK_H`` query heads of one sequence and one split of its context.  The latent
 tile of ``BLOCK_N`` tokens is loaded once, dequantized in registers and used twice: as K
 (``q_lat · c + q_pe · k_pe``) and as V (``p · c``).  The per-layer ``k_scale`` is folded into the softmax
-scale and into the final reduce; nvfp4 block scales are applied in registers.  Stage 2 merges the
+scale and into the final reduce; nvfp4 block scales are applied in registers.  With a half-precision
+query, fp8 and nvfp4 tiles are read as 16-bit units and split into interleaved element tiles (float16
+dots), which keeps them on the 16-bit shared-memory path of the dot operands.  Stage 2 merges the
 splits by their log-sum-exp.  Output is the latent ``o_lat [B, H, rank]`` (apply ``W_UV`` afterwards).
+Launch defaults depend on the head count (``_DEFAULTS``: 64-head wgmma tiles above 32 heads, 16-head
+tiles and about four programs per SM below).
 """
 
 from __future__ import annotations

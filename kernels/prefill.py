@@ -242,14 +242,14 @@ def paged_prefill(
     if seq_lens.shape[0] < bsz or page_table.shape[0] < bsz:
         raise ValueError(f"seq_lens / page_table have fewer rows than the {bsz} sequences")
     is_fp8_q = check_query(q, q_scale, sinks, hq)
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"sm_scale must be positive, got {sm_scale}")
     fmt = format_code(kv_format)
     odt = out_dtype or (k_new.dtype if is_fp8_q else q.dtype)
     out = torch.empty(t, hq, d, dtype=odt, device=q.device) if out is None else out
     if t == 0 or bsz == 0 or max_q_len <= 0:
         return out
     dp = d // 2 if fmt == 2 else d
-    if sm_scale is not None and not sm_scale > 0:
-        raise ValueError(f"sm_scale must be positive, got {sm_scale}")
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
     grid = (triton.cdiv(max_q_len, block_m), hq, bsz)
     _prefill_kernel[grid](
