@@ -165,6 +165,17 @@ class HttpPool:
         self.timeout_s = timeout_s
         self._idle: list[_Response] = []
 
+    async def preconnect(self, n: int) -> int:
+        """Open connections in parallel until ``n`` are idle (a keep-alive client's steady state), so the
+        first wave of a load test does not pay TCP/TLS set-up inside its TTFT or queue its sends behind
+        it; returns how many are idle.  Failures are left to the requests, which report them."""
+        loop = asyncio.get_running_loop()
+        want = max(0, n - len(self._idle))
+        got = await asyncio.gather(*(loop.create_connection(_Response, self.host, self.port, ssl=self.ssl)
+                                     for _ in range(want)), return_exceptions=True)
+        self._idle.extend(r[1] for r in got if not isinstance(r, BaseException))
+        return len(self._idle)
+
     async def _conn(self, reuse: bool = True) -> tuple[_Response, bool]:
         while reuse and self._idle:
             proto = self._idle.pop()
@@ -253,10 +264,14 @@ async def stream_request(pool: HttpPool, path: str, payload: dict, api: str, req
     body = json.dumps(payload).encode()
     parts: list[str] = []
     raw: list[bytes] = []
+    events: list[tuple[bytes, float]] = []  # (SSE data payload, receive time), parsed after the stream
     state = {"buf": b"", "over": False}
     out = StreamOutcome(request_id=request_id, start=time.perf_counter())
 
     def on_body(data: bytes, now: float) -> None:
+        # Runs in the protocol's data_received: only split and timestamp here.  JSON parsing waits until
+        # the response is complete, so at high concurrency one stream's parsing does not delay the
+        # timestamps of the chunks queued behind it on the event loop.
         if len(raw) < 64:
             raw.append(data)  # kept for error messages
         if state["over"]:
@@ -268,17 +283,29 @@ async def stream_request(pool: HttpPool, path: str, payload: dict, api: str, req
             return
         state["buf"] = buf[cut + 1 :]
         for line in buf[:cut].split(b"\n"):
-            if line.startswith(b"data:") and _event(api, line[5:].strip(), now, out, parts):
-                state["over"] = True
-                return
+            if line.startswith(b"data:"):
+                payload = line[5:].strip()
+                events.append((payload, now))
+                if payload == b"[DONE]":
+                    state["over"] = True
+                    return
 
+    request_error = None
     try:
         status = await pool.request("POST", path, body, on_body, {"X-Request-Id": request_id})
         if status != 200:
-            out.error = f"HTTP {status}: {b''.join(raw)[:500].decode('utf-8', 'replace')}"
+            request_error = f"HTTP {status}: {b''.join(raw)[:500].decode('utf-8', 'replace')}"
     except (OSError, ConnectionError, asyncio.TimeoutError, ValueError) as e:
-        out.error = f"{type(e).__name__}: {e}"
+        request_error = f"{type(e).__name__}: {e}"
     out.end = time.perf_counter()
+    try:
+        for payload, now in events:
+            if _event(api, payload, now, out, parts):
+                break
+    except ValueError as e:  # malformed JSON in a data line
+        out.error = f"{type(e).__name__}: {e}"
+    if request_error is not None:  # a transport or HTTP failure outranks what the stream said
+        out.error = request_error
     out.text = "".join(parts)
     if out.error is None and not out.chunk_times and out.finish_reason is None:
         out.error = "stream ended without output or finish_reason"

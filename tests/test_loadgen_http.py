@@ -1,0 +1,79 @@
+"""The load generator's HTTP client: connections opened ahead of the first wave, and SSE payloads parsed
+after the stream (bad JSON and error events still end up in the outcome)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvbench.harness.loadgen_http import HttpPool, stream_request
+
+
+def _sse(*events: bytes) -> bytes:
+    body = b"".join(b"data: " + e + b"\n\n" for e in events)
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+
+
+async def _serve(events: tuple[bytes, ...], accepted: list[int]):
+    async def handle(reader, writer):
+        accepted.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                n = int([l for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")][0].split(b":")[1])
+                await reader.readexactly(n)
+                writer.write(_sse(*events))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def _run(events: tuple[bytes, ...], preconnect: int = 0):
+    async def main():
+        accepted: list[int] = []
+        server, port = await _serve(events, accepted)
+        pool = HttpPool(f"http://127.0.0.1:{port}")
+        idle = await pool.preconnect(preconnect) if preconnect else 0
+        outs = await asyncio.gather(*(stream_request(pool, "/v1/completions", {"prompt": "x"}, "completions", f"r{i}")
+                                      for i in range(3)))
+        pool.close()
+        server.close()
+        await server.wait_closed()
+        return outs, idle, len(accepted)
+
+    return asyncio.run(main())
+
+
+def test_preconnect_opens_the_first_wave_and_requests_reuse_it():
+    ok = (b'{"choices":[{"index":0,"text":"a","finish_reason":null}]}',
+          b'{"choices":[{"index":0,"text":"b","finish_reason":"length"}]}', b"[DONE]")
+    outs, idle, accepted = _run(ok, preconnect=3)
+    assert idle == 3 and accepted == 3  # no connection opened by the requests themselves
+    for o in outs:
+        assert o.error is None and o.text == "ab" and o.finish_reason == "length" and len(o.chunk_times) == 2
+        assert o.start <= o.chunk_times[0] <= o.chunk_times[1] <= o.end
+
+
+def test_preconnect_to_a_closed_port_reports_nothing_and_raises_nothing():
+    import socket
+
+    with socket.socket() as s:  # a port that was just free: nothing listens on it now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        return await HttpPool(f"http://127.0.0.1:{port}").preconnect(2)
+
+    assert asyncio.run(main()) == 0
+
+
+def test_bad_json_and_error_events_are_reported_after_the_stream():
+    outs, _, _ = _run((b'{"choices":[{"index":0,"text":"a"}]}', b"{not json", b"[DONE]"))
+    assert all(o.error and "JSONDecodeError" in o.error for o in outs)
+    outs, _, _ = _run((b'{"choices":[{"index":0,"text":"a"}]}', b'{"error":{"message":"boom"}}',
+                       b'{"choices":[{"index":0,"text":"z"}]}', b"[DONE]"))
+    # the stream's own error ends the outcome: later events are not counted
+    assert all(o.error == "boom" and o.text == "a" and len(o.chunk_times) == 1 for o in outs)
