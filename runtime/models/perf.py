@@ -105,12 +105,11 @@ def peak_concurrency(engine, n_requests: int, prompt_len: int, gen_len: int) -> 
 
 
 def generate_check(loaded, fmt: str, pre: str, dec: str, prompts, n_tok: int, device: str, budget_gb: float) -> dict:
-    from kvbench.runtime.engine import Engine
-
     scales = "unit" if fmt in ("bf16", "fp16") else "calibrate"
-    e = Engine(EngineConfig(kv_dtype=fmt, kv_scales=scales, prefill_backend=pre, decode_backend=dec, device=device,
-                            kv_budget_gb=budget_gb, max_running=len(prompts), calibration_prompts=8), loaded=loaded)
-    try:
+    cfg = EngineConfig(kv_dtype=fmt, kv_scales=scales, prefill_backend=pre, decode_backend=dec, device=device,
+                       kv_budget_gb=budget_gb, max_running=len(prompts), calibration_prompts=8)
+
+    def run(e) -> dict:
         e.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up / capture
         t = time.perf_counter()
         outs = e.generate(prompts, SamplingParams(max_tokens=n_tok, ignore_eos=True))
@@ -118,10 +117,8 @@ def generate_check(loaded, fmt: str, pre: str, dec: str, prompts, n_tok: int, de
         ok = all(o.finish_reason == "length" for o in outs)
         return {"tokens": [o.token_ids for o in outs], "tok_s": sum(len(o.token_ids) for o in outs) / dt, "ok": ok,
                 "graphs": e.runner.graphs is not None}
-    finally:
-        e.shutdown()
-        del e
-        _free()
+
+    return _with_engine(cfg, run, loaded=loaded)
 
 
 def format_matrix(model_name, device, prompts_text, n_tok, budget_gb, pairs) -> list[dict]:
@@ -190,7 +187,6 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: bandwidth,decode,capacity,matrix,default")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    from kvbench.runtime.engine import Engine
 
     res: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                  "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "model": args.model}
@@ -209,20 +205,13 @@ def main() -> None:
         res["decode"] = []
         for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
             for eager in (True, False):
-                e = Engine(EngineConfig(model=args.model, kv_dtype=fmt, prefill_backend="torch", decode_backend=args.decode_backend,
-                                        device=args.device, max_running=args.batch, max_model_len=args.ctx + 16,
-                                        kv_budget_gb=args.batch * (args.ctx + 16) * 1.05 * _bpt(args.model, fmt) / 2**30,
-                                        enforce_eager=eager))
-                try:
+                cfg = EngineConfig(model=args.model, kv_dtype=fmt, prefill_backend="torch", decode_backend=args.decode_backend,
+                                   device=args.device, max_running=args.batch, max_model_len=args.ctx + 16,
+                                   kv_budget_gb=args.batch * (args.ctx + 16) * 1.05 * _bpt(args.model, fmt) / 2**30,
+                                   enforce_eager=eager)
+
+                def step_row(e, fmt=fmt) -> dict:
                     t = decode_step(e, args.batch, args.ctx)
-                except Exception as ex:
-                    res["decode"].append({"kv": fmt, "eager": eager, "error": f"{type(ex).__name__}: {ex}"[:300]})
-                    print(res["decode"][-1], flush=True)
-                    e.shutdown()
-                    del e
-                    _free()
-                    continue
-                try:
                     wb = weight_bytes_read_per_step(e.runner.model)
                     kvb = args.batch * args.ctx * e.cache.bytes_per_token
                     row = {"kv": fmt, "cuda_graphs": e.runner.graphs is not None, "step_ms": t * 1e3,
@@ -230,33 +219,34 @@ def main() -> None:
                     if "copy_bandwidth_GBs" in res:
                         roof = (wb + kvb) / (res["copy_bandwidth_GBs"] * 1e9)
                         row.update(roofline_ms=roof * 1e3, ratio=t / roof)
-                    res["decode"].append(row)
-                    print(json.dumps(row), flush=True)
-                finally:
-                    e.shutdown()
-                    del e
-                    _free()
+                    return row
+
+                try:
+                    row = _with_engine(cfg, step_row)
+                except Exception as ex:
+                    row = {"kv": fmt, "eager": eager, "error": f"{type(ex).__name__}: {ex}"[:300]}
+                res["decode"].append(row)
+                print(json.dumps(row), flush=True)
                 save()
     if "capacity" not in skip:
         res["capacity"] = []
         for fmt in FORMATS:
-            e = Engine(EngineConfig(model=args.model, kv_dtype=fmt, device=args.device, prefill_backend="torch",
-                                    decode_backend=args.decode_backend, kv_budget_gb=args.capacity_budget_gb, max_running=256,
-                                    max_model_len=2048, enforce_eager=True))
-            try:
+            cfg = EngineConfig(model=args.model, kv_dtype=fmt, device=args.device, prefill_backend="torch",
+                               decode_backend=args.decode_backend, kv_budget_gb=args.capacity_budget_gb, max_running=256,
+                               max_model_len=2048, enforce_eager=True)
+
+            def capacity_row(e, fmt=fmt) -> dict:
                 plan = e.cache.capacity(1024)
                 try:
                     r = peak_concurrency(e, n_requests=min(4 * plan.max_concurrency + 4, 256), prompt_len=1000, gen_len=24)
                 except Exception as ex:
                     r = {"error": f"{type(ex).__name__}: {ex}"[:300]}
-                row = {"kv": fmt, "budget_GiB": args.capacity_budget_gb, "bytes_per_token": e.cache.bytes_per_token,
-                       "planned_at_1024": plan.max_concurrency, **r}
-                res["capacity"].append(row)
-                print(json.dumps(row), flush=True)
-            finally:
-                e.shutdown()
-                del e
-                _free()
+                return {"kv": fmt, "budget_GiB": args.capacity_budget_gb, "bytes_per_token": e.cache.bytes_per_token,
+                        "planned_at_1024": plan.max_concurrency, **r}
+
+            row = _with_engine(cfg, capacity_row)
+            res["capacity"].append(row)
+            print(json.dumps(row), flush=True)
             save()
     pairs = [("triton", "triton"), ("torch", "triton"), ("triton", "torch")]
     from kvbench.runtime.attention.registry import backend_class
@@ -276,6 +266,20 @@ def main() -> None:
         res["concurrent"] = concurrent_check(args.device)
         print(json.dumps(res["concurrent"]), flush=True)
         save()
+
+
+def _with_engine(cfg: EngineConfig, fn, loaded=None):
+    """``fn(engine)`` on a fresh engine, which is shut down and its memory returned afterwards (even on error),
+    so the next configuration starts from an empty device."""
+    from kvbench.runtime.engine import Engine
+
+    e = Engine(cfg, loaded=loaded)
+    try:
+        return fn(e)
+    finally:
+        e.shutdown()
+        del e
+        _free()
 
 
 def _free() -> None:
