@@ -167,6 +167,8 @@ def to_dot(x, DOT: tl.constexpr):
     elif DOT == 3:
         # bf16-rounded operands in a float32 dot: the CPU interpreter's bf16 tl.dot is wrong (triton 3.9)
         return x.to(tl.bfloat16).to(tl.float32)
+    elif DOT == 4:  # as stored (fp8 operands of an fp8 dot)
+        return x
     else:
         return x.to(tl.float32)
 

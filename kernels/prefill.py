@@ -28,6 +28,7 @@ from kvbench.kernels._triton_utils import (
     check_query,
     dot_code,
     format_code,
+    interpreting,
     load_nvfp4_tile,
     load_plain_tile,
     next_pow2,
@@ -84,6 +85,31 @@ def _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask, scale, v
 
 
 @triton.jit
+def _prefix_tile(KC, VC, KBS, VBS, pt_row, offs, prefix, qpos, wlim, hk, i, imask, qp_a, qp_b, acc_a, acc_b, m_i,
+                 l_i, pscale, vscale, skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h,
+                 PAGE: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, DOT_P: tl.constexpr,
+                 SPLIT: tl.constexpr, FP8_QK: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of the cached prefix: keys ``offs`` read through the page table and dequantized in
+    registers (``FP8_QK``: K kept in fp8 for an fp8 ``Q·Kᵀ``), then the online-softmax update."""
+    tmask = offs < prefix
+    page = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64)
+    slot = page * PAGE + (offs % PAGE)
+    if FMT == 2:
+        k_a, k_b = load_nvfp4_tile(KC, KBS, slot, hk, skc_slot, skc_h, skb_slot, skb_h, i, imask, tmask,
+                                   NB, D // 16, DOT_P)
+        v_a, v_b = load_nvfp4_tile(VC, VBS, slot, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask,
+                                   NB, D // 16, DOT_P)
+    else:
+        k_a = load_plain_tile(KC, slot, hk, skc_slot, skc_h, i, imask, tmask, 4 if FP8_QK else DOT_P)
+        v_a = load_plain_tile(VC, slot, hk, svc_slot, svc_h, i, imask, tmask, DOT_P)
+        k_b = k_a
+        v_b = v_a
+    mask = tmask[None, :] & ((qpos[:, None] - offs[None, :]) < wlim)
+    return _update(qp_a, qp_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask, pscale, vscale, SPLIT, DOT_P,
+                   FMT != 0, MASKED)
+
+
+@triton.jit
 def _prefill_kernel(
     Q, KN, VN, KC, VC, KBS, VBS, K_SCALE, V_SCALE, Q_SCALE, SINKS, PT, SEQ_LENS, CU_Q, OUT,
     sm_scale_log2,
@@ -93,11 +119,13 @@ def _prefill_kernel(
     G: tl.constexpr, D: tl.constexpr, DP_PAD: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, DOT_P: tl.constexpr,
     HAS_Q_SCALE: tl.constexpr, HAS_SINKS: tl.constexpr, HEAVY_FIRST: tl.constexpr = True,
-    FULL_D: tl.constexpr = False,
+    FULL_D: tl.constexpr = False, FP8_QK: tl.constexpr = False, PREFIX_FULL: tl.constexpr = True,
+    BLOCK_NP: tl.constexpr = 64,
 ):
     # FULL_D: the head dim (or its halves) fills DP_PAD, so full tiles of new tokens load without masks
     # HEAVY_FIRST: the last query blocks (the most causal work) are launched first, so the short ones
     # fill the tail of the grid
+    # BLOCK_NP: keys per tile over the prefix (no causal waste there, so larger tiles than BLOCK_N pay)
     mb = tl.program_id(0)
     if HEAVY_FIRST:
         mb = tl.num_programs(0) - 1 - mb
@@ -120,7 +148,9 @@ def _prefill_kernel(
     else:
         imask = i < D
     q_a, q_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT)
-    if DOT_P == DOT:
+    if FP8_QK:  # fp8 q and an e4m3 prefix: Q·Kᵀ of the prefix as an fp8 dot of the stored values
+        qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, 4)
+    elif DOT_P == DOT:
         qp_a = q_a
         qp_b = q_b
     else:  # the prefix tiles use their own dot dtype (fp16 for fp8 / nvfp4)
@@ -146,24 +176,22 @@ def _prefill_kernel(
         vscale = tl.load(V_SCALE + hk)
     pt_row = PT + b.to(tl.int64) * spt_b
     wlim = tl.where(window > 0, window, 1 << 30)  # keys with qpos − kpos >= wlim are outside the window
-    for j in range(kstart, prefix, BLOCK_N):
-        offs = j + n_off
-        tmask = offs < prefix
-        page = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64)
-        slot = page * PAGE + (offs % PAGE)
-        if FMT == 2:
-            k_a, k_b = load_nvfp4_tile(KC, KBS, slot, hk, skc_slot, skc_h, skb_slot, skb_h, i, imask, tmask,
-                                       NB, D // 16, DOT_P)
-            v_a, v_b = load_nvfp4_tile(VC, VBS, slot, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask,
-                                       NB, D // 16, DOT_P)
-        else:
-            k_a = load_plain_tile(KC, slot, hk, skc_slot, skc_h, i, imask, tmask, DOT_P)
-            v_a = load_plain_tile(VC, slot, hk, svc_slot, svc_h, i, imask, tmask, DOT_P)
-            k_b = k_a
-            v_b = v_a
-        mask = tmask[None, :] & ((qpos[:, None] - offs[None, :]) < wlim)
-        acc_a, acc_b, m_i, l_i = _update(qp_a, qp_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask, pscale,
-                                         vscale, SPLIT, DOT_P, FMT != 0, True)
+    # without a window, the whole tiles of the prefix need no logit mask; the rest (the prefix's last
+    # partial tile, or every tile under a window) takes the masked path
+    pfull = kstart
+    if PREFIX_FULL:
+        pfull = tl.where(window > 0, kstart, kstart + ((prefix - kstart) // BLOCK_NP) * BLOCK_NP)
+    np_off = tl.arange(0, BLOCK_NP)
+    for j in range(kstart, pfull, BLOCK_NP):
+        acc_a, acc_b, m_i, l_i = _prefix_tile(
+            KC, VC, KBS, VBS, pt_row, j + np_off, prefix, qpos, wlim, hk, i, imask, qp_a, qp_b, acc_a, acc_b,
+            m_i, l_i, pscale, vscale, skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h,
+            PAGE, NB, D, FMT, DOT_P, SPLIT, FP8_QK, False)
+    for j in range(pfull, prefix, BLOCK_NP):
+        acc_a, acc_b, m_i, l_i = _prefix_tile(
+            KC, VC, KBS, VBS, pt_row, j + np_off, prefix, qpos, wlim, hk, i, imask, qp_a, qp_b, acc_a, acc_b,
+            m_i, l_i, pscale, vscale, skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h,
+            PAGE, NB, D, FMT, DOT_P, SPLIT, FP8_QK, True)
 
     # ---- phase 2: the new tokens (compute precision); full tiles first, then the diagonal
     jstart = prefix * 0
@@ -210,6 +238,19 @@ def _prefill_kernel(
         tl.store(obase + i[None, :], (acc_a * inv[:, None]).to(OUT.dtype.element_ty), mask=om)
 
 
+_LAUNCH = ("block_m", "block_n", "block_n_prefix", "num_warps", "num_stages")
+# (block_m, block_n, block_n_prefix, num_warps, num_stages) on a GPU, by head dim, from the sweeps of
+# ``kernels/bench_prefill.py`` on an H200 (docs/kernels.md); small tiles elsewhere (the CPU interpreter).
+_GPU_DEFAULTS = {64: (128, 64, 128, 4, 3), 128: (128, 64, 128, 8, 3)}
+_CPU_DEFAULTS = (64, 64, 64, 4, 2)
+
+
+def launch_defaults(device, head_dim: int) -> dict:
+    if torch.device(device).type != "cuda" or interpreting():
+        return dict(zip(_LAUNCH, _CPU_DEFAULTS))
+    return dict(zip(_LAUNCH, _GPU_DEFAULTS[64 if head_dim <= 64 else 128]))
+
+
 def paged_prefill(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int,
     k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, *,
@@ -217,12 +258,19 @@ def paged_prefill(
     k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None, sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
     q_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, heavy_first: bool = True,
+    block_m: Optional[int] = None, block_n: Optional[int] = None, block_n_prefix: Optional[int] = None,
+    num_warps: Optional[int] = None, num_stages: Optional[int] = None, heavy_first: bool = True,
+    fp8_qk: Optional[bool] = None, prefix_full: bool = True, max_prefix_len: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens ``q`` ``[T, H_q, D]`` (``k_new``/``v_new`` ``[T, H_kv, D]``,
     compute dtype) over their prefix in the pages plus themselves → ``[T, H_q, D]``.
     ``cu_seqlens_q`` int32 ``[B+1]``; ``seq_lens`` int32 ``[B]`` counts prefix + new tokens.
-    ``heavy_first`` launches the query blocks in reverse order (longest causal rows first)."""
+    ``heavy_first`` launches the query blocks in reverse order (longest causal rows first).
+    Tiles (``block_n`` keys per tile over the new tokens, ``block_n_prefix`` over the cached prefix), warps
+    and stages default to ``launch_defaults``; ``fp8_qk`` (default: whenever it applies) runs
+    an fp8 q's scores over an e4m3 prefix as an fp8 dot; ``prefix_full=False`` masks every prefix tile
+    (the old path, kept for comparison).  ``max_prefix_len`` (host int, optional): the longest cached
+    prefix in the batch; 0 (prompts only) selects the prefix-less launch defaults."""
     if q.dim() != 3 or k_new.dim() != 3 or v_new.shape != k_new.shape:
         raise ValueError(f"q [T,H_q,D], k_new/v_new [T,H_kv,D] expected, got {tuple(q.shape)}, {tuple(k_new.shape)}, {tuple(v_new.shape)}")
     t, hq, d = q.shape
@@ -250,7 +298,21 @@ def paged_prefill(
     if t == 0 or bsz == 0 or max_q_len <= 0:
         return out
     dp = d // 2 if fmt == 2 else d
+    # an fp8 q over an e4m3 prefix: the prefix's Q·Kᵀ runs on the stored fp8 values (fp8 tensor-core dot,
+    # float32 accumulation) instead of converting every K tile; the interpreter has no fp8 dot
+    native = is_fp8_q and k_cache.dtype == torch.float8_e4m3fn and not interpreting() and d == next_pow2(d)
+    fp8_qk = native if fp8_qk is None else (bool(fp8_qk) and native)
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
+    dflt = launch_defaults(q.device, d)
+    block_m = dflt["block_m"] if block_m is None else block_m
+    if block_n_prefix is None:
+        # an explicit block_n tiles both phases alike; without a prefix the prefix loop never runs, and
+        # its larger default tile would only cost registers and shared memory (8k prompt 1264 vs 1318 µs)
+        block_n_prefix = dflt["block_n_prefix"] if block_n is None and max_prefix_len != 0 else (
+            block_n or dflt["block_n"])
+    block_n = dflt["block_n"] if block_n is None else block_n
+    num_warps = dflt["num_warps"] if num_warps is None else num_warps
+    num_stages = dflt["num_stages"] if num_stages is None else num_stages
     grid = (triton.cdiv(max_q_len, block_m), hq, bsz)
     _prefill_kernel[grid](
         q, k_new, v_new, kc.data, vc.data, kc.bs_ptr, vc.bs_ptr, kc.scale, vc.scale,
@@ -265,6 +327,6 @@ def paged_prefill(
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, DOT=dot_code(k_new.dtype),
         DOT_P=cache_dot_code(kv_format, k_new.dtype), HAS_Q_SCALE=q_scale is not None,
         HAS_SINKS=sinks is not None, HEAVY_FIRST=heavy_first, FULL_D=dp == next_pow2(dp),
-        num_warps=num_warps, num_stages=num_stages,
+        FP8_QK=fp8_qk, PREFIX_FULL=prefix_full, BLOCK_NP=block_n_prefix, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -86,6 +86,18 @@ def test_decode_rejects_bad_launch_arguments():
         paged_decode(q, page_table=table, seq_lens=seq, kv_format="fp8_e4m3", num_splits=0, **kv)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("prefix_full,bnp", [(True, 16), (True, 32), (False, 16)],
+                         ids=["full-tiles-unmasked", "prefix-tile-32", "all-masked"])
+def test_prefill_prefix_whole_and_partial_tiles(fmt, prefix_full, bnp):
+    # prefixes of whole tiles only (32, 48 at tile 16), a partial one (7) and none: the unmasked loop over
+    # whole tiles, the masked remainder, and the all-masked path kept for comparison; prefix tiles of 32
+    # keys with 16-key tiles over the new tokens
+    case = C.check_prefill(fmt, [9, 20, 3, 16], [32, 48, 7, 0], 4, 2, 32, 8, dtype=torch.float32, device="cpu",
+                           seed=11, block_m=16, block_n=16, block_n_prefix=bnp, prefix_full=prefix_full)
+    assert case.err <= C.TOL[torch.float32], case.line()
+
+
 def test_prefill_block_shapes_and_pure_prefill():
     case = C.check_prefill("fp8_e4m3", [33, 17], [0, 0], 2, 2, 32, 16, dtype=torch.float32, device="cpu", seed=2,
                            block_m=32, block_n=16)
@@ -144,3 +156,28 @@ def test_bad_input_is_rejected():
         cu = torch.tensor([0, 5], dtype=torch.int32)
         paged_prefill(torch.randn(5, 4, 32), torch.randn(5, 2, 32), torch.randn(5, 2, 32), cu, 5,
                       page_table=table, seq_lens=seq, kv_format="bf16", sm_scale=0.0, **kv)
+
+
+def test_prefill_launch_defaults_pick_the_prefix_tile(monkeypatch):
+    # the GPU defaults use a larger key tile over the cached prefix than over the new tokens, except when the
+    # caller says there is no prefix; an explicit block_n tiles both phases alike
+    import kvbench.kernels.prefill as P
+
+    seen = []
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_NP"], kw["num_warps"]))
+
+    monkeypatch.setattr(P, "launch_defaults", lambda dev, d: dict(zip(P._LAUNCH, P._GPU_DEFAULTS[128])))
+    monkeypatch.setattr(P, "_prefill_kernel", Capture())
+    gen = torch.Generator().manual_seed(0)
+    kv, table = C._attn_inputs("bf16", [40], 2, 32, 8, "cpu", gen)
+    q, k = torch.randn(8, 4, 32), torch.randn(8, 2, 32)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    sl = torch.tensor([40], dtype=torch.int32)
+    for kw in (dict(), dict(max_prefix_len=32), dict(max_prefix_len=0), dict(block_n=32)):
+        paged_prefill(q, k, k, cu, 8, page_table=table, seq_lens=sl, kv_format="bf16", **kw, **kv)
+    bm, bn, bnp, nw = P._GPU_DEFAULTS[128][:3] + P._GPU_DEFAULTS[128][3:4]
+    assert seen == [(bm, bn, bnp, nw), (bm, bn, bnp, nw), (bm, bn, bn, nw), (bm, 32, 32, nw)]
+    assert bnp > bn

@@ -52,9 +52,15 @@ def compile_prefill():
     ptrs = dict(Q="*fp8e4nv", KN="*bf16", VN="*bf16", KC="*fp8e4nv", VC="*fp8e4nv", KBS="*fp8e4nv", VBS="*fp8e4nv",
                 K_SCALE="*fp32", V_SCALE="*fp32", Q_SCALE="*fp32", SINKS="*fp32", PT="*i32", SEQ_LENS="*i32",
                 CU_Q="*i32", OUT="*bf16")
-    c = dict(G=4, D=128, DP_PAD=128, NB=8, PAGE=16, BLOCK_M=64, BLOCK_N=64, FMT=1, DOT=0, DOT_P=1, HAS_Q_SCALE=True,
-             HAS_SINKS=True)
-    _compile(_prefill_kernel, c, ptrs, ("sm_scale_log2",), num_warps=4)
+    # an fp8 q over an e4m3 prefix: scores as fp8 dots (FP8_QK) or over converted tiles; then an nvfp4 prefix
+    for fmt, fp8_qk, full in ((1, True, True), (1, False, False), (2, False, True)):
+        c = dict(G=4, D=128, DP_PAD=64 if fmt == 2 else 128, NB=8, PAGE=16, BLOCK_M=64, BLOCK_N=64, FMT=fmt, DOT=0,
+                 DOT_P=1, HAS_Q_SCALE=True, HAS_SINKS=True, HEAVY_FIRST=True, FULL_D=True, FP8_QK=fp8_qk, BLOCK_NP=128,
+                 PREFIX_FULL=full)
+        kc = "*u8" if fmt == 2 else "*fp8e4nv"
+        k = _compile(_prefill_kernel, c, dict(ptrs, KC=kc, VC=kc), ("sm_scale_log2",), num_warps=4)
+        fp8_dots = [ln for ln in k.asm["ttgir"].splitlines() if "warp_group_dot " in ln and "f8E4M3FN" in ln]
+        assert bool(fp8_dots) == fp8_qk, f"fp8 tensor-core dots: {len(fp8_dots)} (FP8_QK={fp8_qk})"
 
 
 def compile_append():

@@ -108,8 +108,9 @@ class TritonBackend:
             else:
                 out[:B] = res
         else:
+            prefixes = meta.prefix_lens_cpu if meta.seq_lens_cpu and meta.q_lens_cpu else None
             out = paged_prefill(
                 qq, app.k, v, meta.cu_seqlens_q, int(meta.max_seqlen_q), page_table=meta.page_table,
-                seq_lens=meta.seq_lens, **attn,
+                seq_lens=meta.seq_lens, max_prefix_len=max(prefixes) if prefixes else None, **attn,
             )
         return out.reshape(T, H * D)
