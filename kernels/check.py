@@ -278,7 +278,7 @@ def gpu_cases(quick: bool = False):
             (([200, 1, 640], [4000, 64, 0]), shapes[1]),
             (([128, 2048], [32768 - 128, 0]), shapes[0]),
         ):
-            for window, sinks, q8 in ((None, False, False), (700, True, False), (None, False, True)):
+            for window, sinks, q8 in ((None, False, False), (700, True, False), (None, False, True), (700, True, True)):
                 yield lambda f=fmt, ql=ql, pre=pre, a=(hq, hk, d, page), w=window, s=sinks, q=q8: check_prefill(
                     f, ql, pre, *a, window=w, sinks=s, q_fp8=q, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
 

@@ -313,6 +313,9 @@ def paged_prefill(
     block_n = dflt["block_n"] if block_n is None else block_n
     num_warps = dflt["num_warps"] if num_warps is None else num_warps
     num_stages = dflt["num_stages"] if num_stages is None else num_stages
+    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_n_prefix", block_n_prefix)):
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     grid = (triton.cdiv(max_q_len, block_m), hq, bsz)
     _prefill_kernel[grid](
         q, k_new, v_new, kc.data, vc.data, kc.bs_ptr, vc.bs_ptr, kc.scale, vc.scale,

@@ -181,3 +181,7 @@ def test_prefill_launch_defaults_pick_the_prefix_tile(monkeypatch):
     bm, bn, bnp, nw = P._GPU_DEFAULTS[128][:3] + P._GPU_DEFAULTS[128][3:4]
     assert seen == [(bm, bn, bnp, nw), (bm, bn, bnp, nw), (bm, bn, bn, nw), (bm, 32, 32, nw)]
     assert bnp > bn
+    for bad in (dict(block_n_prefix=48), dict(block_m=8), dict(block_n=0)):
+        with pytest.raises(ValueError, match="power of two"):
+            paged_prefill(q, k, k, cu, 8, page_table=table, seq_lens=sl, kv_format="bf16", **bad, **kv)
+    assert len(seen) == 4
