@@ -25,11 +25,7 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MLAAttentionLayer", "MLA_BACKENDS", "absorb", "unabsorb"]
-
-# Backends with an MLA path (flashinfer's MLA kernels use another cache layout: not wired here).
-MLA_BACKENDS = ("torch", "triton")
-
+__all__ = ["MLAAttentionLayer", "absorb", "unabsorb"]
 
 @dataclass
 class MLAAttentionLayer:

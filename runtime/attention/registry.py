@@ -68,14 +68,13 @@ def check_supported(prefill_backend: str, decode_backend: str, kv_dtype: str, ml
     """Raise UnsupportedBackend naming the supported combinations, or a missing dependency.
     ``mla``: the model uses MLA attention (a smaller set of backends runs it)."""
     for phase, name in (("prefill", prefill_backend), ("decode", decode_backend)):
-        backend_class(name)  # clear error for unknown / unimportable names
+        cls = backend_class(name)  # clear error for unknown / unimportable names
         if not supports(name, kv_dtype, phase, mla):
             what = "an MLA model with " if mla else ""
             raise UnsupportedBackend(
                 f"backend {name!r} does not support {what}kv_dtype={kv_dtype!r} for {phase}.\n"
                 f"Supported{' for MLA models' if mla else ''} (backend, phase, formats):\n{_table_text(mla)}"
             )
-        cls = backend_class(name)
         ok, why = cls.available()
         if not ok:
             raise UnsupportedBackend(f"backend {name!r} is not available here: {why}")

@@ -74,6 +74,15 @@ class TritonBackend:
             self._q_scales[key] = t
         return t
 
+    @staticmethod
+    def _max_prefix(meta: AttentionMetadata):
+        """The step's longest cached prefix (host lists; None when the caller gave none), computed once per
+        step rather than once per layer."""
+        if "triton_max_prefix" not in meta.extra:
+            pre = meta.prefix_lens_cpu if meta.seq_lens_cpu and meta.q_lens_cpu else None
+            meta.extra["triton_max_prefix"] = max(pre) if pre else None
+        return meta.extra["triton_max_prefix"]
+
     # ------------------------------------------------------------------------------ forward
     def forward(self, q, k, v, layer: AttentionLayer, cache, meta: AttentionMetadata) -> torch.Tensor:
         from kvbench.kernels.append import fused_rope_quant_append, unfused_rope_quant_append
@@ -108,9 +117,8 @@ class TritonBackend:
             else:
                 out[:B] = res
         else:
-            prefixes = meta.prefix_lens_cpu if meta.seq_lens_cpu and meta.q_lens_cpu else None
             out = paged_prefill(
                 qq, app.k, v, meta.cu_seqlens_q, int(meta.max_seqlen_q), page_table=meta.page_table,
-                seq_lens=meta.seq_lens, max_prefix_len=max(prefixes) if prefixes else None, **attn,
+                seq_lens=meta.seq_lens, max_prefix_len=self._max_prefix(meta), **attn,
             )
         return out.reshape(T, H * D)
