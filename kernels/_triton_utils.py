@@ -200,34 +200,33 @@ def load_raw_tile(C, BS, slot, hk, s_slot, s_h, sb_slot, sb_h, i, imask, tmask, 
 # The byte-permute unpacking below is PTX (GPU only); the interpreter takes the arithmetic path.
 ASM_UNPACK = tl.constexpr(not interpreting())
 
-# e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as float16 have zero low bytes; their high bytes
-# 00 38 3C 3E 40 42 44 46 are an 8-entry table that one ``prmt`` (byte permute) indexes with the 3
-# magnitude bits of two codes at once.  The sign bit is moved to bit 15 of each half by a second
-# ``prmt``.  Each code then costs about 2.5 integer instructions instead of ~10 (shift, mask, or,
-# convert, two multiplies per element), which is what bounds nvfp4 decode.
+# An e2m1 code [s e1 e0 m] placed in a byte as [s 0 0 e1 e0 m 0 0] is an e4m3 byte of exactly 2^-6 times
+# its value (e > 0: 2^(e-7)·(1 + m/2); e = 0: the subnormal 2^-6·m/2; never a NaN pattern), and one
+# ``cvt.rn.f16x2.e4m3x2`` turns two such bytes into float16.  For the 8 codes of a 32-bit word, the low
+# nibbles of its four bytes take two shifts, two masks and an or; the high nibbles (sign already at bit 7)
+# a shift, two masks and an or; then four conversions and four multiplies by the block scale, which the
+# callers pass times 2^6 (``E2M1_SCALE``; exact: at most 448 · 64 in float16) — about 2 instructions per
+# code, where a byte-permute lookup plus a separate sign permute took 3.
+E2M1_SCALE = tl.constexpr(64.0)
+
 def _e2m1_asm(regroup: bool, outs: dict) -> str:
     """PTX for 8 e2m1 codes in the 32-bit ``$4`` → four f16x2 results.  Blocks A..D decode the code pairs
     (nibbles 0,2), (4,6), (1,3), (5,7) of the word; ``outs`` maps each block to (output, scale operand).
     ``regroup`` first permutes the bytes of ``$4`` as [b0, b2, b1, b3] (two 16-bit units → element k of
     both units in one pair)."""
-    blocks = {
-        "A": ("and.b32 sel, w4, 0x7070;", "prmt.b32 sgn, w4, zero, 0x1404;"),
-        "B": ("shr.b32 sel, w, 12;\nand.b32 sel, sel, 0x7070;", "prmt.b32 sgn, w4, zero, 0x3424;"),
-        "C": ("and.b32 sel, w, 0x7070;", "prmt.b32 sgn, w, zero, 0x1404;"),
-        "D": ("shr.b32 sel, w, 16;\nand.b32 sel, sel, 0x7070;", "prmt.b32 sgn, w, zero, 0x3424;"),
-    }
-    lines = [".reg .b32 lut0, lut1, zero, w, w4, sel, mag, sgn, t;", "mov.b32 lut0, 0x3E3C3800;",
-             "mov.b32 lut1, 0x46444240;", "mov.b32 zero, 0;",
-             "prmt.b32 w, $4, zero, 0x3120;" if regroup else "mov.b32 w, $4;", "shl.b32 w4, w, 4;"]
-    for name, (out, scale) in outs.items():
-        sel, sgn = blocks[name]
-        lines += [sel, "prmt.b32 mag, lut0, lut1, sel;", sgn, "and.b32 sgn, sgn, 0x80008000;", "or.b32 t, mag, sgn;",
-                  f"mul.rn.f16x2 {out}, t, {scale};"]
+    half = {"A": ("lo", "a0"), "B": ("lo", "a1"), "C": ("hi", "b0"), "D": ("hi", "b1")}
+    lines = [".reg .b32 w, lo, hi, t, zero;", ".reg .b16 a0, a1, b0, b1;", "mov.b32 zero, 0;",
+             "prmt.b32 w, $4, zero, 0x3120;" if regroup else "mov.b32 w, $4;",
+             "shl.b32 lo, w, 2;", "and.b32 lo, lo, 0x1C1C1C1C;", "shl.b32 t, w, 4;", "and.b32 t, t, 0x80808080;",
+             "or.b32 lo, lo, t;", "shr.b32 hi, w, 2;", "and.b32 hi, hi, 0x1C1C1C1C;", "and.b32 t, w, 0x80808080;",
+             "or.b32 hi, hi, t;", "mov.b32 {a0, a1}, lo;", "mov.b32 {b0, b1}, hi;"]
+    for name, (out, sc) in outs.items():
+        lines += [f"cvt.rn.f16x2.e4m3x2 {out}, {half[name][1]};", f"mul.rn.f16x2 {out}, {out}, {sc};"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 # bytes: $0/$1 = low nibbles of bytes (0,1)/(2,3), $2/$3 = high nibbles; scales $5 (bytes 0,1), $6 (2,3)
-_E2M1_PRMT_ASM = tl.constexpr(_e2m1_asm(False, {"A": ("$0", "$5"), "B": ("$1", "$6"), "C": ("$2", "$5"),
+_E2M1_BYTES_ASM = tl.constexpr(_e2m1_asm(False, {"A": ("$0", "$5"), "B": ("$1", "$6"), "C": ("$2", "$5"),
                                                  "D": ("$3", "$6")}))
 
 
@@ -240,7 +239,7 @@ def e2m1_pairs_scaled(byte, s):
     in the dot-operand layout, where 8-bit data is gathered byte by byte (measured faster on an H200)."""
     if ASM_UNPACK:
         lo, hi = tl.inline_asm_elementwise(
-            _E2M1_PRMT_ASM, "=r,=r,=r,=r,r,r,r", [byte, s], dtype=(tl.float16, tl.float16), is_pure=False, pack=4)
+            _E2M1_BYTES_ASM, "=r,=r,=r,=r,r,r,r", [byte, s], dtype=(tl.float16, tl.float16), is_pure=False, pack=4)
     else:
         b = byte.to(tl.int32)
         lo = e2m1_to_f16(b & 15) * s
@@ -261,6 +260,8 @@ def nvfp4_units_split(x, bs, NB: tl.constexpr):
     four float16 tiles: elements 4j, 4j+1, 4j+2, 4j+3 of every row, times their block scale (exact).
     Like ``fp8_pairs_split``, 16-bit units keep the tiles on the 16-bit operand path of the dots."""
     s = bs.to(tl.float16)
+    if ASM_UNPACK:
+        s = s * E2M1_SCALE
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (s.shape[0], NB, 4)), (s.shape[0], NB * 4))
     if ASM_UNPACK:
         t0, t1, t2, t3 = tl.inline_asm_elementwise(
@@ -325,6 +326,8 @@ def dequant_tile(x, bs, NB: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr):
     2^-6 by construction) lies in [2^-7, 2688].  Other formats give (tile, tile)."""
     if FMT == 2:
         s = bs.to(tl.float16)
+        if ASM_UNPACK:
+            s = s * E2M1_SCALE
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (s.shape[0], NB, 8)), (s.shape[0], NB * 8))
         lo, hi = e2m1_pairs_scaled(x, s)
         lo = to_dot(lo, DOT)

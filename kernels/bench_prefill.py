@@ -1,6 +1,7 @@
 """Prefill / extend benchmarks for ``kvbench bench kernels`` (see ``bench.py``): the Triton paged prefill
 against torch SDPA on the dense problem and against flashinfer's paged prefill (bf16 and fp8 KV, when
-importable), at the same shapes, in the same run."""
+importable), at the same shapes, in the same run; the 8k prompt also with pointer loads instead of
+tensor descriptors (``tma=False``)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,11 @@ def bench_prefill(seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True):
     res["triton"] = flops / (t * 1e-6) / 1e12
     rows.append(Row(f"prefill triton causal {seq} {hq}/{hk} D{d} (new tokens only)", t, tflops=res["triton"],
                     note=_note(len(CONFIGS), cfg, dflt)))
+    # the same kernel with pointer loads instead of tensor descriptors (what the GPU default replaced)
+    t, cfg, dflt = _best(lambda kw: paged_prefill(q, kn, vn, cu, seq, kc, vc, table, lens, kv_format="bf16",
+                                                  out=out, max_prefix_len=0, tma=False, **kw), "prefill no-tma")
+    rows.append(Row(f"prefill triton causal {seq} {hq}/{hk} D{d} (new tokens only), pointer loads", t,
+                    tflops=flops / (t * 1e-6) / 1e12, note=_note(len(CONFIGS), cfg, dflt)))
     if flashinfer:
         for be in ("fa2", "fa3"):
             rows.append(_fi_row(f"prefill flashinfer {be} bf16 causal {seq} (paged)", flops, res["triton"],

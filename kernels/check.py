@@ -250,6 +250,8 @@ def check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype=torch.bfloat1
     ref = R.prefill_reference(q, k_new, v_new, cu.cpu(), page_table=table, seq_lens=seq_lens, kv_format=fmt,
                               sliding_window=window, sinks=sk, q_scale=qs, **kv)
     label = f"{fmt} new={q_lens} prefix={prefixes} {hq}/{hk} D={d} page={page}{_features(window, sinks, q_fp8)}"
+    if "tma" in launch:
+        label += " tma" if launch["tma"] else " no-tma"
     return Case("prefill", label, rel_err(out, ref), TOL[dtype])
 
 
@@ -281,6 +283,13 @@ def gpu_cases(quick: bool = False):
             for window, sinks, q8 in ((None, False, False), (700, True, False), (None, False, True), (700, True, True)):
                 yield lambda f=fmt, ql=ql, pre=pre, a=(hq, hk, d, page), w=window, s=sinks, q=q8: check_prefill(
                     f, ql, pre, *a, window=w, sinks=s, q_fp8=q, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+        # the GPU reads q and the new tokens through tensor descriptors by default (TMA; not for nvfp4): the
+        # pointer loads it replaces, on the same features
+        if fmt != "nvfp4":
+            for window, sinks, q8 in ((None, False, False), (700, True, True)):
+                yield lambda f=fmt, w=window, s=sinks, q=q8: check_prefill(
+                    f, [512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31], *shapes[0], window=w, sinks=s, q_fp8=q,
+                    tma=False, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

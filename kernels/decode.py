@@ -233,8 +233,8 @@ def _decode_reduce_kernel(
 
 # Per-format launch defaults from decode sweeps on an H200 (batch 64 x 8192, 32/8 heads, D 128, page 16;
 # docs/kernels.md): format code -> (block_n, programs per SM, prefetch, num_warps).  fp8 (read as 16-bit
-# pairs) wants 256-token tiles over 8 warps and one split at that shape; nvfp4 many small splits.
-_DEFAULTS = {0: (64, 2, False, 4), 1: (256, 2, False, 8), 2: (64, 60, False, 4)}
+# pairs) wants 256-token tiles over 8 warps and one split at that shape; nvfp4 64-token tiles, two splits.
+_DEFAULTS = {0: (64, 2, False, 4), 1: (256, 2, False, 8), 2: (64, 4, False, 4)}
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64,

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kvbench.kernels._triton_utils import (
     cache_dot_code,
@@ -35,7 +36,7 @@ from kvbench.kernels._triton_utils import (
     to_dot,
 )
 
-__all__ = ["paged_prefill"]
+__all__ = ["paged_prefill", "tma_ok"]
 
 LOG2E = 1.4426950408889634
 
@@ -120,12 +121,15 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, DOT_P: tl.constexpr,
     HAS_Q_SCALE: tl.constexpr, HAS_SINKS: tl.constexpr, HEAVY_FIRST: tl.constexpr = True,
     FULL_D: tl.constexpr = False, FP8_QK: tl.constexpr = False, PREFIX_FULL: tl.constexpr = True,
-    BLOCK_NP: tl.constexpr = 64,
+    BLOCK_NP: tl.constexpr = 64, TMA: tl.constexpr = False,
 ):
     # FULL_D: the head dim (or its halves) fills DP_PAD, so full tiles of new tokens load without masks
     # HEAVY_FIRST: the last query blocks (the most causal work) are launched first, so the short ones
     # fill the tail of the grid
     # BLOCK_NP: keys per tile over the prefix (no causal waste there, so larger tiles than BLOCK_N pay)
+    # TMA: Q, KN and VN are tensor descriptors over the packed [T, H·D] rows (Hopper's tensor memory
+    # accelerator: one bulk copy per tile, no per-element addresses or predicates; rows past T read as
+    # zeros, and rows of the next sequence in a tile's tail are masked like any key past the query)
     mb = tl.program_id(0)
     if HEAVY_FIRST:
         mb = tl.num_programs(0) - 1 - mb
@@ -147,14 +151,24 @@ def _prefill_kernel(
         imask = i < D // 2
     else:
         imask = i < D
-    q_a, q_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT)
-    if FP8_QK:  # fp8 q and an e4m3 prefix: Q·Kᵀ of the prefix as an fp8 dot of the stored values
-        qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, 4)
-    elif DOT_P == DOT:
-        qp_a = q_a
-        qp_b = q_b
-    else:  # the prefix tiles use their own dot dtype (fp16 for fp8 / nvfp4)
-        qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT_P)
+    if TMA:
+        q_raw = Q.load([q_start + mb * BLOCK_M, h * D])
+        q_a = to_dot(q_raw, DOT)
+        q_b = q_a
+        if FP8_QK:
+            qp_a = q_raw
+        else:
+            qp_a = to_dot(q_raw, DOT_P)
+        qp_b = qp_a
+    else:
+        q_a, q_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT)
+        if FP8_QK:  # fp8 q and an e4m3 prefix: Q·Kᵀ of the prefix as an fp8 dot of the stored values
+            qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, 4)
+        elif DOT_P == DOT:
+            qp_a = q_a
+            qp_b = q_b
+        else:  # the prefix tiles use their own dot dtype (fp16 for fp8 / nvfp4)
+            qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT_P)
     scale = sm_scale_log2
     if HAS_Q_SCALE:
         scale = scale * tl.load(Q_SCALE)
@@ -203,10 +217,16 @@ def _prefill_kernel(
         full_end = jstart  # the window cuts into tiles: every tile takes the masked path
     kn_base = q_start.to(tl.int64)
     for j in range(jstart, full_end, BLOCK_N):
-        offs = j + n_off
-        kt = kn_base + offs
-        k_a, k_b = _load_new(KN, kt, hk, skn_t, skn_h, i, imask, offs < q_len, SPLIT, DOT, FULL_D)
-        v_a, v_b = _load_new(VN, kt, hk, svn_t, svn_h, i, imask, offs < q_len, SPLIT, DOT, FULL_D)
+        if TMA:
+            k_a = to_dot(KN.load([q_start + j, hk * D]), DOT)
+            v_a = to_dot(VN.load([q_start + j, hk * D]), DOT)
+            k_b = k_a
+            v_b = v_a
+        else:
+            offs = j + n_off
+            kt = kn_base + offs
+            k_a, k_b = _load_new(KN, kt, hk, skn_t, skn_h, i, imask, offs < q_len, SPLIT, DOT, FULL_D)
+            v_a, v_b = _load_new(VN, kt, hk, svn_t, svn_h, i, imask, offs < q_len, SPLIT, DOT, FULL_D)
         acc_a, acc_b, m_i, l_i = _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, rmask[:, None],
                                          scale, 1.0, SPLIT, DOT, False, False)
     jend = tl.minimum(q_len, (mb + 1) * BLOCK_M)
@@ -214,8 +234,14 @@ def _prefill_kernel(
         offs = j + n_off
         kt = kn_base + offs
         tmask = offs < q_len
-        k_a, k_b = _load_new(KN, kt, hk, skn_t, skn_h, i, imask, tmask, SPLIT, DOT)
-        v_a, v_b = _load_new(VN, kt, hk, svn_t, svn_h, i, imask, tmask, SPLIT, DOT)
+        if TMA:
+            k_a = to_dot(KN.load([q_start + j, hk * D]), DOT)
+            v_a = to_dot(VN.load([q_start + j, hk * D]), DOT)
+            k_b = k_a
+            v_b = v_a
+        else:
+            k_a, k_b = _load_new(KN, kt, hk, skn_t, skn_h, i, imask, tmask, SPLIT, DOT)
+            v_a, v_b = _load_new(VN, kt, hk, svn_t, svn_h, i, imask, tmask, SPLIT, DOT)
         diff = rows[:, None] - offs[None, :]
         mask = tmask[None, :] & (diff >= 0) & (diff < wlim)
         acc_a, acc_b, m_i, l_i = _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask,
@@ -239,16 +265,51 @@ def _prefill_kernel(
 
 
 _LAUNCH = ("block_m", "block_n", "block_n_prefix", "num_warps", "num_stages")
-# (block_m, block_n, block_n_prefix, num_warps, num_stages) on a GPU, by head dim, from the sweeps of
-# ``kernels/bench_prefill.py`` on an H200 (docs/kernels.md); small tiles elsewhere (the CPU interpreter).
-_GPU_DEFAULTS = {64: (128, 64, 128, 4, 3), 128: (128, 64, 128, 8, 3)}
+# (block_m, block_n, block_n_prefix, num_warps, num_stages) on a GPU, from the sweeps of
+# ``kernels/bench_prefill.py`` and of the TMA comparison on an H200 (docs/kernels.md), by head dim and case:
+# "prefix" (a cached prefix, or unknown), "tma" (prompts read through tensor descriptors; "tma_short" below
+# ``_SHORT`` tokens, where smaller query blocks waste less of the causal triangle) and "plain" (prompts
+# without descriptors: nvfp4 caches, odd strides).  Small tiles elsewhere (the CPU interpreter).
+_GPU_DEFAULTS = {
+    128: {"prefix": (128, 64, 128, 8, 3), "tma": (128, 128, 128, 8, 3), "tma_short": (64, 64, 64, 4, 3),
+          "plain": (128, 64, 64, 8, 3)},
+    64: {"prefix": (128, 64, 128, 4, 3), "tma": (64, 64, 64, 4, 3), "tma_short": (64, 64, 64, 4, 3),
+         "plain": (128, 64, 64, 4, 3)},
+}
+_SHORT = 2048
 _CPU_DEFAULTS = (64, 64, 64, 4, 2)
 
 
-def launch_defaults(device, head_dim: int) -> dict:
+def launch_defaults(device, head_dim: int, max_prefix_len: Optional[int] = None, max_q_len: Optional[int] = None,
+                    tma: bool = False) -> dict:
+    """Tiles, warps and stages for ``paged_prefill`` when the caller gives none.  ``max_prefix_len`` 0 says
+    the batch holds prompts only (None: maybe a prefix); ``tma``: the new tokens are read through tensor
+    descriptors."""
     if torch.device(device).type != "cuda" or interpreting():
         return dict(zip(_LAUNCH, _CPU_DEFAULTS))
-    return dict(zip(_LAUNCH, _GPU_DEFAULTS[64 if head_dim <= 64 else 128]))
+    table = _GPU_DEFAULTS[64 if head_dim <= 64 else 128]
+    if max_prefix_len != 0:
+        case = "prefix"
+    elif not tma:
+        case = "plain"
+    else:
+        case = "tma_short" if max_q_len is not None and max_q_len < _SHORT else "tma"
+    return dict(zip(_LAUNCH, table[case]))
+
+
+def tma_ok(x: torch.Tensor) -> bool:
+    """Whether ``x`` [T, H, D] can be read through a 2-D tensor descriptor over its ``[T, H·D]`` rows: heads
+    packed along each row, a power-of-two head dim of at least 16 bytes, 16-byte aligned start and row
+    stride (what the tensor memory accelerator requires)."""
+    t, h, d = x.shape
+    es = x.element_size()
+    return (x.stride(2) == 1 and (x.stride(1) == d or h == 1) and d == next_pow2(d) and 16 <= d * es and d <= 256
+            and x.data_ptr() % 16 == 0 and (x.stride(0) * es) % 16 == 0 and t > 0)
+
+
+def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    t, h, d = x.shape
+    return TensorDescriptor(x, [t, h * d], [x.stride(0), 1], [rows, d])
 
 
 def paged_prefill(
@@ -261,6 +322,7 @@ def paged_prefill(
     block_m: Optional[int] = None, block_n: Optional[int] = None, block_n_prefix: Optional[int] = None,
     num_warps: Optional[int] = None, num_stages: Optional[int] = None, heavy_first: bool = True,
     fp8_qk: Optional[bool] = None, prefix_full: bool = True, max_prefix_len: Optional[int] = None,
+    tma: Optional[bool] = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens ``q`` ``[T, H_q, D]`` (``k_new``/``v_new`` ``[T, H_kv, D]``,
     compute dtype) over their prefix in the pages plus themselves → ``[T, H_q, D]``.
@@ -270,7 +332,9 @@ def paged_prefill(
     and stages default to ``launch_defaults``; ``fp8_qk`` (default: whenever it applies) runs
     an fp8 q's scores over an e4m3 prefix as an fp8 dot; ``prefix_full=False`` masks every prefix tile
     (the old path, kept for comparison).  ``max_prefix_len`` (host int, optional): the longest cached
-    prefix in the batch; 0 (prompts only) selects the prefix-less launch defaults."""
+    prefix in the batch; 0 (prompts only) selects the prefix-less launch defaults.  ``tma`` (default: on a
+    GPU of compute capability 9 or newer, whenever ``tma_ok`` says the tensors allow it) reads q and the new
+    tokens' k / v through tensor descriptors."""
     if q.dim() != 3 or k_new.dim() != 3 or v_new.shape != k_new.shape:
         raise ValueError(f"q [T,H_q,D], k_new/v_new [T,H_kv,D] expected, got {tuple(q.shape)}, {tuple(k_new.shape)}, {tuple(v_new.shape)}")
     t, hq, d = q.shape
@@ -303,22 +367,32 @@ def paged_prefill(
     native = is_fp8_q and k_cache.dtype == torch.float8_e4m3fn and not interpreting() and d == next_pow2(d)
     fp8_qk = native if fp8_qk is None else (bool(fp8_qk) and native)
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
-    dflt = launch_defaults(q.device, d)
+    tma_able = fmt != 2 and all(tma_ok(x) for x in (q, k_new, v_new))
+    explicit_tma = tma is not None
+    if tma is None:
+        tma = tma_able and q.is_cuda and not interpreting() and torch.cuda.get_device_capability(q.device)[0] >= 9
+    elif tma and not tma_able:
+        raise ValueError("tma=True needs a cache format other than nvfp4 and tensors that tma_ok accepts")
+    dflt = launch_defaults(q.device, d, max_prefix_len, max_q_len, bool(tma))
     block_m = dflt["block_m"] if block_m is None else block_m
-    if block_n_prefix is None:
-        # an explicit block_n tiles both phases alike; without a prefix the prefix loop never runs, and
-        # its larger default tile would only cost registers and shared memory (8k prompt 1264 vs 1318 µs)
-        block_n_prefix = dflt["block_n_prefix"] if block_n is None and max_prefix_len != 0 else (
-            block_n or dflt["block_n"])
+    # an explicit block_n tiles both phases alike
+    block_n_prefix = (block_n or dflt["block_n_prefix"]) if block_n_prefix is None else block_n_prefix
     block_n = dflt["block_n"] if block_n is None else block_n
     num_warps = dflt["num_warps"] if num_warps is None else num_warps
     num_stages = dflt["num_stages"] if num_stages is None else num_stages
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_n_prefix", block_n_prefix)):
         if not isinstance(v, int) or v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    if tma and max(block_m, block_n) > 256:  # a descriptor's box spans at most 256 rows
+        if explicit_tma:
+            raise ValueError(f"tma=True reads tiles of at most 256 rows, got block_m={block_m}, block_n={block_n}")
+        tma = False
+    qa, ka, va = q, k_new, v_new
+    if tma:
+        qa, ka, va = _descriptor(q, block_m), _descriptor(k_new, block_n), _descriptor(v_new, block_n)
     grid = (triton.cdiv(max_q_len, block_m), hq, bsz)
     _prefill_kernel[grid](
-        q, k_new, v_new, kc.data, vc.data, kc.bs_ptr, vc.bs_ptr, kc.scale, vc.scale,
+        qa, ka, va, kc.data, vc.data, kc.bs_ptr, vc.bs_ptr, kc.scale, vc.scale,
         q_scale if q_scale is not None else kc.scale, sinks if sinks is not None else kc.scale,
         page_table, seq_lens, cu_seqlens_q, out, scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
@@ -330,6 +404,7 @@ def paged_prefill(
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, DOT=dot_code(k_new.dtype),
         DOT_P=cache_dot_code(kv_format, k_new.dtype), HAS_Q_SCALE=q_scale is not None,
         HAS_SINKS=sinks is not None, HEAVY_FIRST=heavy_first, FULL_D=dp == next_pow2(dp),
-        FP8_QK=fp8_qk, PREFIX_FULL=prefix_full, BLOCK_NP=block_n_prefix, num_warps=num_warps, num_stages=num_stages,
+        FP8_QK=fp8_qk, PREFIX_FULL=prefix_full, BLOCK_NP=block_n_prefix, TMA=bool(tma),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -104,6 +104,44 @@ def test_prefill_block_shapes_and_pure_prefill():
     assert case.err <= C.TOL[torch.float32], case.line()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("window,sinks,q8,dtype", FEATURES)
+def test_prefill_tma_matches_reference(fmt, window, sinks, q8, dtype):
+    # q and the new tokens' k / v through tensor descriptors (the GPU default): tiles that run past a
+    # sequence into the next one (q_len 5, 40, 1) or past the last token (16 + the tail), over prefixes
+    case = C.check_prefill(fmt, [5, 40, 1, 19], [0, 23, 50, 32], 4, 2, 32, 8, dtype=dtype, window=window,
+                           sinks=sinks, q_fp8=q8, device="cpu", seed=len(fmt) * 3 + (window or 1), block_m=16,
+                           block_n=16, tma=True)
+    tol = C.TOL[torch.float32] if dtype == torch.float32 else C.TOL[torch.bfloat16]
+    assert case.err <= tol, case.line()
+
+
+def test_prefill_tma_eligibility():
+    from kvbench.kernels.prefill import tma_ok
+
+    x = torch.randn(10, 4, 32)
+    assert tma_ok(x) and tma_ok(x.to(torch.float8_e4m3fn))
+    fused = torch.randn(10, 12, 32)  # q / k / v slices of one fused projection: rows strided, heads packed
+    assert tma_ok(fused[:, 4:8]) and tma_ok(fused[:, :4])
+    assert not tma_ok(torch.randn(10, 4, 48))  # head dim not a power of two
+    assert not tma_ok(torch.randn(10, 4, 8).to(torch.float8_e4m3fn))  # rows of 8 bytes
+    assert not tma_ok(torch.randn(10, 8, 32)[:, ::2])  # heads not packed along the row
+    assert not tma_ok(torch.randn(10 * 4 * 32 + 1)[1:].view(10, 4, 32))  # start not 16-byte aligned
+    assert not tma_ok(torch.randn(10, 4, 512))  # a box spans at most 256 elements
+    gen = torch.Generator().manual_seed(0)
+    kv, table = C._attn_inputs("nvfp4", [12], 2, 32, 8, "cpu", gen)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    sl = torch.tensor([12], dtype=torch.int32)
+    k = torch.randn(4, 2, 32)
+    with pytest.raises(ValueError, match="tma=True"):
+        paged_prefill(torch.randn(4, 4, 32), k, k, cu, 4, page_table=table, seq_lens=sl, kv_format="nvfp4", tma=True,
+                      **kv)
+    kv, table = C._attn_inputs("bf16", [12], 2, 32, 8, "cpu", gen)
+    with pytest.raises(ValueError, match="at most 256 rows"):
+        paged_prefill(torch.randn(4, 4, 32), k, k, cu, 4, page_table=table, seq_lens=sl, kv_format="bf16", tma=True,
+                      block_m=512, **kv)
+
+
 def test_checker_fails_on_nan_and_wrong_values():
     ref = torch.randn(4, 8, dtype=torch.float64)
     assert C.rel_err(ref.float(), ref) < 1e-6
@@ -169,7 +207,9 @@ def test_prefill_launch_defaults_pick_the_prefix_tile(monkeypatch):
         def __getitem__(self, grid):
             return lambda *a, **kw: seen.append((kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_NP"], kw["num_warps"]))
 
-    monkeypatch.setattr(P, "launch_defaults", lambda dev, d: dict(zip(P._LAUNCH, P._GPU_DEFAULTS[128])))
+    gpu = P.launch_defaults
+    monkeypatch.setattr(P, "launch_defaults", lambda dev, d, *a: gpu("cuda", 128, *a))
+    monkeypatch.setattr(P, "interpreting", lambda: False)
     monkeypatch.setattr(P, "_prefill_kernel", Capture())
     gen = torch.Generator().manual_seed(0)
     kv, table = C._attn_inputs("bf16", [40], 2, 32, 8, "cpu", gen)
@@ -178,10 +218,29 @@ def test_prefill_launch_defaults_pick_the_prefix_tile(monkeypatch):
     sl = torch.tensor([40], dtype=torch.int32)
     for kw in (dict(), dict(max_prefix_len=32), dict(max_prefix_len=0), dict(block_n=32)):
         paged_prefill(q, k, k, cu, 8, page_table=table, seq_lens=sl, kv_format="bf16", **kw, **kv)
-    bm, bn, bnp, nw = P._GPU_DEFAULTS[128][:3] + P._GPU_DEFAULTS[128][3:4]
-    assert seen == [(bm, bn, bnp, nw), (bm, bn, bnp, nw), (bm, bn, bn, nw), (bm, 32, 32, nw)]
+    pre, plain = P._GPU_DEFAULTS[128]["prefix"], P._GPU_DEFAULTS[128]["plain"]
+    bm, bn, bnp, nw = pre[:4]
+    assert seen == [(bm, bn, bnp, nw), (bm, bn, bnp, nw), plain[:2] + plain[1:2] + plain[3:4], (bm, 32, 32, nw)]
     assert bnp > bn
     for bad in (dict(block_n_prefix=48), dict(block_m=8), dict(block_n=0)):
         with pytest.raises(ValueError, match="power of two"):
             paged_prefill(q, k, k, cu, 8, page_table=table, seq_lens=sl, kv_format="bf16", **bad, **kv)
     assert len(seen) == 4
+
+
+def test_prefill_launch_defaults_by_case(monkeypatch):
+    # prompts read through tensor descriptors take 128-key tiles when long and 64-row blocks when short;
+    # without descriptors (nvfp4, odd strides) or with a prefix the tables' other rows apply; the CPU
+    # (interpreter) always gets the small tiles
+    import kvbench.kernels.prefill as P
+
+    monkeypatch.setattr(P, "interpreting", lambda: False)
+    tab = {d: {c: dict(zip(P._LAUNCH, v)) for c, v in P._GPU_DEFAULTS[d].items()} for d in (64, 128)}
+    assert P.launch_defaults("cuda", 128, 0, 8192, True) == tab[128]["tma"]
+    assert P.launch_defaults("cuda", 128, 0, P._SHORT - 1, True) == tab[128]["tma_short"]
+    assert P.launch_defaults("cuda", 128, 0, 8192, False) == tab[128]["plain"]
+    assert P.launch_defaults("cuda", 128, None, 8192, True) == tab[128]["prefix"]
+    assert P.launch_defaults("cuda", 128, 7168, 1024, True) == tab[128]["prefix"]
+    assert P.launch_defaults("cuda", 64, 0, 4096, True) == tab[64]["tma"]
+    assert P.launch_defaults("cpu", 128, 0, 8192, True) == dict(zip(P._LAUNCH, P._CPU_DEFAULTS))
+    assert tab[128]["tma"]["block_n"] > tab[128]["prefix"]["block_n"]

@@ -56,11 +56,21 @@ def compile_prefill():
     for fmt, fp8_qk, full in ((1, True, True), (1, False, False), (2, False, True)):
         c = dict(G=4, D=128, DP_PAD=64 if fmt == 2 else 128, NB=8, PAGE=16, BLOCK_M=64, BLOCK_N=64, FMT=fmt, DOT=0,
                  DOT_P=1, HAS_Q_SCALE=True, HAS_SINKS=True, HEAVY_FIRST=True, FULL_D=True, FP8_QK=fp8_qk, BLOCK_NP=128,
-                 PREFIX_FULL=full)
+                 PREFIX_FULL=full, TMA=False)
         kc = "*u8" if fmt == 2 else "*fp8e4nv"
         k = _compile(_prefill_kernel, c, dict(ptrs, KC=kc, VC=kc), ("sm_scale_log2",), num_warps=4)
         fp8_dots = [ln for ln in k.asm["ttgir"].splitlines() if "warp_group_dot " in ln and "f8E4M3FN" in ln]
         assert bool(fp8_dots) == fp8_qk, f"fp8 tensor-core dots: {len(fp8_dots)} (FP8_QK={fp8_qk})"
+        assert "async_tma_copy" not in k.asm["ttgir"]
+    # q and the new tokens through tensor descriptors (TMA bulk copies), with an fp8 q over an e4m3 prefix
+    for qty, fp8_qk in (("bf16", False), ("fp8e4nv", True)):
+        c = dict(G=4, D=128, DP_PAD=128, NB=8, PAGE=16, BLOCK_M=128, BLOCK_N=128, FMT=1, DOT=0, DOT_P=1,
+                 HAS_Q_SCALE=fp8_qk, HAS_SINKS=False, HEAVY_FIRST=True, FULL_D=True, FP8_QK=fp8_qk, BLOCK_NP=128,
+                 PREFIX_FULL=True, TMA=True)
+        desc = dict(Q=f"tensordesc<{qty}[128,128]>", KN="tensordesc<bf16[128,128]>", VN="tensordesc<bf16[128,128]>")
+        k = _compile(_prefill_kernel, c, dict(ptrs, **desc), ("sm_scale_log2",), num_warps=8, num_stages=3)
+        tma = [ln for ln in k.asm["ttgir"].splitlines() if "async_tma_copy_global_to_local" in ln]
+        assert len(tma) >= 3, f"TMA copies: {len(tma)}"
 
 
 def compile_append():
