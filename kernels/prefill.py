@@ -64,6 +64,24 @@ def _load_new(KN, tok, hk, s_t, s_h, i, imask, tmask, SPLIT: tl.constexpr, DOT: 
 
 
 @triton.jit
+def _new_tile(KN, VN, q_start, j, n_off, q_len, hk, skn_t, skn_h, svn_t, svn_h, i, imask, D: tl.constexpr,
+              SPLIT: tl.constexpr, DOT: tl.constexpr, TMA: tl.constexpr, UNMASKED: tl.constexpr):
+    """Keys and values ``j + n_off`` of the new tokens of the sequence starting at ``q_start``: one
+    descriptor copy each (``TMA``), or pointer loads (``UNMASKED``: a full tile, no predicates)."""
+    if TMA:
+        k_a = to_dot(KN.load([q_start + j, hk * D]), DOT)
+        v_a = to_dot(VN.load([q_start + j, hk * D]), DOT)
+        k_b = k_a
+        v_b = v_a
+    else:
+        offs = j + n_off
+        kt = q_start.to(tl.int64) + offs
+        k_a, k_b = _load_new(KN, kt, hk, skn_t, skn_h, i, imask, offs < q_len, SPLIT, DOT, UNMASKED)
+        v_a, v_b = _load_new(VN, kt, hk, svn_t, svn_h, i, imask, offs < q_len, SPLIT, DOT, UNMASKED)
+    return k_a, k_b, v_a, v_b
+
+
+@triton.jit
 def _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask, scale, vscale,
             SPLIT: tl.constexpr, DOT: tl.constexpr, SCALE_V: tl.constexpr, MASKED: tl.constexpr):
     qk = tl.dot(q_a, tl.trans(k_a))
@@ -215,33 +233,17 @@ def _prefill_kernel(
     full_end = diag
     if window > 0:
         full_end = jstart  # the window cuts into tiles: every tile takes the masked path
-    kn_base = q_start.to(tl.int64)
     for j in range(jstart, full_end, BLOCK_N):
-        if TMA:
-            k_a = to_dot(KN.load([q_start + j, hk * D]), DOT)
-            v_a = to_dot(VN.load([q_start + j, hk * D]), DOT)
-            k_b = k_a
-            v_b = v_a
-        else:
-            offs = j + n_off
-            kt = kn_base + offs
-            k_a, k_b = _load_new(KN, kt, hk, skn_t, skn_h, i, imask, offs < q_len, SPLIT, DOT, FULL_D)
-            v_a, v_b = _load_new(VN, kt, hk, svn_t, svn_h, i, imask, offs < q_len, SPLIT, DOT, FULL_D)
+        k_a, k_b, v_a, v_b = _new_tile(KN, VN, q_start, j, n_off, q_len, hk, skn_t, skn_h, svn_t, svn_h, i, imask, D,
+                                       SPLIT, DOT, TMA, FULL_D)
         acc_a, acc_b, m_i, l_i = _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, rmask[:, None],
                                          scale, 1.0, SPLIT, DOT, False, False)
     jend = tl.minimum(q_len, (mb + 1) * BLOCK_M)
     for j in range(full_end, jend, BLOCK_N):
         offs = j + n_off
-        kt = kn_base + offs
         tmask = offs < q_len
-        if TMA:
-            k_a = to_dot(KN.load([q_start + j, hk * D]), DOT)
-            v_a = to_dot(VN.load([q_start + j, hk * D]), DOT)
-            k_b = k_a
-            v_b = v_a
-        else:
-            k_a, k_b = _load_new(KN, kt, hk, skn_t, skn_h, i, imask, tmask, SPLIT, DOT)
-            v_a, v_b = _load_new(VN, kt, hk, svn_t, svn_h, i, imask, tmask, SPLIT, DOT)
+        k_a, k_b, v_a, v_b = _new_tile(KN, VN, q_start, j, n_off, q_len, hk, skn_t, skn_h, svn_t, svn_h, i, imask, D,
+                                       SPLIT, DOT, TMA, False)
         diff = rows[:, None] - offs[None, :]
         mask = tmask[None, :] & (diff >= 0) & (diff < wlim)
         acc_a, acc_b, m_i, l_i = _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask,
@@ -373,6 +375,8 @@ def paged_prefill(
         tma = tma_able and q.is_cuda and not interpreting() and torch.cuda.get_device_capability(q.device)[0] >= 9
     elif tma and not tma_able:
         raise ValueError("tma=True needs a cache format other than nvfp4 and tensors that tma_ok accepts")
+    elif tma and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
+        raise ValueError("tma=True needs a GPU of compute capability 9.0 or newer (Hopper)")
     dflt = launch_defaults(q.device, d, max_prefix_len, max_q_len, bool(tma))
     block_m = dflt["block_m"] if block_m is None else block_m
     # an explicit block_n tiles both phases alike
