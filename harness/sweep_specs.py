@@ -1,0 +1,276 @@
+"""The sections of a sweep configuration (``sweep_config``): targets, KV axis entries, backend pairs,
+suites, the load test and the gate, each a dataclass with its validating parser; and the schema's
+constants.  No torch here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvbench.harness.config_checks import (_bool, _check_keys, _choice, _fail, _int, _list, _mapping, _num,
+                                           _str)
+
+KV_DTYPES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+KV_SCALE_POLICIES = ("unit", "checkpoint", "calibrate")
+BACKENDS = ("torch", "triton", "flashinfer")
+TARGET_TYPES = ("embedded", "server", "endpoint")
+SUITES = ("gsm8k", "gsm8k_cot", "gsm8k_chat", "aime24", "aime25", "gpqa_diamond", "fidelity")
+LOAD_DATASETS = ("random", "fixed", "sharegpt")
+LOAD_APIS = ("completions", "chat")
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
+CELL_KEYS = ("model", "target", "prefill_backend", "decode_backend", "kv_dtype", "kv_scales", "concurrency")
+# engine options a KV axis entry may set besides dtype/scales (they become part of the cell's config)
+KV_ENTRY_OPTIONS = ("kv_scales_per_head", "quantize_query", "fused_append")
+DEFAULT_MODEL = "default"
+
+
+@dataclass
+class TargetSpec:
+    """Where a cell's tokens come from.
+
+    ``embedded``: the in-process engine (``engine`` overrides the sweep's engine options).
+    ``server``: an external server started from ``launch`` (placeholders ``{model} {kv_dtype}
+    {kv_scales} {prefill_backend} {decode_backend} {host} {port}``), health-waited, logs captured to the
+    cell directory, its process group killed afterwards.  ``endpoint``: an already-running
+    OpenAI-compatible ``base_url``.
+    """
+
+    name: str
+    type: str
+    engine: dict = field(default_factory=dict)
+    launch: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: Optional[int] = None  # None: a free port is picked per launch
+    health_path: str = "/health"
+    health_timeout_s: float = 600.0
+    base_url: Optional[str] = None
+    model_id: Optional[str] = None  # the served model name requests use; None: ask /v1/models
+    api_key: Optional[str] = None
+    env: dict = field(default_factory=dict)
+    flush_cache: Optional[str] = None  # e.g. "POST /flush_cache" (sglang), "POST /reset_prefix_cache" (vLLM)
+    kv_dtype_map: dict = field(default_factory=dict)  # our kv_dtype name -> the server's flag value
+    backend_map: dict = field(default_factory=dict)  # our backend name -> the server's flag value
+
+
+_TARGET_KEYS = tuple(TargetSpec.__dataclass_fields__)
+
+
+def _target(d: Any, path: str, engine_keys: tuple[str, ...]) -> TargetSpec:
+    d = _mapping(d, path)
+    _check_keys(d, _TARGET_KEYS, path)
+    name = _str(d.get("name"), f"{path}.name")
+    ttype = _choice(d.get("type"), TARGET_TYPES, f"{path}.type")
+    t = TargetSpec(name=name, type=ttype)
+    t.engine = _mapping(d.get("engine"), f"{path}.engine")
+    _check_keys(t.engine, engine_keys, f"{path}.engine")
+    if t.engine and ttype != "embedded":
+        _fail(f"{path}.engine", "engine options apply to embedded targets only")
+    if ttype == "server":
+        t.launch = _str(d.get("launch"), f"{path}.launch")
+        if "{port}" not in t.launch:
+            _fail(f"{path}.launch", "the launch template must contain {port}")
+    elif "launch" in d:
+        _fail(f"{path}.launch", f"launch applies to server targets only (this target is {ttype})")
+    if ttype == "endpoint":
+        t.base_url = _str(d.get("base_url"), f"{path}.base_url").rstrip("/")
+        if not t.base_url.startswith(("http://", "https://")):
+            _fail(f"{path}.base_url", f"expected an http(s) URL, got {t.base_url!r}")
+    elif "base_url" in d:
+        _fail(f"{path}.base_url", f"base_url applies to endpoint targets only (this target is {ttype})")
+    if "host" in d:
+        t.host = _str(d["host"], f"{path}.host")
+    if d.get("port") is not None:
+        t.port = _int(d["port"], f"{path}.port", 1)
+    if "health_path" in d:
+        t.health_path = _str(d["health_path"], f"{path}.health_path")
+    if "health_timeout_s" in d:
+        t.health_timeout_s = _num(d["health_timeout_s"], f"{path}.health_timeout_s", 0.1)
+    for k in ("model_id", "api_key", "flush_cache"):
+        if d.get(k) is not None:
+            setattr(t, k, _str(d[k], f"{path}.{k}"))
+    if t.flush_cache is not None:
+        parts = t.flush_cache.split()
+        if len(parts) != 2 or parts[0] not in ("GET", "POST") or not parts[1].startswith("/"):
+            _fail(f"{path}.flush_cache", f"expected 'POST /path' or 'GET /path', got {t.flush_cache!r}")
+    for k in ("env", "kv_dtype_map", "backend_map"):
+        m = _mapping(d.get(k), f"{path}.{k}")
+        setattr(t, k, {str(a): str(b) for a, b in m.items()})
+    return t
+
+
+@dataclass
+class KVSpec:
+    dtype: str
+    scales: str = "unit"
+    options: dict = field(default_factory=dict)  # KV_ENTRY_OPTIONS set by this entry
+
+
+def _kv_entry(d: Any, path: str) -> KVSpec:
+    if isinstance(d, str):
+        d = {"dtype": d}
+    d = _mapping(d, path)
+    _check_keys(d, ("dtype", "scales", *KV_ENTRY_OPTIONS), path)
+    dtype = _choice(d.get("dtype"), KV_DTYPES, f"{path}.dtype")
+    scales = _choice(d.get("scales", "unit"), KV_SCALE_POLICIES, f"{path}.scales")
+    options = {k: _bool(d[k], f"{path}.{k}") for k in KV_ENTRY_OPTIONS if k in d}
+    return KVSpec(dtype, scales, options)
+
+
+def _backend_pair(d: Any, path: str) -> tuple[str, str]:
+    """``torch`` | ``triton+flashinfer`` | ``{prefill: triton, decode: flashinfer}``."""
+    if isinstance(d, str):
+        parts = d.split("+")
+        if len(parts) == 1:
+            parts = parts * 2
+        if len(parts) != 2:
+            _fail(path, f"expected BACKEND or PREFILL+DECODE, got {d!r}")
+        return (_choice(parts[0], BACKENDS, path), _choice(parts[1], BACKENDS, path))
+    d = _mapping(d, path)
+    _check_keys(d, ("prefill", "decode"), path)
+    return (_choice(d.get("prefill"), BACKENDS, f"{path}.prefill"), _choice(d.get("decode"), BACKENDS, f"{path}.decode"))
+
+
+@dataclass
+class SuiteSpec:
+    name: str
+    limit: Optional[int] = None
+    repeats: int = 1
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    seed: Optional[int] = None
+    params: dict = field(default_factory=dict)  # passed through to the suite
+
+
+_SUITE_KEYS = tuple(SuiteSpec.__dataclass_fields__)
+
+
+def _suite(d: Any, path: str) -> SuiteSpec:
+    if isinstance(d, str):
+        d = {"name": d}
+    d = _mapping(d, path)
+    _check_keys(d, _SUITE_KEYS, path)
+    name = _str(d.get("name"), f"{path}.name")
+    if not (name in SUITES or (name.startswith("lm_eval:") and len(name) > len("lm_eval:"))):
+        _fail(f"{path}.name", f"{name!r} is not a known suite; choose one of: {', '.join(SUITES)}, lm_eval:<task>")
+    s = SuiteSpec(name=name)
+    if d.get("limit") is not None:
+        s.limit = _int(d["limit"], f"{path}.limit", 1)
+    if "repeats" in d:
+        s.repeats = _int(d["repeats"], f"{path}.repeats", 1)
+    if d.get("max_tokens") is not None:
+        s.max_tokens = _int(d["max_tokens"], f"{path}.max_tokens", 1)
+    if d.get("temperature") is not None:
+        s.temperature = _num(d["temperature"], f"{path}.temperature")
+    if d.get("seed") is not None:
+        s.seed = _int(d["seed"], f"{path}.seed")
+    s.params = dict(_mapping(d.get("params"), f"{path}.params"))
+    return s
+
+
+@dataclass
+class LoadSpec:
+    """The load test of every cell (concurrency comes from the cell).  ``num_prompts`` per cell is
+    ``max(num_prompts, prompts_per_concurrency * concurrency)``; ``seed`` is varied per cell so cells never
+    reuse each other's prompts (no cross-cell prefix-cache hits)."""
+
+    enabled: bool = True
+    num_prompts: int = 16
+    prompts_per_concurrency: int = 0
+    dataset: str = "random"
+    dataset_path: Optional[str] = None
+    input_len: int = 128
+    output_len: int = 32
+    range_ratio: float = 0.0
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    warmup: int = 1
+    api: str = "completions"
+    ignore_eos: bool = True
+    seed: int = 0
+    timeout_s: float = 600.0  # per request
+    metrics_interval_s: float = 0.5  # server /metrics sampling period; 0 = off
+
+
+_LOAD_KEYS = tuple(LoadSpec.__dataclass_fields__)
+
+
+def _load(d: Any, path: str) -> LoadSpec:
+    d = _mapping(d, path)
+    _check_keys(d, _LOAD_KEYS, path)
+    s = LoadSpec()
+    for k in ("enabled", "ignore_eos"):
+        if k in d:
+            setattr(s, k, _bool(d[k], f"{path}.{k}"))
+    for k, lo in (("num_prompts", 1), ("prompts_per_concurrency", 0), ("input_len", 1), ("output_len", 1), ("warmup", 0), ("seed", 0)):
+        if k in d:
+            setattr(s, k, _int(d[k], f"{path}.{k}", lo))
+    if "range_ratio" in d:
+        s.range_ratio = _num(d["range_ratio"], f"{path}.range_ratio")
+        if s.range_ratio >= 1:
+            _fail(f"{path}.range_ratio", f"expected a number in [0, 1), got {s.range_ratio}")
+    if "timeout_s" in d:
+        s.timeout_s = _num(d["timeout_s"], f"{path}.timeout_s", 1e-3)
+    if "metrics_interval_s" in d:
+        s.metrics_interval_s = _num(d["metrics_interval_s"], f"{path}.metrics_interval_s")
+    if "request_rate" in d:
+        s.request_rate = _num(d["request_rate"], f"{path}.request_rate", 0.0, allow_inf=True)
+        if s.request_rate == 0:
+            _fail(f"{path}.request_rate", "must be > 0 (or inf for all at once)")
+    if "burstiness" in d:
+        s.burstiness = _num(d["burstiness"], f"{path}.burstiness", 1e-9)
+    if "dataset" in d:
+        s.dataset = _choice(d["dataset"], LOAD_DATASETS, f"{path}.dataset")
+    if "api" in d:
+        s.api = _choice(d["api"], LOAD_APIS, f"{path}.api")
+    if d.get("dataset_path") is not None:
+        s.dataset_path = _str(d["dataset_path"], f"{path}.dataset_path")
+    if s.dataset == "sharegpt" and not s.dataset_path:
+        _fail(f"{path}.dataset_path", "the sharegpt dataset needs dataset_path")
+    return s
+
+
+@dataclass
+class GateSpec:
+    """Non-inferiority thresholds (reports/gate.py reads them from the manifest's config).  ``max_drop``
+    is one number for every gated suite or a mapping suite -> largest allowed accuracy drop (absolute);
+    ``metrics`` picks what is gated ("suite" or "suite:metric"; default every accuracy suite)."""
+
+    max_drop: Any = field(default_factory=dict)
+    confidence: float = 0.95
+    max_invalid_rate_increase: Optional[float] = None
+    max_truncation_rate_increase: Optional[float] = None
+    max_kl_mean: Optional[float] = None  # fidelity: mean per-token KL vs the reference
+    metrics: Optional[list] = None
+
+
+_GATE_KEYS = tuple(GateSpec.__dataclass_fields__)
+
+
+def _gate(d: Any, path: str, suites: list[SuiteSpec]) -> GateSpec:
+    d = _mapping(d, path)
+    _check_keys(d, _GATE_KEYS, path)
+    g = GateSpec()
+    names = [s.name for s in suites]
+    md = d.get("max_drop")
+    if isinstance(md, (int, float)) and not isinstance(md, bool):
+        g.max_drop = _num(md, f"{path}.max_drop")
+    else:
+        for suite, drop in _mapping(md, f"{path}.max_drop").items():
+            if suite not in names:
+                _fail(f"{path}.max_drop.{suite}", f"not a suite of this sweep; suites: {', '.join(names) or '(none)'}")
+            g.max_drop[suite] = _num(drop, f"{path}.max_drop.{suite}")
+    if "confidence" in d:
+        g.confidence = _num(d["confidence"], f"{path}.confidence")
+        if not 0.5 <= g.confidence < 1:
+            _fail(f"{path}.confidence", f"expected a number in [0.5, 1), got {g.confidence}")
+    for k in ("max_invalid_rate_increase", "max_truncation_rate_increase", "max_kl_mean"):
+        if d.get(k) is not None:
+            setattr(g, k, _num(d[k], f"{path}.{k}"))
+    if d.get("metrics") is not None:
+        g.metrics = [_str(m, f"{path}.metrics[{i}]") for i, m in enumerate(_list(d["metrics"], f"{path}.metrics"))]
+        for i, m in enumerate(g.metrics):
+            if m.split(":")[0] not in names and not m.startswith("lm_eval:"):
+                _fail(f"{path}.metrics[{i}]", f"{m!r} names no suite of this sweep; suites: {', '.join(names) or '(none)'}")
+    return g
+
