@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvbench.reports.load import RunData, RunLoadError, assign_short_labels, load_run, resolve_baseline
-from kvbench.reports.tables import Analysis, analyze
+from kvbench.reports.analysis import Analysis, analyze
 
 __all__ = ["report_analysis", "compare_analysis", "load_runs", "run_meta"]
 

@@ -11,8 +11,8 @@ from typing import Optional
 
 from kvbench.harness.store import atomic_write_text
 from kvbench.reports.plots import write_plots
+from kvbench.reports.analysis import Analysis
 from kvbench.reports.tables import (
-    Analysis,
     Table,
     aa_table,
     accuracy_table,

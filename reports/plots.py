@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvbench.harness.store import atomic_write_bytes
-from kvbench.reports.tables import Analysis
+from kvbench.reports.analysis import Analysis
 
 __all__ = ["accuracy_plot", "delta_plot", "serving_plot", "capacity_plot", "fidelity_plot", "write_plots"]
 

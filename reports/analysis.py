@@ -1,0 +1,187 @@
+"""The analysis behind a report: accuracy with intervals, paired deltas (Holm-corrected), the A/A control,
+fidelity, serving metrics and capacity, computed from loaded cells (``analyze``).  ``reports.tables``
+renders them.
+
+``analyze`` takes a ``baseline_for(cell)`` function, so one code path serves ``kvbench report`` (one
+baseline cell for the run) and ``kvbench compare`` (each cell against the same config in the first run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from kvbench.harness.loadgen_metrics import summarize
+from kvbench.reports import stats
+from kvbench.reports.load import FIDELITY_SUITE, CellData, accuracy_suites, item_scores, suite_metrics
+
+__all__ = ["Analysis", "AccuracyRow", "DeltaRow", "AARow", "FidelityRow", "analyze"]
+
+
+@dataclass
+class AccuracyRow:
+    cell: CellData
+    suite: str
+    metric: str
+    est: stats.Estimate
+    invalid_rate: float
+    truncation_rate: float
+    pass_at_k: Optional[float]
+
+
+@dataclass
+class DeltaRow:
+    base: CellData
+    cell: CellData
+    suite: str
+    metric: str
+    d: stats.PairedDelta
+    p_holm: Optional[float] = None
+
+
+@dataclass
+class AARow:
+    base: CellData
+    cell: CellData
+    suite: str
+    d: stats.PairedDelta
+    output_agreement: float  # fraction of shared (item, repeat) keys with byte-identical raw output
+
+
+@dataclass
+class FidelityRow:
+    cell: CellData
+    n_texts: int
+    n_tokens: int
+    kl_mean: float  # token-weighted mean of per-text mean KL
+    kl_p99: float  # mean over texts of per-text p99 KL
+    kl_max: float
+    top1_agree: float  # token-weighted
+    ppl_ref: float  # exp of the token-weighted mean NLL (pooled over texts)
+    ppl_cand: float
+    first_divergence_median: Optional[float]  # token index; the greedy window length when nothing diverged
+    first_divergence_min: Optional[float]
+
+
+@dataclass
+class Analysis:
+    cells: list[CellData]
+    baseline: Optional[CellData]
+    confidence: float
+    accuracy: list[AccuracyRow] = field(default_factory=list)
+    deltas: list[DeltaRow] = field(default_factory=list)
+    aa: list[AARow] = field(default_factory=list)
+    fidelity: list[FidelityRow] = field(default_factory=list)
+    serving: list[tuple[CellData, dict]] = field(default_factory=list)
+    capacity: list[tuple[CellData, dict, Optional[float]]] = field(default_factory=list)
+
+
+def _rate(cell: CellData, suite: str, metric: str) -> float:
+    v = list(item_scores(cell, suite, metric).values())
+    return sum(v) / len(v) if v else math.nan
+
+
+def _pass_at_k(scores: dict) -> Optional[float]:
+    per_q = stats.group_by_question(scores)
+    if max(len(v) for v in per_q.values()) < 2:
+        return None
+    return sum(1 for v in per_q.values() if max(v) > 0) / len(per_q)
+
+
+def _fidelity(cell: CellData) -> Optional[FidelityRow]:
+    recs = [r.get("scores") or {} for r in cell.items if r.get("suite") == FIDELITY_SUITE]
+    recs = [s for s in recs if s.get("kl_mean") is not None]
+    if not recs:
+        return None
+    w = [float(s.get("n_tokens") or 1) for s in recs]
+    tw = sum(w)
+
+    def wmean(k):
+        vals = [(float(s[k]), wi) for s, wi in zip(recs, w) if s.get(k) is not None]
+        return sum(v * wi for v, wi in vals) / sum(wi for _, wi in vals) if vals else math.nan
+
+    def mean(k):
+        vals = [float(s[k]) for s in recs if s.get(k) is not None]
+        return sum(vals) / len(vals) if vals else math.nan
+
+    divs = [float(s["first_divergence"]) for s in recs if s.get("first_divergence") is not None]
+    return FidelityRow(
+        cell=cell, n_texts=len(recs), n_tokens=int(tw), kl_mean=wmean("kl_mean"), kl_p99=mean("kl_p99"),
+        kl_max=max((float(s.get("kl_max") or 0.0) for s in recs), default=math.nan), top1_agree=wmean("top1_agree"),
+        ppl_ref=math.exp(wmean("nll_ref")), ppl_cand=math.exp(wmean("nll_cand")),
+        first_divergence_median=statistics.median(divs) if divs else None,
+        first_divergence_min=min(divs) if divs else None,
+    )
+
+
+def _serving(cell: CellData) -> dict:
+    recs = cell.requests
+    load = (cell.summary or {}).get("load") or {}
+    duration = load.get("duration_s")
+    if not duration:
+        ends = [float(r["start_s"]) + float(r["latency_s"]) for r in recs if r.get("start_s") is not None and r.get("latency_s") is not None]
+        starts = [float(r["start_s"]) for r in recs if r.get("start_s") is not None]
+        duration = (max(ends) - min(starts)) if ends and starts else 0.0
+    if duration <= 0:
+        duration = 1e-9
+    return summarize(recs, duration)
+
+
+def analyze(
+    cells: list[CellData],
+    baseline_for: Callable[[CellData], Optional[CellData]],
+    baseline: Optional[CellData] = None,
+    confidence: float = 0.95,
+    n_boot: int = 10_000,
+    seed: int = 0,
+) -> Analysis:
+    done = [c for c in cells if c.done]
+    a = Analysis(cells=cells, baseline=baseline, confidence=confidence)
+    for cell in done:
+        for suite in accuracy_suites(cell):
+            inv, trunc = _rate(cell, suite, "invalid"), _rate(cell, suite, "truncated")
+            for metric in suite_metrics(cell, suite):
+                scores = item_scores(cell, suite, metric)
+                if scores:
+                    a.accuracy.append(AccuracyRow(cell, suite, metric, stats.estimate(scores, confidence), inv, trunc, _pass_at_k(scores)))
+        fid = _fidelity(cell)
+        if fid:
+            a.fidelity.append(fid)
+        if cell.requests:
+            a.serving.append((cell, _serving(cell)))
+    for cell in done:
+        base = baseline_for(cell)
+        if base is None or base is cell or not cell.items:
+            continue
+        for suite in accuracy_suites(cell):
+            b, c = item_scores(base, suite), item_scores(cell, suite)
+            if not (set(b) & set(c)):
+                continue
+            d = stats.paired_delta(b, c, confidence=confidence, n_boot=n_boot, seed=seed)
+            if cell.aa_control:
+                shared = set(b) & set(c)
+                raw_b = {(str(r["item_id"]), int(r.get("repeat") or 0)): r.get("raw_output") for r in base.items if r.get("suite") == suite}
+                raw_c = {(str(r["item_id"]), int(r.get("repeat") or 0)): r.get("raw_output") for r in cell.items if r.get("suite") == suite}
+                agree = sum(1 for k in shared if raw_b.get(k) == raw_c.get(k)) / len(shared)
+                a.aa.append(AARow(base, cell, suite, d, agree))
+            else:
+                a.deltas.append(DeltaRow(base, cell, suite, "correct", d))
+    for row, p in zip(a.deltas, stats.holm([r.d.p_value for r in a.deltas])):
+        row.p_holm = p
+    # capacity: one row per format series (capacity does not depend on concurrency)
+    seen: dict[str, tuple[CellData, dict]] = {}
+    for cell in done:
+        if cell.capacity and not cell.aa_control:
+            seen.setdefault(json.dumps(cell.series_config, sort_keys=True, default=str) + cell.run, (cell, cell.capacity))
+    base_tokens = None
+    if baseline is not None:
+        for cell, cap in seen.values():
+            if cell.series_config == baseline.series_config and cell.run == baseline.run:
+                base_tokens = cap.get("tokens")
+    for cell, cap in seen.values():
+        ratio = (cap.get("tokens") or 0) / base_tokens if base_tokens else None
+        a.capacity.append((cell, cap, ratio))
+    return a
