@@ -214,14 +214,14 @@ def _e2m1_asm(regroup: bool, outs: dict) -> str:
     (nibbles 0,2), (4,6), (1,3), (5,7) of the word; ``outs`` maps each block to (output, scale operand).
     ``regroup`` first permutes the bytes of ``$4`` as [b0, b2, b1, b3] (two 16-bit units → element k of
     both units in one pair)."""
-    half = {"A": ("lo", "a0"), "B": ("lo", "a1"), "C": ("hi", "b0"), "D": ("hi", "b1")}
+    half = {"A": "a0", "B": "a1", "C": "b0", "D": "b1"}  # the 16-bit halves of the low / high nibble bytes
     lines = [".reg .b32 w, lo, hi, t, zero;", ".reg .b16 a0, a1, b0, b1;", "mov.b32 zero, 0;",
              "prmt.b32 w, $4, zero, 0x3120;" if regroup else "mov.b32 w, $4;",
              "shl.b32 lo, w, 2;", "and.b32 lo, lo, 0x1C1C1C1C;", "shl.b32 t, w, 4;", "and.b32 t, t, 0x80808080;",
              "or.b32 lo, lo, t;", "shr.b32 hi, w, 2;", "and.b32 hi, hi, 0x1C1C1C1C;", "and.b32 t, w, 0x80808080;",
              "or.b32 hi, hi, t;", "mov.b32 {a0, a1}, lo;", "mov.b32 {b0, b1}, hi;"]
     for name, (out, sc) in outs.items():
-        lines += [f"cvt.rn.f16x2.e4m3x2 {out}, {half[name][1]};", f"mul.rn.f16x2 {out}, {out}, {sc};"]
+        lines += [f"cvt.rn.f16x2.e4m3x2 {out}, {half[name]};", f"mul.rn.f16x2 {out}, {out}, {sc};"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 

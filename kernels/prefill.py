@@ -16,6 +16,7 @@ Sliding window and attention sinks follow ``reference.py``'s conventions.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -309,6 +310,11 @@ def tma_ok(x: torch.Tensor) -> bool:
             and x.data_ptr() % 16 == 0 and (x.stride(0) * es) % 16 == 0 and t > 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     t, h, d = x.shape
     return TensorDescriptor(x, [t, h * d], [x.stride(0), 1], [rows, d])
@@ -369,14 +375,19 @@ def paged_prefill(
     native = is_fp8_q and k_cache.dtype == torch.float8_e4m3fn and not interpreting() and d == next_pow2(d)
     fp8_qk = native if fp8_qk is None else (bool(fp8_qk) and native)
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
-    tma_able = fmt != 2 and all(tma_ok(x) for x in (q, k_new, v_new))
     explicit_tma = tma is not None
     if tma is None:
-        tma = tma_able and q.is_cuda and not interpreting() and torch.cuda.get_device_capability(q.device)[0] >= 9
-    elif tma and not tma_able:
-        raise ValueError("tma=True needs a cache format other than nvfp4 and tensors that tma_ok accepts")
-    elif tma and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
-        raise ValueError("tma=True needs a GPU of compute capability 9.0 or newer (Hopper)")
+        tma = (fmt != 2 and q.is_cuda and not interpreting() and _sm_major(q.device) >= 9
+               and all(tma_ok(x) for x in (q, k_new, v_new)))
+    elif tma:
+        bad = [n for n, x in (("q", q), ("k_new", k_new), ("v_new", v_new)) if not tma_ok(x)]
+        if fmt == 2 or bad:
+            raise ValueError("tma=True reads the new tokens through tensor descriptors, which needs a cache format "
+                             "other than nvfp4 and q / k_new / v_new with heads packed along each row, a power-of-two "
+                             "head dim of 16 bytes to 256 elements and 16-byte aligned rows"
+                             + (f" (not met by {', '.join(bad)})" if bad else f" (kv_format is {kv_format})"))
+        if q.is_cuda and _sm_major(q.device) < 9:
+            raise ValueError("tma=True needs a GPU of compute capability 9.0 or newer (Hopper); leave tma unset")
     dflt = launch_defaults(q.device, d, max_prefix_len, max_q_len, bool(tma))
     block_m = dflt["block_m"] if block_m is None else block_m
     # an explicit block_n tiles both phases alike

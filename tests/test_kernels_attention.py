@@ -137,6 +137,9 @@ def test_prefill_tma_eligibility():
         paged_prefill(torch.randn(4, 4, 32), k, k, cu, 4, page_table=table, seq_lens=sl, kv_format="nvfp4", tma=True,
                       **kv)
     kv, table = C._attn_inputs("bf16", [12], 2, 32, 8, "cpu", gen)
+    with pytest.raises(ValueError, match=r"not met by q\)"):  # the message names the tensor that cannot be read
+        paged_prefill(torch.randn(4, 8, 32)[:, ::2], k, k, cu, 4, page_table=table, seq_lens=sl, kv_format="bf16",
+                      tma=True, **kv)
     with pytest.raises(ValueError, match="at most 256 rows"):
         paged_prefill(torch.randn(4, 4, 32), k, k, cu, 4, page_table=table, seq_lens=sl, kv_format="bf16", tma=True,
                       block_m=512, **kv)
