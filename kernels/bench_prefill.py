@@ -58,7 +58,8 @@ def _flashinfer_prefill(backend, q, qs, kc, vc, ks, vs, table, b, qlen, seq, pag
 
 def bench_prefill(seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True):
     """Causal 8k prefill (no prefix) vs torch SDPA on the dense problem; then an extend over a cached
-    prefix (batch 4 × (7168 cached + 1024 new)) for bf16, fp8 (bf16 and fp8 queries) and nvfp4 KV;
+    prefix (batch 4 × (7168 cached + 1024 new)) for bf16, fp8 (bf16 queries split into e4m3 terms or over
+    converted K tiles, and fp8 queries) and nvfp4 KV;
     flashinfer's paged prefill on both problems.  Each Triton row is the fastest of ``CONFIGS``."""
     import torch
     import torch.nn.functional as F
@@ -118,10 +119,13 @@ def bench_prefill(seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True):
         vc, vbs, vs, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen)
         table = random_page_table([seq] * b, page, npg, gen, "cuda")
         kv = dict(k_scale=ks, v_scale=vs, k_block_scale=kbs, v_block_scale=vbs, out=outx)
-        queries = [("", qx, None)] + ([(" fp8 q", q8, qsc)] if fmt == "fp8_e4m3" else [])
-        for tag, qq, qs in queries:
+        # an e4m3 prefix with bf16 queries: by default q is split exactly into two e4m3 terms and the scores
+        # run as fp8 dots on the stored K; "converted K" is the path that converts every K tile instead
+        queries = [("", qx, None, {})] + ([(" converted K", qx, None, dict(fp8_qk=False)), (" fp8 q", q8, qsc, {})]
+                                          if fmt == "fp8_e4m3" else [])
+        for tag, qq, qs, opt in queries:
             t, cfg, dflt = _best(lambda kw: paged_prefill(qq, knx, vnx, cux, new, kc, vc, table, lx, kv_format=fmt,
-                                                          q_scale=qs, max_prefix_len=pre, **kv, **kw),
+                                                          q_scale=qs, max_prefix_len=pre, **kv, **kw, **opt),
                                   f"extend {fmt}{tag}")
             res[f"extend_{fmt}{tag.replace(' ', '_')}"] = t
             rows.append(Row(f"extend triton {fmt} prefix B{b}x({pre}+{new}){tag}", t, tflops=fl / (t * 1e-6) / 1e12,

@@ -27,7 +27,8 @@ import torch
 from kvbench.kernels import reference as R
 from kvbench.kernels.formats import FORMAT_NAMES, get_format, quantize_e2m1, scale_from_amax, unpack_nibbles
 
-__all__ = ["Case", "rel_err", "fp8_mismatch", "nvfp4_mismatch", "check_append", "check_decode", "check_prefill", "main"]
+__all__ = ["Case", "rel_err", "fp8_mismatch", "nvfp4_mismatch", "check_append", "check_decode", "check_prefill",
+           "check_prefill_q_split", "main"]
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-3}
 
@@ -231,8 +232,9 @@ def check_decode(fmt, lens, hq, hk, d, page, *, dtype=torch.bfloat16, window=Non
     return Case("decode", label, rel_err(out, ref), TOL[dtype])
 
 
-def check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype=torch.bfloat16, window=None, sinks=False,
-                  q_fp8=False, device="cuda", seed=0, **launch) -> Case:
+def _prefill_run(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype, window, sinks, q_fp8, device, seed, variants):
+    """The prefill kernel once per launch-option dict in ``variants`` on the same fresh inputs (outputs
+    poisoned first) → (outputs, float64 reference, label)."""
     from kvbench.kernels.prefill import paged_prefill
 
     gen = torch.Generator().manual_seed(seed)
@@ -244,15 +246,44 @@ def check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype=torch.bfloat1
     sk = (torch.randn(hq, generator=gen) * 2).to(device) if sinks else None
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
-    paged_prefill(q, k_new, v_new, cu, max(q_lens), page_table=table, seq_lens=seq_lens, kv_format=fmt,
-                  sliding_window=window, sinks=sk, q_scale=qs, out=out, **kv, **launch)
+    outs = []
+    for launch in variants:
+        out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
+        paged_prefill(q, k_new, v_new, cu, max(q_lens), page_table=table, seq_lens=seq_lens, kv_format=fmt,
+                      sliding_window=window, sinks=sk, q_scale=qs, out=out, **kv, **launch)
+        outs.append(out)
     ref = R.prefill_reference(q, k_new, v_new, cu.cpu(), page_table=table, seq_lens=seq_lens, kv_format=fmt,
                               sliding_window=window, sinks=sk, q_scale=qs, **kv)
     label = f"{fmt} new={q_lens} prefix={prefixes} {hq}/{hk} D={d} page={page}{_features(window, sinks, q_fp8)}"
+    return outs, ref, label
+
+
+def check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype=torch.bfloat16, window=None, sinks=False,
+                  q_fp8=False, device="cuda", seed=0, **launch) -> Case:
+    (out,), ref, label = _prefill_run(fmt, q_lens, prefixes, hq, hk, d, page, dtype=dtype, window=window, sinks=sinks,
+                                      q_fp8=q_fp8, device=device, seed=seed, variants=[launch])
     if "tma" in launch:
         label += " tma" if launch["tma"] else " no-tma"
+    if "fp8_qk" in launch:
+        label += " fp8-qk" if launch["fp8_qk"] else " converted-k"
     return Case("prefill", label, rel_err(out, ref), TOL[dtype])
+
+
+# two bf16 outputs of the same attention that differ only in rounding: a few units in bf16's last place
+SPLIT_TOL = 4e-3
+
+
+def check_prefill_q_split(q_lens, prefixes, hq, hk, d, page, *, window=None, sinks=False, device="cuda", seed=0,
+                          **launch) -> Case:
+    """A bf16 q over an e4m3 prefix: the default path (q split exactly into two e4m3 terms, fp8 dots on the
+    stored K) against converting each K tile (``fp8_qk=False``), on the same inputs.  The two should agree
+    to rounding; the error against the float64 reference alone could not tell a lost low term (about 2e-2
+    here) from the tolerance."""
+    (split, conv), ref, label = _prefill_run(
+        "fp8_e4m3", q_lens, prefixes, hq, hk, d, page, dtype=torch.bfloat16, window=window, sinks=sinks, q_fp8=False,
+        device=device, seed=seed, variants=[dict(launch), dict(launch, fp8_qk=False)])
+    detail = f"(vs reference: split {rel_err(split, ref):.2e}, converted {rel_err(conv, ref):.2e})"
+    return Case("prefill", f"{label} q split vs converted K", rel_err(split, conv), SPLIT_TOL, detail)
 
 
 # -------------------------------------------------------------------------------------- GPU run
@@ -283,6 +314,16 @@ def gpu_cases(quick: bool = False):
             for window, sinks, q8 in ((None, False, False), (700, True, False), (None, False, True), (700, True, True)):
                 yield lambda f=fmt, ql=ql, pre=pre, a=(hq, hk, d, page), w=window, s=sinks, q=q8: check_prefill(
                     f, ql, pre, *a, window=w, sinks=s, q_fp8=q, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+        # a bf16 q over an e4m3 prefix runs the prefix's scores as two fp8 dots of an exact split of q by
+        # default: against the converted-K path it replaces (which keeps its own coverage here)
+        if fmt == "fp8_e4m3":
+            for (ql, pre), a in ((([512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31]), shapes[0]),
+                                 (([200, 1, 640], [4000, 64, 0]), shapes[1]), (([128, 2048], [32768 - 128, 0]), shapes[0])):
+                for window, sinks in ((None, False), (700, True)):
+                    yield lambda ql=ql, pre=pre, a=a, w=window, s=sinks: check_prefill_q_split(
+                        ql, pre, *a, window=w, sinks=s, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+            yield lambda: check_prefill("fp8_e4m3", [512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31], *shapes[0], window=700,
+                                        sinks=True, fp8_qk=False, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
         # the GPU reads q and the new tokens through tensor descriptors by default (TMA; not for nvfp4): the
         # pointer loads it replaces, on the same features
         if fmt != "nvfp4":

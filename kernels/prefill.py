@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kvbench.kernels._fp8_split import split_e4m3
 from kvbench.kernels._triton_utils import (
     cache_dot_code,
     check_cache,
@@ -84,15 +85,23 @@ def _new_tile(KN, VN, q_start, j, n_off, q_len, hk, skn_t, skn_h, svn_t, svn_h, 
 
 @triton.jit
 def _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask, scale, vscale,
-            SPLIT: tl.constexpr, DOT: tl.constexpr, SCALE_V: tl.constexpr, MASKED: tl.constexpr):
+            SPLIT: tl.constexpr, DOT: tl.constexpr, SCALE_V: tl.constexpr, MASKED: tl.constexpr,
+            Q_SPLIT: tl.constexpr = False):
+    """``Q_SPLIT``: q = hi + lo (``q_a``, ``q_b``, fp8) against the stored fp8 K, two chained fp8 dots, and
+    ``scale`` is per row (it carries each row's inverse power-of-two scale)."""
     qk = tl.dot(q_a, tl.trans(k_a))
     if SPLIT:
         qk += tl.dot(q_b, tl.trans(k_b))
+    if Q_SPLIT:
+        qk = tl.dot(q_b, tl.trans(k_a), qk)
+        sc = scale[:, None]
+    else:
+        sc = scale
     if MASKED:
         qk = tl.where(mask, qk, float("-inf"))
     # scale > 0 (checked by the launcher): max(s·x) = s·max(x), and s·x − m is one FMA per element
     m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale)
-    p = tl.math.exp2(qk * scale - m_new[:, None])
+    p = tl.math.exp2(qk * sc - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if SCALE_V:
@@ -108,9 +117,10 @@ def _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask, scale, v
 def _prefix_tile(KC, VC, KBS, VBS, pt_row, offs, prefix, qpos, wlim, hk, i, imask, qp_a, qp_b, acc_a, acc_b, m_i,
                  l_i, pscale, vscale, skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h,
                  PAGE: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, DOT_P: tl.constexpr,
-                 SPLIT: tl.constexpr, FP8_QK: tl.constexpr, MASKED: tl.constexpr):
+                 SPLIT: tl.constexpr, FP8_QK: tl.constexpr, MASKED: tl.constexpr, Q_SPLIT: tl.constexpr):
     """One tile of the cached prefix: keys ``offs`` read through the page table and dequantized in
-    registers (``FP8_QK``: K kept in fp8 for an fp8 ``Q·Kᵀ``), then the online-softmax update."""
+    registers (``FP8_QK``: K kept in fp8 for an fp8 ``Q·Kᵀ``; ``Q_SPLIT``: against a split bf16 q), then
+    the online-softmax update."""
     tmask = offs < prefix
     page = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64)
     slot = page * PAGE + (offs % PAGE)
@@ -126,7 +136,7 @@ def _prefix_tile(KC, VC, KBS, VBS, pt_row, offs, prefix, qpos, wlim, hk, i, imas
         v_b = v_a
     mask = tmask[None, :] & ((qpos[:, None] - offs[None, :]) < wlim)
     return _update(qp_a, qp_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask, pscale, vscale, SPLIT, DOT_P,
-                   FMT != 0, MASKED)
+                   FMT != 0, MASKED, Q_SPLIT)
 
 
 @triton.jit
@@ -140,7 +150,8 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, DOT_P: tl.constexpr,
     HAS_Q_SCALE: tl.constexpr, HAS_SINKS: tl.constexpr, HEAVY_FIRST: tl.constexpr = True,
     FULL_D: tl.constexpr = False, FP8_QK: tl.constexpr = False, PREFIX_FULL: tl.constexpr = True,
-    BLOCK_NP: tl.constexpr = 64, TMA: tl.constexpr = False,
+    BLOCK_NP: tl.constexpr = 64, TMA: tl.constexpr = False, Q_SPLIT: tl.constexpr = False,
+    EXACT_CAST: tl.constexpr = False,
 ):
     # FULL_D: the head dim (or its halves) fills DP_PAD, so full tiles of new tokens load without masks
     # HEAVY_FIRST: the last query blocks (the most causal work) are launched first, so the short ones
@@ -149,6 +160,8 @@ def _prefill_kernel(
     # TMA: Q, KN and VN are tensor descriptors over the packed [T, H·D] rows (Hopper's tensor memory
     # accelerator: one bulk copy per tile, no per-element addresses or predicates; rows past T read as
     # zeros, and rows of the next sequence in a tile's tail are masked like any key past the query)
+    # Q_SPLIT (with FP8_QK): a bf16 q over an e4m3 prefix is split exactly into two e4m3 terms per row
+    # (``_fp8_split``), so the prefix's Q·Kᵀ runs as two fp8 dots on the stored K with no K conversion
     mb = tl.program_id(0)
     if HEAVY_FIRST:
         mb = tl.num_programs(0) - 1 - mb
@@ -174,20 +187,22 @@ def _prefill_kernel(
         q_raw = Q.load([q_start + mb * BLOCK_M, h * D])
         q_a = to_dot(q_raw, DOT)
         q_b = q_a
-        if FP8_QK:
+        if FP8_QK and not Q_SPLIT:
             qp_a = q_raw
         else:
             qp_a = to_dot(q_raw, DOT_P)
         qp_b = qp_a
     else:
         q_a, q_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT)
-        if FP8_QK:  # fp8 q and an e4m3 prefix: Q·Kᵀ of the prefix as an fp8 dot of the stored values
+        if FP8_QK and not Q_SPLIT:  # fp8 q, e4m3 prefix: the prefix's Q·Kᵀ as an fp8 dot of the stored values
             qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, 4)
         elif DOT_P == DOT:
             qp_a = q_a
             qp_b = q_b
         else:  # the prefix tiles use their own dot dtype (fp16 for fp8 / nvfp4)
             qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT_P)
+    if Q_SPLIT:
+        qp_a, qp_b, qinv = split_e4m3(q_a.to(tl.float32), EXACT_CAST)
     scale = sm_scale_log2
     if HAS_Q_SCALE:
         scale = scale * tl.load(Q_SCALE)
@@ -207,6 +222,8 @@ def _prefill_kernel(
     if FMT != 0:
         pscale = scale * tl.load(K_SCALE + hk)
         vscale = tl.load(V_SCALE + hk)
+    if Q_SPLIT:
+        pscale = pscale * qinv
     pt_row = PT + b.to(tl.int64) * spt_b
     wlim = tl.where(window > 0, window, 1 << 30)  # keys with qpos − kpos >= wlim are outside the window
     # without a window, the whole tiles of the prefix need no logit mask; the rest (the prefix's last
@@ -219,12 +236,12 @@ def _prefill_kernel(
         acc_a, acc_b, m_i, l_i = _prefix_tile(
             KC, VC, KBS, VBS, pt_row, j + np_off, prefix, qpos, wlim, hk, i, imask, qp_a, qp_b, acc_a, acc_b,
             m_i, l_i, pscale, vscale, skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h,
-            PAGE, NB, D, FMT, DOT_P, SPLIT, FP8_QK, False)
+            PAGE, NB, D, FMT, DOT_P, SPLIT, FP8_QK, False, Q_SPLIT)
     for j in range(pfull, prefix, BLOCK_NP):
         acc_a, acc_b, m_i, l_i = _prefix_tile(
             KC, VC, KBS, VBS, pt_row, j + np_off, prefix, qpos, wlim, hk, i, imask, qp_a, qp_b, acc_a, acc_b,
             m_i, l_i, pscale, vscale, skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h,
-            PAGE, NB, D, FMT, DOT_P, SPLIT, FP8_QK, True)
+            PAGE, NB, D, FMT, DOT_P, SPLIT, FP8_QK, True, Q_SPLIT)
 
     # ---- phase 2: the new tokens (compute precision); full tiles first, then the diagonal
     jstart = prefix * 0
@@ -338,7 +355,8 @@ def paged_prefill(
     ``heavy_first`` launches the query blocks in reverse order (longest causal rows first).
     Tiles (``block_n`` keys per tile over the new tokens, ``block_n_prefix`` over the cached prefix), warps
     and stages default to ``launch_defaults``; ``fp8_qk`` (default: whenever it applies) runs
-    an fp8 q's scores over an e4m3 prefix as an fp8 dot; ``prefix_full=False`` masks every prefix tile
+    the scores over an e4m3 prefix as fp8 dots of the stored K (an fp8 q as is, a bfloat16 q split exactly
+    into two e4m3 terms; ``False``: convert each K tile instead); ``prefix_full=False`` masks every prefix tile
     (the old path, kept for comparison).  ``max_prefix_len`` (host int, optional): the longest cached
     prefix in the batch; 0 (prompts only) selects the prefix-less launch defaults.  ``tma`` (default: on a
     GPU of compute capability 9 or newer, whenever ``tma_ok`` says the tensors allow it) reads q and the new
@@ -370,10 +388,12 @@ def paged_prefill(
     if t == 0 or bsz == 0 or max_q_len <= 0:
         return out
     dp = d // 2 if fmt == 2 else d
-    # an fp8 q over an e4m3 prefix: the prefix's Q·Kᵀ runs on the stored fp8 values (fp8 tensor-core dot,
-    # float32 accumulation) instead of converting every K tile; the interpreter has no fp8 dot
-    native = is_fp8_q and k_cache.dtype == torch.float8_e4m3fn and not interpreting() and d == next_pow2(d)
-    fp8_qk = native if fp8_qk is None else (bool(fp8_qk) and native)
+    # over an e4m3 prefix, the prefix's Q·Kᵀ runs on the stored fp8 values (fp8 tensor-core dots, float32
+    # accumulation) instead of converting every K tile: an fp8 q directly, a bf16 q split exactly into two
+    # e4m3 terms per row (``_fp8_split``; a float16 q has too many significant bits for two terms)
+    e4m3_prefix = k_cache.dtype == torch.float8_e4m3fn and d == next_pow2(d) and d >= 32
+    q_split = e4m3_prefix and q.dtype == torch.bfloat16 and fp8_qk is not False
+    fp8_qk = e4m3_prefix and (is_fp8_q or q_split) and fp8_qk is not False
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
     explicit_tma = tma is not None
     if tma is None:
@@ -419,7 +439,8 @@ def paged_prefill(
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, DOT=dot_code(k_new.dtype),
         DOT_P=cache_dot_code(kv_format, k_new.dtype), HAS_Q_SCALE=q_scale is not None,
         HAS_SINKS=sinks is not None, HEAVY_FIRST=heavy_first, FULL_D=dp == next_pow2(dp),
-        FP8_QK=fp8_qk, PREFIX_FULL=prefix_full, BLOCK_NP=block_n_prefix, TMA=bool(tma),
+        FP8_QK=fp8_qk, PREFIX_FULL=prefix_full, BLOCK_NP=block_n_prefix, TMA=bool(tma), Q_SPLIT=q_split,
+        EXACT_CAST=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -98,6 +98,19 @@ def test_prefill_prefix_whole_and_partial_tiles(fmt, prefix_full, bnp):
     assert case.err <= C.TOL[torch.float32], case.line()
 
 
+@pytest.mark.parametrize("d,window,sinks", [(32, None, False), (64, 21, True)])
+def test_prefill_split_query_matches_converted_k(d, window, sinks):
+    # a bf16 q over an e4m3 prefix (the default path): q split exactly into two e4m3 terms per row, the
+    # scores as fp8 dots on the stored K; it must agree with converting each K tile (fp8_qk=False) far more
+    # closely than the reference tolerance (dropping the low term gives ~2e-2 here)
+    case = C.check_prefill_q_split([9, 40, 1], [32, 23, 50], 4, 2, d, 8, window=window, sinks=sinks, device="cpu",
+                                   seed=d + (window or 0), block_m=16, block_n=16)
+    assert case.err <= 1e-3, case.line()
+    ref = C.check_prefill("fp8_e4m3", [9, 40, 1], [32, 23, 50], 4, 2, d, 8, window=window, sinks=sinks, device="cpu",
+                          seed=d + (window or 0), block_m=16, block_n=16)
+    assert ref.err <= C.TOL[torch.bfloat16], ref.line()
+
+
 def test_prefill_block_shapes_and_pure_prefill():
     case = C.check_prefill("fp8_e4m3", [33, 17], [0, 0], 2, 2, 32, 16, dtype=torch.float32, device="cpu", seed=2,
                            block_m=32, block_n=16)

@@ -52,25 +52,39 @@ def compile_prefill():
     ptrs = dict(Q="*fp8e4nv", KN="*bf16", VN="*bf16", KC="*fp8e4nv", VC="*fp8e4nv", KBS="*fp8e4nv", VBS="*fp8e4nv",
                 K_SCALE="*fp32", V_SCALE="*fp32", Q_SCALE="*fp32", SINKS="*fp32", PT="*i32", SEQ_LENS="*i32",
                 CU_Q="*i32", OUT="*bf16")
-    # an fp8 q over an e4m3 prefix: scores as fp8 dots (FP8_QK) or over converted tiles; then an nvfp4 prefix
-    for fmt, fp8_qk, full in ((1, True, True), (1, False, False), (2, False, True)):
+    # over an e4m3 prefix: an fp8 q's scores as fp8 dots (FP8_QK), a bf16 q split into two e4m3 terms
+    # (Q_SPLIT: two fp8 dots per prefix tile), or over converted tiles; then an nvfp4 prefix
+    for fmt, qty, fp8_qk, q_split, full in ((1, "*fp8e4nv", True, False, True), (1, "*fp8e4nv", False, False, False),
+                                            (1, "*bf16", True, True, True), (2, "*fp8e4nv", False, False, True)):
         c = dict(G=4, D=128, DP_PAD=64 if fmt == 2 else 128, NB=8, PAGE=16, BLOCK_M=64, BLOCK_N=64, FMT=fmt, DOT=0,
-                 DOT_P=1, HAS_Q_SCALE=True, HAS_SINKS=True, HEAVY_FIRST=True, FULL_D=True, FP8_QK=fp8_qk, BLOCK_NP=128,
-                 PREFIX_FULL=full, TMA=False)
+                 DOT_P=1, HAS_Q_SCALE=not q_split, HAS_SINKS=True, HEAVY_FIRST=True, FULL_D=True, FP8_QK=fp8_qk,
+                 BLOCK_NP=128, PREFIX_FULL=full, TMA=False, Q_SPLIT=q_split)
         kc = "*u8" if fmt == 2 else "*fp8e4nv"
-        k = _compile(_prefill_kernel, c, dict(ptrs, KC=kc, VC=kc), ("sm_scale_log2",), num_warps=4)
-        fp8_dots = [ln for ln in k.asm["ttgir"].splitlines() if "warp_group_dot " in ln and "f8E4M3FN" in ln]
-        assert bool(fp8_dots) == fp8_qk, f"fp8 tensor-core dots: {len(fp8_dots)} (FP8_QK={fp8_qk})"
+        k = _compile(_prefill_kernel, c, dict(ptrs, Q=qty, KC=kc, VC=kc), ("sm_scale_log2",), num_warps=4)
+        _check_prefix_dots(k.asm["ttgir"], fp8_qk, q_split, full)
         assert "async_tma_copy" not in k.asm["ttgir"]
-    # q and the new tokens through tensor descriptors (TMA bulk copies), with an fp8 q over an e4m3 prefix
-    for qty, fp8_qk in (("bf16", False), ("fp8e4nv", True)):
+    # q and the new tokens through tensor descriptors (TMA bulk copies), with a bf16 q (converted K tiles, or
+    # split) or an fp8 q over an e4m3 prefix
+    for qty, fp8_qk, q_split in (("bf16", False, False), ("fp8e4nv", True, False), ("bf16", True, True)):
         c = dict(G=4, D=128, DP_PAD=128, NB=8, PAGE=16, BLOCK_M=128, BLOCK_N=128, FMT=1, DOT=0, DOT_P=1,
-                 HAS_Q_SCALE=fp8_qk, HAS_SINKS=False, HEAVY_FIRST=True, FULL_D=True, FP8_QK=fp8_qk, BLOCK_NP=128,
-                 PREFIX_FULL=True, TMA=True)
+                 HAS_Q_SCALE=qty != "bf16", HAS_SINKS=False, HEAVY_FIRST=True, FULL_D=True, FP8_QK=fp8_qk, BLOCK_NP=128,
+                 PREFIX_FULL=True, TMA=True, Q_SPLIT=q_split)
         desc = dict(Q=f"tensordesc<{qty}[128,128]>", KN="tensordesc<bf16[128,128]>", VN="tensordesc<bf16[128,128]>")
         k = _compile(_prefill_kernel, c, dict(ptrs, **desc), ("sm_scale_log2",), num_warps=8, num_stages=3)
         tma = [ln for ln in k.asm["ttgir"].splitlines() if "async_tma_copy_global_to_local" in ln]
         assert len(tma) >= 3, f"TMA copies: {len(tma)}"
+        _check_prefix_dots(k.asm["ttgir"], fp8_qk, q_split, True)
+
+
+def _check_prefix_dots(ttgir, fp8_qk, q_split, full):
+    """fp8 tensor-core dots per prefix loop: one for an fp8 q, two for a split bf16 q, none otherwise."""
+    loops = 2 if full else 1  # the unmasked whole tiles and the masked rest
+    fp8_dots = [ln for ln in ttgir.splitlines() if "warp_group_dot " in ln and "f8E4M3FN" in ln]
+    assert len(fp8_dots) == (2 * loops if q_split else loops if fp8_qk else 0), f"fp8 dots: {len(fp8_dots)}"
+    to_f16 = [ln for ln in ttgir.splitlines() if "tt.fp_to_fp" in ln and "f8E4M3FN" in ln.split("->")[0]
+              and "xf16" in ln.split("->")[-1]]
+    # V tiles only where the scores run on the stored K; K and V tiles otherwise
+    assert len(to_f16) == loops if fp8_qk else len(to_f16) >= 2 * loops, f"fp8 -> f16 conversions: {len(to_f16)}"
 
 
 def compile_append():
