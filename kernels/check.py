@@ -318,12 +318,14 @@ def gpu_cases(quick: bool = False):
         # default: against the converted-K path it replaces (which keeps its own coverage here)
         if fmt == "fp8_e4m3":
             for (ql, pre), a in ((([512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31]), shapes[0]),
-                                 (([200, 1, 640], [4000, 64, 0]), shapes[1]), (([128, 2048], [32768 - 128, 0]), shapes[0])):
+                                 (([200, 1, 640], [4000, 64, 0]), shapes[1]),
+                                 (([128, 2048], [32768 - 128, 0]), shapes[0])):
                 for window, sinks in ((None, False), (700, True)):
                     yield lambda ql=ql, pre=pre, a=a, w=window, s=sinks: check_prefill_q_split(
                         ql, pre, *a, window=w, sinks=s, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
-            yield lambda: check_prefill("fp8_e4m3", [512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31], *shapes[0], window=700,
-                                        sinks=True, fp8_qk=False, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+            yield lambda: check_prefill("fp8_e4m3", [512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31], *shapes[0],
+                                        window=700, sinks=True, fp8_qk=False,
+                                        seed=int(torch.randint(1 << 30, (1,), generator=gen)))
         # the GPU reads q and the new tokens through tensor descriptors by default (TMA; not for nvfp4): the
         # pointer loads it replaces, on the same features
         if fmt != "nvfp4":

@@ -254,7 +254,8 @@ def paged_decode(
     k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None, sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
     q_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
-    block_n: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None, out_dtype: Optional[torch.dtype] = None,
+    block_n: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+    out_dtype: Optional[torch.dtype] = None,
     prefetch: Optional[bool] = None, units16: Optional[bool] = None, split_reduce: bool = False,
     maxnreg: Optional[int] = None,
 ) -> torch.Tensor:
