@@ -234,8 +234,8 @@ def _decode_reduce_kernel(
 # Per-format launch defaults from decode sweeps on an H200 (batch 64 x 8192, 32/8 heads, D 128, page 16;
 # docs/kernels.md): format code -> (block_n, programs per SM, prefetch, num_warps, num_stages, maxnreg).
 # fp8 and nvfp4 (read as 16-bit units, float16 dots) take 128-token tiles over 4 warps with the registers
-# capped at 128 per thread: four programs fit an SM instead of two (Nsight Compute showed the uncapped
-# kernels latency-bound at 25% occupancy); fp8 292 -> 274 us, nvfp4 419 -> 384 us.  The cap applies to
+# capped at 128 per thread, which leaves registers for four programs per SM (Nsight Compute showed the
+# previous fp8 default latency-bound at two, 25% occupancy); fp8 292 -> 274 us, nvfp4 419 -> 384 us.  The cap applies to
 # the float16-dot paths it was measured on (``maxnreg`` overrides it; 0 lifts it).
 _DEFAULTS = {0: (64, 2, False, 4, 2, None), 1: (128, 2, False, 4, 3, 128), 2: (128, 2, False, 4, 2, 128)}
 
