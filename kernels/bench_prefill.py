@@ -59,8 +59,8 @@ def _flashinfer_prefill(backend, q, qs, kc, vc, ks, vs, table, b, qlen, seq, pag
 def bench_prefill(seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True):
     """Causal 8k prefill (no prefix) vs torch SDPA on the dense problem; then an extend over a cached
     prefix (batch 4 × (7168 cached + 1024 new)) for bf16, fp8 (bf16 queries split into e4m3 terms or over
-    converted K tiles, and fp8 queries) and nvfp4 KV;
-    flashinfer's paged prefill on both problems.  Each Triton row is the fastest of ``CONFIGS``."""
+    converted K tiles, and fp8 queries) and nvfp4 KV; flashinfer's paged prefill on both problems.  Each
+    Triton row is the fastest of ``CONFIGS``."""
     import torch
     import torch.nn.functional as F
 

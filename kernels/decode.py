@@ -235,8 +235,8 @@ def _decode_reduce_kernel(
 # docs/kernels.md): format code -> (block_n, programs per SM, prefetch, num_warps, num_stages, maxnreg).
 # fp8 and nvfp4 (read as 16-bit units, float16 dots) take 128-token tiles over 4 warps with the registers
 # capped at 128 per thread, which leaves registers for four programs per SM (Nsight Compute showed the
-# previous fp8 default latency-bound at two, 25% occupancy); fp8 292 -> 274 us, nvfp4 419 -> 384 us.  The cap applies to
-# the float16-dot paths it was measured on (``maxnreg`` overrides it; 0 lifts it).
+# previous fp8 default latency-bound at two, 25% occupancy); fp8 292 -> 274 us, nvfp4 419 -> 384 us.
+# The cap applies to the float16-dot paths it was measured on (``maxnreg`` overrides it; 0 lifts it).
 _DEFAULTS = {0: (64, 2, False, 4, 2, None), 1: (128, 2, False, 4, 3, 128), 2: (128, 2, False, 4, 2, 128)}
 
 

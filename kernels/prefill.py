@@ -183,26 +183,29 @@ def _prefill_kernel(
         imask = i < D // 2
     else:
         imask = i < D
+    # q for the new tokens (q_a, q_b) and for the prefix tiles (qp_a, qp_b), which may use another dot dtype
     if TMA:
         q_raw = Q.load([q_start + mb * BLOCK_M, h * D])
         q_a = to_dot(q_raw, DOT)
         q_b = q_a
-        if FP8_QK and not Q_SPLIT:
-            qp_a = q_raw
-        else:
-            qp_a = to_dot(q_raw, DOT_P)
-        qp_b = qp_a
     else:
         q_a, q_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT)
-        if FP8_QK and not Q_SPLIT:  # fp8 q, e4m3 prefix: the prefix's Q·Kᵀ as an fp8 dot of the stored values
-            qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, 4)
-        elif DOT_P == DOT:
-            qp_a = q_a
-            qp_b = q_b
-        else:  # the prefix tiles use their own dot dtype (fp16 for fp8 / nvfp4)
-            qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT_P)
-    if Q_SPLIT:
+    if Q_SPLIT:  # bf16 q, e4m3 prefix: hi + lo in e4m3, two fp8 dots of the stored values
         qp_a, qp_b, qinv = split_e4m3(q_a.to(tl.float32), EXACT_CAST)
+    elif FP8_QK:  # fp8 q, e4m3 prefix: the prefix's Q·Kᵀ as an fp8 dot of the stored values
+        if TMA:
+            qp_a = q_raw
+            qp_b = q_raw
+        else:
+            qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, 4)
+    elif DOT_P == DOT:
+        qp_a = q_a
+        qp_b = q_b
+    elif TMA:  # the prefix tiles use their own dot dtype (fp16 for fp8 / nvfp4)
+        qp_a = to_dot(q_raw, DOT_P)
+        qp_b = qp_a
+    else:
+        qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT_P)
     scale = sm_scale_log2
     if HAS_Q_SCALE:
         scale = scale * tl.load(Q_SCALE)
@@ -391,9 +394,9 @@ def paged_prefill(
     # over an e4m3 prefix, the prefix's Q·Kᵀ runs on the stored fp8 values (fp8 tensor-core dots, float32
     # accumulation) instead of converting every K tile: an fp8 q directly, a bf16 q split exactly into two
     # e4m3 terms per row (``_fp8_split``; a float16 q has too many significant bits for two terms)
-    e4m3_prefix = k_cache.dtype == torch.float8_e4m3fn and d == next_pow2(d) and d >= 32
-    q_split = e4m3_prefix and q.dtype == torch.bfloat16 and fp8_qk is not False
-    fp8_qk = e4m3_prefix and (is_fp8_q or q_split) and fp8_qk is not False
+    on_stored_k = fp8_qk is not False and k_cache.dtype == torch.float8_e4m3fn and d == next_pow2(d) and d >= 32
+    q_split = on_stored_k and q.dtype == torch.bfloat16
+    fp8_qk = on_stored_k and (is_fp8_q or q_split)
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
     explicit_tma = tma is not None
     if tma is None:

@@ -28,7 +28,7 @@ def _split_kernel(X, HI, LO, INV, K: tl.constexpr, ROWS: tl.constexpr):
 def _split(x: torch.Tensor, rows: int = 256):
     """float32 rows ``x`` [R, K] → (hi, lo, inv) as float64, outputs poisoned before the run."""
     n, k = x.shape
-    x = torch.cat([x, x[: (-n) % rows]]) if n % rows else x  # whole blocks of rows (repeats dropped below)
+    x = torch.cat([x, x.new_zeros((-n) % rows, k)])  # whole blocks of rows (the padding is dropped below)
     hi = torch.full(x.shape, float("nan"), dtype=torch.float32).to(torch.float8_e4m3fn)
     lo = hi.clone()
     inv = torch.full((x.shape[0],), float("nan"))

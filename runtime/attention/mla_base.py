@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MLAAttentionLayer", "absorb", "unabsorb"]
 
+
 @dataclass
 class MLAAttentionLayer:
     """Static per-layer description of an MLA layer (``w_uk``/``w_uv`` are views of ``kv_b_proj``)."""
