@@ -38,3 +38,15 @@ def test_prefill_targets_use_the_extend_rows():
     pre["extend_fp8_e4m3"] = 1600.0
     res = {name: (ok, detail) for name, ok, detail in B._targets(4000.0, [], {}, {}, pre, {})}
     assert res["prefill fp8 prefix >= 0.9x its bf16 speed"][0] is False
+
+
+def test_append_bytes_counts_the_unfused_k_round_trip():
+    # 512 bf16 tokens, 32 q / 8 kv heads of 128: q read + rotated q written (4 MiB each), k read + rotated
+    # k written (1 MiB each), v read (1 MiB), cache rows written; the unfused path reads the rotated k again.
+    mib = 1 << 20
+    fused, unfused = B.append_bytes(512, 32, 8, 128, 256)
+    assert fused == 4 * mib * 2 + mib * 2 + mib + 2 * mib
+    assert unfused == fused + mib
+    fused8, unfused8 = B.append_bytes(512, 32, 8, 128, 128)  # fp8 rows: half the cache bytes
+    assert fused - fused8 == mib and unfused - unfused8 == mib
+    assert B.append_bytes(0, 32, 8, 128, 256) == (0, 0)
