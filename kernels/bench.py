@@ -226,6 +226,18 @@ def append_bytes(t: int, hq: int, hk: int, d: int, cache_bytes_per_row: float) -
     return fused, fused + k
 
 
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _empty_kernel(X):
+        if tl.program_id(0) < 0:  # never true: the launch does no work
+            tl.store(X, 0.0)
+except ImportError:  # no triton (not Linux): the timings cannot run, the host-side helpers still import
+    _empty_kernel = None
+
+
 def launch_floor() -> tuple[float, float]:
     """CUDA-graph replay time of one and of two empty Triton launches (µs): the floor under any
     kernel timed this way, and the launch a fused kernel saves."""
@@ -238,18 +250,6 @@ def launch_floor() -> tuple[float, float]:
         _empty_kernel[(1,)](x)
 
     return _bench(lambda: _empty_kernel[(1,)](x), graph=True), _bench(two, graph=True)
-
-
-try:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _empty_kernel(X):
-        if tl.program_id(0) < 0:  # never true: the launch does no work
-            tl.store(X, 0.0)
-except ImportError:  # the benchmark needs triton; the host-side helpers above do not
-    _empty_kernel = None
 
 
 def bench_append(tokens=(1, 16, 128, 512), hq=32, hk=8, d=128, page=16):
