@@ -221,8 +221,8 @@ def append_bytes(t: int, hq: int, hk: int, d: int, cache_bytes_per_row: float) -
     """Global-memory bytes of the fused and the unfused append of ``t`` bf16 tokens: both read q, k, v
     and write the rotated q and k (returned) and the cache rows; the unfused path also reads the rotated
     k back in its second launch."""
-    q, k = t * hq * d * 2, t * hk * d * 2
-    fused = 2 * q + 2 * k + k + int(2 * t * hk * cache_bytes_per_row)
+    q, k, v = t * hq * d * 2, t * hk * d * 2, t * hk * d * 2
+    fused = 2 * q + 2 * k + v + int(2 * t * hk * cache_bytes_per_row)  # q, k: read + rotated copy written
     return fused, fused + k
 
 
