@@ -34,6 +34,7 @@ ENGINE_PARAMS: dict[str, tuple[object, object]] = {
     "fused_append": (bool, _opt(True, "--fused-append/--no-fused-append", help="Fused RoPE+quantize+append kernel")),
     "quantize_query": (bool, _opt(False, "--quantize-query", help="fp8 queries in attention (reproduces fp8-Q accuracy loss)")),
     "page_size": (int, _opt(16, "--page-size", help="Tokens per KV page")),
+    "kv_layout": (str, _opt("HND", "--kv-layout", help="KV page layout: HND (head-major pages) or NHD (token-major)")),
     "kv_budget_gb": (Optional[float], _opt(None, "--kv-budget-gb", help="KV cache budget in GiB (default: --mem-fraction of free memory)")),
     "mem_fraction": (float, _opt(0.85, "--mem-fraction", help="Fraction of free device memory for the KV cache")),
     "max_running": (int, _opt(64, "--max-running", help="Maximum concurrently running requests")),

@@ -59,7 +59,11 @@ def next_pow2(n: int) -> int:
 
 @dataclass
 class CacheArgs:
-    """One K or V cache plane, validated: data ``[P+1, page, H_kv, Dp]`` and its optional block scale."""
+    """One K or V cache plane, validated: data ``[P+1, page, H_kv, Dp]`` and its optional block scale.
+
+    The plane may be laid out token-major within a page (NHD, ``[P+1, page, H_kv, Dp]`` contiguous) or
+    head-major (HND: contiguous ``[P+1, H_kv, page, Dp]`` seen through ``permute(0, 2, 1, 3)``); kernels
+    address an element as ``page · page_stride + offset · tok_stride + head · head_stride + d``."""
 
     data: torch.Tensor
     block_scale: Optional[torch.Tensor]
@@ -69,7 +73,11 @@ class CacheArgs:
     head_dim: int
 
     @property
-    def slot_stride(self) -> int:
+    def page_stride(self) -> int:
+        return self.data.stride(0)
+
+    @property
+    def tok_stride(self) -> int:
         return self.data.stride(1)
 
     @property
@@ -77,7 +85,11 @@ class CacheArgs:
         return self.data.stride(2)
 
     @property
-    def bs_slot_stride(self) -> int:
+    def bs_page_stride(self) -> int:
+        return self.block_scale.stride(0) if self.block_scale is not None else 0
+
+    @property
+    def bs_tok_stride(self) -> int:
         return self.block_scale.stride(1) if self.block_scale is not None else 0
 
     @property
@@ -89,14 +101,29 @@ class CacheArgs:
         return self.block_scale if self.block_scale is not None else self.data
 
 
+def same_layout(kc: CacheArgs, vc: CacheArgs) -> None:
+    """The kernels address K and V pages with one set of page / token strides."""
+    if (kc.page_stride, kc.tok_stride) != (vc.page_stride, vc.tok_stride) or (
+            kc.bs_page_stride, kc.bs_tok_stride) != (vc.bs_page_stride, vc.bs_tok_stride):
+        raise ValueError("k and v caches must have the same layout (page and token strides)")
+
+
+def _layout_ok(t: torch.Tensor) -> bool:
+    """NHD contiguous, or HND contiguous seen as [P+1, page, H_kv, Dp]."""
+    if t.is_contiguous():
+        return True
+    return t.permute(0, 2, 1, 3).is_contiguous()
+
+
 def check_cache(name: str, kv_format: str, data, block_scale, scale, head_dim: int) -> CacheArgs:
     fmt = get_format(kv_format)
     if data.dim() != 4:
         raise ValueError(f"{name} cache must be [num_pages+1, page_size, H_kv, Dp], got shape {tuple(data.shape)}")
     if data.dtype != fmt.storage_dtype:
         raise ValueError(f"{name} cache dtype {data.dtype} does not match format {fmt.name} ({fmt.storage_dtype})")
-    if not data.is_contiguous():
-        raise ValueError(f"{name} cache must be contiguous")
+    if not _layout_ok(data):
+        raise ValueError(f"{name} cache must be contiguous as [P+1, page, H_kv, Dp] (NHD) or as [P+1, H_kv, page, Dp] "
+                         f"(HND, passed as its permute(0, 2, 1, 3)); got strides {tuple(data.stride())}")
     dp = fmt.packed_dim(head_dim)
     if data.shape[-1] != dp:
         raise ValueError(f"{name} cache last dim {data.shape[-1]} != {dp} for head_dim {head_dim} in {fmt.name}")
@@ -109,8 +136,8 @@ def check_cache(name: str, kv_format: str, data, block_scale, scale, head_dim: i
         want = (*data.shape[:3], head_dim // fmt.block_size)
         if tuple(block_scale.shape) != want or block_scale.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{name} block_scale must be float8_e4m3fn {want}, got {block_scale.dtype} {tuple(block_scale.shape)}")
-        if not block_scale.is_contiguous():
-            raise ValueError(f"{name} block_scale must be contiguous")
+        if not _layout_ok(block_scale) or block_scale.is_contiguous() != data.is_contiguous():
+            raise ValueError(f"{name} block_scale must be laid out like its cache (NHD or HND)")
     if fmt.is_quantized:
         if scale is None:
             raise ValueError(f"{fmt.name} needs a {name} scale tensor (fp32 [H_kv])")
@@ -174,25 +201,41 @@ def to_dot(x, DOT: tl.constexpr):
 
 
 @triton.jit
-def load_plain_tile(C, slot, hk, s_slot, s_h, d, dmask, tmask, DOT: tl.constexpr):
-    x = tl.load(C + slot[:, None] * s_slot + hk * s_h + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
+def load_plain_tile(C, row, hk, s_h, d, dmask, tmask, DOT: tl.constexpr):
+    """``row``: each token's element offset (page · page_stride + offset · tok_stride)."""
+    x = tl.load(C + row[:, None] + hk * s_h + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
     return to_dot(x, DOT)
 
 
 @triton.jit
-def load_raw_tile(C, BS, slot, hk, s_slot, s_h, sb_slot, sb_h, i, imask, tmask, NB: tl.constexpr,
+def page_rows(pt_row, offs, tmask, PAGE: tl.constexpr, s_page, s_tok, sb_page, sb_tok, FMT: tl.constexpr):
+    """Element offsets of the tokens ``offs`` of one sequence (page-table row ``pt_row``) in the data plane
+    and, for nvfp4, in the block-scale plane: page · page_stride + offset · tok_stride."""
+    page = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64)
+    o = offs % PAGE
+    row = page * s_page + o * s_tok
+    if FMT == 2:
+        brow = page * sb_page + o * sb_tok
+    else:
+        brow = row
+    return row, brow
+
+
+@triton.jit
+def load_raw_tile(C, BS, row, brow, hk, s_h, sb_h, i, imask, tmask, NB: tl.constexpr,
                   ND: tl.constexpr, FMT: tl.constexpr):
     """Stored values of a [BLOCK_N, Dp] tile (and its [BLOCK_N, NB] block scales for nvfp4, where
     ``ND`` = D/16 scales per row are padded to the power of two ``NB``); no conversion yet, so the
-    load can be issued a tile ahead."""
+    load can be issued a tile ahead.  ``row`` / ``brow``: each token's element offset in the data /
+    block-scale plane (page · page_stride + offset · tok_stride)."""
     m = tmask[:, None] & imask[None, :]
     if FMT == 2:
-        x = tl.load(C + slot[:, None] * s_slot + hk * s_h + i[None, :], mask=m, other=0)
+        x = tl.load(C + row[:, None] + hk * s_h + i[None, :], mask=m, other=0)
         b = tl.arange(0, NB)
-        bs = tl.load(BS + slot[:, None] * sb_slot + hk * sb_h + b[None, :], mask=tmask[:, None] & (b[None, :] < ND),
+        bs = tl.load(BS + brow[:, None] + hk * sb_h + b[None, :], mask=tmask[:, None] & (b[None, :] < ND),
                      other=0.0)
     else:
-        x = tl.load(C + slot[:, None] * s_slot + hk * s_h + i[None, :], mask=m, other=0.0)
+        x = tl.load(C + row[:, None] + hk * s_h + i[None, :], mask=m, other=0.0)
         bs = x
     return x, bs
 
@@ -339,10 +382,10 @@ def dequant_tile(x, bs, NB: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
-def load_nvfp4_tile(C, BS, slot, hk, s_slot, s_h, sb_slot, sb_h, i, imask, tmask, NB: tl.constexpr,
+def load_nvfp4_tile(C, BS, row, brow, hk, s_h, sb_h, i, imask, tmask, NB: tl.constexpr,
                     ND: tl.constexpr, DOT: tl.constexpr):
     """[BLOCK_N, D/2] bytes → (even, odd) element tiles in the dot dtype, block scales applied."""
-    x, bs = load_raw_tile(C, BS, slot, hk, s_slot, s_h, sb_slot, sb_h, i, imask, tmask, NB, ND, 2)
+    x, bs = load_raw_tile(C, BS, row, brow, hk, s_h, sb_h, i, imask, tmask, NB, ND, 2)
     return dequant_tile(x, bs, NB, 2, DOT)
 
 

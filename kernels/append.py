@@ -26,6 +26,7 @@ from kvbench.kernels._triton_utils import (
     format_code,
     interpreting,
     next_pow2,
+    same_layout,
 )
 from kvbench.kernels.formats import get_format
 from kvbench.kernels.reference import ROPE_STYLES
@@ -99,7 +100,7 @@ def _append_kernel(
     Q, K, V, POS, SLOTS, CS, Q_OUT, K_OUT, Q8, Q_SCALE,
     KC, VC, KBS, VBS, K_SCALE, V_SCALE,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, sko_t, sko_h, sq8_t, sq8_h,
-    skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h, s_cs,
+    page_size, s_page, s_tok, skc_h, svc_h, sb_page, sb_tok, skb_h, svb_h, s_cs,
     H_Q, H_KV, D: tl.constexpr, D_PAD: tl.constexpr, NB_PAD: tl.constexpr, HB: tl.constexpr,
     ROT: tl.constexpr, NEOX: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     DO_ROPE: tl.constexpr, DO_STORE: tl.constexpr, WRITE_K_OUT: tl.constexpr, Q_FP8: tl.constexpr,
@@ -128,6 +129,9 @@ def _append_kernel(
             tl.store(Q8 + t * sq8_t + h * sq8_h + d, cast_fp8(y, tl.float8e4nv, False, EXACT), mask=dmask)
     else:
         slot = tl.load(SLOTS + t).to(tl.int64)
+        # the slot's element offset in the data and block-scale planes (any page layout)
+        row = (slot // page_size) * s_page + (slot % page_size) * s_tok
+        brow = (slot // page_size) * sb_page + (slot % page_size) * sb_tok
         if FMT == 2:
             # RoPE on contiguous rows, then split into the even / odd elements of each 16-block
             hk2 = ((hb - nqb) * HB + hh).to(tl.int64)[:, None]
@@ -149,9 +153,9 @@ def _append_kernel(
                     ke, ko = tl.split(tl.reshape(kx.to(tl.float32), (HB, NB_PAD, 8, 2)))
                     ve, vo = tl.split(tl.reshape(vx, (HB, NB_PAD, 8, 2)))
                     bm = (tl.reshape(blk, (1, NB_PAD)) < D // 16) & (hk2 < H_KV)
-                    _nvfp4_store(KC + slot * skc_slot + hk * skc_h, KBS + slot * skb_slot + hk * skb_h,
+                    _nvfp4_store(KC + row + hk * skc_h, KBS + brow + hk * skb_h,
                                  ke, ko, blk, p, pm, bm, ks, EXACT)
-                    _nvfp4_store(VC + slot * svc_slot + hk * svc_h, VBS + slot * svb_slot + hk * svb_h,
+                    _nvfp4_store(VC + row + hk * svc_h, VBS + brow + hk * svb_h,
                                  ve, vo, blk, p, pm, bm, vs, EXACT)
         else:
             hk = ((hb - nqb) * HB + hh).to(tl.int64)[:, None]
@@ -169,9 +173,9 @@ def _append_kernel(
                         ks = tl.load(K_SCALE + hk, mask=hk < H_KV, other=1.0)
                         vs = tl.load(V_SCALE + hk, mask=hk < H_KV, other=1.0)
                     vx = tl.load(V + t * sv_t + hk * sv_h + d, mask=dmask, other=0.0)
-                    _quant_store_plain_fp8(KC + slot * skc_slot + hk * skc_h, kx.to(tl.float32), d, dmask, ks, FMT,
+                    _quant_store_plain_fp8(KC + row + hk * skc_h, kx.to(tl.float32), d, dmask, ks, FMT,
                                            QMAX, E5M2, EXACT)
-                    _quant_store_plain_fp8(VC + slot * svc_slot + hk * svc_h, vx.to(tl.float32), d, dmask, vs, FMT,
+                    _quant_store_plain_fp8(VC + row + hk * svc_h, vx.to(tl.float32), d, dmask, vs, FMT,
                                            QMAX, E5M2, EXACT)
 
 
@@ -219,8 +223,10 @@ def _launch(t, q, k, v, positions, slots, cs, q_out, k_out, q8, q_scale, kc, vc,
         kc.scale if kc else dummy, vc.scale if vc else dummy,
         qq.stride(0), qq.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), q8t.stride(0), q8t.stride(1),
-        kc.slot_stride if kc else 0, kc.head_stride if kc else 0, vc.slot_stride if vc else 0, vc.head_stride if vc else 0,
-        kc.bs_slot_stride if kc else 0, kc.bs_head_stride if kc else 0, vc.bs_slot_stride if vc else 0, vc.bs_head_stride if vc else 0,
+        kc.page_size if kc else 1, kc.page_stride if kc else 0, kc.tok_stride if kc else 0,
+        kc.head_stride if kc else 0, vc.head_stride if vc else 0,
+        kc.bs_page_stride if kc else 0, kc.bs_tok_stride if kc else 0,
+        kc.bs_head_stride if kc else 0, vc.bs_head_stride if vc else 0,
         cs.stride(0) if cs is not None else 0,
         num_q_heads, k.shape[1], D=d, D_PAD=next_pow2(max(d, 16)), NB_PAD=next_pow2(max(d, 16)) // 16, HB=hb,
         ROT=rot, NEOX=neox, FMT=format_code(fmt_name), QMAX=float(fmt.max_value or 0.0),
@@ -237,6 +243,7 @@ def _prepare(q, k, v, positions, slot_mapping, cos_sin_cache, k_cache, v_cache, 
     rot, cs = _rope_args(cos_sin_cache, rotary_dim, d, rope_style)
     kc = check_cache("k", kv_format, k_cache, k_block_scale, k_scale, d)
     vc = check_cache("v", kv_format, v_cache, v_block_scale, v_scale, d)
+    same_layout(kc, vc)
     if kc.num_kv_heads != k.shape[1]:
         raise ValueError(f"cache has {kc.num_kv_heads} kv heads, k has {k.shape[1]}")
     if q_scale is not None and (q_scale.dtype != torch.float32 or q_scale.numel() != 1):
@@ -288,6 +295,7 @@ def quantize_store(k, v, slot_mapping, k_cache, v_cache, k_scale=None, v_scale=N
     d = k.shape[-1]
     kc = check_cache("k", kv_format, k_cache, k_block_scale, k_scale, d)
     vc = check_cache("v", kv_format, v_cache, v_block_scale, v_scale, d)
+    same_layout(kc, vc)
     if k.shape[0]:
         _launch(k.shape[0], None, k, v, None, slot_mapping, None, None, None, None, None, kc, vc,
                 rot=2, neox=True, fmt_name=kv_format, do_rope=False, do_store=True, write_k_out=False, num_q_heads=0)

@@ -62,15 +62,15 @@ def copy_bandwidth() -> float:
 
 
 # ------------------------------------------------------------------------------------ decode
-def _decode_case(fmt, batch, ctx, hq, hk, d, page, gen):
+def _decode_case(fmt, batch, ctx, hq, hk, d, page, gen, layout="NHD"):
     import torch
 
     from kvbench.kernels.check import make_cache, random_page_table
 
     lens = [ctx] * batch
     num_pages = batch * (ctx // page) + 2
-    kc, kbs, ks, _ = make_cache(fmt, num_pages, page, hk, d, "cuda", gen)
-    vc, vbs, vs, _ = make_cache(fmt, num_pages, page, hk, d, "cuda", gen)
+    kc, kbs, ks, _ = make_cache(fmt, num_pages, page, hk, d, "cuda", gen, layout)
+    vc, vbs, vs, _ = make_cache(fmt, num_pages, page, hk, d, "cuda", gen, layout)
     table = random_page_table(lens, page, num_pages, gen, "cuda")
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -81,7 +81,7 @@ def _decode_case(fmt, batch, ctx, hq, hk, d, page, gen):
 
 
 def bench_decode(copy_gbps, batch=64, ctx=8192, hq=32, hk=8, d=128, page=16, formats=("bf16", "fp8_e4m3", "nvfp4"),
-                 tune=True):
+                 tune=True, layout="HND"):
     import torch
 
     from kvbench.kernels.decode import paged_decode
@@ -91,7 +91,7 @@ def bench_decode(copy_gbps, batch=64, ctx=8192, hq=32, hk=8, d=128, page=16, for
     configs = [dict()] + [dict(block_n=bn, num_splits=ns, num_warps=nw) for bn in (32, 64, 128, 256)
                           for ns in (1, 2, 4, 8, 16) for nw in (4, 8)] if tune else [dict()]
     for fmt in formats:
-        q, table, seq, kv, nbytes = _decode_case(fmt, batch, ctx, hq, hk, d, page, gen)
+        q, table, seq, kv, nbytes = _decode_case(fmt, batch, ctx, hq, hk, d, page, gen, layout)
         out = torch.empty_like(q)
         timed = []
         for cfg in configs:
@@ -108,14 +108,19 @@ def bench_decode(copy_gbps, batch=64, ctx=8192, hq=32, hk=8, d=128, page=16, for
         best[fmt] = t
         dflt = [td for td, c in timed if not c]
         note = f"best of {len(timed)}: {cfg or 'defaults'}" + (f"; defaults {dflt[0]:.1f} us" if dflt else "")
-        rows.append(Row(f"decode triton {fmt} B{batch}x{ctx} {hq}/{hk} D{d} p{page}", t, gb, 100 * gb / copy_gbps,
-                        note=note))
+        rows.append(Row(f"decode triton {fmt} B{batch}x{ctx} {hq}/{hk} D{d} p{page} {layout}", t, gb,
+                        100 * gb / copy_gbps, note=note))
         del kv
         torch.cuda.empty_cache()
     return rows, best
 
 
-def bench_flashinfer_decode(copy_gbps, batch=64, ctx=8192, hq=32, hk=8, d=128, page=16):
+def fi_kv(kc, vc, layout):
+    """The cache planes as flashinfer takes them: NHD as stored, HND as the contiguous [P, H, page, D]."""
+    return (kc, vc) if layout == "NHD" else (kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3))
+
+
+def bench_flashinfer_decode(copy_gbps, batch=64, ctx=8192, hq=32, hk=8, d=128, page=16, layouts=("NHD", "HND")):
     import torch
 
     try:
@@ -125,31 +130,34 @@ def bench_flashinfer_decode(copy_gbps, batch=64, ctx=8192, hq=32, hk=8, d=128, p
     gen = torch.Generator().manual_seed(1)
     rows, best = [], {}
     for fmt in ("bf16", "fp8_e4m3"):
-        q, table, seq, kv, nbytes = _decode_case(fmt, batch, ctx, hq, hk, d, page, gen)
-        npg = ctx // page
-        indptr = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * npg
-        indices = table[:, :npg].reshape(-1).contiguous()
-        last = torch.full((batch,), page, dtype=torch.int32, device="cuda")
-        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        for tc in (False, True):
-            try:
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
-                w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=torch.bfloat16,
-                       kv_data_type=kv["k_cache"].dtype)
-                ks, vs = float(kv["k_scale"][0]), float(kv["v_scale"][0])
-                if fmt == "bf16":
-                    fn = lambda: w.run(q, (kv["k_cache"], kv["v_cache"]))  # noqa: E731
-                else:
-                    fn = lambda: w.run(q, (kv["k_cache"], kv["v_cache"]), k_scale=ks, v_scale=vs)  # noqa: E731
-                t = _bench(fn)
-            except Exception as e:  # noqa: BLE001
-                rows.append(Row(f"decode flashinfer {fmt} tc={tc} (failed)", float("nan"), note=str(e)[:100]))
-                continue
-            gb = nbytes / (t * 1e-6) / 1e9
-            rows.append(Row(f"decode flashinfer {fmt} tc={tc}", t, gb, 100 * gb / copy_gbps))
-            best[fmt] = min(best.get(fmt, float("inf")), t)
-        del kv
-        torch.cuda.empty_cache()
+        for layout in layouts:
+            q, table, seq, kv, nbytes = _decode_case(fmt, batch, ctx, hq, hk, d, page, gen, layout)
+            npg = ctx // page
+            indptr = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * npg
+            indices = table[:, :npg].reshape(-1).contiguous()
+            last = torch.full((batch,), page, dtype=torch.int32, device="cuda")
+            ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            kvt = fi_kv(kv["k_cache"], kv["v_cache"], layout)
+            for tc in (False, True):
+                try:
+                    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=tc)
+                    w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=torch.bfloat16,
+                           kv_data_type=kv["k_cache"].dtype)
+                    ks, vs = float(kv["k_scale"][0]), float(kv["v_scale"][0])
+                    if fmt == "bf16":
+                        fn = lambda: w.run(q, kvt)  # noqa: E731
+                    else:
+                        fn = lambda: w.run(q, kvt, k_scale=ks, v_scale=vs)  # noqa: E731
+                    t = _bench(fn)
+                except Exception as e:  # noqa: BLE001
+                    rows.append(Row(f"decode flashinfer {fmt} tc={tc} {layout} (failed)", float("nan"),
+                                    note=str(e)[:100]))
+                    continue
+                gb = nbytes / (t * 1e-6) / 1e9
+                rows.append(Row(f"decode flashinfer {fmt} tc={tc} {layout}", t, gb, 100 * gb / copy_gbps))
+                best[fmt] = min(best.get(fmt, float("inf")), t)
+            del kv, kvt
+            torch.cuda.empty_cache()
     return rows, best
 
 
@@ -198,7 +206,7 @@ def sweep_decode(copy_gbps, formats=("bf16", "fp8_e4m3", "nvfp4"), batch=64, ctx
     gen = torch.Generator().manual_seed(0)
     rows = []
     for fmt in formats:
-        q, table, seq, kv, nbytes = _decode_case(fmt, batch, ctx, hq, hk, d, page, gen)
+        q, table, seq, kv, nbytes = _decode_case(fmt, batch, ctx, hq, hk, d, page, gen, layout)
         out = torch.empty_like(q)
         timed = []
         for cfg in [dict()] + _sweep_configs(fmt):
@@ -252,7 +260,7 @@ def launch_floor() -> tuple[float, float]:
     return _bench(lambda: _empty_kernel[(1,)](x), graph=True), _bench(two, graph=True)
 
 
-def bench_append(tokens=(1, 16, 128, 512), hq=32, hk=8, d=128, page=16):
+def bench_append(tokens=(1, 16, 128, 512), hq=32, hk=8, d=128, page=16, layout="HND"):
     import torch
 
     from kvbench.kernels.append import fused_rope_quant_append, quantize_store, unfused_rope_quant_append
@@ -274,20 +282,20 @@ def bench_append(tokens=(1, 16, 128, 512), hq=32, hk=8, d=128, page=16):
         pos = torch.randint(0, 8192, (t,), device="cuda")
         npg = 64
         slots = torch.randperm(npg * page, device="cuda")[:t]
-        kcb, _, _, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen)
-        vcb, _, _, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen)
+        kcb, _, _, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen, layout)
+        vcb, _, _, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen, layout)
         plain = _bench(lambda: quantize_store(k, v, slots, kcb, vcb, kv_format="bf16"), graph=True)
-        rows.append(Row(f"append plain bf16 store T={t}", plain))
+        rows.append(Row(f"append plain bf16 store T={t} {layout}", plain))
         for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
-            kc, kbs, ks, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen)
-            vc, vbs, vs, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen)
+            kc, kbs, ks, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen, layout)
+            vc, vbs, vs, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen, layout)
             args = (q, k, v, pos, slots, cs, kc, vc, ks, vs)
             kw = dict(kv_format=fmt, k_block_scale=kbs, v_block_scale=vbs)
             tf = _bench(lambda: fused_rope_quant_append(*args, **kw), graph=True)
             tu = _bench(lambda: unfused_rope_quant_append(*args, **kw), graph=True)
             res[(t, fmt)] = (tf, tu, plain)
             bf, bu = append_bytes(t, hq, hk, d, get_format(fmt).bytes_per_element * d)  # block scales included
-            rows.append(Row(f"append fused {fmt} T={t}", tf, note=f"unfused {tu:.1f} us -> {tf / tu:.2f}x; "
+            rows.append(Row(f"append fused {fmt} T={t} {layout}", tf, note=f"unfused {tu:.1f} us -> {tf / tu:.2f}x; "
                                                                   f"{tf / plain:.2f}x plain store; "
                                                                   f"bytes {bf / 1e6:.2f} / {bu / 1e6:.2f} MB"))
     return rows, res
@@ -331,9 +339,11 @@ def _targets(copy_gbps, dec_rows, dec, fi, pre, app):
 
 
 def main(check: bool = False, quick: bool = False, out: Optional[str] = None, flashinfer: bool = True,
-         parts: str = "decode,prefill,append", sweep: bool = False) -> int:
+         parts: str = "decode,prefill,append", sweep: bool = False, layout: str = "HND") -> int:
     """Run the kernel benchmarks on the CUDA device (``check`` first runs the correctness check;
-    ``sweep`` runs only the decode launch-configuration sweep)."""
+    ``sweep`` runs only the decode launch-configuration sweep).  ``layout``: the page layout of the
+    caches (HND, the runtime's default, or NHD); the targets are evaluated on it, and the decode rows of
+    the other layout (launch defaults) follow for comparison."""
     import torch
 
     if not torch.cuda.is_available():
@@ -361,28 +371,30 @@ def main(check: bool = False, quick: bool = False, out: Optional[str] = None, fl
     rows = [Row("device-to-device copy (2 GiB)", 2 * 2 * (1 << 30) / copy / 1e3, copy, 100.0)]
     dec_rows, dec, fi, pre, app = [], {}, {}, {}, {}
     if "decode" in want:
-        dec_rows, dec = bench_decode(copy, tune=not quick)
+        dec_rows, dec = bench_decode(copy, tune=not quick, layout=layout)
         rows += dec_rows
+        other = "NHD" if layout == "HND" else "HND"
+        rows += bench_decode(copy, tune=False, layout=other)[0]
         if flashinfer:
-            fr, fi = bench_flashinfer_decode(copy)
+            fr, fi = bench_flashinfer_decode(copy)  # both layouts; the anchor is its faster one
             rows += fr
     if "prefill" in want:
         from kvbench.kernels.bench_prefill import bench_prefill
 
-        pr, pre = bench_prefill(flashinfer=flashinfer)
+        pr, pre = bench_prefill(flashinfer=flashinfer, layout=layout)
         rows += pr
     if "append" in want:
-        ar, app = bench_append()
+        ar, app = bench_append(layout=layout)
         rows += ar
     tg = _targets(copy, dec_rows, dec, fi, pre, app)
-    print(f"\n## kernel benchmarks — {dev}, torch {torch.__version__}, {stamp}")
+    print(f"\n## kernel benchmarks — {dev}, torch {torch.__version__}, {stamp}, page layout {layout}")
     for r in rows:
         print(r.line())
     print("\n## targets")
     for name, ok, detail in tg:
         print(f"{'MET ' if ok else 'MISS'}  {name:<55} {detail}")
     if out:
-        doc = dict(device=dev, date=stamp, torch=torch.__version__, rows=[asdict(r) for r in rows],
+        doc = dict(device=dev, date=stamp, torch=torch.__version__, layout=layout, rows=[asdict(r) for r in rows],
                    targets=[dict(name=n, met=ok, value=v) for n, ok, v in tg])
         with open(out + ".tmp", "w") as f:
             json.dump(doc, f, indent=1)
@@ -401,5 +413,6 @@ if __name__ == "__main__":
     ap.add_argument("--parts", default="decode,prefill,append")
     ap.add_argument("--out")
     ap.add_argument("--decode-sweep", action="store_true", help="only the decode configuration sweep")
+    ap.add_argument("--layout", default="HND", choices=("HND", "NHD"), help="page layout of the caches")
     a = ap.parse_args()
-    sys.exit(main(a.check, a.quick, a.out, not a.no_flashinfer, a.parts, a.decode_sweep))
+    sys.exit(main(a.check, a.quick, a.out, not a.no_flashinfer, a.parts, a.decode_sweep, a.layout))

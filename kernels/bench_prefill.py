@@ -5,7 +5,7 @@ tensor descriptors (``tma=False``)."""
 
 from __future__ import annotations
 
-from kvbench.kernels.bench import Row, _bench
+from kvbench.kernels.bench import Row, _bench, fi_kv
 
 # Launch configurations (block_m, block_n, block_n_prefix, num_warps, num_stages) timed for every prefill
 # row; ``None`` stands for ``paged_prefill``'s own defaults (``prefill.launch_defaults``).
@@ -34,7 +34,7 @@ def _note(n, cfg, dflt):
     return f"best of {n}: {cfg or 'defaults'}" + (f"; defaults {dflt:.1f} us" if dflt is not None else "")
 
 
-def _flashinfer_prefill(backend, q, qs, kc, vc, ks, vs, table, b, qlen, seq, page, hq, hk, d):
+def _flashinfer_prefill(backend, q, qs, kc, vc, ks, vs, table, b, qlen, seq, page, hq, hk, d, layout="NHD"):
     """flashinfer's paged prefill (causal, bottom-right aligned) over all ``seq`` tokens of each sequence
     in the pages, with one of its backends (``fa2``, ``fa3``) → µs."""
     import torch
@@ -42,7 +42,8 @@ def _flashinfer_prefill(backend, q, qs, kc, vc, ks, vs, table, b, qlen, seq, pag
 
     npg = seq // page
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, layout, backend=backend)
+    kc, vc = fi_kv(kc, vc, layout)
     qo = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * qlen
     indptr = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * npg
     indices = table[:, :npg].reshape(-1).contiguous()
@@ -56,7 +57,7 @@ def _flashinfer_prefill(backend, q, qs, kc, vc, ks, vs, table, b, qlen, seq, pag
     return _bench(lambda: w.run(q, (kc, vc), **sc))
 
 
-def bench_prefill(seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True):
+def bench_prefill(seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True, layout="HND"):
     """Causal 8k prefill (no prefix) vs torch SDPA on the dense problem; then an extend over a cached
     prefix (batch 4 × (7168 cached + 1024 new)) for bf16, fp8 (bf16 queries split into e4m3 terms or over
     converted K tiles, and fp8 queries) and nvfp4 KV; flashinfer's paged prefill on both problems.  Each
@@ -83,8 +84,8 @@ def bench_prefill(seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True):
     cu = torch.tensor([0, seq], dtype=torch.int32, device="cuda")
     lens = torch.tensor([seq], dtype=torch.int32, device="cuda")
     npg = seq // page + 2
-    kc, kbs, ks, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen)
-    vc, vbs, vs, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen)
+    kc, kbs, ks, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen, layout)
+    vc, vbs, vs, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen, layout)
     table = random_page_table([seq], page, npg, gen, "cuda")
     out = torch.empty_like(q)
     t, cfg, dflt = _best(lambda kw: paged_prefill(q, kn, vn, cu, seq, kc, vc, table, lens, kv_format="bf16",
@@ -100,7 +101,7 @@ def bench_prefill(seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True):
     if flashinfer:
         for be in ("fa2", "fa3"):
             rows.append(_fi_row(f"prefill flashinfer {be} bf16 causal {seq} (paged)", flops, res["triton"],
-                                be, q, None, kc, vc, ks, vs, table, 1, seq, seq, page, hq, hk, d))
+                                be, q, None, kc, vc, ks, vs, table, 1, seq, seq, page, hq, hk, d, layout))
     del kc, vc
     # extend over a quantized prefix
     b, new, pre = 4, 1024, seq - 1024
@@ -115,8 +116,8 @@ def bench_prefill(seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True):
     fl = b * (4 * hq * d * new * pre + 4 * hq * d * new * new / 2)
     for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
         npg = b * (seq // page) + 2
-        kc, kbs, ks, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen)
-        vc, vbs, vs, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen)
+        kc, kbs, ks, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen, layout)
+        vc, vbs, vs, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen, layout)
         table = random_page_table([seq] * b, page, npg, gen, "cuda")
         kv = dict(k_scale=ks, v_scale=vs, k_block_scale=kbs, v_block_scale=vbs, out=outx)
         # an e4m3 prefix with bf16 queries: by default q is split exactly into two e4m3 terms and the scores
@@ -136,7 +137,7 @@ def bench_prefill(seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True):
         for be, qq, qs, tag in anchors:
             ours = fl / (res[f"extend_{fmt}{tag.replace(' ', '_')}"] * 1e-6) / 1e12
             rows.append(_fi_row(f"extend flashinfer {be} {fmt} prefix B{b}x({pre}+{new}){tag} (paged)", fl, ours, be,
-                                qq, qs, kc, vc, ks, vs, table, b, new, seq, page, hq, hk, d))
+                                qq, qs, kc, vc, ks, vs, table, b, new, seq, page, hq, hk, d, layout))
         del kc, vc
         torch.cuda.empty_cache()
     return rows, res

@@ -101,12 +101,12 @@ def nvfp4_mismatch(data, bs, ref_data, ref_bs, src, scale, exact: bool) -> int:
 def cache_mismatch(fmt: str, got, ref, got_bs, ref_bs, src, slots, scale, exact: bool) -> int:
     """Compare whole cache planes: rows at ``slots`` as quantized values, every other row unchanged."""
     hk, dp = got.shape[-2], got.shape[-1]
-    g, r = got.view(-1, hk, dp), ref.view(-1, hk, dp)
+    g, r = got.reshape(-1, hk, dp), ref.reshape(-1, hk, dp)  # logical slot order, any page layout
     keep = torch.ones(g.shape[0], dtype=torch.bool, device=g.device)
     keep[slots] = False
     bad = int((g[keep].view(torch.uint8) != r[keep].view(torch.uint8)).sum())
     if fmt == "nvfp4":
-        gb, rb = got_bs.view(-1, hk, got_bs.shape[-1]), ref_bs.view(-1, hk, ref_bs.shape[-1])
+        gb, rb = got_bs.reshape(-1, hk, got_bs.shape[-1]), ref_bs.reshape(-1, hk, ref_bs.shape[-1])
         bad += int((gb[keep].view(torch.uint8) != rb[keep].view(torch.uint8)).sum())
         return bad + nvfp4_mismatch(g[slots], gb[slots], r[slots], rb[slots], src, scale, exact)
     if fmt in ("fp8_e4m3", "fp8_e5m2"):
@@ -123,14 +123,26 @@ def plain_mismatch(got: torch.Tensor, ref: torch.Tensor, exact: bool) -> int:
 
 
 # -------------------------------------------------------------------------------- case builders
-def make_cache(fmt_name, num_pages, page, hk, d, device, gen):
+def as_layout(t: Optional[torch.Tensor], layout: str) -> Optional[torch.Tensor]:
+    """``[P+1, page, H_kv, X]`` values in the page layout ``layout``: NHD contiguous, or HND memory
+    (``[P+1, H_kv, page, X]`` contiguous) seen through ``permute(0, 2, 1, 3)``."""
+    if t is None:
+        return None
+    if layout == "NHD":
+        return t.contiguous()
+    if layout == "HND":
+        return t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    raise ValueError(f"layout must be NHD or HND, got {layout!r}")
+
+
+def make_cache(fmt_name, num_pages, page, hk, d, device, gen, layout="NHD"):
     """Random stored values in every page (scratch included), as raw bytes: poison for unwritten rows."""
     fmt = get_format(fmt_name)
     dp = fmt.packed_dim(d)
     x = randn_outliers((num_pages + 1, page, hk, d), gen, device, torch.float32)
     scale = calibrated_scale(fmt_name, x)
     q = fmt.quantize(x, scale)
-    return q.data.contiguous(), (q.block_scale.contiguous() if q.block_scale is not None else None), scale, dp
+    return as_layout(q.data, layout), as_layout(q.block_scale, layout), scale, dp
 
 
 def random_page_table(lens, page, num_pages, gen, device):
@@ -155,14 +167,14 @@ def _tokens(gen, t, heads, d, dtype, device, scale=1.0):
 
 
 def check_append(fmt, t, hq, hk, d, page, *, rot=None, style="neox", dtype=torch.bfloat16, q_fp8=False,
-                 fused=True, device="cuda", seed=0, exact=True) -> Case:
+                 fused=True, device="cuda", seed=0, exact=True, layout="NHD") -> Case:
     from kvbench.kernels.append import fused_rope_quant_append, unfused_rope_quant_append
 
     gen = torch.Generator().manual_seed(seed)
     rot = rot or d
     num_pages = -(-t // page) + 3
-    kc, kbs, _, _ = make_cache(fmt, num_pages, page, hk, d, device, gen)
-    vc, vbs, _, _ = make_cache(fmt, num_pages, page, hk, d, device, gen)
+    kc, kbs, _, _ = make_cache(fmt, num_pages, page, hk, d, device, gen, layout)
+    vc, vbs, _, _ = make_cache(fmt, num_pages, page, hk, d, device, gen, layout)
     q, k, v = (_tokens(gen, t, h, d, dtype, device, s) for h, s in ((hq, 1.0), (hk, 2.0), (hk, 0.5)))
     ks, vs = calibrated_scale(fmt, k) * 0.8, calibrated_scale(fmt, v)  # 0.8: some values saturate
     pos = torch.randint(0, 4096, (t,), generator=gen).to(device)
@@ -177,9 +189,8 @@ def check_append(fmt, t, hq, hk, d, page, *, rot=None, style="neox", dtype=torch
     ref = R.append_reference(*cpu[:10], k_block_scale=cpu[10], v_block_scale=cpu[11], q_scale=cpu[12],
                              kv_format=fmt, rotary_dim=rot, rope_style=style)
     ref = tuple(x.to(device) if x is not None else None for x in ref)
-    kc2, vc2 = kc.clone(), vc.clone()
-    kbs2 = kbs.clone() if kbs is not None else None
-    vbs2 = vbs.clone() if vbs is not None else None
+    kc2, vc2 = as_layout(kc, layout), as_layout(vc, layout)  # copies in the same layout
+    kbs2, vbs2 = as_layout(kbs, layout), as_layout(vbs, layout)
     fn = fused_rope_quant_append if fused else unfused_rope_quant_append
     out = fn(q, k, v, pos, slots, cs, kc2, vc2, ks, vs, k_block_scale=kbs2, v_block_scale=vbs2, **kw)
     bad = plain_mismatch(out.q, ref[0], exact) + plain_mismatch(out.k, ref[1], exact)
@@ -191,13 +202,15 @@ def check_append(fmt, t, hq, hk, d, page, *, rot=None, style="neox", dtype=torch
     bad += cache_mismatch(fmt, kc2, ref[3], kbs2, ref[5], src, sl, ks, exact)
     bad += cache_mismatch(fmt, vc2, ref[4], vbs2, ref[6], v[keep], sl, vs, exact)
     label = f"{fmt} T={t} {hq}/{hk} D={d} rot={rot} {style} {str(dtype)[6:]}{' q8' if q_fp8 else ''} {'fused' if fused else 'unfused'}"
+    if layout != "NHD":
+        label += f" {layout}"
     return Case("append", label, float(bad), 0.0, "mismatches")
 
 
-def _attn_inputs(fmt, lens, hk, d, page, device, gen):
+def _attn_inputs(fmt, lens, hk, d, page, device, gen, layout="NHD"):
     num_pages = _pages_for(lens, page)
-    kc, kbs, ks, _ = make_cache(fmt, num_pages, page, hk, d, device, gen)
-    vc, vbs, vs, _ = make_cache(fmt, num_pages, page, hk, d, device, gen)
+    kc, kbs, ks, _ = make_cache(fmt, num_pages, page, hk, d, device, gen, layout)
+    vc, vbs, vs, _ = make_cache(fmt, num_pages, page, hk, d, device, gen, layout)
     table = random_page_table(lens, page, num_pages, gen, device)
     return dict(k_cache=kc, v_cache=vc, k_scale=ks, v_scale=vs, k_block_scale=kbs, v_block_scale=vbs), table
 
@@ -210,16 +223,17 @@ def _query(gen, shape, dtype, device, q_fp8):
     return get_format("fp8_e4m3").quantize(q, qs).data, qs
 
 
-def _features(window, sinks, q_fp8):
-    return "".join((f" win={window}" if window else "", " sinks" if sinks else "", " q8" if q_fp8 else ""))
+def _features(window, sinks, q_fp8, layout="NHD"):
+    return "".join((f" win={window}" if window else "", " sinks" if sinks else "", " q8" if q_fp8 else "",
+                    f" {layout}" if layout != "NHD" else ""))
 
 
 def check_decode(fmt, lens, hq, hk, d, page, *, dtype=torch.bfloat16, window=None, sinks=False, q_fp8=False,
-                 device="cuda", seed=0, **launch) -> Case:
+                 device="cuda", seed=0, layout="NHD", **launch) -> Case:
     from kvbench.kernels.decode import paged_decode
 
     gen = torch.Generator().manual_seed(seed)
-    kv, table = _attn_inputs(fmt, lens, hk, d, page, device, gen)
+    kv, table = _attn_inputs(fmt, lens, hk, d, page, device, gen, layout)
     q, qs = _query(gen, (len(lens), hq, d), dtype, device, q_fp8)
     sk = (torch.randn(hq, generator=gen) * 2).to(device) if sinks else None
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
@@ -228,18 +242,19 @@ def check_decode(fmt, lens, hq, hk, d, page, *, dtype=torch.bfloat16, window=Non
                  q_scale=qs, out=out, **kv, **launch)
     ref = R.decode_reference(q, page_table=table, seq_lens=seq_lens, kv_format=fmt, sliding_window=window,
                              sinks=sk, q_scale=qs, **kv)
-    label = f"{fmt} B={len(lens)} ctx<={max(lens)} {hq}/{hk} D={d} page={page}{_features(window, sinks, q_fp8)}"
+    label = f"{fmt} B={len(lens)} ctx<={max(lens)} {hq}/{hk} D={d} page={page}{_features(window, sinks, q_fp8, layout)}"
     return Case("decode", label, rel_err(out, ref), TOL[dtype])
 
 
-def _prefill_run(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype, window, sinks, q_fp8, device, seed, variants):
+def _prefill_run(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype, window, sinks, q_fp8, device, seed, variants,
+                 layout="NHD"):
     """The prefill kernel once per launch-option dict in ``variants`` on the same fresh inputs (outputs
     poisoned first) → (outputs, float64 reference, label)."""
     from kvbench.kernels.prefill import paged_prefill
 
     gen = torch.Generator().manual_seed(seed)
     lens = [a + b for a, b in zip(q_lens, prefixes)]
-    kv, table = _attn_inputs(fmt, lens, hk, d, page, device, gen)
+    kv, table = _attn_inputs(fmt, lens, hk, d, page, device, gen, layout)
     t = sum(q_lens)
     q, qs = _query(gen, (t, hq, d), dtype, device, q_fp8)
     k_new, v_new = _tokens(gen, t, hk, d, dtype, device), _tokens(gen, t, hk, d, dtype, device)
@@ -254,14 +269,14 @@ def _prefill_run(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype, window, sinks
         outs.append(out)
     ref = R.prefill_reference(q, k_new, v_new, cu.cpu(), page_table=table, seq_lens=seq_lens, kv_format=fmt,
                               sliding_window=window, sinks=sk, q_scale=qs, **kv)
-    label = f"{fmt} new={q_lens} prefix={prefixes} {hq}/{hk} D={d} page={page}{_features(window, sinks, q_fp8)}"
+    label = f"{fmt} new={q_lens} prefix={prefixes} {hq}/{hk} D={d} page={page}{_features(window, sinks, q_fp8, layout)}"
     return outs, ref, label
 
 
 def check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype=torch.bfloat16, window=None, sinks=False,
-                  q_fp8=False, device="cuda", seed=0, **launch) -> Case:
+                  q_fp8=False, device="cuda", seed=0, layout="NHD", **launch) -> Case:
     (out,), ref, label = _prefill_run(fmt, q_lens, prefixes, hq, hk, d, page, dtype=dtype, window=window, sinks=sinks,
-                                      q_fp8=q_fp8, device=device, seed=seed, variants=[launch])
+                                      q_fp8=q_fp8, device=device, seed=seed, variants=[launch], layout=layout)
     if "tma" in launch:
         label += " tma" if launch["tma"] else " no-tma"
     if "fp8_qk" in launch:
@@ -333,6 +348,25 @@ def gpu_cases(quick: bool = False):
                 yield lambda f=fmt, w=window, s=sinks, q=q8: check_prefill(
                     f, [512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31], *shapes[0], window=w, sinks=s, q_fp8=q,
                     tma=False, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+
+
+    # the head-major page layout (HND): every kernel and feature once more on the first shape
+    for fmt in fmts:
+        hq, hk, d, page = shapes[0]
+        for t, fused in ((512, True), (512, False), (1, True)):
+            yield lambda f=fmt, t=t, fu=fused: check_append(
+                f, t, hq, hk, d, page, fused=fu, q_fp8=(t == 512), layout="HND",
+                seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+        ragged = [int(x) for x in torch.randint(1, 4097, (64,), generator=gen)]
+        for lens, w, s, q8 in ((ragged, None, False, False), ([32768, 17, 20000, 1], 1000, True, False),
+                               (ragged, None, False, True)):
+            yield lambda f=fmt, l=lens, w=w, s=s, q=q8: check_decode(
+                f, l, hq, hk, d, page, window=w, sinks=s, q_fp8=q, layout="HND",
+                seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+        for w, s, q8 in ((None, False, False), (700, True, True)):
+            yield lambda f=fmt, w=w, s=s, q=q8: check_prefill(
+                f, [512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31], hq, hk, d, page, window=w, sinks=s, q_fp8=q,
+                layout="HND", seed=int(torch.randint(1 << 30, (1,), generator=gen)))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from kvbench.kernels._triton_utils import (cache_dot_code, check_cache, check_query, dequant_tile, format_code,
-                                          fp8_pairs_split, load_raw_tile, next_pow2, nvfp4_units_split, to_dot)
+                                          fp8_pairs_split, load_raw_tile, next_pow2, nvfp4_units_split, page_rows,
+                                          same_layout, to_dot)
 from kvbench.kernels.formats import get_format
 
 __all__ = ["paged_decode", "default_num_splits"]
@@ -33,7 +34,7 @@ LOG2E = 1.4426950408889634
 def _decode_split_kernel(
     Q, KC, VC, KBS, VBS, K_SCALE, Q_SCALE, PT, SEQ_LENS, ACC, ML, OUT, V_SCALE, SINKS,
     sm_scale_log2,
-    sq_b, sq_h, skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h, spt_b,
+    sq_b, sq_h, s_page, s_tok, skc_h, svc_h, sb_page, sb_tok, skb_h, svb_h, spt_b,
     sacc_b, sacc_h, sacc_s, sml_b, sml_h, sml_s, so_b, so_h,
     window, num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DP_PAD: tl.constexpr, NB: tl.constexpr,
@@ -98,26 +99,22 @@ def _decode_split_kernel(
     # longer dequantization; for the other formats Triton's own pipelining does better (measured).
     offs = lo + n_off
     tmask = offs < hi
-    slot = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64) * PAGE + (offs % PAGE)
-    kx, kb = load_raw_tile(KC, KBS, slot, hk, skc_slot, skc_h, skb_slot, skb_h, i, imask, tmask, NB, D // 16, FMT)
-    vx, vb = load_raw_tile(VC, VBS, slot, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask, NB, D // 16, FMT)
+    row, brow = page_rows(pt_row, offs, tmask, PAGE, s_page, s_tok, sb_page, sb_tok, FMT)
+    kx, kb = load_raw_tile(KC, KBS, row, brow, hk, skc_h, skb_h, i, imask, tmask, NB, D // 16, FMT)
+    vx, vb = load_raw_tile(VC, VBS, row, brow, hk, svc_h, svb_h, i, imask, tmask, NB, D // 16, FMT)
     for j in range(lo, hi, BLOCK_N):
         if PREFETCH:
             offs_n = j + BLOCK_N + n_off
             tmask_n = offs_n < hi
-            slot_n = tl.load(pt_row + offs_n // PAGE, mask=tmask_n, other=0).to(tl.int64) * PAGE + (offs_n % PAGE)
-            kx_n, kb_n = load_raw_tile(KC, KBS, slot_n, hk, skc_slot, skc_h, skb_slot, skb_h, i, imask, tmask_n, NB,
-                                       D // 16, FMT)
-            vx_n, vb_n = load_raw_tile(VC, VBS, slot_n, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask_n, NB,
-                                       D // 16, FMT)
+            row_n, brow_n = page_rows(pt_row, offs_n, tmask_n, PAGE, s_page, s_tok, sb_page, sb_tok, FMT)
+            kx_n, kb_n = load_raw_tile(KC, KBS, row_n, brow_n, hk, skc_h, skb_h, i, imask, tmask_n, NB, D // 16, FMT)
+            vx_n, vb_n = load_raw_tile(VC, VBS, row_n, brow_n, hk, svc_h, svb_h, i, imask, tmask_n, NB, D // 16, FMT)
         else:
             offs = j + n_off
             tmask = offs < hi
-            slot = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64) * PAGE + (offs % PAGE)
-            kx, kb = load_raw_tile(KC, KBS, slot, hk, skc_slot, skc_h, skb_slot, skb_h, i, imask, tmask, NB,
-                                   D // 16, FMT)
-            vx, vb = load_raw_tile(VC, VBS, slot, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask, NB,
-                                   D // 16, FMT)
+            row, brow = page_rows(pt_row, offs, tmask, PAGE, s_page, s_tok, sb_page, sb_tok, FMT)
+            kx, kb = load_raw_tile(KC, KBS, row, brow, hk, skc_h, skb_h, i, imask, tmask, NB, D // 16, FMT)
+            vx, vb = load_raw_tile(VC, VBS, row, brow, hk, svc_h, svb_h, i, imask, tmask, NB, D // 16, FMT)
         if NV4:
             k_0, k_1, k_2, k_3 = nvfp4_units_split(kx, kb, NB)
             qk = tl.dot(q_0, tl.trans(k_0)) + tl.dot(q_1, tl.trans(k_1)) + tl.dot(q_2, tl.trans(k_2)) + tl.dot(
@@ -272,6 +269,7 @@ def paged_decode(
     bsz, hq, d = q.shape
     kc = check_cache("k", kv_format, k_cache, k_block_scale, k_scale, d)
     vc = check_cache("v", kv_format, v_cache, v_block_scale, v_scale, d)
+    same_layout(kc, vc)
     hk = kc.num_kv_heads
     if hq % hk:
         raise ValueError(f"H_q ({hq}) must be a multiple of H_kv ({hk})")
@@ -316,15 +314,15 @@ def paged_decode(
     split8, nv4 = units and fmt == 1, units and fmt == 2
     dp = d // 4 if nv4 else d // 2 if fmt == 2 or split8 else d
     kdata, vdata = kc.data, vc.data
-    kss, khs, vss, vhs = kc.slot_stride, kc.head_stride, vc.slot_stride, vc.head_stride
+    sp, st, khs, vhs = kc.page_stride, kc.tok_stride, kc.head_stride, vc.head_stride
     if units:  # the same bytes seen as int16; strides in 16-bit units
         kdata, vdata = kdata.view(torch.int16), vdata.view(torch.int16)
-        kss, khs, vss, vhs = kss // 2, khs // 2, vss // 2, vhs // 2
+        sp, st, khs, vhs = sp // 2, st // 2, khs // 2, vhs // 2
     _decode_split_kernel[(bsz, hk, num_splits)](
         q, kdata, vdata, kc.bs_ptr, vc.bs_ptr, kc.scale, q_scale if q_scale is not None else kc.scale,
         page_table, seq_lens, acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale, scale,
-        q.stride(0), q.stride(1), kss, khs, vss, vhs,
-        kc.bs_slot_stride, kc.bs_head_stride, vc.bs_slot_stride, vc.bs_head_stride, page_table.stride(0),
+        q.stride(0), q.stride(1), sp, st, khs, vhs,
+        kc.bs_page_stride, kc.bs_tok_stride, kc.bs_head_stride, vc.bs_head_stride, page_table.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
         out.stride(0), out.stride(1), int(sliding_window or 0), num_splits,
         G=g, G_PAD=max(16, next_pow2(g)), D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size, BLOCK_N=block_n,

@@ -35,6 +35,8 @@ from kvbench.kernels._triton_utils import (
     load_nvfp4_tile,
     load_plain_tile,
     next_pow2,
+    page_rows,
+    same_layout,
     to_dot,
 )
 
@@ -115,23 +117,20 @@ def _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, mask, scale, v
 
 @triton.jit
 def _prefix_tile(KC, VC, KBS, VBS, pt_row, offs, prefix, qpos, wlim, hk, i, imask, qp_a, qp_b, acc_a, acc_b, m_i,
-                 l_i, pscale, vscale, skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h,
+                 l_i, pscale, vscale, s_page, s_tok, skc_h, svc_h, sb_page, sb_tok, skb_h, svb_h,
                  PAGE: tl.constexpr, NB: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, DOT_P: tl.constexpr,
                  SPLIT: tl.constexpr, FP8_QK: tl.constexpr, MASKED: tl.constexpr, Q_SPLIT: tl.constexpr):
     """One tile of the cached prefix: keys ``offs`` read through the page table and dequantized in
     registers (``FP8_QK``: K kept in fp8 for an fp8 ``Q·Kᵀ``; ``Q_SPLIT``: against a split bf16 q), then
     the online-softmax update."""
     tmask = offs < prefix
-    page = tl.load(pt_row + offs // PAGE, mask=tmask, other=0).to(tl.int64)
-    slot = page * PAGE + (offs % PAGE)
+    row, brow = page_rows(pt_row, offs, tmask, PAGE, s_page, s_tok, sb_page, sb_tok, FMT)
     if FMT == 2:
-        k_a, k_b = load_nvfp4_tile(KC, KBS, slot, hk, skc_slot, skc_h, skb_slot, skb_h, i, imask, tmask,
-                                   NB, D // 16, DOT_P)
-        v_a, v_b = load_nvfp4_tile(VC, VBS, slot, hk, svc_slot, svc_h, svb_slot, svb_h, i, imask, tmask,
-                                   NB, D // 16, DOT_P)
+        k_a, k_b = load_nvfp4_tile(KC, KBS, row, brow, hk, skc_h, skb_h, i, imask, tmask, NB, D // 16, DOT_P)
+        v_a, v_b = load_nvfp4_tile(VC, VBS, row, brow, hk, svc_h, svb_h, i, imask, tmask, NB, D // 16, DOT_P)
     else:
-        k_a = load_plain_tile(KC, slot, hk, skc_slot, skc_h, i, imask, tmask, 4 if FP8_QK else DOT_P)
-        v_a = load_plain_tile(VC, slot, hk, svc_slot, svc_h, i, imask, tmask, DOT_P)
+        k_a = load_plain_tile(KC, row, hk, skc_h, i, imask, tmask, 4 if FP8_QK else DOT_P)
+        v_a = load_plain_tile(VC, row, hk, svc_h, i, imask, tmask, DOT_P)
         k_b = k_a
         v_b = v_a
     mask = tmask[None, :] & ((qpos[:, None] - offs[None, :]) < wlim)
@@ -144,7 +143,7 @@ def _prefill_kernel(
     Q, KN, VN, KC, VC, KBS, VBS, K_SCALE, V_SCALE, Q_SCALE, SINKS, PT, SEQ_LENS, CU_Q, OUT,
     sm_scale_log2,
     sq_t, sq_h, skn_t, skn_h, svn_t, svn_h, so_t, so_h,
-    skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h, spt_b,
+    s_page, s_tok, skc_h, svc_h, sb_page, sb_tok, skb_h, svb_h, spt_b,
     window,
     G: tl.constexpr, D: tl.constexpr, DP_PAD: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, DOT_P: tl.constexpr,
@@ -238,12 +237,12 @@ def _prefill_kernel(
     for j in range(kstart, pfull, BLOCK_NP):
         acc_a, acc_b, m_i, l_i = _prefix_tile(
             KC, VC, KBS, VBS, pt_row, j + np_off, prefix, qpos, wlim, hk, i, imask, qp_a, qp_b, acc_a, acc_b,
-            m_i, l_i, pscale, vscale, skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h,
+            m_i, l_i, pscale, vscale, s_page, s_tok, skc_h, svc_h, sb_page, sb_tok, skb_h, svb_h,
             PAGE, NB, D, FMT, DOT_P, SPLIT, FP8_QK, False, Q_SPLIT)
     for j in range(pfull, prefix, BLOCK_NP):
         acc_a, acc_b, m_i, l_i = _prefix_tile(
             KC, VC, KBS, VBS, pt_row, j + np_off, prefix, qpos, wlim, hk, i, imask, qp_a, qp_b, acc_a, acc_b,
-            m_i, l_i, pscale, vscale, skc_slot, skc_h, svc_slot, svc_h, skb_slot, skb_h, svb_slot, svb_h,
+            m_i, l_i, pscale, vscale, s_page, s_tok, skc_h, svc_h, sb_page, sb_tok, skb_h, svb_h,
             PAGE, NB, D, FMT, DOT_P, SPLIT, FP8_QK, True, Q_SPLIT)
 
     # ---- phase 2: the new tokens (compute precision); full tiles first, then the diagonal
@@ -374,6 +373,7 @@ def paged_prefill(
             raise ValueError(f"{name} must have a contiguous last dimension")
     kc = check_cache("k", kv_format, k_cache, k_block_scale, k_scale, d)
     vc = check_cache("v", kv_format, v_cache, v_block_scale, v_scale, d)
+    same_layout(kc, vc)
     hk = kc.num_kv_heads
     if k_new.shape[1] != hk or hq % hk:
         raise ValueError(f"H_kv mismatch: cache {hk}, k_new {k_new.shape[1]}, H_q {hq}")
@@ -435,8 +435,8 @@ def paged_prefill(
         page_table, seq_lens, cu_seqlens_q, out, scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         out.stride(0), out.stride(1),
-        kc.slot_stride, kc.head_stride, vc.slot_stride, vc.head_stride,
-        kc.bs_slot_stride, kc.bs_head_stride, vc.bs_slot_stride, vc.bs_head_stride, page_table.stride(0),
+        kc.page_stride, kc.tok_stride, kc.head_stride, vc.head_stride,
+        kc.bs_page_stride, kc.bs_tok_stride, kc.bs_head_stride, vc.bs_head_stride, page_table.stride(0),
         int(sliding_window or 0),
         G=hq // hk, D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, DOT=dot_code(k_new.dtype),

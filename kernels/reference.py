@@ -123,10 +123,10 @@ def store_reference(kv_format: str, cache, block_scale, x, slot_mapping, scale):
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     qkv = fmt.quantize(x[keep], scale)
-    hk, dp = c.shape[-2], c.shape[-1]
-    c.view(-1, hk, dp)[slots] = qkv.data
+    page, off = slots // c.shape[1], slots % c.shape[1]  # (page, offset) indexing: any page layout
+    c[page, off] = qkv.data
     if bs is not None:
-        bs.view(-1, hk, bs.shape[-1])[slots] = qkv.block_scale
+        bs[page, off] = qkv.block_scale
     return c, bs
 
 
@@ -153,10 +153,11 @@ def slots_from_page_table(page_table_row: torch.Tensor, start: int, end: int, pa
 
 def gather_kv_f64(kv_format, cache, scale, block_scale, page_table_row, start, end):
     """Dequantized float64 ``[end − start, H_kv, D]`` of one sequence's cached positions."""
-    page_size, hk, dp = cache.shape[1], cache.shape[2], cache.shape[3]
+    page_size = cache.shape[1]
     slots = slots_from_page_table(page_table_row, start, end, page_size)
-    data = cache.view(-1, hk, dp)[slots]
-    bs = block_scale.view(-1, hk, block_scale.shape[-1])[slots] if block_scale is not None else None
+    page, off = slots // page_size, slots % page_size  # (page, offset) indexing: any page layout
+    data = cache[page, off]
+    bs = block_scale[page, off] if block_scale is not None else None
     return dequantize_f64(kv_format, data, scale, bs)
 
 

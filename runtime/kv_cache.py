@@ -154,12 +154,21 @@ class PagedKVCache:
         L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
         shape = (num_pages + 1, spec.page_size, H, self.fmt.packed_dim(D))
         bs_shape = (num_pages + 1, spec.page_size, H, D // NVFP4_BLOCK)
+        hnd = spec.layout == "HND"
+
+        def alloc(shp, make) -> torch.Tensor:
+            # HND: the memory is [P+1, H, page, X]; the plane is its [P+1, page, H, X] view
+            if not hnd:
+                return make(shp)
+            return make((shp[0], shp[2], shp[1], shp[3])).permute(0, 2, 1, 3)
 
         def plane() -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
-            data = [torch.zeros(shape, dtype=self.fmt.storage_dtype, device=self.device) for _ in range(L)]
+            data = [alloc(shape, lambda s: torch.zeros(s, dtype=self.fmt.storage_dtype, device=self.device))
+                    for _ in range(L)]
             if self.fmt.has_block_scales:
                 # 2^-6 (the smallest normal e4m3) keeps never-written entries finite and non-zero
-                bs = [torch.full(bs_shape, 2.0**-6, device=self.device).to(torch.float8_e4m3fn) for _ in range(L)]
+                bs = [alloc(bs_shape, lambda s: torch.full(s, 2.0**-6, device=self.device).to(torch.float8_e4m3fn))
+                      for _ in range(L)]
             else:
                 bs = [None] * L
             return data, bs
@@ -209,10 +218,10 @@ class PagedKVCache:
             self._store(self.v_data[layer], self.v_block_scale[layer], slots, self.fmt.quantize(v, self.v_scale[layer]))
 
     def _store(self, data: torch.Tensor, bs: Optional[torch.Tensor], slots: torch.Tensor, q: QuantizedKV) -> None:
-        H = self.spec.num_kv_heads
-        data.view(-1, H, data.shape[-1])[slots] = q.data
+        page, off = slots // self.page_size, slots % self.page_size  # (page, offset): any page layout
+        data[page, off] = q.data
         if bs is not None:
-            bs.view(-1, H, bs.shape[-1])[slots] = q.block_scale
+            bs[page, off] = q.block_scale
 
     def read_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V ``[n, H_kv, D]`` at the given slots."""
@@ -223,8 +232,8 @@ class PagedKVCache:
         data = (self.k_data if which == "k" else self.v_data)[layer]
         bs = (self.k_block_scale if which == "k" else self.v_block_scale)[layer]
         scale = (self.k_scale if which == "k" else self.v_scale)[layer]
-        H = self.spec.num_kv_heads
-        q = QuantizedKV(data.view(-1, H, data.shape[-1])[slots], None if bs is None else bs.view(-1, H, bs.shape[-1])[slots])
+        page, off = slots // self.page_size, slots % self.page_size
+        q = QuantizedKV(data[page, off], None if bs is None else bs[page, off])
         return self.fmt.dequantize(q, scale, dtype)
 
     def gather(self, layer: int, page_table: Sequence[int] | torch.Tensor, length: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,22 +82,23 @@ def test_write_then_gather_equals_format_roundtrip(kv_dtype, per_head):
             assert torch.equal(vv, fmt.roundtrip(v, vsl))
 
 
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "nvfp4"])
-def test_padded_slots_write_nothing(kv_dtype):
-    spec = KVCacheSpec(1, 2, 32, kv_dtype, 4)
+def test_padded_slots_write_nothing(kv_dtype, layout):
+    spec = KVCacheSpec(1, 2, 32, kv_dtype, 4, layout=layout)
     cache = PagedKVCache(spec, num_pages=4)
     before_k = cache.k_data[0].clone().view(torch.uint8)
     before_bs = None if cache.k_block_scale[0] is None else cache.k_block_scale[0].clone().view(torch.uint8)
     slots = torch.tensor([-1, 5, -1, 6])
     k = torch.randn(4, 2, 32) + 5
     cache.write(0, slots, k, k)
-    after = cache.k_data[0].view(torch.uint8).view(-1, 2, cache.k_data[0].shape[-1])
+    after = cache.k_data[0].view(torch.uint8).reshape(-1, 2, cache.k_data[0].shape[-1])  # slot order
     scratch = cache.scratch_page * cache.page_size  # padded writes may only touch the scratch page
-    changed = [s for s in (after != before_k.view_as(after)).any(dim=(1, 2)).nonzero().flatten().tolist() if s < scratch]
+    changed = [s for s in (after != before_k.reshape(after.shape)).any(dim=(1, 2)).nonzero().flatten().tolist() if s < scratch]
     assert changed == [5, 6]
     if before_bs is not None:
-        a = cache.k_block_scale[0].view(torch.uint8).view(-1, 2, 2)
-        changed_bs = (a != before_bs.view_as(a)).any(dim=(1, 2)).nonzero().flatten().tolist()
+        a = cache.k_block_scale[0].view(torch.uint8).reshape(-1, 2, 2)
+        changed_bs = (a != before_bs.reshape(a.shape)).any(dim=(1, 2)).nonzero().flatten().tolist()
         assert [s for s in changed_bs if s < scratch] == [5, 6]
     kk, _ = cache.read_slots(0, torch.tensor([5, 6]))
     assert torch.equal(kk, get_format(kv_dtype).roundtrip(k[[1, 3]], cache.k_scale[0]))

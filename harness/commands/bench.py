@@ -18,11 +18,14 @@ def register(app: typer.Typer) -> None:
         out: Optional[str] = typer.Option(None, "--out", help="Write the results as JSON to this file."),
         flashinfer: bool = typer.Option(True, "--flashinfer/--no-flashinfer", help="Time flashinfer's decode as an anchor when importable."),
         parts: str = typer.Option("decode,prefill,append", "--parts", help="Comma list of decode, prefill, append."),
+        layout: str = typer.Option("HND", "--layout", help="Page layout of the caches: HND (the runtime's default) or NHD."),
     ) -> None:
         """Paged decode / prefill / fused append vs copy bandwidth, flashinfer and SDPA anchors."""
         from kvbench.kernels.bench import main
 
-        raise typer.Exit(main(check=check, quick=quick, out=out, flashinfer=flashinfer, parts=parts) or 0)
+        if layout not in ("HND", "NHD"):
+            raise typer.BadParameter(f"--layout must be HND or NHD, got {layout!r}")
+        raise typer.Exit(main(check=check, quick=quick, out=out, flashinfer=flashinfer, parts=parts, layout=layout) or 0)
 
     @bench.command("mla")
     def mla(

@@ -1,5 +1,5 @@
 """FlashInfer backend (GPU, optional): FlashInfer's paged decode and prefill kernels over the cache
-layout of ``runtime/kv_cache.py`` (NHD pages, K and V planes separate).
+layout of ``runtime/kv_cache.py`` (HND or NHD pages, K and V planes separate).
 
 RoPE, quantization and append use the torch reference path (``PagedKVCache.write``); attention
 runs in FlashInfer.  Per-tensor / per-head fp8 scales are folded exactly: ``k_scale`` into q (per kv
@@ -78,14 +78,15 @@ class FlashInferBackend:
         if w is not None:
             return w
         kv_dtype = cache.k_data[layer.layer_idx].dtype
-        wk = (meta.phase, window)
+        layout = cache.spec.layout
+        wk = (meta.phase, window, layout)
         if meta.phase == "decode":
-            w = self._wrappers.get(wk) or self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+            w = self._wrappers.get(wk) or self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, layout)
             w.plan(st["indptr"], st["indices"], st["last"], layer.num_heads, layer.num_kv_heads, layer.head_dim,
                    meta.page_size, pos_encoding_mode="NONE", window_left=window, q_data_type=q_dtype,
                    kv_data_type=kv_dtype, sm_scale=layer.softmax_scale)
         else:
-            w = self._wrappers.get(wk) or self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+            w = self._wrappers.get(wk) or self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, layout)
             w.plan(meta.cu_seqlens_q, st["indptr"], st["indices"], st["last"], layer.num_heads, layer.num_kv_heads,
                    layer.head_dim, meta.page_size, causal=True, pos_encoding_mode="NONE", window_left=window,
                    q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=layer.softmax_scale)
@@ -115,7 +116,10 @@ class FlashInferBackend:
         if quantized:  # exact folding of the dequant multipliers
             qr = (qr.float() * ks.repeat_interleave(G)[None, :, None]).to(q.dtype)
         w = self._wrapper(meta, layer, cache, qr.dtype)
-        out = w.run(qr.contiguous(), (cache.k_data[li], cache.v_data[li]))
+        kc, vc = cache.k_data[li], cache.v_data[li]
+        if cache.spec.layout == "HND":  # flashinfer takes the HND memory as [P+1, H, page, D]
+            kc, vc = kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)
+        out = w.run(qr.contiguous(), (kc, vc))
         if quantized:
             out = (out.float() * vs.repeat_interleave(G)[None, :, None]).to(q.dtype)
         return out.reshape(T, H * D)

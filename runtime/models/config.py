@@ -81,11 +81,12 @@ class ModelConfig:
         """Head dim of a cache entry: the latent plus the rope key for MLA, else head_dim."""
         return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
 
-    def kv_spec(self, kv_dtype: str, page_size: int):
+    def kv_spec(self, kv_dtype: str, page_size: int, layout: str = "HND"):
         """The paged cache's ``KVCacheSpec`` for this model (one latent plane per layer for MLA)."""
         from kvbench.runtime.config import KVCacheSpec
 
-        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.kv_head_dim, kv_dtype, page_size, mla=self.is_mla)
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.kv_head_dim, kv_dtype, page_size, mla=self.is_mla,
+                           layout=layout)
 
     def num_params(self) -> int:
         h, L = self.hidden_size, self.num_layers
