@@ -50,3 +50,35 @@ def test_append_bytes_counts_the_unfused_k_round_trip():
     fused8, unfused8 = B.append_bytes(512, 32, 8, 128, 128)  # fp8 rows: half the cache bytes
     assert fused - fused8 == mib and unfused - unfused8 == mib
     assert B.append_bytes(0, 32, 8, 128, 256) == (0, 0)
+
+
+def test_decode_targets_read_the_chosen_layout_rows():
+    """The decode rows carry their page layout at the end of the name; the format stays the third word."""
+    rows = [B.Row("decode triton bf16 B64x8192 32/8 D128 p16 HND", 500.0, 4300.0, 100.0),
+            B.Row("decode triton fp8_e4m3 B64x8192 32/8 D128 p16 HND", 270.0, 4000.0, 94.0)]
+    res = {name: (ok, detail) for name, ok, detail in B._targets(4300.0, rows, {"bf16": 500.0, "fp8_e4m3": 270.0},
+                                                                   {}, {}, {})}
+    assert res["decode fp8 >= 80% of copy bandwidth"] == (True, "94%")
+    assert res["decode fp8 >= 1.8x faster than bf16"] == (True, "1.85x")
+
+
+def test_flashinfer_gets_hnd_memory_as_its_own_shape():
+    import torch
+
+    from kvbench.kernels.check import as_layout
+
+    x = torch.randn(5, 16, 8, 32)
+    k, v = B.fi_kv(as_layout(x, "HND"), as_layout(2 * x, "HND"), "HND")
+    assert k.shape == (5, 8, 16, 32) and k.is_contiguous() and v.is_contiguous()
+    assert torch.equal(k, x.permute(0, 2, 1, 3))
+    kn, _ = B.fi_kv(x, x, "NHD")
+    assert kn is x
+
+
+def test_bench_cli_rejects_an_unknown_layout():
+    from typer.testing import CliRunner
+
+    from kvbench.harness.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "kernels", "--layout", "HDN"])
+    assert r.exit_code == 2 and "HND or NHD" in r.output
