@@ -8,7 +8,9 @@ query, fp8 and nvfp4 tiles are read as 16-bit units and split into interleaved e
 dots), which keeps them on the 16-bit shared-memory path of the dot operands.  Stage 2 merges the
 splits by their log-sum-exp.  Output is the latent ``o_lat [B, H, rank]`` (apply ``W_UV`` afterwards).
 Launch defaults depend on the head count (``_DEFAULTS``: 64-head wgmma tiles above 32 heads, 16-head
-tiles and about four programs per SM below).
+tiles and about four programs per SM below).  Above 32 heads, bfloat16 queries over an e4m3 latent are
+split exactly into two e4m3 terms per row (``_fp8_split``): the scores run as fp8 dots on the stored
+tile, and only ``P·c`` converts it (``q_split``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import triton
 import triton.language as tl
 
 from kvbench.kernels.mla import LatentCache
-from kvbench.kernels._triton_utils import fp8_pairs_split, nvfp4_units_split
+from kvbench.kernels._fp8_split import split_e4m3
+from kvbench.kernels._triton_utils import fp8_pairs_split, interpreting, nvfp4_units_split
 from kvbench.kernels.mla_common import check_cache, check_paging, load_latent_tile, tl_dtype
 
 
@@ -58,10 +61,14 @@ def _mla_decode_split(
     H, num_splits,
     PAGE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, DT: tl.constexpr, Q_FP8: tl.constexpr, UNITS: tl.constexpr = 0, E5M2: tl.constexpr = False,
+    Q_SPLIT: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
 ):
     """``UNITS`` 0: tiles in their stored type; 1: fp8 read as int16 pairs, split into even / odd element
     tiles; 2: nvfp4 read as int16 units of four codes, split into four interleaved quarters.  The query
-    and the accumulator are split the same way, so the output stays in element order."""
+    and the accumulator are split the same way, so the output stays in element order.
+    ``Q_SPLIT`` (UNITS 0, e4m3 latent, bf16 query): each query row is split exactly into two e4m3 terms
+    (``_fp8_split``), the scores are fp8 dots on the latent tile as stored, and only the ``P·c`` operand
+    is converted."""
     b = tl.program_id(0).to(tl.int64)
     hg = tl.program_id(1)
     sp = tl.program_id(2)
@@ -104,6 +111,10 @@ def _mla_decode_split(
         acc_1 = tl.zeros([BLOCK_H, RQ], tl.float32)
         acc_2 = tl.zeros([BLOCK_H, RQ], tl.float32)
         acc_3 = tl.zeros([BLOCK_H, RQ], tl.float32)
+    elif Q_SPLIT:
+        ql_hi, ql_lo, inv_l = split_e4m3(_q_part(lrow, 0, 1, RANK, hm, tl.float32), EXACT_CAST)
+        qp_hi, qp_lo, inv_p = split_e4m3(_q_part(prow, 0, 1, ROPE, hm, tl.float32), EXACT_CAST)
+        acc = tl.zeros([BLOCK_H, RANK], tl.float32)
     else:
         ql = _q_part(lrow, 0, 1, RANK, hm, DT)
         qp = _q_part(prow, 0, 1, ROPE, hm, DT)
@@ -126,6 +137,12 @@ def _mla_decode_split(
             s = (tl.dot(ql_0, tl.trans(c_0)) + tl.dot(ql_1, tl.trans(c_1)) + tl.dot(ql_2, tl.trans(c_2))
                  + tl.dot(ql_3, tl.trans(c_3)) + tl.dot(qp_0, tl.trans(k_0)) + tl.dot(qp_1, tl.trans(k_1))
                  + tl.dot(qp_2, tl.trans(k_2)) + tl.dot(qp_3, tl.trans(k_3)))
+        elif Q_SPLIT:  # the stored e4m3 tile in both score dots; converted once, for P·c
+            c8, kpe8 = load_latent_tile(KV, BS, slot, nm, RANK, ROPE, FMT, KV.dtype.element_ty)
+            c = c8.to(DT)
+            s_l = tl.dot(ql_lo, tl.trans(c8), tl.dot(ql_hi, tl.trans(c8)))
+            s_p = tl.dot(qp_lo, tl.trans(kpe8), tl.dot(qp_hi, tl.trans(kpe8)))
+            s = s_l * inv_l[:, None] + s_p * inv_p[:, None]
         else:
             c, kpe = load_latent_tile(KV, BS, slot, nm, RANK, ROPE, FMT, DT)
             s = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(kpe))
@@ -215,7 +232,7 @@ def _defaults(fmt: int, heads: int):
 def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: float, *,
                q_scale=None, num_splits: int | None = None, max_seq_len: int | None = None,
                block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, units16: bool | None = None, out=None):
+               num_stages: int | None = None, units16: bool | None = None, q_split: bool | None = None, out=None):
     """Absorbed MLA decode: one query token per sequence.
 
     ``q_lat [B, H, rank]``, ``q_pe [B, H, rope]`` (RoPE applied) in the compute dtype, or both fp8 e4m3
@@ -223,6 +240,8 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     Returns ``o_lat [B, H, rank]`` in the compute dtype (bfloat16 for fp8 queries).
     ``units16`` (fp8 / nvfp4 caches, half-precision compute): read the latent as 16-bit units and split
     it in registers (see ``_mla_decode_split``); the default and the tile sizes come from ``_defaults``.
+    ``q_split`` (e4m3 latent, bfloat16 queries, more than 32 heads by default): split each query row
+    exactly into two e4m3 terms and compute the scores as fp8 dots on the stored latent.
     """
     import torch
 
@@ -243,14 +262,22 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
         raise ValueError("fp8 queries need q_scale, an fp32 tensor [1]")
     cdt = torch.bfloat16 if q_fp8 else q_lat.dtype
     d_units, d_bh, d_bn, d_nw, d_ns, per_sm = _defaults(fmt, h)
-    units = (d_units if units16 is None else bool(units16)) and fmt != 0 and cdt != torch.float32
+    split_ok = lay.kv_dtype == "fp8_e4m3" and q_lat.dtype == torch.bfloat16
+    if q_split and not split_ok:
+        raise ValueError("q_split needs an fp8_e4m3 latent cache and bfloat16 queries")
+    if q_split and units16:
+        raise ValueError("q_split reads the latent as stored; it excludes units16")
+    # default: split above 32 heads (64-row wgmma tiles; measured 852 -> 671 us at 128 heads, 64 x 8192 on
+    # an H200), not at 16 (16-row tiles: Triton lowers an fp8 dot to fp16 mma there; 163 -> 470 us)
+    q_split = split_ok and (h > 32 and not units16 if q_split is None else bool(q_split))
+    units = (d_units if units16 is None else bool(units16)) and fmt != 0 and cdt != torch.float32 and not q_split
     block_h = d_bh if block_h is None else block_h
     block_n = d_bn if block_n is None else block_n
     num_warps = d_nw if num_warps is None else num_warps
     num_stages = d_ns if num_stages is None else num_stages
-    # fp8 queries or 16-bit units: dot operands in fp16 (fp8 / e2m1·e4m3 values are exact in it) unless
-    # the cache is bf16.
-    if q_fp8 or units:
+    # fp8 queries, 16-bit units or the query split: dot operands in fp16 (fp8 / e2m1·e4m3 values are exact
+    # in it) unless the cache is bf16.
+    if q_fp8 or units or q_split:
         dt = tl_dtype(torch.bfloat16 if cache.data.dtype == torch.bfloat16 else torch.float16)
     else:
         dt = tl_dtype(cdt)
@@ -278,7 +305,7 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
         h, num_splits,
         PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, BLOCK_H=block_h, BLOCK_N=block_n,
         FMT=fmt, DT=dt, Q_FP8=q_fp8, UNITS=(fmt if units else 0), E5M2=cache.layout.kv_dtype == "fp8_e5m2",
-        num_warps=num_warps, num_stages=num_stages,
+        Q_SPLIT=q_split, EXACT_CAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
     )
     _mla_decode_merge[(b, h)](
         mid_o, mid_l, cache.k_scale, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

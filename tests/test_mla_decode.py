@@ -146,3 +146,37 @@ def test_bench_mla_command_parses_its_options_and_needs_a_gpu():
 
     r = CliRunner().invoke(app, ["bench", "mla", "--heads", "16", "--no-sweep", "--quick"])
     assert r.exit_code == 2 and "needs a CUDA device" in r.output, r.output  # options parsed; no GPU here
+
+
+def test_decode_query_split_over_e4m3_latent():
+    """bf16 queries over an e4m3 latent at more than 32 heads: by default the scores are two fp8 dots of an
+    exact split of each query row on the stored latent; against the reference, and against the
+    converted-latent path (``q_split=False``) on the same inputs."""
+    global H
+    saved = H
+    H = 40
+    try:
+        split = _run("fp8_e4m3", [33, 5, 70], seed=31, dtype=torch.bfloat16, block_n=None)
+        conv = _run("fp8_e4m3", [33, 5, 70], seed=31, dtype=torch.bfloat16, block_n=None, q_split=False)
+        assert split < 1e-2 and conv < 1e-2, (split, conv)
+        assert abs(split - conv) < 2e-3, (split, conv)
+        H = 4  # explicit split at few heads
+        assert _run("fp8_e4m3", [19, 40], seed=32, dtype=torch.bfloat16, q_split=True, num_splits=2) < 1e-2
+        with pytest.raises(ValueError, match="q_split"):
+            _run("fp8_e5m2", [19], seed=33, dtype=torch.bfloat16, q_split=True)
+        with pytest.raises(ValueError, match="q_split"):
+            _run("fp8_e4m3", [19], seed=34, dtype=torch.float16, q_split=True)
+    finally:
+        H = saved
+
+
+def test_decode_units_request_keeps_the_units_path_at_many_heads():
+    global H
+    saved = H
+    H = 40
+    try:  # an explicit units16 keeps the 16-bit-unit path (no split); both together are refused
+        assert _run("fp8_e4m3", [33, 5], seed=35, dtype=torch.bfloat16, block_n=None, units16=True) < 1e-2
+        with pytest.raises(ValueError, match="excludes units16"):
+            _run("fp8_e4m3", [33], seed=36, dtype=torch.bfloat16, units16=True, q_split=True)
+    finally:
+        H = saved
