@@ -289,14 +289,17 @@ def _prefill_kernel(
 _LAUNCH = ("block_m", "block_n", "block_n_prefix", "num_warps", "num_stages")
 # (block_m, block_n, block_n_prefix, num_warps, num_stages) on a GPU, from the sweeps of
 # ``kernels/bench_prefill.py`` and of the TMA comparison on an H200 (docs/kernels.md), by head dim and case:
-# "prefix" (a cached prefix, or unknown), "tma" (prompts read through tensor descriptors; "tma_short" below
-# ``_SHORT`` tokens, where smaller query blocks waste less of the causal triangle) and "plain" (prompts
-# without descriptors: nvfp4 caches, odd strides).  Small tiles elsewhere (the CPU interpreter).
+# "prefix" (a cached prefix, or unknown; "prefix_tma" with the new tokens read through tensor descriptors),
+# "tma" (prompts read through tensor descriptors; "tma_short" below ``_SHORT`` tokens, where smaller query
+# blocks waste less of the causal triangle) and "plain" (prompts without descriptors: nvfp4 caches, odd
+# strides).  Small tiles elsewhere (the CPU interpreter).  "prefix_tma" at D 128: 128-key tiles over the
+# new tokens too, the fastest of the 9 benchmark tiles for the bf16 and fp8 extends in four runs
+# (2026-11-21, H200; 1.6-3% over (128, 64, 128, 8, 3)).
 _GPU_DEFAULTS = {
-    128: {"prefix": (128, 64, 128, 8, 3), "tma": (128, 128, 128, 8, 3), "tma_short": (64, 64, 64, 4, 3),
-          "plain": (128, 64, 64, 8, 3)},
-    64: {"prefix": (128, 64, 128, 4, 3), "tma": (64, 64, 64, 4, 3), "tma_short": (64, 64, 64, 4, 3),
-         "plain": (128, 64, 64, 4, 3)},
+    128: {"prefix": (128, 64, 128, 8, 3), "prefix_tma": (128, 128, 128, 8, 3), "tma": (128, 128, 128, 8, 3),
+          "tma_short": (64, 64, 64, 4, 3), "plain": (128, 64, 64, 8, 3)},
+    64: {"prefix": (128, 64, 128, 4, 3), "prefix_tma": (128, 64, 128, 4, 3), "tma": (64, 64, 64, 4, 3),
+         "tma_short": (64, 64, 64, 4, 3), "plain": (128, 64, 64, 4, 3)},
 }
 _SHORT = 2048
 _CPU_DEFAULTS = (64, 64, 64, 4, 2)
@@ -311,7 +314,7 @@ def launch_defaults(device, head_dim: int, max_prefix_len: Optional[int] = None,
         return dict(zip(_LAUNCH, _CPU_DEFAULTS))
     table = _GPU_DEFAULTS[64 if head_dim <= 64 else 128]
     if max_prefix_len != 0:
-        case = "prefix"
+        case = "prefix_tma" if tma else "prefix"
     elif not tma:
         case = "plain"
     else:

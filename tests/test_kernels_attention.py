@@ -255,8 +255,10 @@ def test_prefill_launch_defaults_by_case(monkeypatch):
     assert P.launch_defaults("cuda", 128, 0, 8192, True) == tab[128]["tma"]
     assert P.launch_defaults("cuda", 128, 0, P._SHORT - 1, True) == tab[128]["tma_short"]
     assert P.launch_defaults("cuda", 128, 0, 8192, False) == tab[128]["plain"]
-    assert P.launch_defaults("cuda", 128, None, 8192, True) == tab[128]["prefix"]
-    assert P.launch_defaults("cuda", 128, 7168, 1024, True) == tab[128]["prefix"]
+    assert P.launch_defaults("cuda", 128, None, 8192, True) == tab[128]["prefix_tma"]
+    assert P.launch_defaults("cuda", 128, 7168, 1024, True) == tab[128]["prefix_tma"]
+    assert P.launch_defaults("cuda", 128, 7168, 1024, False) == tab[128]["prefix"]
+    assert tab[128]["prefix_tma"] == tab[128]["tma"] and tab[128]["prefix"]["block_n_prefix"] == 128
     assert P.launch_defaults("cuda", 64, 0, 4096, True) == tab[64]["tma"]
     assert P.launch_defaults("cpu", 128, 0, 8192, True) == dict(zip(P._LAUNCH, P._CPU_DEFAULTS))
     assert tab[128]["tma"]["block_n"] > tab[128]["prefix"]["block_n"]
