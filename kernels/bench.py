@@ -196,7 +196,7 @@ def check_variants(formats=("bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4")):
 
 
 def sweep_decode(copy_gbps, formats=("bf16", "fp8_e4m3", "nvfp4"), batch=64, ctx=8192, hq=32, hk=8, d=128,
-                 page=16):
+                 page=16, layout="HND"):
     """Every configuration of ``_sweep_configs`` plus the defaults, each printed; returns the rows (fastest
     first per format).  Used to choose ``decode._DEFAULTS``."""
     import torch
@@ -352,7 +352,7 @@ def main(check: bool = False, quick: bool = False, out: Optional[str] = None, fl
     if sweep:
         ok = check_variants()
         print(f"decode variants check: {'all passed' if ok else 'FAILURES'}", flush=True)
-        rows = sweep_decode(copy_bandwidth())
+        rows = sweep_decode(copy_bandwidth(), layout=layout)
         print(f"\n## decode sweep — {torch.cuda.get_device_name()}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, fastest first")
         for r in rows:

@@ -189,8 +189,9 @@ def check_append(fmt, t, hq, hk, d, page, *, rot=None, style="neox", dtype=torch
     ref = R.append_reference(*cpu[:10], k_block_scale=cpu[10], v_block_scale=cpu[11], q_scale=cpu[12],
                              kv_format=fmt, rotary_dim=rot, rope_style=style)
     ref = tuple(x.to(device) if x is not None else None for x in ref)
-    kc2, vc2 = as_layout(kc, layout), as_layout(vc, layout)  # copies in the same layout
-    kbs2, vbs2 = as_layout(kbs, layout), as_layout(vbs, layout)
+    kc2, vc2 = kc.clone(), vc.clone()  # clone keeps the strides, so the copies keep the page layout
+    kbs2 = kbs.clone() if kbs is not None else None
+    vbs2 = vbs.clone() if vbs is not None else None
     fn = fused_rope_quant_append if fused else unfused_rope_quant_append
     out = fn(q, k, v, pos, slots, cs, kc2, vc2, ks, vs, k_block_scale=kbs2, v_block_scale=vbs2, **kw)
     bad = plain_mismatch(out.q, ref[0], exact) + plain_mismatch(out.k, ref[1], exact)

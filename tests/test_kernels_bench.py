@@ -82,3 +82,21 @@ def test_bench_cli_rejects_an_unknown_layout():
 
     r = CliRunner().invoke(app, ["bench", "kernels", "--layout", "HDN"])
     assert r.exit_code == 2 and "HND or NHD" in r.output
+
+
+def test_decode_sweep_builds_its_caches_in_the_chosen_layout(monkeypatch):
+    """The sweep's cases go through ``_decode_case`` with the layout it was given (host side: the case
+    builder is replaced by one that records its arguments and stops the run)."""
+    import pytest
+
+    seen = []
+
+    def case(*a):
+        seen.append(a[-1])
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(B, "_decode_case", case)
+    for layout in ("HND", "NHD"):
+        with pytest.raises(RuntimeError, match="stop"):
+            B.sweep_decode(1.0, formats=("bf16",), layout=layout)
+    assert seen == ["HND", "NHD"]

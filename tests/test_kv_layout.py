@@ -38,6 +38,8 @@ def test_as_layout_keeps_values_and_moves_memory():
     x = torch.arange(3 * 4 * 2 * 5, dtype=torch.float32).reshape(3, 4, 2, 5)
     h = as_layout(x, "HND")
     assert torch.equal(h, x) and not h.is_contiguous() and h.permute(0, 2, 1, 3).is_contiguous()
+    c = h.clone()  # the append check's working copies: a copy, in the same layout
+    assert c.data_ptr() != h.data_ptr() and c.stride() == h.stride()
     assert as_layout(x, "NHD").is_contiguous()
     with pytest.raises(ValueError, match="layout"):
         as_layout(x, "HDN")
