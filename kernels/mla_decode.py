@@ -54,6 +54,27 @@ def _q_part(row, k: tl.constexpr, STEP: tl.constexpr, W: tl.constexpr, hm, DT: t
 
 
 @triton.jit
+def _pairs_scores(u, qa, qb, E5M2: tl.constexpr):
+    """Scores of one column chunk of fp8 pairs ``u`` (int16 units) against the query's (even, odd) parts."""
+    ca, cb = fp8_pairs_split(u, E5M2)
+    return tl.dot(qa, tl.trans(ca)) + tl.dot(qb, tl.trans(cb))
+
+
+@triton.jit
+def _pairs_out(u, acc_a, acc_b, pd, alpha, E5M2: tl.constexpr):
+    """The (even, odd) output accumulators of one column chunk, rescaled and advanced by ``pd · c``."""
+    ca, cb = fp8_pairs_split(u, E5M2)
+    return acc_a * alpha[:, None] + tl.dot(pd, ca), acc_b * alpha[:, None] + tl.dot(pd, cb)
+
+
+@triton.jit
+def _pairs_store(orow, acc_a, acc_b, inv, hm, col0, W: tl.constexpr):
+    j = tl.arange(0, W)
+    tl.store(orow[:, None] + 2 * (col0 + j[None, :]), acc_a * inv[:, None], mask=hm[:, None])
+    tl.store(orow[:, None] + 2 * (col0 + j[None, :]) + 1, acc_b * inv[:, None], mask=hm[:, None])
+
+
+@triton.jit
 def _mla_decode_split(
     QL, QP, KV, BS, KSCALE, QSCALE, PT, SL, MO, ML,
     sm_scale_log2,
@@ -61,14 +82,19 @@ def _mla_decode_split(
     H, num_splits,
     PAGE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, DT: tl.constexpr, Q_FP8: tl.constexpr, UNITS: tl.constexpr = 0, E5M2: tl.constexpr = False,
-    Q_SPLIT: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
+    Q_SPLIT: tl.constexpr = False, EXACT_CAST: tl.constexpr = False, CHUNKS: tl.constexpr = 1,
+    PAGE_TILES: tl.constexpr = False,
 ):
     """``UNITS`` 0: tiles in their stored type; 1: fp8 read as int16 pairs, split into even / odd element
     tiles; 2: nvfp4 read as int16 units of four codes, split into four interleaved quarters.  The query
     and the accumulator are split the same way, so the output stays in element order.
     ``Q_SPLIT`` (UNITS 0, e4m3 latent, bf16 query): each query row is split exactly into two e4m3 terms
     (``_fp8_split``), the scores are fp8 dots on the latent tile as stored, and only the ``P·c`` operand
-    is converted."""
+    is converted.
+    ``CHUNKS`` (UNITS 1: 1, 2 or 4): the latent is loaded, converted and used in that many column chunks,
+    each a load of its own, so each dot's operand is a quarter (or half) of the tile: fewer registers live
+    at once (docs/mla.md).  ``PAGE_TILES``: ``BLOCK_N`` divides the page size, so a tile lies in one page
+    and its slots come from one page-table entry."""
     b = tl.program_id(0).to(tl.int64)
     hg = tl.program_id(1)
     sp = tl.program_id(2)
@@ -90,12 +116,27 @@ def _mla_decode_split(
     if UNITS == 1:
         RH: tl.constexpr = RANK // 2
         PH: tl.constexpr = ROPE // 2
-        ql_0 = _q_part(lrow, 0, 2, RH, hm, DT)
-        ql_1 = _q_part(lrow, 1, 2, RH, hm, DT)
+        CW: tl.constexpr = RH // CHUNKS  # units per column chunk
         qp_0 = _q_part(prow, 0, 2, PH, hm, DT)
         qp_1 = _q_part(prow, 1, 2, PH, hm, DT)
-        acc_0 = tl.zeros([BLOCK_H, RH], tl.float32)
-        acc_1 = tl.zeros([BLOCK_H, RH], tl.float32)
+        ql_0 = _q_part(lrow, 0, 2, CW, hm, DT)
+        ql_1 = _q_part(lrow, 1, 2, CW, hm, DT)
+        acc_0 = tl.zeros([BLOCK_H, CW], tl.float32)
+        acc_1 = tl.zeros([BLOCK_H, CW], tl.float32)
+        if CHUNKS >= 2:
+            ql_2 = _q_part(lrow + 2 * CW, 0, 2, CW, hm, DT)
+            ql_3 = _q_part(lrow + 2 * CW, 1, 2, CW, hm, DT)
+            acc_2 = tl.zeros([BLOCK_H, CW], tl.float32)
+            acc_3 = tl.zeros([BLOCK_H, CW], tl.float32)
+        if CHUNKS == 4:
+            ql_4 = _q_part(lrow + 4 * CW, 0, 2, CW, hm, DT)
+            ql_5 = _q_part(lrow + 4 * CW, 1, 2, CW, hm, DT)
+            ql_6 = _q_part(lrow + 6 * CW, 0, 2, CW, hm, DT)
+            ql_7 = _q_part(lrow + 6 * CW, 1, 2, CW, hm, DT)
+            acc_4 = tl.zeros([BLOCK_H, CW], tl.float32)
+            acc_5 = tl.zeros([BLOCK_H, CW], tl.float32)
+            acc_6 = tl.zeros([BLOCK_H, CW], tl.float32)
+            acc_7 = tl.zeros([BLOCK_H, CW], tl.float32)
     elif UNITS == 2:
         RQ: tl.constexpr = RANK // 4
         PQ: tl.constexpr = ROPE // 4
@@ -122,13 +163,24 @@ def _mla_decode_split(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nm = pos < end
-        page = tl.load(PT + b * stride_pt + pos // PAGE, mask=nm, other=0).to(tl.int64)
-        slot = page * PAGE + pos % PAGE
+        if PAGE_TILES:  # one page-table entry per tile
+            slot = (tl.load(PT + b * stride_pt + n0 // PAGE).to(tl.int64) * PAGE + n0 % PAGE
+                    + tl.arange(0, BLOCK_N))
+        else:
+            page = tl.load(PT + b * stride_pt + pos // PAGE, mask=nm, other=0).to(tl.int64)
+            slot = page * PAGE + pos % PAGE
         if UNITS == 1:
-            c_0, c_1 = fp8_pairs_split(_units(KV, slot, nm, 0, RH, PDU), E5M2)
-            k_0, k_1 = fp8_pairs_split(_units(KV, slot, nm, RH, PH, PDU), E5M2)
-            s = (tl.dot(ql_0, tl.trans(c_0)) + tl.dot(ql_1, tl.trans(c_1)) + tl.dot(qp_0, tl.trans(k_0))
-                 + tl.dot(qp_1, tl.trans(k_1)))
+            s = _pairs_scores(_units(KV, slot, nm, RH, PH, PDU), qp_0, qp_1, E5M2)
+            u_0 = _units(KV, slot, nm, 0, CW, PDU)
+            s += _pairs_scores(u_0, ql_0, ql_1, E5M2)
+            if CHUNKS >= 2:
+                u_1 = _units(KV, slot, nm, CW, CW, PDU)
+                s += _pairs_scores(u_1, ql_2, ql_3, E5M2)
+            if CHUNKS == 4:
+                u_2 = _units(KV, slot, nm, 2 * CW, CW, PDU)
+                s += _pairs_scores(u_2, ql_4, ql_5, E5M2)
+                u_3 = _units(KV, slot, nm, 3 * CW, CW, PDU)
+                s += _pairs_scores(u_3, ql_6, ql_7, E5M2)
         elif UNITS == 2:
             c_0, c_1, c_2, c_3 = nvfp4_units_split(_units(KV, slot, nm, 0, RQ, PDU),
                                                    _scales(BS, slot, nm, 0, RANK // 16, stride_bs), RANK // 16)
@@ -153,8 +205,12 @@ def _mla_decode_split(
         l = l * alpha + tl.sum(p, axis=1)
         pd = p.to(DT)
         if UNITS == 1:
-            acc_0 = acc_0 * alpha[:, None] + tl.dot(pd, c_0)
-            acc_1 = acc_1 * alpha[:, None] + tl.dot(pd, c_1)
+            acc_0, acc_1 = _pairs_out(u_0, acc_0, acc_1, pd, alpha, E5M2)
+            if CHUNKS >= 2:
+                acc_2, acc_3 = _pairs_out(u_1, acc_2, acc_3, pd, alpha, E5M2)
+            if CHUNKS == 4:
+                acc_4, acc_5 = _pairs_out(u_2, acc_4, acc_5, pd, alpha, E5M2)
+                acc_6, acc_7 = _pairs_out(u_3, acc_6, acc_7, pd, alpha, E5M2)
         elif UNITS == 2:
             acc_0 = acc_0 * alpha[:, None] + tl.dot(pd, c_0)
             acc_1 = acc_1 * alpha[:, None] + tl.dot(pd, c_1)
@@ -168,9 +224,12 @@ def _mla_decode_split(
         inv = 1.0 / l
         orow = MO + base
         if UNITS == 1:
-            j2 = tl.arange(0, RH)
-            tl.store(orow[:, None] + 2 * j2[None, :], acc_0 * inv[:, None], mask=hm[:, None])
-            tl.store(orow[:, None] + 2 * j2[None, :] + 1, acc_1 * inv[:, None], mask=hm[:, None])
+            _pairs_store(orow, acc_0, acc_1, inv, hm, 0, CW)
+            if CHUNKS >= 2:
+                _pairs_store(orow, acc_2, acc_3, inv, hm, CW, CW)
+            if CHUNKS == 4:
+                _pairs_store(orow, acc_4, acc_5, inv, hm, 2 * CW, CW)
+                _pairs_store(orow, acc_6, acc_7, inv, hm, 3 * CW, CW)
         elif UNITS == 2:
             j4 = tl.arange(0, RQ)
             tl.store(orow[:, None] + 4 * j4[None, :], acc_0 * inv[:, None], mask=hm[:, None])
@@ -187,23 +246,21 @@ def _mla_decode_split(
 @triton.jit
 def _mla_decode_merge(
     MO, ML, KSCALE, OUT, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, H, num_splits,
-    RANK: tl.constexpr,
+    RANK: tl.constexpr, NSP: tl.constexpr,
 ):
+    """One (sequence, head): the splits' partial outputs weighted by their log-sum-exp, all splits in one
+    ``[NSP, RANK]`` tile (``NSP`` = the split count rounded up to a power of two)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     dr = tl.arange(0, RANK)
-    lse_base = ML + b * (H * num_splits) + h * num_splits
-    mx = float("-inf")
-    for s in range(0, num_splits):
-        mx = tl.maximum(mx, tl.load(lse_base + s))
-    acc = tl.zeros([RANK], tl.float32)
-    w = 0.0
-    for s in range(0, num_splits):
-        lse = tl.load(lse_base + s)
-        if lse > float("-inf"):
-            e = tl.exp2(lse - mx)
-            acc += e * tl.load(MO + b * stride_mb + h * stride_mh + s * stride_ms + dr)
-            w += e
+    sp = tl.arange(0, NSP)
+    lse = tl.load(ML + b * (H * num_splits) + h * num_splits + sp, mask=sp < num_splits, other=float("-inf"))
+    live = lse > float("-inf")  # splits that saw tokens (the others left their partial output unwritten)
+    mx = tl.max(lse, axis=0)
+    e = tl.where(live, tl.exp2(lse - tl.where(mx > float("-inf"), mx, 0.0)), 0.0)
+    w = tl.sum(e, axis=0)
+    part = tl.load(MO + b * stride_mb + h * stride_mh + sp[:, None] * stride_ms + dr[None, :], mask=live[:, None], other=0.0)
+    acc = tl.sum(part * e[:, None], axis=0)
     out = tl.where(w > 0, acc / tl.maximum(w, 1e-30), 0.0) * tl.load(KSCALE)
     tl.store(OUT + b * stride_ob + h * stride_oh + dr, out.to(OUT.dtype.element_ty))
 
@@ -215,13 +272,16 @@ def default_num_splits(batch: int, head_groups: int, max_len: int, block_n: int,
     return int(min(want, most, 64))
 
 
-# Launch defaults from sweeps at batch 64 x 8192 on an H200 (docs/mla.md): format code -> per head-count
-# regime (units16, block_h, block_n, num_warps, num_stages, programs per SM).  "many" (> 32 heads, e.g.
-# DeepSeek-V3's 128) runs 64-head wgmma tiles and is bound by the tensor cores; "few" (16 heads:
-# V2-Lite, or V3 at tensor-parallel 8) is bound by memory and wants ~4 programs per SM.
+# Launch defaults from sweeps at batch 64 x 8192 (docs/mla.md): format code -> per head-count regime
+# (units16, block_h, block_n, num_warps, num_stages, programs per SM, column chunks of the 16-bit-unit latent).
+# "many" (> 32 heads, e.g. DeepSeek-V3's 128) runs 64-head wgmma tiles and is bound by the tensor cores; "few"
+# (16 heads: V2-Lite, or V3 at tensor-parallel 8) is bound by memory and latency.  "few" on an H100,
+# 2026-11-21: two programs per SM (one wave of long splits; the 253-register fp8 kernel fits two per SM, so
+# four per SM ran two waves) and the fp8 latent in four column chunks: fp8 176 -> 142 us, bf16 239 -> 227 us,
+# nvfp4 269 -> 235 us (with one page-table entry per tile and the vectorized merge).
 _DEFAULTS = {
-    "many": {0: (False, 64, 64, 8, 2, 3), 1: (True, 64, 64, 8, 2, 3), 2: (True, 64, 64, 8, 1, 3)},
-    "few": {0: (False, 16, 64, 4, 3, 4), 1: (True, 16, 64, 4, 2, 4), 2: (True, 16, 32, 4, 2, 4)},
+    "many": {0: (False, 64, 64, 8, 2, 3, 1), 1: (True, 64, 64, 8, 2, 3, 1), 2: (True, 64, 64, 8, 1, 3, 1)},
+    "few": {0: (False, 16, 64, 4, 3, 2, 1), 1: (True, 16, 64, 4, 3, 2, 4), 2: (True, 16, 32, 4, 2, 2, 1)},
 }
 
 
@@ -232,7 +292,8 @@ def _defaults(fmt: int, heads: int):
 def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: float, *,
                q_scale=None, num_splits: int | None = None, max_seq_len: int | None = None,
                block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, units16: bool | None = None, q_split: bool | None = None, out=None):
+               num_stages: int | None = None, units16: bool | None = None, q_split: bool | None = None,
+               chunks: int | None = None, out=None):
     """Absorbed MLA decode: one query token per sequence.
 
     ``q_lat [B, H, rank]``, ``q_pe [B, H, rope]`` (RoPE applied) in the compute dtype, or both fp8 e4m3
@@ -242,6 +303,8 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     it in registers (see ``_mla_decode_split``); the default and the tile sizes come from ``_defaults``.
     ``q_split`` (e4m3 latent, bfloat16 queries, more than 32 heads by default): split each query row
     exactly into two e4m3 terms and compute the scores as fp8 dots on the stored latent.
+    ``chunks`` (1, 2 or 4; fp8 latents read as 16-bit units): load and use the latent in that many column
+    chunks (default from ``_defaults``: 4 at 32 heads or fewer).
     """
     import torch
 
@@ -261,7 +324,7 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     if q_fp8 and (q_scale is None or q_scale.dtype != torch.float32):
         raise ValueError("fp8 queries need q_scale, an fp32 tensor [1]")
     cdt = torch.bfloat16 if q_fp8 else q_lat.dtype
-    d_units, d_bh, d_bn, d_nw, d_ns, per_sm = _defaults(fmt, h)
+    d_units, d_bh, d_bn, d_nw, d_ns, per_sm, d_chunks = _defaults(fmt, h)
     split_ok = lay.kv_dtype == "fp8_e4m3" and q_lat.dtype == torch.bfloat16
     if q_split and not split_ok:
         raise ValueError("q_split needs an fp8_e4m3 latent cache and bfloat16 queries")
@@ -271,6 +334,11 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     # an H200), not at 16 (16-row tiles: Triton lowers an fp8 dot to fp16 mma there; 163 -> 470 us)
     q_split = split_ok and (h > 32 and not units16 if q_split is None else bool(q_split))
     units = (d_units if units16 is None else bool(units16)) and fmt != 0 and cdt != torch.float32 and not q_split
+    if chunks is not None and chunks not in (1, 2, 4):
+        raise ValueError(f"chunks must be 1, 2 or 4, got {chunks}")
+    chunks = (d_chunks if chunks is None else chunks) if units and fmt == 1 else 1
+    while chunks > 1 and lay.kv_lora_rank // (2 * chunks) < 16:  # a dot needs 16 units of depth
+        chunks //= 2
     block_h = d_bh if block_h is None else block_h
     block_n = d_bn if block_n is None else block_n
     num_warps = d_nw if num_warps is None else num_warps
@@ -305,10 +373,12 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
         h, num_splits,
         PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, BLOCK_H=block_h, BLOCK_N=block_n,
         FMT=fmt, DT=dt, Q_FP8=q_fp8, UNITS=(fmt if units else 0), E5M2=cache.layout.kv_dtype == "fp8_e5m2",
-        Q_SPLIT=q_split, EXACT_CAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
+        Q_SPLIT=q_split, EXACT_CAST=interpreting(), CHUNKS=chunks, PAGE_TILES=cache.page_size % block_n == 0,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _mla_decode_merge[(b, h)](
         mid_o, mid_l, cache.k_scale, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        out.stride(0), out.stride(1), h, num_splits, RANK=lay.kv_lora_rank, num_warps=4,
+        out.stride(0), out.stride(1), h, num_splits, RANK=lay.kv_lora_rank, NSP=triton.next_power_of_2(num_splits),
+        num_warps=4,
     )
     return out

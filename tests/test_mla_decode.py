@@ -82,6 +82,21 @@ def test_decode_half_compute():
     assert _run("nvfp4", [20], seed=13, dtype=torch.float16) < 5e-3
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_decode_fp8_units_in_column_chunks(chunks):
+    # The fp8 latent as 16-bit units, loaded and used in 1 / 2 / 4 column chunks, on tiles that lie in one
+    # page (one page-table entry per tile, two tiles per page) and on tiles that span pages; unused pages are NaN-poisoned.
+    for page, block_n, lens in ((32, 16, [37, 5, 64]), (8, 16, [29, 70])):
+        err = _run("fp8_e4m3", lens, seed=20 + chunks + page, rank=512, rope=64, page=page, num_splits=2,
+                   block_n=block_n, dtype=torch.float16, units16=True, chunks=chunks)
+        assert err < 5e-3, (chunks, page, err)
+
+
+def test_decode_rejects_bad_chunks():
+    with pytest.raises(ValueError, match="chunks"):
+        _run("fp8_e4m3", [5], seed=1, dtype=torch.float16, chunks=3)
+
+
 def test_decode_fp8_query():
     assert _run("fp8_e4m3", [30, 18], seed=12, q_fp8=True) < 3e-2
 
