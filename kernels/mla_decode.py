@@ -7,8 +7,8 @@ scale and into the final reduce; nvfp4 block scales are applied in registers.  W
 query, fp8 and nvfp4 tiles are read as 16-bit units and split into interleaved element tiles (float16
 dots), which keeps them on the 16-bit shared-memory path of the dot operands.  Stage 2 merges the
 splits by their log-sum-exp.  Output is the latent ``o_lat [B, H, rank]`` (apply ``W_UV`` afterwards).
-Launch defaults depend on the head count (``_DEFAULTS``: 64-head wgmma tiles above 32 heads, 16-head
-tiles and about four programs per SM below).  Above 32 heads, bfloat16 queries over an e4m3 latent are
+Launch defaults depend on the head count (``_DEFAULTS``: 64-head wgmma tiles above 32 heads; below,
+16-head tiles, two programs per SM and, for fp8, the latent in four column chunks).  Above 32 heads, bfloat16 queries over an e4m3 latent are
 split exactly into two e4m3 terms per row (``_fp8_split``): the scores run as fp8 dots on the stored
 tile, and only ``P·c`` converts it (``q_split``).
 """
