@@ -8,9 +8,9 @@ query, fp8 and nvfp4 tiles are read as 16-bit units and split into interleaved e
 dots), which keeps them on the 16-bit shared-memory path of the dot operands.  Stage 2 merges the
 splits by their log-sum-exp.  Output is the latent ``o_lat [B, H, rank]`` (apply ``W_UV`` afterwards).
 Launch defaults depend on the head count (``_DEFAULTS``: 64-head wgmma tiles above 32 heads; below,
-16-head tiles, two programs per SM and, for fp8, the latent in four column chunks).  Above 32 heads, bfloat16 queries over an e4m3 latent are
-split exactly into two e4m3 terms per row (``_fp8_split``): the scores run as fp8 dots on the stored
-tile, and only ``P·c`` converts it (``q_split``).
+16-head tiles, two programs per SM and, for fp8, the latent in four column chunks).  Above 32 heads,
+bfloat16 queries over an e4m3 latent are split exactly into two e4m3 terms per row (``_fp8_split``): the
+scores run as fp8 dots on the stored tile, and only ``P·c`` converts it (``q_split``).
 """
 
 from __future__ import annotations
@@ -246,21 +246,29 @@ def _mla_decode_split(
 @triton.jit
 def _mla_decode_merge(
     MO, ML, KSCALE, OUT, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, H, num_splits,
-    RANK: tl.constexpr, NSP: tl.constexpr,
+    RANK: tl.constexpr, NSP: tl.constexpr, SB: tl.constexpr,
 ):
-    """One (sequence, head): the splits' partial outputs weighted by their log-sum-exp, all splits in one
-    ``[NSP, RANK]`` tile (``NSP`` = the split count rounded up to a power of two)."""
+    """One (sequence, head): the splits' partial outputs weighted by their log-sum-exp.  The maximum over
+    all ``NSP`` (the split count rounded up to a power of two) log-sum-exps first, then the partial outputs
+    ``SB`` splits at a time as ``[SB, RANK]`` tiles."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     dr = tl.arange(0, RANK)
-    sp = tl.arange(0, NSP)
-    lse = tl.load(ML + b * (H * num_splits) + h * num_splits + sp, mask=sp < num_splits, other=float("-inf"))
-    live = lse > float("-inf")  # splits that saw tokens (the others left their partial output unwritten)
-    mx = tl.max(lse, axis=0)
-    e = tl.where(live, tl.exp2(lse - tl.where(mx > float("-inf"), mx, 0.0)), 0.0)
-    w = tl.sum(e, axis=0)
-    part = tl.load(MO + b * stride_mb + h * stride_mh + sp[:, None] * stride_ms + dr[None, :], mask=live[:, None], other=0.0)
-    acc = tl.sum(part * e[:, None], axis=0)
+    lse_row = ML + b * (H * num_splits) + h * num_splits
+    allsp = tl.arange(0, NSP)
+    mx = tl.max(tl.load(lse_row + allsp, mask=allsp < num_splits, other=float("-inf")), axis=0)
+    mx = tl.where(mx > float("-inf"), mx, 0.0)  # no split saw a token: every weight below is 0
+    acc = tl.zeros([RANK], tl.float32)
+    w = 0.0
+    for s0 in range(0, num_splits, SB):
+        sp = s0 + tl.arange(0, SB)
+        lse = tl.load(lse_row + sp, mask=sp < num_splits, other=float("-inf"))
+        live = lse > float("-inf")  # splits that saw tokens (the others left their partial output unwritten)
+        e = tl.where(live, tl.exp2(lse - mx), 0.0)
+        w += tl.sum(e, axis=0)
+        part = tl.load(MO + b * stride_mb + h * stride_mh + sp[:, None] * stride_ms + dr[None, :],
+                       mask=live[:, None], other=0.0)
+        acc += tl.sum(part * e[:, None], axis=0)
     out = tl.where(w > 0, acc / tl.maximum(w, 1e-30), 0.0) * tl.load(KSCALE)
     tl.store(OUT + b * stride_ob + h * stride_oh + dr, out.to(OUT.dtype.element_ty))
 
@@ -278,7 +286,7 @@ def default_num_splits(batch: int, head_groups: int, max_len: int, block_n: int,
 # (16 heads: V2-Lite, or V3 at tensor-parallel 8) is bound by memory and latency.  "few" on an H100,
 # 2026-11-21: two programs per SM (one wave of long splits; the 253-register fp8 kernel fits two per SM, so
 # four per SM ran two waves) and the fp8 latent in four column chunks: fp8 176 -> 142 us, bf16 239 -> 227 us,
-# nvfp4 269 -> 235 us (with one page-table entry per tile and the vectorized merge).
+# nvfp4 269 -> 235-240 us (with one page-table entry per tile and the merge loading splits as tiles).
 _DEFAULTS = {
     "many": {0: (False, 64, 64, 8, 2, 3, 1), 1: (True, 64, 64, 8, 2, 3, 1), 2: (True, 64, 64, 8, 1, 3, 1)},
     "few": {0: (False, 16, 64, 4, 3, 2, 1), 1: (True, 16, 64, 4, 3, 2, 4), 2: (True, 16, 32, 4, 2, 2, 1)},
@@ -304,7 +312,7 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     ``q_split`` (e4m3 latent, bfloat16 queries, more than 32 heads by default): split each query row
     exactly into two e4m3 terms and compute the scores as fp8 dots on the stored latent.
     ``chunks`` (1, 2 or 4; fp8 latents read as 16-bit units): load and use the latent in that many column
-    chunks (default from ``_defaults``: 4 at 32 heads or fewer).
+    chunks (default from ``_defaults``: 4 at 32 heads or fewer); it has no effect on other paths.
     """
     import torch
 
@@ -379,6 +387,7 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     _mla_decode_merge[(b, h)](
         mid_o, mid_l, cache.k_scale, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         out.stride(0), out.stride(1), h, num_splits, RANK=lay.kv_lora_rank, NSP=triton.next_power_of_2(num_splits),
+        SB=min(8, triton.next_power_of_2(num_splits)),
         num_warps=4,
     )
     return out

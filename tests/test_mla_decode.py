@@ -67,6 +67,9 @@ def test_decode_matches_reference_ragged(kv_dtype):
 def test_decode_default_splits_and_single_split():
     for splits in (None, 1):
         assert _run("fp8_e4m3", [50, 9], seed=7, num_splits=splits) < 1e-5
+    # 11 splits of 32 tokens: the merge takes them 8 at a time (a full block and a partial one); the
+    # 300-token sequence fills 10 of them, the 9-token one a single split
+    assert _run("fp8_e4m3", [300, 9], seed=8, num_splits=11) < 1e-5
 
 
 def test_decode_deepseek_latent_dims():
