@@ -146,6 +146,41 @@ def check_decode(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads=H, **laun
     return {"rel_err": err, "pass": bool(err < 2e-2)}
 
 
+def _quantize_query(ql, qp):
+    """e4m3 absorbed query ``[q_lat | q_pe]`` with one fp32 dequant multiplier (amax / 448), as the runtime's
+    ``--quantize-query`` feeds the kernels."""
+    s = (torch.cat((ql, qp), -1).float().abs().amax() / 448.0).clamp(min=1e-12)
+    q8 = lambda x: (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)  # noqa: E731
+    return q8(ql), q8(qp), s.reshape(1).float()
+
+
+def ref_decode_latent(q_lat, q_pe, cache, pt, seq_lens, sm_scale) -> torch.Tensor:
+    """float64 decode in latent space (the absorbed form with identity up-projections, as the CPU test of
+    fp8 queries does): the query the kernel received, dequantized, over the dequantized cache."""
+    outs = []
+    for b in range(q_lat.shape[0]):
+        c, kpe = cache.dequantize_slots(sequence_slots(pt[b], int(seq_lens[b]), PAGE), torch.float64)
+        s = (q_lat[b].double() @ c.T + q_pe[b].double() @ kpe.T) * sm_scale
+        outs.append(torch.softmax(s, -1) @ c)
+    return torch.stack(outs)
+
+
+def check_decode_fp8_query(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads=H, **launch) -> dict:
+    """e4m3 queries with ``q_scale`` (``quantize_query``): against the float64 latent-space decode of the same
+    (dequantized) query, so the query's own rounding is not counted."""
+    lens = list(lens)
+    cache, pt = _cache_for(kv_dtype, lens, gen, dev)
+    _fill(cache, pt, lens, gen, dev)
+    b = len(lens)
+    ql8, qp8, qs = _quantize_query((torch.randn(b, heads, RANK, generator=gen) * 0.5).to(dev),
+                                   torch.randn(b, heads, ROPE, generator=gen).to(dev))
+    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+    out = torch.full((b, heads, RANK), float("nan"), dtype=torch.bfloat16, device=dev)
+    o = mla_decode(ql8, qp8, cache, pt, sl, SM, q_scale=qs, out=out, **launch)
+    err = _rel(o, ref_decode_latent(ql8.float() * qs, qp8.float() * qs, cache, pt, sl, SM))
+    return {"rel_err": err, "pass": bool(err < 2e-2)}
+
+
 def check_prefill(kv_dtype, dev, gen, prefix=(0, 1000, 5000, 16), new=(300, 64, 17, 1)) -> dict:
     lens = [p + n for p, n in zip(prefix, new)]
     cache, pt = _cache_for(kv_dtype, lens, gen, dev)
@@ -214,16 +249,19 @@ def tune_decode(kv_dtype, dev, gen, batch=64, ctx=8192, heads=H) -> tuple[dict, 
     return (best[0] if best else dict(max_seq_len=ctx)), rows
 
 
-def bench_decode(kv_dtype, cfg, dev, gen, batches, ctxs, heads=H) -> list:
+def bench_decode(kv_dtype, cfg, dev, gen, batches, ctxs, heads=H, fp8_query=False) -> list:
+    """``fp8_query``: e4m3 queries with ``q_scale`` (``quantize_query``) instead of bf16."""
     out = []
     for b in batches:
         for ctx in ctxs:
             cache, pt, ql, qp, sl, nbytes = _decode_setup(kv_dtype, b, ctx, dev, gen, heads)
             kw = dict(cfg, max_seq_len=ctx)
+            if fp8_query:
+                ql, qp, kw["q_scale"] = _quantize_query(ql, qp)
             us = _bench(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw), ms=100)
             flops = 2 * b * heads * ctx * (2 * RANK + ROPE)
             out.append({"format": kv_dtype, "heads": heads, "batch": b, "ctx": ctx, "us": us, "GBps": nbytes / (us * 1e-6) / 1e9,
-                        "TFLOPs": flops / (us * 1e-6) / 1e12})
+                        "TFLOPs": flops / (us * 1e-6) / 1e12, "query": "e4m3" if fp8_query else "bf16"})
             del cache
     return out
 
@@ -249,7 +287,8 @@ def _md(report: dict) -> str:
     L = [f"Device: {report['device']}; torch {report['torch']}, triton {report['triton']}; {report['date']}.",
          f"Copy bandwidth (read + write): {report['copy_GBps']:.0f} GB/s.", "",
          "| check | " + " | ".join(FORMATS) + " |", "|---|" + "---|" * len(FORMATS)]
-    for name in ("append", "decode", "decode H=16", "decode H=16 bytes", "decode H=128 units", "prefill"):
+    for name in ("append", "decode", "decode H=16", "decode H=16 bytes", "decode H=128 units", "decode fp8 q",
+                 "decode fp8 q H=16", "prefill"):
         cells = []
         for f in FORMATS:
             r = report["checks"].get(f, {}).get(name, {})
@@ -264,8 +303,22 @@ def _md(report: dict) -> str:
           "% of copy bandwidth:", "",
           "| format | heads | batch | context | µs | GB/s | % copy | TFLOP/s |", "|---|---|---|---|---|---|---|---|"]
     for r in report["decode"]:
+        if r.get("query", "bf16") != "bf16":
+            continue
         L.append(f"| {r['format']} | {r['heads']} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {r['GBps']:.0f} | "
                  f"{100 * r['GBps'] / report['copy_GBps']:.0f}% | {r['TFLOPs']:.0f} |")
+    q8 = [r for r in report["decode"] if r.get("query", "bf16") != "bf16"]
+    if q8:
+        base = {(r["heads"], r["batch"], r["ctx"]): r["us"] for r in report["decode"]
+                if r["format"] == "bf16" and r.get("query", "bf16") == "bf16"}
+        L += ["", "Decode with e4m3 queries (`quantize_query`; the runtime's `--quantize-query`), same shapes; "
+              "speed-up against the bf16 cache with bf16 queries:", "",
+              "| format | heads | batch | context | µs | GB/s | % copy | TFLOP/s | vs bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in q8:
+            ref = base.get((r["heads"], r["batch"], r["ctx"]))
+            L.append(f"| {r['format']} | {r['heads']} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {r['GBps']:.0f} | "
+                     f"{100 * r['GBps'] / report['copy_GBps']:.0f}% | {r['TFLOPs']:.0f} | "
+                     + (f"{ref / r['us']:.2f}x |" if ref else "|"))
     if report["tuning"]:
         L += ["", "Launch-configuration sweep at batch 64 x 8192 ({} = the defaults):", "",
               "| format | config | µs | GB/s | % copy |", "|---|---|---|---|---|"]
@@ -318,6 +371,8 @@ def main(argv=None) -> int:
                  "decode H=16": _guard(check_decode, f, dev, gen, heads=16),
                  "decode H=16 bytes": _guard(check_decode, f, dev, gen, heads=16, units16=False),
                  "decode H=128 units": _guard(check_decode, f, dev, gen, units16=True),
+                 "decode fp8 q": _guard(check_decode_fp8_query, f, dev, gen),
+                 "decode fp8 q H=16": _guard(check_decode_fp8_query, f, dev, gen, heads=16),
                  "prefill": _guard(check_prefill, f, dev, gen)}
             report["checks"][f] = r
             ok &= all(x.get("pass") for x in r.values())
@@ -335,6 +390,9 @@ def main(argv=None) -> int:
                 print("tuning", f, nh, json.dumps(rows), flush=True)
             # the table uses mla_decode's defaults (what the runtime runs); the sweep shows the alternatives
             res = _guard(bench_decode, f, {}, dev, gen, batches, ctxs, heads=nh)
+            if isinstance(res, list):
+                report["decode"] += res
+            res = _guard(bench_decode, f, {}, dev, gen, (64, 128), (8192, 32768), heads=nh, fp8_query=True)
             if isinstance(res, list):
                 report["decode"] += res
             torch.cuda.empty_cache()

@@ -10,7 +10,9 @@ splits by their log-sum-exp.  Output is the latent ``o_lat [B, H, rank]`` (apply
 Launch defaults depend on the head count (``_DEFAULTS``: 64-head wgmma tiles above 32 heads; below,
 16-head tiles, two programs per SM and, for fp8, the latent in four column chunks).  Above 32 heads,
 bfloat16 queries over an e4m3 latent are split exactly into two e4m3 terms per row (``_fp8_split``): the
-scores run as fp8 dots on the stored tile, and only ``P·c`` converts it (``q_split``).
+scores run as fp8 dots on the stored tile, and only ``P·c`` converts it (``q_split``).  With e4m3 queries
+(``quantize_query``) over an e4m3 latent above 32 heads, the scores are one fp8 dot per part on the stored
+tile (``fp8_scores``); ``P·c`` stays in fp16, since an fp8 dot would need the tile transposed.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def _mla_decode_split(
     PAGE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, DT: tl.constexpr, Q_FP8: tl.constexpr, UNITS: tl.constexpr = 0, E5M2: tl.constexpr = False,
     Q_SPLIT: tl.constexpr = False, EXACT_CAST: tl.constexpr = False, CHUNKS: tl.constexpr = 1,
-    PAGE_TILES: tl.constexpr = False,
+    PAGE_TILES: tl.constexpr = False, FP8_SCORES: tl.constexpr = False,
 ):
     """``UNITS`` 0: tiles in their stored type; 1: fp8 read as int16 pairs, split into even / odd element
     tiles; 2: nvfp4 read as int16 units of four codes, split into four interleaved quarters.  The query
@@ -152,6 +154,10 @@ def _mla_decode_split(
         acc_1 = tl.zeros([BLOCK_H, RQ], tl.float32)
         acc_2 = tl.zeros([BLOCK_H, RQ], tl.float32)
         acc_3 = tl.zeros([BLOCK_H, RQ], tl.float32)
+    elif FP8_SCORES:
+        ql = _q_part(lrow, 0, 1, RANK, hm, QL.dtype.element_ty)
+        qp = _q_part(prow, 0, 1, ROPE, hm, QL.dtype.element_ty)
+        acc = tl.zeros([BLOCK_H, RANK], tl.float32)
     elif Q_SPLIT:
         ql_hi, ql_lo, inv_l = split_e4m3(_q_part(lrow, 0, 1, RANK, hm, tl.float32), EXACT_CAST)
         qp_hi, qp_lo, inv_p = split_e4m3(_q_part(prow, 0, 1, ROPE, hm, tl.float32), EXACT_CAST)
@@ -189,6 +195,9 @@ def _mla_decode_split(
             s = (tl.dot(ql_0, tl.trans(c_0)) + tl.dot(ql_1, tl.trans(c_1)) + tl.dot(ql_2, tl.trans(c_2))
                  + tl.dot(ql_3, tl.trans(c_3)) + tl.dot(qp_0, tl.trans(k_0)) + tl.dot(qp_1, tl.trans(k_1))
                  + tl.dot(qp_2, tl.trans(k_2)) + tl.dot(qp_3, tl.trans(k_3)))
+        elif FP8_SCORES:  # e4m3 query against the stored e4m3 tile: one fp8 dot per part
+            c8, kpe8 = load_latent_tile(KV, BS, slot, nm, RANK, ROPE, FMT, KV.dtype.element_ty)
+            s = tl.dot(qp, tl.trans(kpe8), tl.dot(ql, tl.trans(c8)))
         elif Q_SPLIT:  # the stored e4m3 tile in both score dots; converted once, for P·c
             c8, kpe8 = load_latent_tile(KV, BS, slot, nm, RANK, ROPE, FMT, KV.dtype.element_ty)
             c = c8.to(DT)
@@ -204,7 +213,9 @@ def _mla_decode_split(
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         pd = p.to(DT)
-        if UNITS == 1:
+        if FP8_SCORES:  # P·c in half precision: an fp8 dot would need the tile transposed (K-major)
+            acc = acc * alpha[:, None] + tl.dot(pd, c8.to(DT))
+        elif UNITS == 1:
             acc_0, acc_1 = _pairs_out(u_0, acc_0, acc_1, pd, alpha, E5M2)
             if CHUNKS >= 2:
                 acc_2, acc_3 = _pairs_out(u_1, acc_2, acc_3, pd, alpha, E5M2)
@@ -249,8 +260,9 @@ def _mla_decode_merge(
     RANK: tl.constexpr, NSP: tl.constexpr, SB: tl.constexpr,
 ):
     """One (sequence, head): the splits' partial outputs weighted by their log-sum-exp.  The maximum over
-    all ``NSP`` (the split count rounded up to a power of two) log-sum-exps first, then the partial outputs
-    ``SB`` splits at a time as ``[SB, RANK]`` tiles."""
+    all log-sum-exps first (``NSP``: 64, the most ``default_num_splits`` gives, or more when asked; masked
+    to ``num_splits``, so one compile serves every default split count), then the partial outputs ``SB``
+    splits at a time as ``[SB, RANK]`` tiles."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     dr = tl.arange(0, RANK)
@@ -301,7 +313,7 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
                q_scale=None, num_splits: int | None = None, max_seq_len: int | None = None,
                block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None, units16: bool | None = None, q_split: bool | None = None,
-               chunks: int | None = None, out=None):
+               chunks: int | None = None, fp8_scores: bool | None = None, out=None):
     """Absorbed MLA decode: one query token per sequence.
 
     ``q_lat [B, H, rank]``, ``q_pe [B, H, rope]`` (RoPE applied) in the compute dtype, or both fp8 e4m3
@@ -313,6 +325,10 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     exactly into two e4m3 terms and compute the scores as fp8 dots on the stored latent.
     ``chunks`` (1, 2 or 4; fp8 latents read as 16-bit units): load and use the latent in that many column
     chunks (default from ``_defaults``: 4 at 32 heads or fewer); it has no effect on other paths.
+    ``fp8_scores`` (e4m3 queries with ``q_scale`` over an fp8_e4m3 latent; default above 32 heads): the scores
+    ``q_lat·c + q_pe·k_pe`` as fp8 dots of the query on the tile as stored, the same values as the
+    converted path up to float32 summation order.  At 16 heads Triton lowers those dots to 16-row fp16
+    ``mma`` and the converted 16-bit-unit path is faster.
     """
     import torch
 
@@ -341,7 +357,15 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     # default: split above 32 heads (64-row wgmma tiles; measured 852 -> 671 us at 128 heads, 64 x 8192 on
     # an H200), not at 16 (16-row tiles: Triton lowers an fp8 dot to fp16 mma there; 163 -> 470 us)
     q_split = split_ok and (h > 32 and not units16 if q_split is None else bool(q_split))
-    units = (d_units if units16 is None else bool(units16)) and fmt != 0 and cdt != torch.float32 and not q_split
+    scores_ok = q_fp8 and lay.kv_dtype == "fp8_e4m3"
+    if fp8_scores and not scores_ok:
+        raise ValueError("fp8_scores needs e4m3 queries (with q_scale) and an fp8_e4m3 latent cache")
+    if fp8_scores and units16:
+        raise ValueError("fp8_scores reads the latent as stored; it excludes units16")
+    # default: above 32 heads (64-row wgmma tiles), as for q_split
+    fp8_scores = scores_ok and (h > 32 and not units16 if fp8_scores is None else bool(fp8_scores))
+    units = ((d_units if units16 is None else bool(units16)) and fmt != 0 and cdt != torch.float32 and not q_split
+             and not fp8_scores)
     if chunks is not None and chunks not in (1, 2, 4):
         raise ValueError(f"chunks must be 1, 2 or 4, got {chunks}")
     chunks = (d_chunks if chunks is None else chunks) if units and fmt == 1 else 1
@@ -357,6 +381,11 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
         dt = tl_dtype(torch.bfloat16 if cache.data.dtype == torch.bfloat16 else torch.float16)
     else:
         dt = tl_dtype(cdt)
+    if q_fp8 and not fp8_scores:
+        # e4m3 is exact in fp16 and bf16.  Converted here, not in the kernel: loaded as fp8 there, the 16-head
+        # units kernel took 241 us against 142 for the same values in fp16 (H100, 64 x 8192, 2026-11-21).
+        qdt = torch.bfloat16 if dt == tl.bfloat16 else torch.float16
+        q_lat, q_pe = q_lat.to(qdt), q_pe.to(qdt)
     check_paging(page_table, seq_lens, b, dev)
     if out is None:
         out = torch.empty(b, h, lay.kv_lora_rank, dtype=cdt, device=dev)
@@ -368,6 +397,8 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
         longest = max_seq_len if max_seq_len is not None else int(seq_lens.max().item())
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         num_splits = default_num_splits(b, hg, longest, block_n, sms, per_sm)
+    elif int(num_splits) < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     mid_o = torch.empty(b, h, num_splits, lay.kv_lora_rank, dtype=torch.float32, device=dev)
     mid_l = torch.empty(b, h, num_splits, dtype=torch.float32, device=dev)
     bs = cache.block_scale if cache.block_scale is not None else cache.data
@@ -382,12 +413,12 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
         PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, BLOCK_H=block_h, BLOCK_N=block_n,
         FMT=fmt, DT=dt, Q_FP8=q_fp8, UNITS=(fmt if units else 0), E5M2=cache.layout.kv_dtype == "fp8_e5m2",
         Q_SPLIT=q_split, EXACT_CAST=interpreting(), CHUNKS=chunks, PAGE_TILES=cache.page_size % block_n == 0,
+        FP8_SCORES=fp8_scores,
         num_warps=num_warps, num_stages=num_stages,
     )
     _mla_decode_merge[(b, h)](
         mid_o, mid_l, cache.k_scale, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        out.stride(0), out.stride(1), h, num_splits, RANK=lay.kv_lora_rank, NSP=triton.next_power_of_2(num_splits),
-        SB=min(8, triton.next_power_of_2(num_splits)),
+        out.stride(0), out.stride(1), h, num_splits, RANK=lay.kv_lora_rank, NSP=max(64, triton.next_power_of_2(num_splits)), SB=8,
         num_warps=4,
     )
     return out

@@ -107,7 +107,8 @@ def compile_mla_decode():
     ptrs = dict(QL="*bf16", QP="*bf16", BS="*fp8e4nv", KSCALE="*fp32", QSCALE="*fp32", PT="*i32", SL="*i32", MO="*fp32",
                 ML="*fp32")
     # (latent pointer type, constexprs, launch): bf16 tiles; fp8 / nvfp4 as 16-bit units (fp16 dots); fp8
-    # bytes; fp8 units in four column chunks and tiles within one page; the exact query split over e4m3 bytes at the many-heads default (64-head tiles, 8 warps)
+    # bytes; fp8 units in four column chunks and tiles within one page; the exact query split over e4m3 bytes
+    # and e4m3 queries' fp8 scores, both at the many-heads default (64-head tiles, 8 warps)
     few, many = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4), dict(BLOCK_H=64, BLOCK_N=64, num_warps=8)
     variants = [("*bf16", dict(FMT=0, DT=tl.bfloat16, UNITS=0, E5M2=False), few),
                 ("*i16", dict(FMT=1, DT=tl.float16, UNITS=1, E5M2=False), few),
@@ -116,15 +117,17 @@ def compile_mla_decode():
                 ("*bf16", dict(FMT=0, DT=tl.bfloat16, UNITS=0, E5M2=False, PAGE_TILES=True), few),
                 ("*i16", dict(FMT=2, DT=tl.float16, UNITS=2, E5M2=False), few),
                 ("*fp8e4nv", dict(FMT=1, DT=tl.bfloat16, UNITS=0, E5M2=False), few),
-                ("*fp8e4nv", dict(FMT=1, DT=tl.float16, UNITS=0, E5M2=False, Q_SPLIT=True), many)]
+                ("*fp8e4nv", dict(FMT=1, DT=tl.float16, UNITS=0, E5M2=False, Q_SPLIT=True), many),
+                ("*fp8e4nv", dict(FMT=1, DT=tl.float16, UNITS=0, E5M2=False, Q_FP8=True, FP8_SCORES=True), many)]
     for kv_ty, extra, launch in variants:
         launch = dict(launch)
         nw = launch.pop("num_warps")
         c = dict(PAGE=64, RANK=512, ROPE=64, Q_FP8=False, Q_SPLIT=False, EXACT_CAST=False, CHUNKS=1, PAGE_TILES=False,
-                 **launch)
+                 FP8_SCORES=False, **launch)
         c.update(extra)
-        k = _compile(_mla_decode_split, c, dict(ptrs, KV=kv_ty), ("sm_scale_log2",), num_warps=nw)
-        if c["Q_SPLIT"]:  # the scores on the stored latent: fp8 wgmma, and only P·c converted
+        q_ty = "*fp8e4nv" if c["FP8_SCORES"] else "*bf16"  # e4m3 queries (quantize_query) for the fp8 scores
+        k = _compile(_mla_decode_split, c, dict(ptrs, KV=kv_ty, QL=q_ty, QP=q_ty), ("sm_scale_log2",), num_warps=nw)
+        if c["Q_SPLIT"] or c["FP8_SCORES"]:  # the scores on the stored latent: fp8 wgmma, and only P·c converted
             assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", k.asm["ptx"]), "no fp8 wgmma"
 
 

@@ -70,6 +70,10 @@ def test_decode_default_splits_and_single_split():
     # 11 splits of 32 tokens: the merge takes them 8 at a time (a full block and a partial one); the
     # 300-token sequence fills 10 of them, the 9-token one a single split
     assert _run("fp8_e4m3", [300, 9], seed=8, num_splits=11) < 1e-5
+    # more than 64 splits (the merge's fixed maximum width): 70 asked, the last ones see no tokens
+    assert _run("fp8_e4m3", [1100, 9], seed=9, num_splits=70) < 1e-5  # 69 of them hold tokens
+    with pytest.raises(ValueError, match="num_splits"):
+        _run("fp8_e4m3", [30], seed=10, num_splits=0)
 
 
 def test_decode_deepseek_latent_dims():
@@ -198,3 +202,60 @@ def test_decode_units_request_keeps_the_units_path_at_many_heads():
             _run("fp8_e4m3", [33], seed=36, dtype=torch.bfloat16, units16=True, q_split=True)
     finally:
         H = saved
+
+
+def test_decode_fp8_query_scores_as_fp8_dots():
+    """e4m3 queries over an e4m3 latent: ``fp8_scores`` (the default above 32 heads) computes the scores as
+    fp8 dots on the stored tile; same result as the converted path, within float32 summation order."""
+    global H
+    saved = H
+    H = 40
+    try:
+        dots = _run("fp8_e4m3", [33, 5, 70], seed=41, q_fp8=True, block_n=None)
+        conv = _run("fp8_e4m3", [33, 5, 70], seed=41, q_fp8=True, block_n=None, fp8_scores=False)
+        assert dots < 1e-2 and conv < 1e-2, (dots, conv)
+        assert abs(dots - conv) < 1e-3, (dots, conv)
+        H = 4  # explicit at few heads, over two splits
+        assert _run("fp8_e4m3", [19, 40], seed=42, q_fp8=True, fp8_scores=True, num_splits=2) < 1e-2
+        with pytest.raises(ValueError, match="fp8_scores"):
+            _run("fp8_e5m2", [19], seed=43, q_fp8=True, fp8_scores=True)
+        with pytest.raises(ValueError, match="fp8_scores"):
+            _run("fp8_e4m3", [19], seed=44, dtype=torch.bfloat16, fp8_scores=True)
+        with pytest.raises(ValueError, match="excludes units16"):
+            _run("fp8_e4m3", [19], seed=45, q_fp8=True, fp8_scores=True, units16=True)
+    finally:
+        H = saved
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e5m2", "nvfp4"])
+def test_decode_fp8_query_other_formats(kv_dtype):
+    """e4m3 queries over the other formats take the converted path (queries in half precision).  A bf16
+    latent makes the dots bf16, which the CPU interpreter computes wrongly (docs/mla.md); the GPU check
+    (``mla_check``, "decode fp8 q") covers it."""
+    assert _run(kv_dtype, [30, 18, 3], seed=46, q_fp8=True) < 3e-2
+
+
+def test_latent_space_reference_and_fp8_query_table():
+    """The GPU check's float64 latent-space decode (``mla_check.ref_decode_latent``) equals the non-absorbed
+    reference with identity up-projections; the report renders the e4m3-query rows against bf16."""
+    from kvbench.kernels import mla_check as MC
+
+    gen = torch.Generator().manual_seed(47)
+    lens, rank, rope = [9, 70], 64, 32
+    cache = make_cache("fp8_e4m3", rank, rope, num_pages=sum(math.ceil(n / MC.PAGE) for n in lens) + 2, page_size=MC.PAGE)
+    pt = random_pages(lens, MC.PAGE, cache.num_pages, gen)
+    fill_cache(cache, pt, lens, gen)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    ql, qp = torch.randn(2, 3, rank, generator=gen), torch.randn(2, 3, rope, generator=gen)
+    eye = torch.eye(rank)[None].expand(3, rank, rank)
+    got = MC.ref_decode_latent(ql, qp, cache, pt, sl, 0.1)
+    assert rel_err(got, ref_decode(ql, qp, cache, pt, sl, eye, eye, 0.1)) < 1e-12
+    ql8, qp8, qs = MC._quantize_query(ql, qp)
+    assert ql8.dtype == torch.float8_e4m3fn and float(torch.cat((ql8, qp8), -1).float().abs().max()) == 448.0
+    row = dict(heads=128, batch=64, ctx=8192, GBps=1000.0, TFLOPs=100.0)
+    rep = {"device": "d", "torch": "t", "triton": "tr", "date": "x", "copy_GBps": 2000.0, "checks": {}, "tuning": {},
+           "append": [], "decode": [dict(row, format="bf16", us=600.0, query="bf16"),
+                                    dict(row, format="fp8_e4m3", us=480.0, query="e4m3")]}
+    md = MC._md(rep)
+    assert "| fp8_e4m3 | 128 | 64 | 8192 | 480.0 | 1000 | 50% | 100 | 1.25x |" in md, md
+    assert md.count("| fp8_e4m3 | 128 |") == 1  # not in the bf16-query table
