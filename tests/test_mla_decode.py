@@ -254,8 +254,9 @@ def test_latent_space_reference_and_fp8_query_table():
     assert ql8.dtype == torch.float8_e4m3fn and float(torch.cat((ql8, qp8), -1).float().abs().max()) == 448.0
     row = dict(heads=128, batch=64, ctx=8192, GBps=1000.0, TFLOPs=100.0)
     rep = {"device": "d", "torch": "t", "triton": "tr", "date": "x", "copy_GBps": 2000.0, "checks": {}, "tuning": {},
-           "append": [], "decode": [dict(row, format="bf16", us=600.0, query="bf16"),
-                                    dict(row, format="fp8_e4m3", us=480.0, query="e4m3")]}
+           "append": [], "decode": [dict(row, format="bf16", us=610.0, graph_us=600.0, query="bf16"),
+                                    dict(row, format="fp8_e4m3", us=490.0, graph_us=480.0, query="e4m3")]}
     md = MC._md(rep)
-    assert "| fp8_e4m3 | 128 | 64 | 8192 | 480.0 | 1000 | 50% | 100 | 1.25x |" in md, md
+    assert "| bf16 | 128 | 64 | 8192 | 610.0 | 600.0 | 1000 | 50% | 100 |" in md, md
+    assert "| fp8_e4m3 | 128 | 64 | 8192 | 490.0 | 480.0 | 1000 | 50% | 100 | 1.25x |" in md, md
     assert md.count("| fp8_e4m3 | 128 |") == 1  # not in the bf16-query table
