@@ -190,7 +190,10 @@ def check_decode_fp8_query(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads
     return {"rel_err": err, "pass": bool(err < 2e-2)}
 
 
-def check_prefill(kv_dtype, dev, gen, prefix=(0, 1000, 5000, 16), new=(300, 64, 17, 1)) -> dict:
+def check_prefill(kv_dtype, dev, gen, prefix=(0, 1000, 5000, 16), new=(300, 64, 17, 1), fp8_query=False,
+                  **launch) -> dict:
+    """bf16 queries against the non-absorbed float64 reference; ``fp8_query``: e4m3 queries with ``q_scale``
+    against the float64 prefill in latent space (identity up-projections) of the same dequantized query."""
     lens = [p + n for p, n in zip(prefix, new)]
     cache, pt = _cache_for(kv_dtype, lens, gen, dev)
     _fill(cache, pt, list(prefix), gen, dev)
@@ -205,10 +208,42 @@ def check_prefill(kv_dtype, dev, gen, prefix=(0, 1000, 5000, 16), new=(300, 64, 
     kn = (torch.randn(t, ROPE, generator=gen) * 2).to(dev).bfloat16()
     sl = torch.tensor(lens, dtype=torch.int32, device=dev)
     out = torch.full((t, H, RANK), float("nan"), dtype=torch.bfloat16, device=dev)
-    o = mla_prefill(absorb_query(qn, w_uk).bfloat16(), qp, cn, kn, cache, pt, sl, cu, SM, out=out)
-    ref = ref_prefill(qn, qp, cn, kn, cache, pt, sl, cu, w_uk, w_uv, SM)
-    err = _rel(unabsorb_output(o.double(), w_uv.double()), ref)
+    if fp8_query:
+        ql8, qp8, qs = _quantize_query(absorb_query(qn, w_uk), qp)
+        o = mla_prefill(ql8, qp8, cn, kn, cache, pt, sl, cu, SM, q_scale=qs, out=out, **launch)
+        eye = torch.eye(RANK, dtype=torch.float64, device=dev)[None].expand(H, RANK, RANK)
+        ref = ref_prefill(ql8.double() * qs.double(), qp8.double() * qs.double(), cn, kn, cache, pt, sl, cu, eye, eye, SM)
+        err = _rel(o, ref)
+    else:
+        o = mla_prefill(absorb_query(qn, w_uk).bfloat16(), qp, cn, kn, cache, pt, sl, cu, SM, out=out, **launch)
+        ref = ref_prefill(qn, qp, cn, kn, cache, pt, sl, cu, w_uk, w_uv, SM)
+        err = _rel(unabsorb_output(o.double(), w_uv.double()), ref)
     return {"rel_err": err, "pass": bool(err < 2e-2)}
+
+
+def bench_prefill(kv_dtype, dev, gen, heads=H, cases=((2, 8192, 256), (1, 0, 2048)), fp8_query=False) -> list:
+    """Prefill/extend at mla_prefill's defaults: ``(batch, cached prefix, new tokens)`` per case."""
+    out = []
+    for b, prefix, new in cases:
+        lens = [prefix + new] * b
+        cache, pt = _cache_for(kv_dtype, lens, gen, dev)
+        _fill(cache, pt, [prefix] * b, gen, dev)
+        t = b * new
+        cu = torch.arange(0, t + 1, new, dtype=torch.int32, device=dev)
+        ql = torch.randn(t, heads, RANK, device=dev, dtype=torch.bfloat16)
+        qp = torch.randn(t, heads, ROPE, device=dev, dtype=torch.bfloat16)
+        cn = torch.randn(t, RANK, device=dev, dtype=torch.bfloat16)
+        kn = torch.randn(t, ROPE, device=dev, dtype=torch.bfloat16)
+        sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+        kw = {}
+        if fp8_query:
+            ql, qp, kw["q_scale"] = _quantize_query(ql, qp)
+        us = _bench(lambda: mla_prefill(ql, qp, cn, kn, cache, pt, sl, cu, SM, max_q_len=new, **kw), ms=100)
+        flops = 2 * heads * (2 * RANK + ROPE) * b * (new * prefix + new * (new + 1) // 2)  # visible keys per new token
+        out.append({"format": kv_dtype, "heads": heads, "batch": b, "prefix": prefix, "new": new, "us": us,
+                    "TFLOPs": flops / (us * 1e-6) / 1e12, "query": "e4m3" if fp8_query else "bf16"})
+        del cache
+    return out
 
 
 def _decode_setup(kv_dtype, batch, ctx, dev, gen, heads=H):
@@ -303,7 +338,7 @@ def _md(report: dict) -> str:
          f"Copy bandwidth (read + write): {report['copy_GBps']:.0f} GB/s.", "",
          "| check | " + " | ".join(FORMATS) + " |", "|---|" + "---|" * len(FORMATS)]
     for name in ("append", "decode", "decode H=16", "decode H=16 bytes", "decode H=128 units", "decode fp8 q",
-                 "decode fp8 q H=16", "prefill"):
+                 "decode fp8 q H=16", "prefill", "prefill fp8 q", "prefill 128-token tiles"):
         cells = []
         for f in FORMATS:
             r = report["checks"].get(f, {}).get(name, {})
@@ -346,6 +381,12 @@ def _md(report: dict) -> str:
                     L.append(f"| {name} | {cfg} | {r['us']:.1f} | {r['GBps']:.0f} | {100 * r['GBps'] / report['copy_GBps']:.0f}% |")
                 else:
                     L.append(f"| {name} | {cfg} | {r.get('error', 'error')[:60]} | | |")
+    if report.get("prefill"):
+        L += ["", "Prefill/extend (absorbed, mla_prefill's defaults, `do_bench`); TFLOP/s over the visible keys of each new token:",
+              "", "| format | query | heads | batch | cached prefix | new tokens | µs | TFLOP/s |", "|---|---|---|---|---|---|---|---|"]
+        for r in report["prefill"]:
+            L.append(f"| {r['format']} | {r['query']} | {r['heads']} | {r['batch']} | {r['prefix']} | {r['new']} | "
+                     f"{r['us']:.1f} | {r['TFLOPs']:.0f} |")
     L += ["", "Append (H=128 q_pe heads): fused Triton vs unfused torch (RoPE, formats.quantize, indexed store):", "",
           "| format | tokens | fused µs | unfused µs | fused / unfused |", "|---|---|---|---|---|"]
     for r in report["append"]:
@@ -378,7 +419,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
-              "date": _dt.date.today().isoformat(), "checks": {}, "decode": [], "tuning": {}, "append": []}
+              "date": _dt.date.today().isoformat(), "checks": {}, "decode": [], "tuning": {}, "append": [], "prefill": []}
     report["copy_GBps"] = copy_bandwidth(dev)
     print(f"copy bandwidth {report['copy_GBps']:.0f} GB/s", flush=True)
     ok = True
@@ -390,7 +431,9 @@ def main(argv=None) -> int:
                  "decode H=128 units": _guard(check_decode, f, dev, gen, units16=True),
                  "decode fp8 q": _guard(check_decode_fp8_query, f, dev, gen),
                  "decode fp8 q H=16": _guard(check_decode_fp8_query, f, dev, gen, heads=16),
-                 "prefill": _guard(check_prefill, f, dev, gen)}
+                 "prefill": _guard(check_prefill, f, dev, gen),
+                 "prefill fp8 q": _guard(check_prefill, f, dev, gen, fp8_query=True),
+                 "prefill 128-token tiles": _guard(check_prefill, f, dev, gen, block_n=128, num_stages=1)}
             report["checks"][f] = r
             ok &= all(x.get("pass") for x in r.values())
             print(f, json.dumps(r), flush=True)
@@ -413,6 +456,12 @@ def main(argv=None) -> int:
             if isinstance(res, list):
                 report["decode"] += res
             torch.cuda.empty_cache()
+        for nh in heads:
+            for q8 in (False, True):
+                res = _guard(bench_prefill, f, dev, gen, heads=nh, fp8_query=q8)
+                if isinstance(res, list):
+                    report["prefill"] += res
+                torch.cuda.empty_cache()
         res = _guard(bench_append, f, dev, gen)
         if isinstance(res, list):
             report["append"] += res

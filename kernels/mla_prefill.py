@@ -84,16 +84,24 @@ def _mla_prefill_kernel(
         tl.store(OUT + tok[:, None] * stride_ot + hs[:, None] * stride_oh + dr[None, :], out.to(OUT.dtype.element_ty), mask=rm[:, None])
 
 
+# Launch defaults by format code (block_m, heads_per_block, block_n, num_warps, num_stages): 64 rows of 4 tokens x 16
+# heads on two warp groups (the 64 x 512 fp32 accumulator spills on one).  H100, 2026-11-21 20:44 UTC, batch 2 x 256
+# new tokens over 8192 cached (.scratch/prefill_sweep.py), 128 heads: bf16 13.9 -> 4.5 ms, fp8 21.3 -> 6.2 ms, nvfp4
+# 30.7 -> 8.5 ms against the previous (64, 16, 32, 4, 2); the same ratios at 16 heads.
+_PREFILL_DEFAULTS = {0: (64, 16, 64, 8, 2), 1: (64, 16, 64, 8, 2), 2: (64, 16, 64, 8, 1)}
+
+
 def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_lens, cu_seqlens_q, sm_scale: float, *,
-                max_q_len: int | None = None, q_scale=None, block_m: int = 64, heads_per_block: int = 16,
-                block_n: int = 32, num_warps: int = 4, num_stages: int = 2, out=None):
+                max_q_len: int | None = None, q_scale=None, block_m: int | None = None, heads_per_block: int | None = None,
+                block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, out=None):
     """Absorbed MLA prefill/extend over ragged batches.
 
     ``q_lat [T, H, rank]``, ``q_pe [T, H, rope]`` (RoPE applied; or both fp8 e4m3 with ``q_scale``),
     ``c_kv [T, rank]`` and ``k_pe [T, rope]`` (RoPE applied) are the new tokens in compute precision,
     sequence ``i`` owning rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``; ``seq_lens`` counts cached prefix
     plus new tokens.  The new latent must already be appended (or be appended in the same step): only the
-    prefix is read from the pages.  Returns ``o_lat [T, H, rank]``.
+    prefix is read from the pages.  Returns ``o_lat [T, H, rank]``.  Launch parameters left ``None`` come
+    from ``_PREFILL_DEFAULTS`` for the cache format.
     """
     import torch
 
@@ -122,6 +130,15 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
     cdt = c_kv.dtype if q_fp8 else q_lat.dtype
     # fp8 queries: dot operands in fp16 (fp8 / e2m1·e4m3 values are exact in it) unless the cache is bf16.
     dt = tl_dtype(torch.bfloat16 if cache.data.dtype == torch.bfloat16 else torch.float16) if q_fp8 else tl_dtype(cdt)
+    d_bm, d_hb, d_bn, d_nw, d_ns = _PREFILL_DEFAULTS[fmt]
+    block_m = d_bm if block_m is None else block_m
+    heads_per_block = d_hb if heads_per_block is None else heads_per_block
+    block_n = d_bn if block_n is None else block_n
+    num_warps = d_nw if num_warps is None else num_warps
+    num_stages = d_ns if num_stages is None else num_stages
+    if q_fp8:  # exact in fp16 / bf16; converted here, as mla_decode does (loaded as fp8, the kernel ran 1.5x slower)
+        q_lat = q_lat.to(torch.bfloat16 if dt == tl.bfloat16 else torch.float16)
+        q_pe = q_pe.to(q_lat.dtype)
     if out is None:
         out = torch.empty(t, h, lay.kv_lora_rank, dtype=cdt, device=dev)
     if t == 0 or b == 0:

@@ -16,7 +16,8 @@ from kvbench.kernels.mla_reference import ref_prefill  # noqa: E402
 H, NOPE, VD = 4, 16, 16
 
 
-def _run(kv_dtype, prefix, new, seed, rank=64, rope=32, page=4, dtype=torch.float32, block_m=16, heads_per_block=4):
+def _run(kv_dtype, prefix, new, seed, rank=64, rope=32, page=4, dtype=torch.float32, block_m=16, heads_per_block=4, block_n=16,
+         q_fp8=False, **launch):
     gen = torch.Generator().manual_seed(seed)
     lens = [p + n for p, n in zip(prefix, new)]
     cache = make_cache(kv_dtype, rank, rope, num_pages=sum(math.ceil(max(n, 1) / page) for n in lens) + 2, page_size=page)
@@ -32,9 +33,20 @@ def _run(kv_dtype, prefix, new, seed, rank=64, rope=32, page=4, dtype=torch.floa
     c_new = torch.randn(t, rank, generator=gen) * 2
     k_new = torch.randn(t, rope, generator=gen) * 2
     sm = 1.0 / math.sqrt(NOPE + rope)
+    if q_fp8:  # e4m3 absorbed query; the reference runs in latent space on the same (dequantized) query
+        q_lat = absorb_query(q_nope, w_uk)
+        qs = torch.tensor([float(torch.cat((q_lat, q_pe), -1).abs().max()) / 448.0])
+        ql8, qp8 = (q_lat / qs).to(torch.float8_e4m3fn), (q_pe / qs).to(torch.float8_e4m3fn)
+        out = poison(torch.empty(t, H, rank, dtype=torch.bfloat16))
+        o_lat = mla_prefill(ql8, qp8, c_new.to(dtype), k_new.to(dtype), cache, pt, seq_lens, cu, sm, q_scale=qs,
+                            block_m=block_m, heads_per_block=heads_per_block, block_n=block_n, out=out, **launch)
+        eye = torch.eye(rank)[None].expand(H, rank, rank)
+        ref = ref_prefill(ql8.double() * qs.double(), qp8.double() * qs.double(), c_new.to(dtype), k_new.to(dtype), cache,
+                          pt, seq_lens, cu, eye, eye, sm)
+        return rel_err(o_lat, ref)
     out = poison(torch.empty(t, H, rank, dtype=dtype))
     o_lat = mla_prefill(absorb_query(q_nope, w_uk).to(dtype), q_pe.to(dtype), c_new.to(dtype), k_new.to(dtype), cache, pt,
-                        seq_lens, cu, sm, block_m=block_m, heads_per_block=heads_per_block, block_n=16, out=out)
+                        seq_lens, cu, sm, block_m=block_m, heads_per_block=heads_per_block, block_n=block_n, out=out, **launch)
     got = unabsorb_output(o_lat.double(), w_uv.double())
     ref = ref_prefill(q_nope, q_pe, c_new.to(dtype), k_new.to(dtype), cache, pt, seq_lens, cu, w_uk, w_uv, sm)
     return rel_err(got, ref)
@@ -51,6 +63,20 @@ def test_prefill_head_grouping_variants():
     # Rows = tokens x heads: one head per row block, and all heads with many tokens.
     assert _run("fp8_e4m3", [5, 17], [9, 12], seed=70, block_m=16, heads_per_block=1) < 1e-5
     assert _run("nvfp4", [5, 17], [9, 12], seed=71, block_m=32, heads_per_block=8) < 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "nvfp4", "fp8_e5m2"])
+def test_prefill_fp8_query(kv_dtype):
+    """e4m3 queries with q_scale (converted to half precision before the launch): against the float64
+    latent-space prefill of the same query; the own-token keys stay in float32."""
+    assert _run(kv_dtype, [13, 0, 21], [7, 19, 1], seed=75, q_fp8=True) < 5e-3
+
+
+def test_prefill_default_launch_and_tiles_across_pages():
+    """The per-format defaults (64-token tiles over 4-token pages here) and explicit 128-token tiles."""
+    for i, f in enumerate(("bf16", "fp8_e4m3", "nvfp4")):  # float32 compute
+        assert _run(f, [70, 5], [9, 40], seed=76 + i, block_m=None, heads_per_block=None, block_n=None) < 1e-5
+        assert _run(f, [300, 70], [9, 40], seed=79 + i, block_n=128) < 1e-5
 
 
 def test_prefill_deepseek_latent_dims_half():
