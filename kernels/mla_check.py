@@ -338,12 +338,14 @@ def _md(report: dict) -> str:
          f"Copy bandwidth (read + write): {report['copy_GBps']:.0f} GB/s.", "",
          "| check | " + " | ".join(FORMATS) + " |", "|---|" + "---|" * len(FORMATS)]
     for name in ("append", "decode", "decode H=16", "decode H=16 bytes", "decode H=128 units", "decode fp8 q",
-                 "decode fp8 q H=16", "prefill", "prefill fp8 q", "prefill 128-token tiles"):
+                 "decode fp8 q H=16", "decode bytes 128-token tiles", "prefill", "prefill fp8 q", "prefill 128-token tiles"):
         cells = []
         for f in FORMATS:
             r = report["checks"].get(f, {}).get(name, {})
             if "error" in r:
                 cells.append("ERROR")
+            elif "refused" in r:
+                cells.append("refused")
             elif "rel_err" in r:
                 cells.append(f"{'pass' if r['pass'] else 'FAIL'} ({r['rel_err']:.1e})")
             else:
@@ -402,6 +404,17 @@ def _guard(fn, *a, **k):
         return {"error": f"{type(e).__name__}: {e}"[:300], "pass": False}
 
 
+def _refused(fn, *a, **k):
+    """A launch the kernel must refuse with a ValueError (a configuration known to compute wrongly)."""
+    try:
+        fn(*a, **k)
+    except ValueError as e:
+        return {"refused": str(e)[:200], "pass": True}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:300], "pass": False}
+    return {"error": "not refused", "pass": False}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvbench.kernels.mla_check", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="directory for mla_check.json and mla_check.md")
@@ -433,7 +446,10 @@ def main(argv=None) -> int:
                  "decode fp8 q H=16": _guard(check_decode_fp8_query, f, dev, gen, heads=16),
                  "prefill": _guard(check_prefill, f, dev, gen),
                  "prefill fp8 q": _guard(check_prefill, f, dev, gen, fp8_query=True),
-                 "prefill 128-token tiles": _guard(check_prefill, f, dev, gen, block_n=128, num_stages=1)}
+                 "prefill 128-token tiles": (_guard(check_prefill, f, dev, gen, block_n=128, num_stages=1) if f != "nvfp4"
+                                             else _refused(check_prefill, f, dev, gen, block_n=128, num_stages=1)),
+                 "decode bytes 128-token tiles": _guard(check_decode, f, dev, gen, heads=16, units16=False, block_n=128,
+                                                        num_stages=1)}
             report["checks"][f] = r
             ok &= all(x.get("pass") for x in r.values())
             print(f, json.dumps(r), flush=True)

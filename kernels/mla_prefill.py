@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kvbench.kernels.mla import LatentCache
-from kvbench.kernels.mla_common import check_cache, check_paging, load_latent_tile, tl_dtype
+from kvbench.kernels.mla_common import FMT_NVFP4, check_cache, check_paging, load_latent_tile, tl_dtype
 
 
 @triton.jit
@@ -128,17 +128,22 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
     if q_fp8 and (q_scale is None or q_scale.dtype != torch.float32):
         raise ValueError("fp8 queries need q_scale, an fp32 tensor [1]")
     cdt = c_kv.dtype if q_fp8 else q_lat.dtype
-    # fp8 queries: dot operands in fp16 (fp8 / e2m1·e4m3 values are exact in it) unless the cache is bf16.
-    dt = tl_dtype(torch.bfloat16 if cache.data.dtype == torch.bfloat16 else torch.float16) if q_fp8 else tl_dtype(cdt)
+    # Dot operands in the compute dtype, that of the new tokens: e4m3 queries and fp8 / e2m1·e4m3 latents are
+    # exact in bf16 and fp16, and the new tokens are not converted (with fp16 operands under bf16 new tokens,
+    # a 2048-token prefill took 624 us against 416; H100, 2026-11-21).
+    dt = tl_dtype(cdt)
     d_bm, d_hb, d_bn, d_nw, d_ns = _PREFILL_DEFAULTS[fmt]
+    if fmt == FMT_NVFP4 and block_n is not None and block_n > 64:
+        # the GPU check (mla_check, "prefill 128-token tiles") found 2.4e-1 relative error with nvfp4 at 128-token
+        # tiles on an H100 with Triton 3.6 (the interpreter is exact); refused rather than wrong
+        raise ValueError(f"block_n above 64 is not supported for an nvfp4 latent (got {block_n})")
     block_m = d_bm if block_m is None else block_m
     heads_per_block = d_hb if heads_per_block is None else heads_per_block
     block_n = d_bn if block_n is None else block_n
     num_warps = d_nw if num_warps is None else num_warps
     num_stages = d_ns if num_stages is None else num_stages
     if q_fp8:  # exact in fp16 / bf16; converted here, as mla_decode does (loaded as fp8, the kernel ran 1.5x slower)
-        q_lat = q_lat.to(torch.bfloat16 if dt == tl.bfloat16 else torch.float16)
-        q_pe = q_pe.to(q_lat.dtype)
+        q_lat, q_pe = q_lat.to(cdt), q_pe.to(cdt)
     if out is None:
         out = torch.empty(t, h, lay.kv_lora_rank, dtype=cdt, device=dev)
     if t == 0 or b == 0:

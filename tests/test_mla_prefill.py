@@ -73,10 +73,15 @@ def test_prefill_fp8_query(kv_dtype):
 
 
 def test_prefill_default_launch_and_tiles_across_pages():
-    """The per-format defaults (64-token tiles over 4-token pages here) and explicit 128-token tiles."""
+    """The per-format defaults (64-token tiles over 4-token pages here) and explicit 128-token tiles, which an
+    nvfp4 latent refuses (wrong on the GPU with Triton 3.6, docs/mla.md)."""
     for i, f in enumerate(("bf16", "fp8_e4m3", "nvfp4")):  # float32 compute
         assert _run(f, [70, 5], [9, 40], seed=76 + i, block_m=None, heads_per_block=None, block_n=None) < 1e-5
-        assert _run(f, [300, 70], [9, 40], seed=79 + i, block_n=128) < 1e-5
+        if f == "nvfp4":
+            with pytest.raises(ValueError, match="block_n above 64"):
+                _run(f, [300, 70], [9, 40], seed=79 + i, block_n=128)
+        else:
+            assert _run(f, [300, 70], [9, 40], seed=79 + i, block_n=128) < 1e-5
 
 
 def test_prefill_deepseek_latent_dims_half():
