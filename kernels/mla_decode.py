@@ -260,8 +260,8 @@ def _mla_decode_merge(
     RANK: tl.constexpr, NSP: tl.constexpr, SB: tl.constexpr,
 ):
     """One (sequence, head): the splits' partial outputs weighted by their log-sum-exp.  The maximum over
-    all log-sum-exps first (``NSP``: 64, the most ``default_num_splits`` gives, or more when asked; masked
-    to ``num_splits``, so one compile serves every default split count), then the partial outputs ``SB``
+    all log-sum-exps first (``NSP``: 64, or the split count rounded up to a power of two above that; masked
+    to ``num_splits``, so one compile serves every split count up to 64), then the partial outputs ``SB``
     splits at a time as ``[SB, RANK]`` tiles."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -286,10 +286,14 @@ def _mla_decode_merge(
 
 
 def default_num_splits(batch: int, head_groups: int, max_len: int, block_n: int, num_sms: int, per_sm: int = 3) -> int:
-    """About ``per_sm`` programs per SM (never more), never splits shorter than four tiles."""
+    """About ``per_sm`` programs per SM (never more), never splits shorter than four tiles, at most 64 splits,
+    or 128 when one sequence is the only program row (batch 1, one head group).  H100, 2026-11-21 21:02 UTC
+    (``.scratch/splits_b1.py``, graph replays), 16 heads, batch 1 x 131072: bf16 125.6 -> 83.1 us, fp8 89.6
+    -> 66.7, nvfp4 185.1 -> 113.1 at 128 splits; at 1 x 32768 0.4-7 us faster; at batch 2 and more, or 128
+    heads, more splits than the defaults were slower."""
     want = max(1, (per_sm * num_sms) // (batch * head_groups))
     most = max(1, max_len // (4 * block_n))
-    return int(min(want, most, 64))
+    return int(min(want, most, 128 if batch * head_groups == 1 else 64))
 
 
 # Launch defaults from sweeps at batch 64 x 8192 (docs/mla.md): format code -> per head-count regime

@@ -145,6 +145,9 @@ def test_default_num_splits_and_head_regimes():
     assert default_num_splits(64, 2, 8192, 64, 132, per_sm=3) == 3  # 128 heads in two 64-head groups
     assert default_num_splits(1, 1, 1024, 64, 132, per_sm=4) == 4  # never splits shorter than four tiles
     assert default_num_splits(256, 2, 8192, 64, 132) == 1
+    assert default_num_splits(1, 1, 131072, 64, 132, per_sm=2) == 128  # one program row: up to 128 splits
+    assert default_num_splits(2, 1, 131072, 64, 132, per_sm=2) == 64
+    assert default_num_splits(1, 2, 131072, 64, 132, per_sm=3) == 64
     assert _defaults(1, 16)[0] and _defaults(2, 128)[0] and not _defaults(0, 16)[0]
     assert _defaults(0, 16)[1] == 16 and _defaults(0, 128)[1] == 64
 
