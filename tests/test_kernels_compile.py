@@ -131,16 +131,35 @@ def compile_mla_decode():
             assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", k.asm["ptx"]), "no fp8 wgmma"
 
 
+def compile_mla_prefill():
+    import triton.language as tl
+
+    from kvbench.kernels.mla_prefill import _mla_prefill_kernel
+
+    ptrs = dict(CN="*bf16", KN="*bf16", BS="*fp8e4nv", KSCALE="*fp32", QSCALE="*fp32", PT="*i32", SL="*i32", CU="*i32",
+                OUT="*bf16")
+    # the defaults' shape (4 tokens x 16 heads, 64-token tiles, 8 warps): converted bf16 / e4m3 / nvfp4 tiles, and
+    # e4m3 queries over an e4m3 prefix as fp8 wgmma scores
+    variants = [("*bf16", "*bf16", dict(FMT=0)), ("*fp8e4nv", "*bf16", dict(FMT=1)), ("*u8", "*bf16", dict(FMT=2)),
+                ("*fp8e4nv", "*fp8e4nv", dict(FMT=1, FP8_SCORES=True, Q_FP8=True))]
+    for kv_ty, q_ty, extra in variants:
+        c = dict(PAGE=64, RANK=512, ROPE=64, TB=4, HB=16, BLOCK_N=64, DT=tl.bfloat16, Q_FP8=False, FP8_SCORES=False)
+        c.update(extra)
+        k = _compile(_mla_prefill_kernel, c, dict(ptrs, KV=kv_ty, QL=q_ty, QP=q_ty), ("sm_scale_log2",), num_warps=8)
+        if c["FP8_SCORES"]:
+            assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", k.asm["ptx"]), "no fp8 wgmma"
+
+
 def test_kernels_compile_for_sm90():
     import triton.backends.nvidia  # noqa: F401  (ships with every Linux triton wheel)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.split() == ["decode", "prefill", "append", "mla_decode"]
+    assert r.stdout.split() == ["decode", "prefill", "append", "mla_decode", "mla_prefill"]
 
 
 if __name__ == "__main__":
     for name, fn in (("decode", compile_decode), ("prefill", compile_prefill), ("append", compile_append),
-                     ("mla_decode", compile_mla_decode)):
+                     ("mla_decode", compile_mla_decode), ("mla_prefill", compile_mla_prefill)):
         fn()
         print(name, flush=True)

@@ -84,6 +84,18 @@ def test_prefill_default_launch_and_tiles_across_pages():
             assert _run(f, [300, 70], [9, 40], seed=79 + i, block_n=128) < 1e-5
 
 
+def test_prefill_fp8_scores_on_the_stored_prefix():
+    """e4m3 queries over an e4m3 prefix: the scores as fp8 dots on the stored tiles (the default at 64-row
+    tiles, or asked at 16 rows) and the converted path, against the float64 latent-space reference."""
+    args = ("fp8_e4m3", [13, 0, 70], [7, 19, 9])
+    for kw in (dict(block_m=64), dict(fp8_scores=True), dict(fp8_scores=False)):
+        assert _run(*args, seed=84, q_fp8=True, **kw) < 5e-3, kw
+    with pytest.raises(ValueError, match="fp8_scores"):
+        _run("fp8_e4m3", [5], [3], seed=85, fp8_scores=True)
+    with pytest.raises(ValueError, match="fp8_scores"):
+        _run("fp8_e5m2", [5], [3], seed=85, q_fp8=True, fp8_scores=True)
+
+
 def test_prefill_deepseek_latent_dims_half():
     assert _run("fp8_e5m2", [20], [11], seed=72, rank=512, rope=64, page=16, dtype=torch.float16) < 5e-3
 
