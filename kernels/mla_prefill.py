@@ -38,7 +38,7 @@ def _softmax_pv(acc, m, l, s, c, visible, scale, vscale, DT: tl.constexpr):
 
 @triton.jit
 def _mla_prefill_kernel(
-    QL, QP, CN, KN, KV, BS, KSCALE, QSCALE, PT, SL, CU, OUT,
+    QL, QP, QLH, QPH, CN, KN, KV, BS, KSCALE, QSCALE, PT, SL, CU, OUT,
     sm_scale_log2,
     stride_lt, stride_lh, stride_pt_, stride_ph, stride_ct, stride_kt, stride_tab, stride_ot, stride_oh,
     H,
@@ -46,8 +46,9 @@ def _mla_prefill_kernel(
     BLOCK_N: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr, Q_FP8: tl.constexpr, FP8_SCORES: tl.constexpr = False,
 ):
     """``FP8_SCORES`` (e4m3 queries over an e4m3 latent): the prefix tiles' scores as fp8 dots of the query
-    on the tile as stored, which is converted only for ``P·c``; the new tokens' part reloads the query in
-    ``DT``."""
+    on the tile as stored, which is converted only for ``P·c``; the new tokens' part loads the query from
+    ``QLH`` / ``QPH``, the same values in ``DT`` (converted before the launch; loaded as fp8 and converted
+    here, a 2048-token prefill with nothing cached took 544 us against 509, 16 heads on an H100)."""
     tb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     hg = tl.program_id(2)
@@ -91,8 +92,8 @@ def _mla_prefill_kernel(
                 c, kpe = load_latent_tile(KV, BS, page * PAGE + pos % PAGE, nm, RANK, ROPE, FMT, DT)
                 acc, m, l = _attend_tile(acc, m, l, ql, qp, c, kpe, nm[None, :], scale * kscale, kscale, DT)
         if FP8_SCORES:  # the new tokens' keys are in compute precision
-            ql = tl.load(ql_ptr).to(DT)
-            qp = tl.load(qp_ptr).to(DT)
+            ql = tl.load(QLH + tok[:, None] * stride_lt + hs[:, None] * stride_lh + dr[None, :])
+            qp = tl.load(QPH + tok[:, None] * stride_pt_ + hs[:, None] * stride_ph + dp[None, :])
         # The new tokens themselves, causally, in compute precision.
         hi = tl.minimum(q_len, (tb + 1) * TB)
         for n0 in range(0, hi, BLOCK_N):
@@ -175,11 +176,17 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
     scores_ok = lay.kv_dtype == "fp8_e4m3" and q_fp8
     if fp8_scores and not scores_ok:
         raise ValueError("fp8_scores needs e4m3 queries (with q_scale) and an fp8_e4m3 latent cache")
-    # default with 64-row tiles: H100, 2026-11-21 21:26 UTC, 2 x 256 new over 8192 cached, 128 heads 6269 ->
-    # 5088 us, 16 heads 815 -> 689 (.scratch/prefill_split.py)
+    # default with 64-row tiles: H100, 2026-11-21 21:35 UTC (.scratch/prefill_q8b.py), 2 x 256 new over 8192
+    # cached: 128 heads 6279 -> 5140 us, 16 heads 815 -> 699; with nothing cached (1 x 2048 new) it costs
+    # 3018 -> 3309 and 453 -> 509 (the own-token part gains nothing and the fp8 query takes registers)
     fp8_scores = (scores_ok and tb * hb >= 64) if fp8_scores is None else bool(fp8_scores)
-    if q_fp8 and not fp8_scores:  # exact in fp16 / bf16; converted here, as mla_decode does (loaded as fp8, the kernel ran 1.5x slower)
-        q_lat, q_pe = q_lat.to(cdt), q_pe.to(cdt)
+    qlh, qph = q_lat, q_pe
+    if q_fp8:  # exact in fp16 / bf16; converted here, as mla_decode does (loaded as fp8, the kernel ran 1.5x slower)
+        qlh, qph = q_lat.to(cdt).contiguous(), q_pe.to(cdt).contiguous()
+        if not fp8_scores:
+            q_lat, q_pe = qlh, qph
+        elif qlh.stride() != q_lat.stride() or qph.stride() != q_pe.stride():  # the kernel indexes both alike
+            q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
     if out is None:
         out = torch.empty(t, h, lay.kv_lora_rank, dtype=cdt, device=dev)
     if t == 0 or b == 0:
@@ -190,7 +197,7 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
     bs = cache.block_scale if cache.block_scale is not None else cache.data
     qs = q_scale if q_fp8 else cache.k_scale
     _mla_prefill_kernel[grid](
-        q_lat, q_pe, c_kv, k_pe, cache.data, bs, cache.k_scale, qs, page_table, seq_lens, cu_seqlens_q, out,
+        q_lat, q_pe, qlh, qph, c_kv, k_pe, cache.data, bs, cache.k_scale, qs, page_table, seq_lens, cu_seqlens_q, out,
         float(sm_scale) * math.log2(math.e),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), c_kv.stride(0), k_pe.stride(0),
         page_table.stride(0), out.stride(0), out.stride(1),

@@ -145,7 +145,8 @@ def compile_mla_prefill():
     for kv_ty, q_ty, extra in variants:
         c = dict(PAGE=64, RANK=512, ROPE=64, TB=4, HB=16, BLOCK_N=64, DT=tl.bfloat16, Q_FP8=False, FP8_SCORES=False)
         c.update(extra)
-        k = _compile(_mla_prefill_kernel, c, dict(ptrs, KV=kv_ty, QL=q_ty, QP=q_ty), ("sm_scale_log2",), num_warps=8)
+        k = _compile(_mla_prefill_kernel, c, dict(ptrs, KV=kv_ty, QL=q_ty, QP=q_ty, QLH="*bf16", QPH="*bf16"), ("sm_scale_log2",),
+                     num_warps=8)
         if c["FP8_SCORES"]:
             assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", k.asm["ptx"]), "no fp8 wgmma"
 
