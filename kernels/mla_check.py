@@ -29,7 +29,8 @@ from kvbench.kernels.mla import LatentCache, LatentLayout, absorb_query, rope_co
 from kvbench.kernels.mla_append import mla_append, mla_append_unfused
 from kvbench.kernels.mla_decode import mla_decode
 from kvbench.kernels.mla_prefill import mla_prefill
-from kvbench.kernels.mla_reference import ref_append_rows, ref_decode, ref_prefill, sequence_slots
+from kvbench.kernels.mla_reference import (quantize_absorbed_query, ref_append_rows, ref_decode, ref_decode_latent,
+                                           ref_prefill, sequence_slots)
 
 H, RANK, ROPE, NOPE, VD, PAGE = 128, 512, 64, 128, 128, 64
 FORMATS = ("bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
@@ -155,25 +156,6 @@ def check_decode(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads=H, **laun
     return {"rel_err": err, "pass": bool(err < 2e-2)}
 
 
-def _quantize_query(ql, qp):
-    """e4m3 absorbed query ``[q_lat | q_pe]`` with one fp32 dequant multiplier (amax / 448), as the runtime's
-    ``--quantize-query`` feeds the kernels."""
-    s = (torch.cat((ql, qp), -1).float().abs().amax() / 448.0).clamp(min=1e-12)
-    q8 = lambda x: (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)  # noqa: E731
-    return q8(ql), q8(qp), s.reshape(1).float()
-
-
-def ref_decode_latent(q_lat, q_pe, cache, pt, seq_lens, sm_scale) -> torch.Tensor:
-    """float64 decode in latent space (the absorbed form with identity up-projections, as the CPU test of
-    fp8 queries does): the query the kernel received, dequantized, over the dequantized cache."""
-    outs = []
-    for b in range(q_lat.shape[0]):
-        c, kpe = cache.dequantize_slots(sequence_slots(pt[b], int(seq_lens[b]), PAGE), torch.float64)
-        s = (q_lat[b].double() @ c.T + q_pe[b].double() @ kpe.T) * sm_scale
-        outs.append(torch.softmax(s, -1) @ c)
-    return torch.stack(outs)
-
-
 def check_decode_fp8_query(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads=H, **launch) -> dict:
     """e4m3 queries with ``q_scale`` (``quantize_query``): against the float64 latent-space decode of the same
     (dequantized) query, so the query's own rounding is not counted."""
@@ -181,7 +163,7 @@ def check_decode_fp8_query(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads
     cache, pt = _cache_for(kv_dtype, lens, gen, dev)
     _fill(cache, pt, lens, gen, dev)
     b = len(lens)
-    ql8, qp8, qs = _quantize_query((torch.randn(b, heads, RANK, generator=gen) * 0.5).to(dev),
+    ql8, qp8, qs = quantize_absorbed_query((torch.randn(b, heads, RANK, generator=gen) * 0.5).to(dev),
                                    torch.randn(b, heads, ROPE, generator=gen).to(dev))
     sl = torch.tensor(lens, dtype=torch.int32, device=dev)
     out = torch.full((b, heads, RANK), float("nan"), dtype=torch.bfloat16, device=dev)
@@ -209,7 +191,7 @@ def check_prefill(kv_dtype, dev, gen, prefix=(0, 1000, 5000, 16), new=(300, 64, 
     sl = torch.tensor(lens, dtype=torch.int32, device=dev)
     out = torch.full((t, H, RANK), float("nan"), dtype=torch.bfloat16, device=dev)
     if fp8_query:
-        ql8, qp8, qs = _quantize_query(absorb_query(qn, w_uk), qp)
+        ql8, qp8, qs = quantize_absorbed_query(absorb_query(qn, w_uk), qp)
         o = mla_prefill(ql8, qp8, cn, kn, cache, pt, sl, cu, SM, q_scale=qs, out=out, **launch)
         eye = torch.eye(RANK, dtype=torch.float64, device=dev)[None].expand(H, RANK, RANK)
         ref = ref_prefill(ql8.double() * qs.double(), qp8.double() * qs.double(), cn, kn, cache, pt, sl, cu, eye, eye, SM)
@@ -237,7 +219,7 @@ def bench_prefill(kv_dtype, dev, gen, heads=H, cases=((2, 8192, 256), (1, 0, 204
         sl = torch.tensor(lens, dtype=torch.int32, device=dev)
         kw = {}
         if fp8_query:
-            ql, qp, kw["q_scale"] = _quantize_query(ql, qp)
+            ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
         us = _bench(lambda: mla_prefill(ql, qp, cn, kn, cache, pt, sl, cu, SM, max_q_len=new, **kw), ms=100)
         flops = 2 * heads * (2 * RANK + ROPE) * b * (new * prefix + new * (new + 1) // 2)  # visible keys per new token
         out.append({"format": kv_dtype, "heads": heads, "batch": b, "prefix": prefix, "new": new, "us": us,
@@ -301,7 +283,7 @@ def bench_decode(kv_dtype, cfg, dev, gen, batches, ctxs, heads=H, fp8_query=Fals
             cache, pt, ql, qp, sl, nbytes = _decode_setup(kv_dtype, b, ctx, dev, gen, heads)
             kw = dict(cfg, max_seq_len=ctx)
             if fp8_query:
-                ql, qp, kw["q_scale"] = _quantize_query(ql, qp)
+                ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
             us = _bench(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw), ms=100)
             g_us = _bench_graph(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw))
             flops = 2 * b * heads * ctx * (2 * RANK + ROPE)
@@ -329,8 +311,10 @@ def bench_append(kv_dtype, dev, gen, tokens=(64, 4096)) -> list:
     return out
 
 
-def _g(r) -> str:
-    return f"{r['graph_us']:.1f}" if "graph_us" in r else "–"
+def _decode_row(r: dict, copy_gbps: float) -> str:
+    g = f"{r['graph_us']:.1f}" if "graph_us" in r else "–"
+    return (f"| {r['format']} | {r['heads']} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {g} | {r['GBps']:.0f} | "
+            f"{100 * r['GBps'] / copy_gbps:.0f}% | {r['TFLOPs']:.0f} |")
 
 
 def _md(report: dict) -> str:
@@ -358,8 +342,7 @@ def _md(report: dict) -> str:
     for r in report["decode"]:
         if r.get("query", "bf16") != "bf16":
             continue
-        L.append(f"| {r['format']} | {r['heads']} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {_g(r)} | {r['GBps']:.0f} | "
-                 f"{100 * r['GBps'] / report['copy_GBps']:.0f}% | {r['TFLOPs']:.0f} |")
+        L.append(_decode_row(r, report["copy_GBps"]))
     q8 = [r for r in report["decode"] if r.get("query", "bf16") != "bf16"]
     if q8:
         base = {(r["heads"], r["batch"], r["ctx"]): r.get("graph_us", r["us"]) for r in report["decode"]
@@ -370,9 +353,7 @@ def _md(report: dict) -> str:
               "|---|---|---|---|---|---|---|---|---|---|"]
         for r in q8:
             ref = base.get((r["heads"], r["batch"], r["ctx"]))
-            L.append(f"| {r['format']} | {r['heads']} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {_g(r)} | {r['GBps']:.0f} | "
-                     f"{100 * r['GBps'] / report['copy_GBps']:.0f}% | {r['TFLOPs']:.0f} | "
-                     + (f"{ref / r.get('graph_us', r['us']):.2f}x |" if ref else "|"))
+            L.append(_decode_row(r, report["copy_GBps"]) + (f" {ref / r.get('graph_us', r['us']):.2f}x |" if ref else " |"))
     if report["tuning"]:
         L += ["", "Launch-configuration sweep at batch 64 x 8192 ({} = the defaults):", "",
               "| format | config | µs | GB/s | % copy |", "|---|---|---|---|---|"]

@@ -24,10 +24,7 @@ def load_nvfp4_part(KV, BS, row, col_byte0, col_blk0, nmask, WIDTH: tl.constexpr
     block ``col_blk0``: returns float32 ``e2m1 · block_scale`` (the per-layer global not applied)."""
     j = tl.arange(0, WIDTH // 2)
     b = tl.load(KV + row[:, None] * PD + col_byte0 + j[None, :], mask=nmask[:, None], other=0)
-    # scale rows are 36 bytes (4-byte aligned): offsets selected against 0 leave nothing to vectorize (as
-    # mla_decode._scales; Triton 3.6 vectorized such loads past the rows' alignment there)
-    sm = nmask[:, None] & (j[None, :] >= 0)
-    s = tl.load(BS + tl.where(sm, row[:, None] * NB + col_blk0 + (j // 8)[None, :], 0), mask=sm, other=0.0).to(tl.float32)
+    s = tl.load(BS + row[:, None] * NB + col_blk0 + (j // 8)[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
     lo = e2m1_to_f32(b & 15) * s
     hi = e2m1_to_f32(b >> 4) * s
     return tl.reshape(tl.join(lo, hi), [row.shape[0], WIDTH])

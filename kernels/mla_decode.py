@@ -95,8 +95,8 @@ def _mla_decode_split(
     is converted.
     ``CHUNKS`` (UNITS 1: 1, 2 or 4): the latent is loaded, converted and used in that many column chunks,
     each a load of its own, so each dot's operand is a quarter (or half) of the tile (fp8 at 16 heads on an
-    H100: 145 -> 141 us with four; docs/mla.md).  ``PAGE_TILES``: ``BLOCK_N`` divides the page size, so a tile lies in one page
-    and its slots come from one page-table entry."""
+    H100: 145 -> 141 us with four; docs/mla.md).  ``PAGE_TILES``: ``BLOCK_N`` divides the page size, so a
+    tile lies in one page and its slots come from one page-table entry."""
     b = tl.program_id(0).to(tl.int64)
     hg = tl.program_id(1)
     sp = tl.program_id(2)
@@ -422,7 +422,7 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     )
     _mla_decode_merge[(b, h)](
         mid_o, mid_l, cache.k_scale, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        out.stride(0), out.stride(1), h, num_splits, RANK=lay.kv_lora_rank, NSP=max(64, triton.next_power_of_2(num_splits)), SB=8,
-        num_warps=4,
+        out.stride(0), out.stride(1), h, num_splits, RANK=lay.kv_lora_rank,
+        NSP=max(64, triton.next_power_of_2(num_splits)), SB=8, num_warps=4,
     )
     return out

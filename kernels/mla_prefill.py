@@ -165,7 +165,8 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
     if fmt == FMT_NVFP4 and block_n is not None and block_n > 64:
         # the GPU check (mla_check, "prefill 128-token tiles") found 2.4e-1 relative error with nvfp4 at 128-token
         # tiles on an H100 with Triton 3.6 (the interpreter is exact); refused rather than wrong
-        raise ValueError(f"block_n above 64 is not supported for an nvfp4 latent (got {block_n})")
+        raise ValueError(f"block_n above 64 is not supported for an nvfp4 latent (got {block_n}); leave block_n "
+                         "unset for the default (64) or pass 64 or less")
     block_m = d_bm if block_m is None else block_m
     heads_per_block = d_hb if heads_per_block is None else heads_per_block
     block_n = d_bn if block_n is None else block_n

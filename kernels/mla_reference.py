@@ -19,7 +19,9 @@ __all__ = [
     "ref_append_rows",
     "ref_attention",
     "ref_decode",
+    "ref_decode_latent",
     "ref_prefill",
+    "quantize_absorbed_query",
     "sequence_slots",
 ]
 
@@ -80,6 +82,28 @@ def ref_decode(q_nope, q_pe, cache: LatentCache, page_table, seq_lens, w_uk, w_u
         c, kpe = cache.dequantize_slots(sequence_slots(page_table[b], n, cache.page_size), torch.float64)
         outs.append(ref_attention(q_nope[b : b + 1], q_pe[b : b + 1], c, kpe, w_uk, w_uv, sm_scale)[0])
     return torch.stack(outs)
+
+
+def ref_decode_latent(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: float) -> torch.Tensor:
+    """Decode in latent space (the absorbed form; the non-absorbed one with identity up-projections), for
+    queries that exist only absorbed, e.g. rounded to e4m3: ``softmax(q_lat·c + q_pe·k_pe) · c`` in float64,
+    without expanding the latent per head (which at 128 heads and 32k tokens would take ~17 GB).
+    Returns float64 ``[B, H, rank]``."""
+    outs = []
+    for b in range(q_lat.shape[0]):
+        c, kpe = cache.dequantize_slots(sequence_slots(page_table[b], int(seq_lens[b]), cache.page_size), torch.float64)
+        c, kpe = c.to(q_lat.device), kpe.to(q_lat.device)
+        s = (q_lat[b].double() @ c.T + q_pe[b].double() @ kpe.T) * sm_scale
+        outs.append(torch.softmax(s, -1) @ c)
+    return torch.stack(outs)
+
+
+def quantize_absorbed_query(q_lat: torch.Tensor, q_pe: torch.Tensor):
+    """The absorbed query ``[q_lat | q_pe]`` rounded to e4m3 with one float32 dequant multiplier (amax / 448),
+    the form ``quantize_query`` feeds the kernels: returns ``(q_lat8, q_pe8, q_scale [1])``."""
+    s = (torch.cat((q_lat, q_pe), -1).float().abs().amax() / 448.0).clamp(min=1e-12)
+    return ((q_lat.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn),
+            (q_pe.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s.reshape(1).float())
 
 
 def ref_prefill(q_nope, q_pe, c_new, kpe_new, cache: LatentCache, page_table, seq_lens, cu_seqlens_q, w_uk, w_uv,

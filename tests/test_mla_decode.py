@@ -239,9 +239,10 @@ def test_decode_fp8_query_other_formats(kv_dtype):
 
 
 def test_latent_space_reference_and_fp8_query_table():
-    """The GPU check's float64 latent-space decode (``mla_check.ref_decode_latent``) equals the non-absorbed
-    reference with identity up-projections; the report renders the e4m3-query rows against bf16."""
+    """The GPU check's float64 latent-space decode (``ref_decode_latent``) equals the non-absorbed reference
+    with identity up-projections; the report renders the e4m3-query rows against bf16."""
     from kvbench.kernels import mla_check as MC
+    from kvbench.kernels.mla_reference import quantize_absorbed_query, ref_decode_latent
 
     gen = torch.Generator().manual_seed(47)
     lens, rank, rope = [9, 70], 64, 32
@@ -251,9 +252,9 @@ def test_latent_space_reference_and_fp8_query_table():
     sl = torch.tensor(lens, dtype=torch.int32)
     ql, qp = torch.randn(2, 3, rank, generator=gen), torch.randn(2, 3, rope, generator=gen)
     eye = torch.eye(rank)[None].expand(3, rank, rank)
-    got = MC.ref_decode_latent(ql, qp, cache, pt, sl, 0.1)
+    got = ref_decode_latent(ql, qp, cache, pt, sl, 0.1)
     assert rel_err(got, ref_decode(ql, qp, cache, pt, sl, eye, eye, 0.1)) < 1e-12
-    ql8, qp8, qs = MC._quantize_query(ql, qp)
+    ql8, qp8, qs = quantize_absorbed_query(ql, qp)
     assert ql8.dtype == torch.float8_e4m3fn and float(torch.cat((ql8, qp8), -1).float().abs().max()) == 448.0
     row = dict(heads=128, batch=64, ctx=8192, GBps=1000.0, TFLOPs=100.0)
     rep = {"device": "d", "torch": "t", "triton": "tr", "date": "x", "copy_GBps": 2000.0, "checks": {}, "tuning": {},

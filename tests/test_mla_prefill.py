@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_mla_helpers import FORMATS, fill_cache, make_cache, mla_weights, poison, random_pages, rel_err  # noqa: E402
 from kvbench.kernels.mla import absorb_query, unabsorb_output  # noqa: E402
 from kvbench.kernels.mla_prefill import mla_prefill  # noqa: E402
-from kvbench.kernels.mla_reference import ref_prefill  # noqa: E402
+from kvbench.kernels.mla_reference import quantize_absorbed_query, ref_prefill  # noqa: E402
 
 H, NOPE, VD = 4, 16, 16
 
@@ -34,9 +34,7 @@ def _run(kv_dtype, prefix, new, seed, rank=64, rope=32, page=4, dtype=torch.floa
     k_new = torch.randn(t, rope, generator=gen) * 2
     sm = 1.0 / math.sqrt(NOPE + rope)
     if q_fp8:  # e4m3 absorbed query; the reference runs in latent space on the same (dequantized) query
-        q_lat = absorb_query(q_nope, w_uk)
-        qs = torch.tensor([float(torch.cat((q_lat, q_pe), -1).abs().max()) / 448.0])
-        ql8, qp8 = (q_lat / qs).to(torch.float8_e4m3fn), (q_pe / qs).to(torch.float8_e4m3fn)
+        ql8, qp8, qs = quantize_absorbed_query(absorb_query(q_nope, w_uk), q_pe)
         out = poison(torch.empty(t, H, rank, dtype=torch.bfloat16))
         o_lat = mla_prefill(ql8, qp8, c_new.to(dtype), k_new.to(dtype), cache, pt, seq_lens, cu, sm, q_scale=qs,
                             block_m=block_m, heads_per_block=heads_per_block, block_n=block_n, out=out, **launch)
