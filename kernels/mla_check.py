@@ -294,6 +294,55 @@ def bench_decode(kv_dtype, cfg, dev, gen, batches, ctxs, heads=H, fp8_query=Fals
     return out
 
 
+STAGE_CASES = (("bf16", False), ("fp8_e4m3", False), ("fp8_e4m3", True), ("nvfp4", False))
+
+
+def sweep_stages(dev, gen, heads=(16, 128), stages=(2, 3, 4, 5, 6), batch=64, ctx=8192) -> list:
+    """Decode at the defaults' tiles with only the pipeline depth varied (CUDA-graph replays), e4m3 queries
+    included: below five stages Triton gives the tile loads one shared-memory buffer (docs/mla.md, "Pipeline
+    depth").  Each row's ``diff`` is its output against the defaults' on the same inputs."""
+    rows = []
+    for nh in heads:
+        for fmt, q8 in STAGE_CASES:
+            cache, pt, ql, qp, sl, nbytes = _decode_setup(fmt, batch, ctx, dev, gen, nh)
+            kw = dict(max_seq_len=ctx)
+            if q8:
+                ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
+            ref = mla_decode(ql, qp, cache, pt, sl, SM, **kw).double()
+            for ns in (None,) + tuple(stages):
+                row = {"format": fmt, "query": "e4m3" if q8 else "bf16", "heads": nh, "stages": ns or "default"}
+                try:
+                    fn = lambda: mla_decode(ql, qp, cache, pt, sl, SM, num_stages=ns, **kw)  # noqa: E731
+                    row["diff"] = _rel(fn(), ref)
+                    row["graph_us"] = _bench_graph(fn)
+                    row["GBps"] = nbytes / (row["graph_us"] * 1e-6) / 1e9
+                except Exception as e:  # out of shared memory at this depth: recorded, not fatal
+                    row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
+                rows.append(row)
+            del cache
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _stages_md(rows: list) -> str:
+    cols = list(dict.fromkeys(r["stages"] for r in rows))
+    lines = [f"| heads | format | query | {' | '.join(f'{c} stages' if c != 'default' else c for c in cols)} |",
+             "|---|---|---|" + "---|" * len(cols)]
+    for key in dict.fromkeys((r["heads"], r["format"], r["query"]) for r in rows):
+        cells = {r["stages"]: r for r in rows if (r["heads"], r["format"], r["query"]) == key}
+        out = []
+        for c in cols:
+            r = cells.get(c)
+            if r is None:
+                out.append("")
+            elif "error" in r:
+                out.append(r["error"].split(":")[0])
+            else:
+                out.append(f"{r['graph_us']:.1f}" + ("" if r["diff"] < 1e-3 else f" (diff {r['diff']:.0e})"))
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {' | '.join(out)} |")
+    return "\n".join(lines) + "\n"
+
+
 def bench_append(kv_dtype, dev, gen, tokens=(64, 4096)) -> list:
     out = []
     lay = LatentLayout(RANK, ROPE, kv_dtype)
@@ -404,6 +453,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="16,128", help="query head counts for the decode benchmark (comma list): "
                     "16 = DeepSeek-V2-Lite, or V3 at tensor-parallel 8; 128 = V3 on one GPU")
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep at 64 x 8192")
+    ap.add_argument("--stages", action="store_true", help="only the decode's pipeline-depth table at 64 x 8192 "
+                    "(graph replays; writes mla_stages.json / .md)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("mla_check needs a CUDA device", file=sys.stderr)
@@ -412,6 +463,15 @@ def main(argv=None) -> int:
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    if args.stages:
+        rows = sweep_stages(dev, gen, heads=[int(x) for x in args.heads.split(",") if x])
+        md = (f"{torch.cuda.get_device_name(dev)}, triton {triton.__version__}, {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} "
+              f"UTC, copy {copy_bandwidth(dev):.0f} GB/s; batch 64 x 8192, graph replay µs\n\n" + _stages_md(rows))
+        print(md)
+        if args.out:
+            _write_atomic(args.out, "mla_stages.json", json.dumps(rows, indent=1))
+            _write_atomic(args.out, "mla_stages.md", md)
+        return 0
     report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
               "date": _dt.date.today().isoformat(), "checks": {}, "decode": [], "tuning": {}, "append": [], "prefill": []}
     report["copy_GBps"] = copy_bandwidth(dev)
@@ -465,14 +525,16 @@ def main(argv=None) -> int:
     md = _md(report)
     print(md)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "mla_check.json.tmp"), "w") as fh:
-            json.dump(report, fh, indent=1)
-        os.replace(os.path.join(args.out, "mla_check.json.tmp"), os.path.join(args.out, "mla_check.json"))
-        with open(os.path.join(args.out, "mla_check.md.tmp"), "w") as fh:
-            fh.write(md)
-        os.replace(os.path.join(args.out, "mla_check.md.tmp"), os.path.join(args.out, "mla_check.md"))
+        _write_atomic(args.out, "mla_check.json", json.dumps(report, indent=1))
+        _write_atomic(args.out, "mla_check.md", md)
     return 0 if ok else 1
+
+
+def _write_atomic(d: str, name: str, text: str) -> None:
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name + ".tmp"), "w") as fh:
+        fh.write(text)
+    os.replace(os.path.join(d, name + ".tmp"), os.path.join(d, name))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ query, fp8 and nvfp4 tiles are read as 16-bit units and split into interleaved e
 dots), which keeps them on the 16-bit shared-memory path of the dot operands.  Stage 2 merges the
 splits by their log-sum-exp.  Output is the latent ``o_lat [B, H, rank]`` (apply ``W_UV`` afterwards).
 Launch defaults depend on the head count (``_DEFAULTS``: 64-head wgmma tiles above 32 heads; below,
-16-head tiles, two programs per SM and, for fp8, the latent in four column chunks).  Above 32 heads,
+16-head tiles, two programs per SM and, for fp8, the latent in four column chunks and five pipeline
+stages, which is what gives the tile loads two shared-memory buffers behind the page-table load).  Above 32 heads,
 bfloat16 queries over an e4m3 latent are split exactly into two e4m3 terms per row (``_fp8_split``): the
 scores run as fp8 dots on the stored tile, and only ``P·c`` converts it (``q_split``).  With e4m3 queries
 (``quantize_query``) over an e4m3 latent above 32 heads, the scores are one fp8 dot per part on the stored
@@ -303,10 +304,18 @@ def default_num_splits(batch: int, head_groups: int, max_len: int, block_n: int,
 # 2026-11-21: two programs per SM (one wave of long splits; the 253-register fp8 kernel fits two per SM, so
 # four per SM ran two waves) and the fp8 latent in four column chunks: fp8 176 -> 142 us, bf16 239 -> 227 us,
 # nvfp4 269 -> 235-240 us (with one page-table entry per tile and the merge loading splits as tiles).
+# Pipeline depth: the tile's slots come from a page-table load, one level of indirection, and Triton 3.6 then
+# gives the tile loads a single shared-memory buffer below five stages (the next tile's copy is issued after
+# the last read of this one, so its whole latency is exposed); from five stages on, two buffers.  fp8 at 16
+# heads, 5 stages (two programs still fit per SM: 94 KB each): H200 2026-11-21 22:15 UTC, graph replays
+# (.scratch/stages.py), 123.2 -> 112.0 us; bf16 and nvfp4 gained nothing there.
 _DEFAULTS = {
     "many": {0: (False, 64, 64, 8, 2, 3, 1), 1: (True, 64, 64, 8, 2, 3, 1), 2: (True, 64, 64, 8, 1, 3, 1)},
-    "few": {0: (False, 16, 64, 4, 3, 2, 1), 1: (True, 16, 64, 4, 3, 2, 4), 2: (True, 16, 32, 4, 2, 2, 1)},
+    "few": {0: (False, 16, 64, 4, 3, 2, 1), 1: (True, 16, 64, 4, 5, 2, 4), 2: (True, 16, 32, 4, 2, 2, 1)},
 }
+# Stages of the many-heads paths that read the e4m3 tile as stored (q_split, fp8_scores): two buffers as above.
+# Same run, 128 heads: q_split 649.9 -> 602.4 us, e4m3 queries (fp8_scores) 485.2 -> 415.2 us.
+_STORED_FP8_STAGES = 5
 
 
 def _defaults(fmt: int, heads: int):
@@ -378,7 +387,8 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     block_h = d_bh if block_h is None else block_h
     block_n = d_bn if block_n is None else block_n
     num_warps = d_nw if num_warps is None else num_warps
-    num_stages = d_ns if num_stages is None else num_stages
+    if num_stages is None:
+        num_stages = _STORED_FP8_STAGES if q_split or fp8_scores else d_ns
     # fp8 queries, 16-bit units or the query split: dot operands in fp16 (fp8 / e2m1·e4m3 values are exact
     # in it) unless the cache is bf16.
     if q_fp8 or units or q_split:

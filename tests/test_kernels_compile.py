@@ -13,13 +13,16 @@ import sys
 import pytest
 
 
-def _compile(fn, consts, ptrs, floats=(), **opts):
+def _compile(fn, consts, ptrs, floats=(), aligned=(), **opts):
+    """``aligned``: arguments known to be multiples of 16 (pointers, strides), as the launcher specializes
+    them on a GPU; without it, no tile load can be asynchronous."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
-    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts or None)
 
 
@@ -129,6 +132,25 @@ def compile_mla_decode():
         k = _compile(_mla_decode_split, c, dict(ptrs, KV=kv_ty, QL=q_ty, QP=q_ty), ("sm_scale_log2",), num_warps=nw)
         if c["Q_SPLIT"] or c["FP8_SCORES"]:  # the scores on the stored latent: fp8 wgmma, and only P·c converted
             assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", k.asm["ptx"]), "no fp8 wgmma"
+    # The defaults' pipeline depth: the tile loads follow a page-table load, and below five stages Triton gives
+    # them one shared-memory buffer, so each tile's load latency is exposed (docs/mla.md).  fp8 at 16 heads
+    # and the stored-e4m3 paths at many heads must get two buffers, and the 16-head kernel must still fit two
+    # programs per SM (228 KB of shared memory, 1 KB reserved per program).
+    from kvbench.kernels.mla_decode import _STORED_FP8_STAGES, _defaults
+
+    aligned = [n for n in _mla_decode_split.arg_names
+               if n in ptrs or n in ("KV", "QL", "QP") or (n.startswith("stride") and n != "stride_bs")]
+    _, bh, bn, nw, ns, _, ch = _defaults(1, 16)
+    c = dict(PAGE=64, RANK=512, ROPE=64, Q_FP8=False, Q_SPLIT=False, EXACT_CAST=False, CHUNKS=ch, PAGE_TILES=True,
+             FP8_SCORES=False, BLOCK_H=bh, BLOCK_N=bn, FMT=1, DT=tl.float16, UNITS=1, E5M2=False)
+    k = _compile(_mla_decode_split, c, dict(ptrs, KV="*i16"), ("sm_scale_log2",), aligned, num_warps=nw, num_stages=ns)
+    assert re.search(rf"memdesc<2x{bn}x{512 // (2 * ch)}xi16", k.asm["ttgir"]), "fp8 16-head tiles not double-buffered"
+    assert k.metadata.shared <= 113 * 1024, k.metadata.shared
+    _, bh, bn, nw, _, _, _ = _defaults(1, 128)
+    c.update(BLOCK_H=bh, BLOCK_N=bn, CHUNKS=1, UNITS=0, Q_SPLIT=True)
+    k = _compile(_mla_decode_split, c, dict(ptrs, KV="*fp8e4nv"), ("sm_scale_log2",), aligned, num_warps=nw,
+                 num_stages=_STORED_FP8_STAGES)
+    assert re.search(rf"memdesc<2x{bn}x512xf8E4M3FN", k.asm["ttgir"]), "stored e4m3 tiles not double-buffered"
 
 
 def compile_mla_prefill():

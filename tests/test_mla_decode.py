@@ -266,3 +266,57 @@ def test_latent_space_reference_and_fp8_query_table():
     assert md.count("| fp8_e4m3 | 128 |") == 1  # not in the bf16-query table
     rep["prefill"] = [dict(format="nvfp4", query="e4m3", heads=16, batch=2, prefix=8192, new=256, us=1000.0, TFLOPs=150.0)]
     assert "| nvfp4 | e4m3 | 16 | 2 | 8192 | 256 | 1000.0 | 150 |" in MC._md(rep)
+
+
+def test_decode_pipeline_depth_defaults(monkeypatch):
+    """The launch the defaults choose (the interpreter ignores stages, so the launch itself is recorded):
+    fp8 at 16 heads and the paths that read the e4m3 latent as stored at many heads run five stages (two
+    tile buffers, tests/test_kernels_compile.py); bf16 keeps its table entry; an explicit value wins."""
+    from kvbench.kernels import mla_decode as D
+
+    seen = []
+
+    class Rec:
+        def __getitem__(self, grid):
+            return lambda *a, **k: seen.append(k)
+
+    monkeypatch.setattr(D, "_mla_decode_split", Rec())
+    monkeypatch.setattr(D, "_mla_decode_merge", Rec())
+
+    def launch(kv_dtype, heads, q_dtype=torch.bfloat16, **kw):
+        seen.clear()
+        cache = make_cache(kv_dtype, 512, 64, num_pages=4, page_size=16)  # DeepSeek's latent: four column chunks
+        pt = torch.arange(4, dtype=torch.int32)[None]
+        q = torch.zeros(1, heads, 512, dtype=q_dtype), torch.zeros(1, heads, 64, dtype=q_dtype)
+        qs = torch.ones(1) if q_dtype == torch.float8_e4m3fn else None
+        D.mla_decode(*q, cache, pt, torch.tensor([40], dtype=torch.int32), 0.1, q_scale=qs, **kw)
+        return seen[0]
+
+    k = launch("fp8_e4m3", 16)
+    assert k["num_stages"] == 5 and k["UNITS"] == 1 and k["CHUNKS"] == 4
+    k = launch("fp8_e4m3", 64)
+    assert k["Q_SPLIT"] and k["num_stages"] == D._STORED_FP8_STAGES == 5
+    k = launch("fp8_e4m3", 64, q_dtype=torch.float8_e4m3fn)
+    assert k["FP8_SCORES"] and k["num_stages"] == 5
+    k = launch("fp8_e4m3", 64, units16=True)
+    assert not k["Q_SPLIT"] and k["num_stages"] == D._defaults(1, 64)[4]
+    assert launch("bf16", 16)["num_stages"] == D._defaults(0, 16)[4]
+    assert launch("fp8_e4m3", 16, num_stages=2)["num_stages"] == 2
+
+
+def test_stages_table_and_command():
+    from typer.testing import CliRunner
+
+    from kvbench.harness.cli import app
+    from kvbench.kernels.mla_check import _stages_md
+
+    rows = [{"format": "fp8_e4m3", "query": "bf16", "heads": 16, "stages": "default", "graph_us": 112.04, "diff": 0.0},
+            {"format": "fp8_e4m3", "query": "bf16", "heads": 16, "stages": 3, "graph_us": 123.2, "diff": 2e-2},
+            {"format": "bf16", "query": "bf16", "heads": 128, "stages": 3,
+             "error": "OutOfResources: out of resource: shared memory"}]
+    md = _stages_md(rows).splitlines()
+    assert md[0] == "| heads | format | query | default | 3 stages |"
+    assert md[2] == "| 16 | fp8_e4m3 | bf16 | 112.0 | 123.2 (diff 2e-02) |"
+    assert md[3] == "| 128 | bf16 | bf16 |  | OutOfResources |"
+    r = CliRunner().invoke(app, ["bench", "mla", "--stages", "--heads", "16"])
+    assert r.exit_code == 2 and "needs a CUDA device" in r.output, r.output

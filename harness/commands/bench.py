@@ -34,10 +34,11 @@ def register(app: typer.Typer) -> None:
         skip_checks: bool = typer.Option(False, "--skip-checks", help="Only time, do not check."),
         heads: str = typer.Option("16,128", "--heads", help="Query head counts for the decode benchmark (comma list)."),
         no_sweep: bool = typer.Option(False, "--no-sweep", help="Skip the launch-configuration sweep."),
+        stages: bool = typer.Option(False, "--stages", help="Only the decode's pipeline-depth table at 64 x 8192."),
     ) -> None:
         """MLA latent-cache kernels: checks at DeepSeek-V3 shapes and decode/append timings."""
         from kvbench.kernels.mla_check import main
 
         argv = (["--out", out] if out else []) + (["--quick"] if quick else []) + (["--skip-checks"] if skip_checks else [])
-        argv += ["--heads", heads] + (["--no-sweep"] if no_sweep else [])
+        argv += ["--heads", heads] + (["--no-sweep"] if no_sweep else []) + (["--stages"] if stages else [])
         raise typer.Exit(main(argv) or 0)
