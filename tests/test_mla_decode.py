@@ -320,3 +320,25 @@ def test_stages_table_and_command():
     assert md[3] == "| 128 | bf16 | bf16 |  | OutOfResources |"
     r = CliRunner().invoke(app, ["bench", "mla", "--stages", "--heads", "16"])
     assert r.exit_code == 2 and "needs a CUDA device" in r.output, r.output
+
+
+def test_sweep_stages_plumbing_on_cpu(monkeypatch):
+    """``mla_check --stages`` end to end at a tiny shape under the interpreter (graph timing stubbed: no CUDA
+    here): a row per case and depth, each output compared with the defaults', failures recorded as rows."""
+    from kvbench.kernels import mla_check as M
+
+    monkeypatch.setattr(M, "_bench_graph", lambda fn, ms=100: 2.0)
+    rows = M.sweep_stages(torch.device("cpu"), torch.Generator().manual_seed(0), heads=(16,), stages=(3,), batch=1, ctx=32)
+    assert [(r["format"], r["query"], r["stages"]) for r in rows] == [
+        (f, "e4m3" if q8 else "bf16", s) for f, q8 in M.STAGE_CASES for s in ("default", 3)]
+    assert all(r["diff"] < 1e-6 and r["graph_us"] == 2.0 for r in rows), rows
+    real = M.mla_decode
+
+    def refuse_three(*a, num_stages=None, **k):
+        if num_stages == 3:
+            raise RuntimeError("out of resource: shared memory")
+        return real(*a, num_stages=num_stages, **k)
+
+    monkeypatch.setattr(M, "mla_decode", refuse_three)
+    rows = M.sweep_stages(torch.device("cpu"), torch.Generator().manual_seed(0), heads=(16,), stages=(3,), batch=1, ctx=32)
+    assert all(("error" in r) == (r["stages"] == 3) for r in rows), rows
