@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.kernels.formats import QuantizedKV, get_format
+from kvbench.kernels.formats import E4M3_MAX, QuantizedKV, get_format
 from kvbench.kernels.mla import LatentCache
 
 __all__ = [
@@ -101,9 +101,9 @@ def ref_decode_latent(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_
 def quantize_absorbed_query(q_lat: torch.Tensor, q_pe: torch.Tensor):
     """The absorbed query ``[q_lat | q_pe]`` rounded to e4m3 with one float32 dequant multiplier (amax / 448),
     the form ``quantize_query`` feeds the kernels: returns ``(q_lat8, q_pe8, q_scale [1])``."""
-    s = (torch.cat((q_lat, q_pe), -1).float().abs().amax() / 448.0).clamp(min=1e-12)
-    return ((q_lat.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn),
-            (q_pe.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s.reshape(1).float())
+    e4m3 = get_format("fp8_e4m3")  # the cache's e4m3 rounding (formats.py), with this one scale
+    s = (torch.cat((q_lat, q_pe), -1).float().abs().amax() / E4M3_MAX).clamp(min=1e-12)
+    return e4m3.quantize(q_lat, s).data, e4m3.quantize(q_pe, s).data, s.reshape(1).float()
 
 
 def ref_prefill(q_nope, q_pe, c_new, kpe_new, cache: LatentCache, page_table, seq_lens, cu_seqlens_q, w_uk, w_uv,
