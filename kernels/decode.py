@@ -234,6 +234,9 @@ def _decode_reduce_kernel(
 # capped at 128 per thread, which leaves registers for four programs per SM (Nsight Compute showed the
 # previous fp8 default latency-bound at two, 25% occupancy); fp8 292 -> 274 us, nvfp4 419 -> 384 us.
 # The cap applies to the float16-dot paths it was measured on (``maxnreg`` overrides it; 0 lifts it).
+# Below five stages Triton gives the tile loads one shared-memory buffer here too (page-table indirection; sm_90
+# compile), but five stages were slower on an H100 (2026-11-21 23:14 UTC, graph replays; docs/mla.md, "The same on
+# an H100"): bf16 716.6 -> 768.9 us, fp8 364.0 -> 412.6, nvfp4 349.7 -> 358.0.  The depths stay.
 _DEFAULTS = {0: (64, 2, False, 4, 2, None), 1: (128, 2, False, 4, 3, 128), 2: (128, 2, False, 4, 2, 128)}
 
 

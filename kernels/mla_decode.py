@@ -308,7 +308,8 @@ def default_num_splits(batch: int, head_groups: int, max_len: int, block_n: int,
 # gives the tile loads a single shared-memory buffer below five stages (the next tile's copy is issued after
 # the last read of this one, so its whole latency is exposed); from five stages on, two buffers.  fp8 at 16
 # heads, 5 stages (two programs still fit per SM: 94 KB each): H200 2026-11-21 22:14 UTC, graph replays
-# (.scratch/stages.py), 123.2 -> 112.0 us; bf16 and nvfp4 gained nothing there.
+# (.scratch/stages.py), 123.2 -> 112.0 us; bf16 and nvfp4 gained nothing there.  On an H100 (23:13 UTC,
+# ``mla_check --stages``) the same change gained 1.5%: 133.3 -> 131.3 us.
 _DEFAULTS = {
     "many": {0: (False, 64, 64, 8, 2, 3, 1), 1: (True, 64, 64, 8, 2, 3, 1), 2: (True, 64, 64, 8, 1, 3, 1)},
     "few": {0: (False, 16, 64, 4, 3, 2, 1), 1: (True, 16, 64, 4, 5, 2, 4), 2: (True, 16, 32, 4, 2, 2, 1)},
