@@ -338,14 +338,38 @@ def _targets(copy_gbps, dec_rows, dec, fi, pre, app):
     return res
 
 
+PARTS = ("decode", "prefill", "append", "mla")
+
+
+def parse_parts(parts: str) -> list:
+    """``decode,prefill,append,mla`` → the names in that order; an unknown or empty name is a ValueError."""
+    names = [p.strip() for p in parts.split(",")]
+    bad = [p for p in names if p not in PARTS]
+    if bad or not names:
+        raise ValueError(f"unknown part(s) {bad}: choose from {', '.join(PARTS)}")
+    return names
+
+
+def mla_argv(check: bool, quick: bool, out: Optional[str]) -> list:
+    """The ``mla`` part's arguments to ``kvbench.kernels.mla_check``: its checks only with ``check``, the smaller
+    grid and no launch sweep with ``quick``; its tables next to ``out`` (``<out without .json>_mla/``)."""
+    argv = ([] if check else ["--skip-checks"]) + (["--quick", "--no-sweep"] if quick else [])
+    if out:
+        argv += ["--out", os.path.splitext(out)[0] + "_mla"]
+    return argv
+
+
 def main(check: bool = False, quick: bool = False, out: Optional[str] = None, flashinfer: bool = True,
-         parts: str = "decode,prefill,append", sweep: bool = False, layout: str = "HND") -> int:
+         parts: str = "decode,prefill,append,mla", sweep: bool = False, layout: str = "HND") -> int:
     """Run the kernel benchmarks on the CUDA device (``check`` first runs the correctness check;
     ``sweep`` runs only the decode launch-configuration sweep).  ``layout``: the page layout of the
     caches (HND, the runtime's default, or NHD); the targets are evaluated on it, and the decode rows of
-    the other layout (launch defaults) follow for comparison."""
+    the other layout (launch defaults) follow for comparison.  ``parts``: a comma list of ``PARTS``; ``mla``
+    runs the MLA latent-cache benchmarks (``kvbench.kernels.mla_check``: decode µs and GB/s against copy
+    bandwidth for bf16 / fp8 / nvfp4 at batch 1–128 × context 1k–32k, prefill, fused vs unfused append)."""
     import torch
 
+    want = set(parse_parts(parts))
     if not torch.cuda.is_available():
         print("kvbench bench kernels needs a CUDA device")
         return 2
@@ -358,13 +382,14 @@ def main(check: bool = False, quick: bool = False, out: Optional[str] = None, fl
         for r in rows:
             print(r.line())
         return 0 if ok else 1
-    if check:
+    if check and want - {"mla"}:  # the MLA part runs its own checks
         from kvbench.kernels.check import main as check_main
 
         rc = check_main(["--quick"] if quick else [])
         if rc:
             return rc
-    want = set(parts.split(","))
+    if want == {"mla"}:
+        return _mla_part(check, quick, out)
     dev = torch.cuda.get_device_name()
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     copy = copy_bandwidth()
@@ -399,7 +424,14 @@ def main(check: bool = False, quick: bool = False, out: Optional[str] = None, fl
         with open(out + ".tmp", "w") as f:
             json.dump(doc, f, indent=1)
         os.replace(out + ".tmp", out)
-    return 0
+    return _mla_part(check, quick, out) if "mla" in want else 0
+
+
+def _mla_part(check: bool, quick: bool, out: Optional[str]) -> int:
+    from kvbench.kernels.mla_check import main as mla_main
+
+    print("\n## MLA latent-cache kernels (kvbench.kernels.mla_check)", flush=True)
+    return mla_main(mla_argv(check, quick, out)) or 0
 
 
 if __name__ == "__main__":
@@ -410,7 +442,7 @@ if __name__ == "__main__":
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-flashinfer", action="store_true")
-    ap.add_argument("--parts", default="decode,prefill,append")
+    ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--out")
     ap.add_argument("--decode-sweep", action="store_true", help="only the decode configuration sweep")
     ap.add_argument("--layout", default="HND", choices=("HND", "NHD"), help="page layout of the caches")

@@ -100,3 +100,33 @@ def test_decode_sweep_builds_its_caches_in_the_chosen_layout(monkeypatch):
         with pytest.raises(RuntimeError, match="stop"):
             B.sweep_decode(1.0, formats=("bf16",), layout=layout)
     assert seen == ["HND", "NHD"]
+
+
+def test_bench_cli_rejects_an_unknown_part():
+    from typer.testing import CliRunner
+
+    from kvbench.harness.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "kernels", "--parts", "decode,mlaa"])
+    text = " ".join(r.output.replace("│", " ").split())  # the message as one line, out of its box
+    assert r.exit_code == 2 and "unknown part(s) ['mlaa']: choose from decode, prefill, append, mla" in text, r.output
+
+
+def test_mla_part_runs_the_mla_benchmarks(monkeypatch, tmp_path):
+    """``--parts mla`` hands over to ``kvbench.kernels.mla_check`` (its own checks only with ``--check``, the
+    small grid with ``--quick``, its tables next to ``--out``) and returns its exit status; nothing of the GQA
+    benchmark runs (host side: CUDA reported present, the MLA entry point recorded)."""
+    import torch
+
+    from kvbench.kernels import mla_check
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mla_check, "main", lambda argv: calls.append(argv) or 3)
+    monkeypatch.setattr(B, "copy_bandwidth", lambda *a: (_ for _ in ()).throw(AssertionError("GQA part ran")))
+    out = str(tmp_path / "bench.json")
+    assert B.main(parts="mla", out=out) == 3
+    assert B.main(parts="mla", check=True, quick=True) == 3
+    assert calls == [["--skip-checks", "--out", str(tmp_path / "bench_mla")], ["--quick", "--no-sweep"]]
+    assert B.parse_parts("decode,mla") == ["decode", "mla"]
+    assert "mla" in B.main.__defaults__[4]  # the default parts include it

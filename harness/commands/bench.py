@@ -17,14 +17,20 @@ def register(app: typer.Typer) -> None:
         quick: bool = typer.Option(False, "--quick", help="Smaller grid, no tile tuning."),
         out: Optional[str] = typer.Option(None, "--out", help="Write the results as JSON to this file."),
         flashinfer: bool = typer.Option(True, "--flashinfer/--no-flashinfer", help="Time flashinfer's decode as an anchor when importable."),
-        parts: str = typer.Option("decode,prefill,append", "--parts", help="Comma list of decode, prefill, append."),
+        parts: str = typer.Option("decode,prefill,append,mla", "--parts",
+                                  help="Comma list of decode, prefill, append, mla (the MLA latent-cache kernels; "
+                                       "`kvbench bench mla` has their own options)."),
         layout: str = typer.Option("HND", "--layout", help="Page layout of the caches: HND (the runtime's default) or NHD."),
     ) -> None:
-        """Paged decode / prefill / fused append vs copy bandwidth, flashinfer and SDPA anchors."""
-        from kvbench.kernels.bench import main
+        """Paged decode / prefill / fused append vs copy bandwidth, flashinfer and SDPA anchors; MLA kernels."""
+        from kvbench.kernels.bench import main, parse_parts
 
         if layout not in ("HND", "NHD"):
             raise typer.BadParameter(f"--layout must be HND or NHD, got {layout!r}")
+        try:
+            parse_parts(parts)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--parts") from None
         raise typer.Exit(main(check=check, quick=quick, out=out, flashinfer=flashinfer, parts=parts, layout=layout) or 0)
 
     @bench.command("mla")
