@@ -44,7 +44,10 @@ def _bench(fn: Callable, graph: bool = False) -> float:
     import triton.testing as tt
 
     fn()
-    if graph:
+    if graph:  # do_bench_cudagraph's side stream does not wait for this one's pending writes
+        import torch
+
+        torch.cuda.synchronize()
         return 1e3 * tt.do_bench_cudagraph(fn, rep=50, return_mode="median")
     return 1e3 * tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
 

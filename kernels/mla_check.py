@@ -49,6 +49,9 @@ def _bench_graph(fn, ms: int = 100) -> float:
     import triton
 
     fn()  # compile outside the capture
+    # triton's do_bench_cudagraph runs on a side stream that does not wait for this one: inputs still being
+    # written here (sequence lengths among them) would be read half-made.  Seen: an illegal address on an H100.
+    torch.cuda.synchronize()
     return float(triton.testing.do_bench_cudagraph(fn, rep=ms, return_mode="median")) * 1e3
 
 

@@ -146,6 +146,9 @@ def compile_mla_decode():
     k = _compile(_mla_decode_split, c, dict(ptrs, KV="*i16"), ("sm_scale_log2",), aligned, num_warps=nw, num_stages=ns)
     assert re.search(rf"memdesc<2x{bn}x{512 // (2 * ch)}xi16", k.asm["ttgir"]), "fp8 16-head tiles not double-buffered"
     assert k.metadata.shared <= 113 * 1024, k.metadata.shared
+    # each 32-bit pair of fp8 units: one byte permute regroups it into (even, odd) halves for two conversions
+    cvt, prmt = (len(re.findall(p, k.asm["ptx"])) for p in (r"cvt\.rn\.f16x2\.e4m3x2", r"prmt\.b32"))
+    assert cvt > 0 and prmt * 2 == cvt, (cvt, prmt)
     _, bh, bn, nw, _, _, _ = _defaults(1, 128)
     c.update(BLOCK_H=bh, BLOCK_N=bn, CHUNKS=1, UNITS=0, Q_SPLIT=True)
     k = _compile(_mla_decode_split, c, dict(ptrs, KV="*fp8e4nv"), ("sm_scale_log2",), aligned, num_warps=nw,
