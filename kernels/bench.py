@@ -345,10 +345,10 @@ PARTS = ("decode", "prefill", "append", "mla")
 
 
 def parse_parts(parts: str) -> list:
-    """``decode,prefill,append,mla`` → the names in that order; an unknown or empty name is a ValueError."""
+    """``decode,prefill,append,mla`` → the names in that order; an unknown (or empty) name is a ValueError."""
     names = [p.strip() for p in parts.split(",")]
     bad = [p for p in names if p not in PARTS]
-    if bad or not names:
+    if bad:
         raise ValueError(f"unknown part(s) {bad}: choose from {', '.join(PARTS)}")
     return names
 

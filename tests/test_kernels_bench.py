@@ -130,3 +130,21 @@ def test_mla_part_runs_the_mla_benchmarks(monkeypatch, tmp_path):
     assert calls == [["--skip-checks", "--out", str(tmp_path / "bench_mla")], ["--quick", "--no-sweep"]]
     assert B.parse_parts("decode,mla") == ["decode", "mla"]
     assert "mla" in B.main.__defaults__[4]  # the default parts include it
+
+
+def test_graph_timings_wait_for_pending_writes_before_the_side_stream(monkeypatch):
+    """triton's ``do_bench_cudagraph`` replays on a stream of its own that does not wait for the caller's: both
+    graph-timing helpers synchronize after the first (compiling) call and before handing over (host side:
+    the device calls recorded in order)."""
+    import torch
+    import triton.testing
+
+    from kvbench.kernels import mla_check
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append("sync"))
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **k: seen.append("graph") or 1.0)
+    for timed in (lambda f: B._bench(f, graph=True), mla_check._bench_graph):
+        seen.clear()
+        assert timed(lambda: seen.append("call")) == 1e3
+        assert seen == ["call", "sync", "graph"], seen
