@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-__all__ = ["Row", "main"]
+__all__ = ["Row", "graph_us", "main"]
 
 
 @dataclass
@@ -39,16 +39,26 @@ class Row:
         return "  ".join(parts)
 
 
-def _bench(fn: Callable, graph: bool = False) -> float:
-    """Median time of ``fn`` in microseconds."""
+def graph_us(fn: Callable, rep: int = 50) -> float:
+    """Median µs of ``fn`` replayed as a CUDA graph: the kernels' own time, without the host's launch gaps.
+    The first call compiles outside the capture; then this stream is drained, because triton's
+    ``do_bench_cudagraph`` replays on a stream of its own that does not wait for it (inputs still being
+    written, sequence lengths among them, were read half-made: an illegal address on an H100)."""
+    import torch
     import triton.testing as tt
 
     fn()
-    if graph:  # do_bench_cudagraph's side stream does not wait for this one's pending writes
-        import torch
+    torch.cuda.synchronize()
+    return 1e3 * tt.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
-        torch.cuda.synchronize()
-        return 1e3 * tt.do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+def _bench(fn: Callable, graph: bool = False) -> float:
+    """Median time of ``fn`` in microseconds (``graph``: ``graph_us``)."""
+    import triton.testing as tt
+
+    if graph:
+        return graph_us(fn)
+    fn()
     return 1e3 * tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 

@@ -24,6 +24,8 @@ import traceback
 
 import torch
 
+from kvbench.harness.store import atomic_write_text
+from kvbench.kernels.bench import graph_us
 from kvbench.kernels.formats import get_format
 from kvbench.kernels.mla import LatentCache, LatentLayout, absorb_query, rope_cos_sin_cache, unabsorb_output
 from kvbench.kernels.mla_append import mla_append, mla_append_unfused
@@ -44,15 +46,9 @@ def _bench(fn, ms: int = 200) -> float:
 
 
 def _bench_graph(fn, ms: int = 100) -> float:
-    """Median µs of ``fn`` replayed as a CUDA graph: the kernels' own time, without the host's launch gaps
-    (the runtime replays decode steps as graphs)."""
-    import triton
-
-    fn()  # compile outside the capture
-    # triton's do_bench_cudagraph runs on a side stream that does not wait for this one: inputs still being
-    # written here (sequence lengths among them) would be read half-made.  Seen: an illegal address on an H100.
-    torch.cuda.synchronize()
-    return float(triton.testing.do_bench_cudagraph(fn, rep=ms, return_mode="median")) * 1e3
+    """Median µs of ``fn`` replayed as a CUDA graph (``kernels.bench.graph_us``; the runtime replays decode
+    steps as graphs)."""
+    return graph_us(fn, rep=ms)
 
 
 def copy_bandwidth(dev) -> float:
@@ -472,8 +468,8 @@ def main(argv=None) -> int:
               f"UTC, copy {copy_bandwidth(dev):.0f} GB/s; batch 64 x 8192, graph replay µs\n\n" + _stages_md(rows))
         print(md)
         if args.out:
-            _write_atomic(args.out, "mla_stages.json", json.dumps(rows, indent=1))
-            _write_atomic(args.out, "mla_stages.md", md)
+            atomic_write_text(os.path.join(args.out, "mla_stages.json"), json.dumps(rows, indent=1))
+            atomic_write_text(os.path.join(args.out, "mla_stages.md"), md)
         return 0
     report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
               "date": _dt.date.today().isoformat(), "checks": {}, "decode": [], "tuning": {}, "append": [], "prefill": []}
@@ -528,16 +524,10 @@ def main(argv=None) -> int:
     md = _md(report)
     print(md)
     if args.out:
-        _write_atomic(args.out, "mla_check.json", json.dumps(report, indent=1))
-        _write_atomic(args.out, "mla_check.md", md)
+        atomic_write_text(os.path.join(args.out, "mla_check.json"), json.dumps(report, indent=1))
+        atomic_write_text(os.path.join(args.out, "mla_check.md"), md)
     return 0 if ok else 1
 
-
-def _write_atomic(d: str, name: str, text: str) -> None:
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, name + ".tmp"), "w") as fh:
-        fh.write(text)
-    os.replace(os.path.join(d, name + ".tmp"), os.path.join(d, name))
 
 
 if __name__ == "__main__":

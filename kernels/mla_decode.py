@@ -434,6 +434,7 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
         num_splits = default_num_splits(b, hg, longest, block_n, sms, per_sm)
     elif int(num_splits) < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    parts = 2 * fmt if units else 1  # element tiles per column chunk: fp8 (even, odd), nvfp4 four quarters
     mid_o = torch.empty(b, h, num_splits, lay.kv_lora_rank, dtype=torch.float32, device=dev)
     mid_l = torch.empty(b, h, num_splits, dtype=torch.float32, device=dev)
     bs = cache.block_scale if cache.block_scale is not None else cache.data
@@ -455,7 +456,6 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
         mid_o, mid_l, cache.k_scale, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         out.stride(0), out.stride(1), h, num_splits, RANK=lay.kv_lora_rank,
         NSP=max(64, triton.next_power_of_2(num_splits)), SB=8, num_warps=4,
-        NP=(2 if units and fmt == 1 else 4 if units else 1),
-        W=(lay.kv_lora_rank // (2 * chunks) if units and fmt == 1 else lay.kv_lora_rank // 4 if units else lay.kv_lora_rank),
+        NP=parts, W=lay.kv_lora_rank // (parts * chunks),
     )
     return out
