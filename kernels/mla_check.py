@@ -202,8 +202,14 @@ def check_prefill(kv_dtype, dev, gen, prefix=(0, 1000, 5000, 16), new=(300, 64, 
     return {"rel_err": err, "pass": bool(err < 2e-2)}
 
 
-def bench_prefill(kv_dtype, dev, gen, heads=H, cases=((2, 8192, 256), (1, 0, 2048)), fp8_query=False) -> list:
-    """Prefill/extend at mla_prefill's defaults: ``(batch, cached prefix, new tokens)`` per case."""
+# (batch, cached prefix, new tokens): extends of a few to many tokens over a long prefix, and a fresh prefill
+PREFILL_CASES = ((2, 8192, 16), (2, 8192, 256), (16, 4096, 64), (1, 0, 2048))
+
+
+def bench_prefill(kv_dtype, dev, gen, heads=H, cases=((2, 8192, 256), (1, 0, 2048)), fp8_query=False,
+                  prefix_workspace=None) -> list:
+    """Prefill/extend at mla_prefill's defaults: ``(batch, cached prefix, new tokens)`` per case; ``prefix_workspace``
+    as in ``mla_prefill`` (None: its default)."""
     out = []
     for b, prefix, new in cases:
         lens = [prefix + new] * b
@@ -219,10 +225,12 @@ def bench_prefill(kv_dtype, dev, gen, heads=H, cases=((2, 8192, 256), (1, 0, 204
         kw = {}
         if fp8_query:
             ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
-        us = _bench(lambda: mla_prefill(ql, qp, cn, kn, cache, pt, sl, cu, SM, max_q_len=new, **kw), ms=100)
+        us = _bench(lambda: mla_prefill(ql, qp, cn, kn, cache, pt, sl, cu, SM, max_q_len=new, prefix_workspace=prefix_workspace,
+                                        **kw), ms=100)
         flops = 2 * heads * (2 * RANK + ROPE) * b * (new * prefix + new * (new + 1) // 2)  # visible keys per new token
+        read = "as stored" if kv_dtype in ("bf16", "fp16") else "registers" if prefix_workspace is False else "workspace"
         out.append({"format": kv_dtype, "heads": heads, "batch": b, "prefix": prefix, "new": new, "us": us,
-                    "TFLOPs": flops / (us * 1e-6) / 1e12, "query": "e4m3" if fp8_query else "bf16"})
+                    "TFLOPs": flops / (us * 1e-6) / 1e12, "query": "e4m3" if fp8_query else "bf16", "prefix_read": read})
         del cache
     return out
 
@@ -370,7 +378,8 @@ def _md(report: dict) -> str:
          f"Copy bandwidth (read + write): {report['copy_GBps']:.0f} GB/s.", "",
          "| check | " + " | ".join(FORMATS) + " |", "|---|" + "---|" * len(FORMATS)]
     for name in ("append", "decode", "decode H=16", "decode H=16 bytes", "decode H=128 units", "decode fp8 q",
-                 "decode fp8 q H=16", "decode bytes 128-token tiles", "prefill", "prefill fp8 q", "prefill 128-token tiles"):
+                 "decode fp8 q H=16", "decode bytes 128-token tiles", "prefill", "prefill fp8 q", "prefill 128-token tiles",
+                 "prefill in registers", "prefill fp8 q in registers", "prefill 128-token tiles in registers"):
         cells = []
         for f in FORMATS:
             r = report["checks"].get(f, {}).get(name, {})
@@ -413,11 +422,14 @@ def _md(report: dict) -> str:
                 else:
                     L.append(f"| {name} | {cfg} | {r.get('error', 'error')[:60]} | | |")
     if report.get("prefill"):
-        L += ["", "Prefill/extend (absorbed, mla_prefill's defaults, `do_bench`); TFLOP/s over the visible keys of each new token:",
-              "", "| format | query | heads | batch | cached prefix | new tokens | µs | TFLOP/s |", "|---|---|---|---|---|---|---|---|"]
+        L += ["", "Prefill/extend (absorbed, `do_bench`); the cached prefix read as stored (16-bit), through the prefix "
+              "workspace (dequantized once; mla_prefill's default) or dequantized in registers by "
+              "every program; TFLOP/s over the visible keys of each new token:",
+              "", "| format | query | prefix read | heads | batch | cached prefix | new tokens | µs | TFLOP/s |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for r in report["prefill"]:
-            L.append(f"| {r['format']} | {r['query']} | {r['heads']} | {r['batch']} | {r['prefix']} | {r['new']} | "
-                     f"{r['us']:.1f} | {r['TFLOPs']:.0f} |")
+            L.append(f"| {r['format']} | {r['query']} | {r.get('prefix_read', '')} | {r['heads']} | {r['batch']} | "
+                     f"{r['prefix']} | {r['new']} | {r['us']:.1f} | {r['TFLOPs']:.0f} |")
     L += ["", "Append (H=128 q_pe heads): fused Triton vs unfused torch (RoPE, formats.quantize, indexed store):", "",
           "| format | tokens | fused µs | unfused µs | fused / unfused |", "|---|---|---|---|---|"]
     for r in report["append"]:
@@ -486,8 +498,12 @@ def main(argv=None) -> int:
                  "decode fp8 q H=16": _guard(check_decode_fp8_query, f, dev, gen, heads=16),
                  "prefill": _guard(check_prefill, f, dev, gen),
                  "prefill fp8 q": _guard(check_prefill, f, dev, gen, fp8_query=True),
-                 "prefill 128-token tiles": (_guard(check_prefill, f, dev, gen, block_n=128, num_stages=1) if f != "nvfp4"
-                                             else _refused(check_prefill, f, dev, gen, block_n=128, num_stages=1)),
+                 "prefill 128-token tiles": _guard(check_prefill, f, dev, gen, block_n=128, num_stages=1),
+                 "prefill in registers": _guard(check_prefill, f, dev, gen, prefix_workspace=False),
+                 "prefill fp8 q in registers": _guard(check_prefill, f, dev, gen, fp8_query=True, prefix_workspace=False),
+                 "prefill 128-token tiles in registers": (
+                     _guard(check_prefill, f, dev, gen, block_n=128, num_stages=1, prefix_workspace=False) if f != "nvfp4"
+                     else _refused(check_prefill, f, dev, gen, block_n=128, num_stages=1, prefix_workspace=False)),
                  "decode bytes 128-token tiles": _guard(check_decode, f, dev, gen, heads=16, units16=False, block_n=128,
                                                         num_stages=1)}
             report["checks"][f] = r
@@ -514,10 +530,12 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         for nh in heads:
             for q8 in (False, True):
-                res = _guard(bench_prefill, f, dev, gen, heads=nh, fp8_query=q8)
-                if isinstance(res, list):
-                    report["prefill"] += res
-                torch.cuda.empty_cache()
+                for ws in ((None,) if f == "bf16" else (None, False)):  # quantized: the default and the prefix in registers
+                    res = _guard(bench_prefill, f, dev, gen, heads=nh, fp8_query=q8, prefix_workspace=ws,
+                                 cases=PREFILL_CASES)
+                    if isinstance(res, list):
+                        report["prefill"] += res
+                    torch.cuda.empty_cache()
         res = _guard(bench_append, f, dev, gen)
         if isinstance(res, list):
             report["append"] += res

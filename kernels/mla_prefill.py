@@ -1,10 +1,21 @@
 """MLA prefill / extend in the absorbed form (Triton).
 
 The new tokens of a sequence attend, causally, to its cached prefix — read from the quantized latent
-pages and dequantized in registers, with no dequantized workspace — and to their own latent and rope
-keys in compute precision (not round-tripped through the cache format; DESIGN "attention semantics").
-All heads share the latent (one KV head), so a program's rows are (token, head) pairs: ``TB`` tokens ×
-``HB`` heads, each latent tile serving every row.  Output is ``o_lat [T, H, rank]``.
+pages — and to their own latent and rope keys in compute precision (not round-tripped through the cache
+format; DESIGN "attention semantics").  All heads share the latent (one KV head), so a program's rows are
+(token, head) pairs: ``TB`` tokens × ``HB`` heads, each latent tile serving every row.  Output is
+``o_lat [T, H, rank]``.
+
+The prefix of an fp8 / nvfp4 cache is read one of two ways.  Dequantized in registers by every program
+that reads it; or (``prefix_workspace``, the default whenever it fits its budget) dequantized once per
+step into a bounded compute-precision workspace (``_dequant_prefix``: stored values, exact in
+bf16 / fp16, the per-layer scale still folded in by the kernel), which the attention then reads as a
+16-bit cache.  Every (token-tile, head-group) program reads the whole prefix, so the first way converts
+each prefix tile ``cdiv(new tokens, TB) · cdiv(H, HB)`` times, and converting a tile costs more than
+reading it: with the workspace, extends over an 8192-token prefix ran 1.2-2.0x faster on an H200, from one
+new token to 512 (docs/mla.md, "Prefix workspace"); serving engines dequantize an MLA prefix into a
+workspace for the same reason.  The workspace holds whole sequences, at most ``workspace_bytes`` at a time
+(sequences are processed in groups); a single prefix larger than that falls back to the first way.
 """
 
 from __future__ import annotations
@@ -108,6 +119,31 @@ def _mla_prefill_kernel(
         tl.store(OUT + tok[:, None] * stride_ot + hs[:, None] * stride_oh + dr[None, :], out.to(OUT.dtype.element_ty), mask=rm[:, None])
 
 
+@triton.jit
+def _dequant_prefix(
+    KV, BS, PT, SL, CU, WS, stride_tab, WS_ROWS,
+    PAGE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """Prefix tokens ``[k·SUB, (k+1)·SUB)`` of sequence ``b`` (the cached ones: ``seq_len − new``) from the
+    pages into workspace rows ``b·WS_ROWS + position``, as stored values in ``DT`` (no per-layer scale)."""
+    b = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1)
+    prefix = tl.load(SL + b) - (tl.load(CU + b + 1) - tl.load(CU + b))
+    if k * SUB < prefix:
+        pos = k * SUB + tl.arange(0, SUB)
+        nm = pos < prefix
+        page = tl.load(PT + b * stride_tab + pos // PAGE, mask=nm, other=0).to(tl.int64)
+        c, kpe = load_latent_tile(KV, BS, page * PAGE + pos % PAGE, nm, RANK, ROPE, FMT, DT)
+        row = WS + (b * WS_ROWS + pos)[:, None] * (RANK + ROPE)
+        tl.store(row + tl.arange(0, RANK)[None, :], c, mask=nm[:, None])
+        tl.store(row + RANK + tl.arange(0, ROPE)[None, :], kpe, mask=nm[:, None])
+
+
+# Prefix workspace (fp8 / nvfp4 caches): at most this many bytes at a time (the runtime reserves them with its
+# activations, runtime/models/engine_setup.py).
+WORKSPACE_BYTES = 512 << 20
+
 # Launch defaults by format code (block_m, heads_per_block, block_n, num_warps, num_stages): 64 rows of 4 tokens x 16
 # heads on two warp groups (the 64 x 512 fp32 accumulator spills on one).  H100, 2026-11-21 20:44 UTC, batch 2 x 256
 # new tokens over 8192 cached (.scratch/prefill_sweep.py), 128 heads: bf16 13.9 -> 4.5 ms, fp8 21.3 -> 6.2 ms, nvfp4
@@ -118,7 +154,8 @@ _PREFILL_DEFAULTS = {0: (64, 16, 64, 8, 2), 1: (64, 16, 64, 8, 2), 2: (64, 16, 6
 def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_lens, cu_seqlens_q, sm_scale: float, *,
                 max_q_len: int | None = None, q_scale=None, block_m: int | None = None, heads_per_block: int | None = None,
                 block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                fp8_scores: bool | None = None, out=None):
+                fp8_scores: bool | None = None, prefix_workspace: bool | None = None,
+                workspace_bytes: int | None = None, out=None):
     """Absorbed MLA prefill/extend over ragged batches.
 
     ``q_lat [T, H, rank]``, ``q_pe [T, H, rope]`` (RoPE applied; or both fp8 e4m3 with ``q_scale``),
@@ -160,13 +197,66 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
     # Dot operands in the compute dtype, that of the new tokens: e4m3 queries and fp8 / e2m1·e4m3 latents are
     # exact in bf16 and fp16, and the new tokens are not converted (with fp16 operands under bf16 new tokens,
     # a 2048-token prefill took 624 us against 416; H100, 2026-11-21).
-    dt = tl_dtype(cdt)
-    d_bm, d_hb, d_bn, d_nw, d_ns = _PREFILL_DEFAULTS[fmt]
+    tl_dtype(cdt)  # a supported compute dtype
+    b_blocks = (block_m, heads_per_block, block_n, num_warps, num_stages)
+    if out is None:
+        out = torch.empty(t, h, lay.kv_lora_rank, dtype=cdt, device=dev)
+    # The prefix workspace: rows per sequence = the page table's width in tokens (bounds every prefix, no sync).
+    page = cache.page_size
+    rows = page_table.shape[1] * page
+    seq_bytes = rows * lay.head_dim * (torch.finfo(cdt).bits // 8)
+    budget = WORKSPACE_BYTES if workspace_bytes is None else int(workspace_bytes)
+    ws_ok = fmt != 0 and rows > 0 and seq_bytes <= budget
+    if prefix_workspace and fmt == 0:
+        raise ValueError("prefix_workspace applies to fp8 / nvfp4 caches (a 16-bit cache is read as it is)")
+    if prefix_workspace and fp8_scores:
+        raise ValueError("prefix_workspace and fp8_scores exclude each other (the workspace is read in compute precision)")
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if b else 0
+    if prefix_workspace is None:
+        prefix_workspace = ws_ok and fp8_scores is not True
+    elif prefix_workspace:
+        if rows == 0:
+            prefix_workspace = False  # nothing cached: nothing to dequantize
+        elif not ws_ok:
+            raise ValueError(f"one sequence's prefix ({seq_bytes} bytes) exceeds workspace_bytes ({budget})")
+    if t == 0 or b == 0:
+        return out
+    if prefix_workspace:
+        group = min(b, budget // seq_bytes)  # sequences per workspace fill (ws_ok: at least one)
+        ws = torch.empty(group * rows // page, page, 1, lay.head_dim, dtype=cdt, device=dev)
+        ws_pt = torch.arange(group * rows // page, dtype=torch.int32, device=dev).view(group, rows // page)
+        sub = 64
+        for g0 in range(0, b, group):
+            g1 = min(b, g0 + group)
+            pt_g, sl_g, cu_g = page_table[g0:g1], seq_lens[g0:g1], cu_seqlens_q[g0:g1 + 1]
+            _dequant_prefix[(g1 - g0, triton.cdiv(rows, sub))](
+                cache.data, bs_of(cache), pt_g, sl_g, cu_g, ws, page_table.stride(0), rows,
+                PAGE=page, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, FMT=fmt, DT=tl_dtype(cdt), SUB=sub,
+            )
+            _launch(q_lat, q_pe, c_kv, k_pe, ws, ws, cache.k_scale, q_scale if q_fp8 else cache.k_scale, ws_pt[: g1 - g0],
+                    sl_g, cu_g, out, sm_scale, max_q_len, h, page, lay, 0, cdt, q_fp8, False, *b_blocks)
+        return out
     if fmt == FMT_NVFP4 and block_n is not None and block_n > 64:
         # the GPU check (mla_check, "prefill 128-token tiles") found 2.4e-1 relative error with nvfp4 at 128-token
         # tiles on an H100 with Triton 3.6 (the interpreter is exact); refused rather than wrong
         raise ValueError(f"block_n above 64 is not supported for an nvfp4 latent (got {block_n}); leave block_n "
-                         "unset for the default (64) or pass 64 or less")
+                         "unset for the default (64) or pass 64 or less, or use the prefix workspace")
+    _launch(q_lat, q_pe, c_kv, k_pe, cache.data, bs_of(cache), cache.k_scale, q_scale if q_fp8 else cache.k_scale,
+            page_table, seq_lens, cu_seqlens_q, out, sm_scale, max_q_len, h, page, lay, fmt, cdt, q_fp8, fp8_scores,
+            *b_blocks)
+    return out
+
+
+def bs_of(cache: LatentCache):
+    """The block-scale tensor to pass (the data itself when the format has none: the kernel never reads it)."""
+    return cache.block_scale if cache.block_scale is not None else cache.data
+
+
+def _launch(q_lat, q_pe, c_kv, k_pe, kv, bs, k_scale, qs, page_table, seq_lens, cu_seqlens_q, out, sm_scale, max_q_len, h,
+            page, lay, fmt, cdt, q_fp8, fp8_scores, block_m, heads_per_block, block_n, num_warps, num_stages):
+    """One launch of the prefill kernel over a (possibly workspace) latent cache of format code ``fmt``."""
+    d_bm, d_hb, d_bn, d_nw, d_ns = _PREFILL_DEFAULTS[fmt]
     block_m = d_bm if block_m is None else block_m
     heads_per_block = d_hb if heads_per_block is None else heads_per_block
     block_n = d_bn if block_n is None else block_n
@@ -174,7 +264,7 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
     num_stages = d_ns if num_stages is None else num_stages
     hb = min(triton.next_power_of_2(h), heads_per_block, block_m)
     tb = max(1, block_m // hb)
-    scores_ok = lay.kv_dtype == "fp8_e4m3" and q_fp8
+    scores_ok = lay.kv_dtype == "fp8_e4m3" and q_fp8 and fmt != 0
     if fp8_scores and not scores_ok:
         raise ValueError("fp8_scores needs e4m3 queries (with q_scale) and an fp8_e4m3 latent cache")
     # default with 64-row tiles: H100, 2026-11-21 21:35 UTC (.scratch/prefill_q8b.py), 2 x 256 new over 8192
@@ -188,22 +278,14 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
             q_lat, q_pe = qlh, qph
         elif qlh.stride() != q_lat.stride() or qph.stride() != q_pe.stride():  # the kernel indexes both alike
             q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
-    if out is None:
-        out = torch.empty(t, h, lay.kv_lora_rank, dtype=cdt, device=dev)
-    if t == 0 or b == 0:
-        return out
-    if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    b = page_table.shape[0]
     grid = (triton.cdiv(max_q_len, tb), b, triton.cdiv(h, hb))
-    bs = cache.block_scale if cache.block_scale is not None else cache.data
-    qs = q_scale if q_fp8 else cache.k_scale
     _mla_prefill_kernel[grid](
-        q_lat, q_pe, qlh, qph, c_kv, k_pe, cache.data, bs, cache.k_scale, qs, page_table, seq_lens, cu_seqlens_q, out,
+        q_lat, q_pe, qlh, qph, c_kv, k_pe, kv, bs, k_scale, qs, page_table, seq_lens, cu_seqlens_q, out,
         float(sm_scale) * math.log2(math.e),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), c_kv.stride(0), k_pe.stride(0),
         page_table.stride(0), out.stride(0), out.stride(1),
         h,
-        PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, TB=tb, HB=hb, BLOCK_N=block_n,
-        FMT=fmt, DT=dt, Q_FP8=q_fp8, FP8_SCORES=fp8_scores, num_warps=num_warps, num_stages=num_stages,
+        PAGE=page, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, TB=tb, HB=hb, BLOCK_N=block_n,
+        FMT=fmt, DT=tl_dtype(cdt), Q_FP8=q_fp8, FP8_SCORES=fp8_scores, num_warps=num_warps, num_stages=num_stages,
     )
-    return out

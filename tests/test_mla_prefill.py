@@ -50,11 +50,59 @@ def _run(kv_dtype, prefix, new, seed, rank=64, rope=32, page=4, dtype=torch.floa
     return rel_err(got, ref)
 
 
+@pytest.mark.parametrize("workspace", [False, None])
 @pytest.mark.parametrize("kv_dtype", FORMATS)
-def test_extend_ragged_matches_reference(kv_dtype):
-    # Extend over a quantized prefix; a sequence with no new tokens; a fresh prefill; unaligned sizes.
-    err = _run(kv_dtype, prefix=[13, 8, 0, 21], new=[7, 0, 19, 1], seed=60 + FORMATS.index(kv_dtype))
+def test_extend_ragged_matches_reference(kv_dtype, workspace):
+    # Extend over a quantized prefix; a sequence with no new tokens; a fresh prefill; unaligned sizes.  The prefix in
+    # registers, and the default (the prefix workspace for fp8 / nvfp4).
+    err = _run(kv_dtype, prefix=[13, 8, 0, 21], new=[7, 0, 19, 1], seed=60 + FORMATS.index(kv_dtype),
+               prefix_workspace=workspace)
     assert err < 1e-5, err
+
+
+class _CountLaunches:
+    """Stands in for a jitted kernel: counts launches (with their grids) and runs the real one."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
+def test_prefix_workspace_in_groups(kv_dtype, monkeypatch):
+    """The prefix dequantized once into the workspace, a few sequences at a time (a small ``workspace_bytes``), and
+    when it is used: by default whenever a sequence's rows fit the budget; not when asked not to."""
+    import kvbench.kernels.mla_prefill as P
+
+    counter = _CountLaunches(P._dequant_prefix)
+    monkeypatch.setattr(P, "_dequant_prefix", counter)
+    prefix, new = [13, 8, 0, 21, 30], [7, 2, 19, 1, 16]
+    # 32-bit compute, rank 64 + rope 32: 384 bytes per row; a sequence's rows: the page table's width in tokens
+    seq = max(math.ceil((p + n) / 4) for p, n in zip(prefix, new)) * 4 * 96 * 4
+    assert _run(kv_dtype, prefix, new, seed=90, prefix_workspace=True, workspace_bytes=2 * seq + 5) < 1e-5
+    assert [g[0] for g in counter.grids] == [2, 2, 1]  # three fills of at most two sequences
+    counter.grids.clear()
+    assert _run(kv_dtype, prefix, new, seed=91) < 1e-5  # default: one fill
+    assert [g[0] for g in counter.grids] == [5]
+    counter.grids.clear()
+    assert _run(kv_dtype, prefix, [1, 1, 1, 1, 1], seed=92) < 1e-5  # one new token each: still the workspace
+    assert [g[0] for g in counter.grids] == [5]
+    counter.grids.clear()
+    assert _run(kv_dtype, prefix, new, seed=93, prefix_workspace=False) < 1e-5
+    assert _run(kv_dtype, prefix, new, seed=93, workspace_bytes=seq - 1) < 1e-5  # a sequence does not fit: registers
+    assert counter.grids == []
+    with pytest.raises(ValueError, match="exceeds workspace_bytes"):
+        _run(kv_dtype, prefix, new, seed=94, prefix_workspace=True, workspace_bytes=seq - 1)
+
+
+def test_prefix_workspace_refusals():
+    with pytest.raises(ValueError, match="fp8 / nvfp4 caches"):
+        _run("bf16", [5], [3], seed=95, prefix_workspace=True)
+    with pytest.raises(ValueError, match="exclude each other"):
+        _run("fp8_e4m3", [5], [3], seed=96, q_fp8=True, prefix_workspace=True, fp8_scores=True)
 
 
 def test_prefill_head_grouping_variants():
@@ -63,11 +111,13 @@ def test_prefill_head_grouping_variants():
     assert _run("nvfp4", [5, 17], [9, 12], seed=71, block_m=32, heads_per_block=8) < 1e-5
 
 
+@pytest.mark.parametrize("workspace", [False, True])
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "nvfp4", "fp8_e5m2"])
-def test_prefill_fp8_query(kv_dtype):
+def test_prefill_fp8_query(kv_dtype, workspace):
     """e4m3 queries with q_scale (converted to half precision before the launch): against the float64
-    latent-space prefill of the same query; the own-token keys stay in float32."""
-    assert _run(kv_dtype, [13, 0, 21], [7, 19, 1], seed=75, q_fp8=True) < 5e-3
+    latent-space prefill of the same query; the own-token keys stay in float32.  Prefix in registers or in the
+    workspace."""
+    assert _run(kv_dtype, [13, 0, 21], [7, 19, 1], seed=75, q_fp8=True, prefix_workspace=workspace) < 5e-3
 
 
 def test_prefill_default_launch_and_tiles_across_pages():
@@ -75,9 +125,10 @@ def test_prefill_default_launch_and_tiles_across_pages():
     nvfp4 latent refuses (wrong on the GPU with Triton 3.6, docs/mla.md)."""
     for i, f in enumerate(("bf16", "fp8_e4m3", "nvfp4")):  # float32 compute
         assert _run(f, [70, 5], [9, 40], seed=76 + i, block_m=None, heads_per_block=None, block_n=None) < 1e-5
-        if f == "nvfp4":
+        if f == "nvfp4":  # refused in registers; the workspace is read as a 16-bit cache
             with pytest.raises(ValueError, match="block_n above 64"):
-                _run(f, [300, 70], [9, 40], seed=79 + i, block_n=128)
+                _run(f, [300, 70], [9, 40], seed=79 + i, block_n=128, prefix_workspace=False)
+            assert _run(f, [300, 70], [9, 40], seed=79 + i, block_n=128) < 1e-5
         else:
             assert _run(f, [300, 70], [9, 40], seed=79 + i, block_n=128) < 1e-5
 
@@ -86,7 +137,7 @@ def test_prefill_fp8_scores_on_the_stored_prefix():
     """e4m3 queries over an e4m3 prefix: the scores as fp8 dots on the stored tiles (the default at 64-row
     tiles, or asked at 16 rows) and the converted path, against the float64 latent-space reference."""
     args = ("fp8_e4m3", [13, 0, 70], [7, 19, 9])
-    for kw in (dict(block_m=64), dict(fp8_scores=True), dict(fp8_scores=False)):
+    for kw in (dict(block_m=64, prefix_workspace=False), dict(fp8_scores=True), dict(fp8_scores=False, prefix_workspace=False)):
         assert _run(*args, seed=84, q_fp8=True, **kw) < 5e-3, kw
     with pytest.raises(ValueError, match="fp8_scores"):
         _run("fp8_e4m3", [5], [3], seed=85, fp8_scores=True)
@@ -94,8 +145,10 @@ def test_prefill_fp8_scores_on_the_stored_prefix():
         _run("fp8_e5m2", [5], [3], seed=85, q_fp8=True, fp8_scores=True)
 
 
-def test_prefill_deepseek_latent_dims_half():
-    assert _run("fp8_e5m2", [20], [11], seed=72, rank=512, rope=64, page=16, dtype=torch.float16) < 5e-3
+@pytest.mark.parametrize("workspace", [False, True])
+def test_prefill_deepseek_latent_dims_half(workspace):
+    assert _run("fp8_e5m2", [20], [11], seed=72, rank=512, rope=64, page=16, dtype=torch.float16,
+                prefix_workspace=workspace) < 5e-3
 
 
 def test_prefill_rejects_bad_input():

@@ -58,6 +58,10 @@ def _kv_budget_bytes(cfg: EngineConfig, device: torch.device, loaded: LoadedMode
     # activations of one chunked-prefill step plus sampling rows (generous, in bytes)
     act = cfg.max_num_batched_tokens * (3 * m.intermediate_size + 6 * m.hidden_size) * 4
     act += cfg.max_running * m.vocab_size * 4 * 3 + 512 * 2**20
+    if m.is_mla and cfg.kv_dtype not in ("bf16", "fp16"):  # the MLA prefill's prefix workspace (kernels/mla_prefill.py)
+        from kvbench.kernels.mla_prefill import WORKSPACE_BYTES
+
+        act += WORKSPACE_BYTES
     return max(free * cfg.mem_fraction - act, 64 * 2**20)
 
 
