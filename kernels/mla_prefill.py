@@ -226,12 +226,14 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
         group = min(b, budget // seq_bytes)  # sequences per workspace fill (ws_ok: at least one)
         ws = torch.empty(group * rows // page, page, 1, lay.head_dim, dtype=cdt, device=dev)
         ws_pt = torch.arange(group * rows // page, dtype=torch.int32, device=dev).view(group, rows // page)
+        if q_fp8:  # converted once for every group (exact; _launch's own conversion is then a no-op)
+            q_lat, q_pe = q_lat.to(cdt).contiguous(), q_pe.to(cdt).contiguous()
         sub = 64
         for g0 in range(0, b, group):
             g1 = min(b, g0 + group)
             pt_g, sl_g, cu_g = page_table[g0:g1], seq_lens[g0:g1], cu_seqlens_q[g0:g1 + 1]
             _dequant_prefix[(g1 - g0, triton.cdiv(rows, sub))](
-                cache.data, bs_of(cache), pt_g, sl_g, cu_g, ws, page_table.stride(0), rows,
+                cache.data, _bs_of(cache), pt_g, sl_g, cu_g, ws, page_table.stride(0), rows,
                 PAGE=page, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, FMT=fmt, DT=tl_dtype(cdt), SUB=sub,
             )
             _launch(q_lat, q_pe, c_kv, k_pe, ws, ws, cache.k_scale, q_scale if q_fp8 else cache.k_scale, ws_pt[: g1 - g0],
@@ -242,13 +244,13 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
         # tiles on an H100 with Triton 3.6 (the interpreter is exact); refused rather than wrong
         raise ValueError(f"block_n above 64 is not supported for an nvfp4 latent (got {block_n}); leave block_n "
                          "unset for the default (64) or pass 64 or less, or use the prefix workspace")
-    _launch(q_lat, q_pe, c_kv, k_pe, cache.data, bs_of(cache), cache.k_scale, q_scale if q_fp8 else cache.k_scale,
+    _launch(q_lat, q_pe, c_kv, k_pe, cache.data, _bs_of(cache), cache.k_scale, q_scale if q_fp8 else cache.k_scale,
             page_table, seq_lens, cu_seqlens_q, out, sm_scale, max_q_len, h, page, lay, fmt, cdt, q_fp8, fp8_scores,
             *b_blocks)
     return out
 
 
-def bs_of(cache: LatentCache):
+def _bs_of(cache: LatentCache):
     """The block-scale tensor to pass (the data itself when the format has none: the kernel never reads it)."""
     return cache.block_scale if cache.block_scale is not None else cache.data
 
