@@ -55,8 +55,15 @@ def build_engine_config(values: dict) -> EngineConfig:
     v["decode_backend"] = v.get("decode_backend") or backend or "torch"
     try:
         return EngineConfig(**v)
-    except ConfigError as e:
-        raise typer.BadParameter(str(e)) from None
+    except ConfigError as e:  # a usage error naming the flag (exit 2), not a traceback
+        raise typer.BadParameter(str(e), param_hint=_flag(e.field)) from None
+
+
+def _flag(field: Optional[str]) -> Optional[str]:
+    """The command-line flag of an EngineConfig field (``'--device'``), or None."""
+    entry = ENGINE_PARAMS.get(field or "")
+    decls = getattr(entry[1], "param_decls", None) if entry else None
+    return f"'{decls[0].split('/')[0]}'" if decls else None
 
 
 def engine_options(func: Callable) -> Callable:

@@ -5,14 +5,20 @@ concurrency is the sweep's ``accuracy_concurrency``), the load test (every cell;
 cell key so no cell reuses another's prefixes), and record the KV capacity.  A cell is ``done`` only
 when its ``status`` file says so; a cell that raises is recorded ``failed`` with its error in
 ``summary.json`` (and the traceback in ``error.txt``) and the sweep goes on.  ``resume=True`` skips done
-cells and redoes every other one.  What a cell runs comes from a ``CellWork`` (``cell_work.py``; tests
+cells and redoes every other one.  One sweep at a time per run directory (``RunLock`` on ``RUN/.lock``); a resume may add
+cells and change what only reports read (gate, description), never what produced a finished cell
+(``_check_resume``).  What a cell runs comes from a ``CellWork`` (``cell_work.py``; tests
 inject fakes, the default ``DefaultWork`` calls the suites, the fidelity suite and the load generator); the
 manifest's provenance (git, versions, device, dates) comes from ``provenance.py``.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import logging
+import os
 import time
 import traceback
 from contextlib import ExitStack
@@ -30,7 +36,8 @@ from kvbench.harness.provenance import (  # noqa: F401 - re-exported
     now_iso,
     package_versions,
 )
-from kvbench.harness.store import STATUS_DONE, STATUS_FAILED, RunStore, atomic_write_text, canonical_key
+from kvbench.harness.store import (STATUS_DONE, STATUS_FAILED, RunStore, atomic_write_text, canonical_key,
+                                   remove_stale_temp_files)
 from kvbench.harness.sweep_config import SweepConfig, SweepConfigError
 from kvbench.harness.targets import TargetSession, open_target, reap_stale
 
@@ -89,18 +96,189 @@ class _Display:
             print(re.sub(r"\[/?[a-z]*\]", "", line), file=sys.stderr, flush=True)
 
 
-def _check_resume(store: RunStore, sweep: SweepConfig) -> dict:
-    old = store.manifest()
-    if old.get("config") != sweep.to_dict():
-        prev, cur = old.get("config") or {}, sweep.to_dict()
-        diff = sorted(k for k in set(prev) | set(cur) if prev.get(k) != cur.get(k))
-        raise SweepConfigError(f"{store.root} was made with a different config (differs in: {', '.join(diff)}); "
-                               "use a new --out directory")
+class RunInUseError(SweepConfigError):
+    """Another sweep holds the run directory's lock."""
+
+
+class RunLock:
+    """An exclusive advisory lock (``fcntl.flock``) on ``RUN/.lock``, held for a whole sweep, so a second
+    sweep on the same run directory stops before it touches anything (it would re-run the same cells
+    and reap the first sweep's live servers).  Released on exit, exceptions included; the OS releases it
+    when the process dies, so a crashed sweep never leaves the directory locked.  The file holds the
+    holder's pid (for the error message) and is left in place: unlinking a flock'd file races."""
+
+    NAME = ".lock"
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        self.path = self.root / self.NAME
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "RunLock":
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except OSError as e:
+            raise SweepConfigError(f"cannot use {self.root} as a run directory: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            except OSError:
+                holder = "unknown"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunInUseError(f"{self.root} is in use by another sweep (pid {holder}); wait for it to finish "
+                                    "or use another --out directory") from None
+            raise SweepConfigError(f"cannot lock {self.path}: {e.strerror or e}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            try:
+                os.ftruncate(fd, 0)  # no stale pid for the next reader
+            except OSError:
+                pass
+            os.close(fd)  # closing the only descriptor drops the flock
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# What a finished cell's results depend on besides its own cell config (the cell key hashes the cell config
+# only): on --resume these must not change while any cell is done.  ``gate``, ``description``, ``name`` and
+# ``baseline`` only steer reports (an A/A control cell copies the baseline's config into its own key), so
+# they may change; the matrix may grow (new cells get new keys).
+_RUN_KEYS = ("engine", "suites", "load", "slo", "seed", "data_dir")
+_MATRIX_KEYS = ("models", "targets", "backends", "kv", "concurrency", "accuracy_concurrency", "aa_control", "baseline")
+
+
+def _read_manifest(store: RunStore) -> dict:
+    path = store.manifest_path
+    try:
+        old = store.manifest()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SweepConfigError(f"{path} is not valid JSON ({e}); restore it, or use a new --out directory") from None
+    except OSError as e:
+        raise SweepConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    cells = old.get("cells") if isinstance(old, dict) else None
+    if (not isinstance(old, dict) or not isinstance(old.get("config"), dict) or not isinstance(cells, list)
+            or not all(isinstance(c, dict) and isinstance(c.get("key"), str) for c in cells)):
+        raise SweepConfigError(f"{path} is not a kvbench sweep manifest (no config and cells); restore it, "
+                               "or use a new --out directory")
+    return old
+
+
+def _norm_dir(p: Optional[str]) -> Optional[str]:
+    return None if p is None else os.path.realpath(p)
+
+
+def _diff(a, b, path: str, out: list[str]) -> None:
+    """Paths (``load.num_prompts``, ``suites[0].limit``) where ``a`` and ``b`` differ, with both values."""
+    if a == b:
+        return
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            _diff(a.get(k), b.get(k), f"{path}.{k}", out)
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _diff(x, y, f"{path}[{i}]", out)
+    else:
+        out.append(f"{path}: was {json.dumps(a, default=str)}, now {json.dumps(b, default=str)}")
+
+
+def _check_resume(store: RunStore, sweep: SweepConfig, cells: list[Cell]) -> dict:
+    """Refuse to resume when a finished cell would be reused although something that produced it changed.
+
+    Cells are keyed by their cell config only, so: every cell of the old run with results on disk must
+    still be in the matrix; a finished cell must keep its config and whether it runs the accuracy suites;
+    while any cell is finished, the engine options, the targets its cells ran on, the suites, the load
+    test, the SLOs, the seed and the data directory (compared as a real path) must be the same.  New cells
+    may be added, and with no finished cell nothing is reused, so anything may change."""
+    old = _read_manifest(store)
+    prev, cur = old["config"], sweep.to_dict()
+    old_cells = {c["key"]: c for c in old["cells"]}
+    new_cells = {c.key: c for c in cells}
+    base = store.root / "cells"
+    on_disk = {}
+    if base.is_dir():
+        for d in base.iterdir():
+            st = store.status(d.name) if d.is_dir() else None
+            if st is not None:
+                on_disk[d.name] = st
+    done = sorted(k for k, st in on_disk.items() if st == STATUS_DONE)
+
+    def labels(keys) -> str:
+        keys = sorted(keys)
+        names = [str(old_cells.get(k, {}).get("label") or k) for k in keys[:6]]
+        return ", ".join(names) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+
+    problems: list[str] = []
+    advice: list[str] = []
+    matrix_changed = False
+    dropped = [k for k in on_disk if k in old_cells and k not in new_cells]
+    if dropped:
+        matrix_changed = True
+        problems.append(f"cells of this run are not in the new matrix: {labels(dropped)}")
+        advice.append("keep those cells in the config (--only picks which cells run)")
+    unknown = [k for k in done if k not in old_cells and k in new_cells]
+    if unknown:
+        problems.append(f"finished cells the manifest does not describe: {', '.join(unknown)}")
+    changed = [k for k in done if k in old_cells and k in new_cells
+               and (old_cells[k].get("config") != new_cells[k].config
+                    or bool(old_cells[k].get("run_accuracy")) != new_cells[k].run_accuracy)]
+    if changed:
+        matrix_changed = True
+        problems.append(f"finished cells would change whether they run the accuracy suites: {labels(changed)}")
+    differs = []
+    if matrix_changed:
+        differs += [k for k in _MATRIX_KEYS if prev.get(k) != cur.get(k)]
+    if done:
+        for k in _RUN_KEYS:
+            a, b = prev.get(k), cur.get(k)
+            if k == "data_dir":
+                if _norm_dir(a) != _norm_dir(b):
+                    differs.append(k)
+                    problems.append(f"data_dir: was {a or '(none)'}, now {b or '(none)'}")
+                    advice.append(f"pass the original --data-dir {a}" if a else
+                                  "run without --data-dir (the run was made without a data directory)")
+                continue
+            if a != b:
+                differs.append(k)
+                lines: list[str] = []
+                _diff(a, b, k, lines)
+                problems.append("; ".join(lines[:4]) + (f" (and {len(lines) - 4} more)" if len(lines) > 4 else ""))
+        used = {old_cells[k].get("config", {}).get("target") for k in done if k in old_cells}
+        old_targets = {t.get("name"): t for t in prev.get("targets") or [] if isinstance(t, dict)}
+        new_targets = {t["name"]: t for t in cur["targets"]}
+        for name in sorted(n for n in used if n is not None):
+            if old_targets.get(name) != new_targets.get(name):
+                if "targets" not in differs:
+                    differs.append("targets")
+                lines = []
+                _diff(old_targets.get(name), new_targets.get(name), f"target {name}", lines)
+                problems.append("; ".join(lines[:4]))
+    if problems:
+        made = f"; its {len(done)} finished cell{'s were' if len(done) != 1 else ' was'} made with the old values" if done else ""
+        todo = " and ".join(dict.fromkeys(advice)) or "restore the original values"
+        raise SweepConfigError(
+            f"{store.root} was made with a different config (differs in: {', '.join(dict.fromkeys(differs)) or 'cells'}): "
+            f"{'; '.join(problems)}{made}; to resume, {todo}, or use a new --out directory")
     return old
 
 
 def _manifest(store: RunStore, sweep: SweepConfig, cells: list[Cell], resume: bool, only: Optional[str]) -> dict:
-    prev = _check_resume(store, sweep) if store.exists() else {}
+    """The run's manifest: the current config (report-only changes such as ``gate`` take effect), the full
+    matrix and one entry per run; checks that a resumed run may reuse its finished cells."""
+    prev = _check_resume(store, sweep, cells) if store.exists() else {}
     m = manifest_base(sweep)
     m["created"] = prev.get("created", m["created"])
     m["cells"] = [{"key": c.key, "label": c.label, "config": c.config, "run_accuracy": c.run_accuracy} for c in cells]
@@ -112,13 +290,24 @@ def _manifest(store: RunStore, sweep: SweepConfig, cells: list[Cell], resume: bo
 def run_sweep(sweep: SweepConfig, out: Path | str, resume: bool = False, only: Optional[str] = None,
               work: Optional[CellWork] = None, progress: Optional[bool] = True,
               opener: Callable = open_target) -> SweepOutcome:
-    """Run (or resume) the sweep into ``out``; returns which cells finished, failed or were skipped."""
+    """Run (or resume) the sweep into ``out``; returns which cells finished, failed or were skipped.
+
+    The run directory is locked (``RunLock``) before anything in it is read or written."""
     store = RunStore(out)
-    if store.exists() and not resume:
-        raise SweepConfigError(f"{store.root} already holds a run; pass --resume to finish it or choose another --out")
     all_cells = expand(sweep)
     cells = select(all_cells, only)
+    with RunLock(store.root):
+        return _run_locked(sweep, store, all_cells, cells, resume, only, work, progress, opener)
+
+
+def _run_locked(sweep: SweepConfig, store: RunStore, all_cells: list[Cell], cells: list[Cell], resume: bool,
+                only: Optional[str], work: Optional[CellWork], progress: Optional[bool], opener: Callable) -> SweepOutcome:
+    if store.exists() and not resume:
+        raise SweepConfigError(f"{store.root} already holds a run; pass --resume to finish it or choose another --out")
     manifest = _manifest(store, sweep, all_cells, resume, only)
+    # temporary files of atomic writes a killed sweep left behind (we hold the lock: nothing else writes here)
+    for p in remove_stale_temp_files(store.root, recursive=True):
+        log.warning("removed %s, left by an interrupted write", p)
     store.write_manifest(manifest)
     for pgid in reap_stale(store.root / "logs"):
         log.warning("killed the process group %d of a server left behind by an interrupted sweep", pgid)

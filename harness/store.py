@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,11 +47,82 @@ class StoreError(RuntimeError):
     pass
 
 
+class OutDirError(StoreError, ValueError):
+    """An output directory that cannot be used (a file, under a file, not writable, already holding results).
+
+    A ``ValueError`` too, so commands that turn ``ValueError`` into a one-line usage error do so for it."""
+
+
+# ------------------------------------------------------------------------------ output directories
+def check_out_dir(path: Path | str, flag: str = "--out") -> Path:
+    """Check, before any work, that ``path`` can be used as an output directory; returns it as a Path.
+
+    It may exist (as a directory) or not; when it does not, its nearest existing ancestor must be a writable
+    directory so that it can be created.  Nothing is created here.  Raises :class:`OutDirError` with a
+    one-line message naming ``flag`` otherwise."""
+    p = Path(path)
+    if p.exists() or p.is_symlink():
+        if not p.is_dir():
+            raise OutDirError(f"{flag} {p} is not a directory")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise OutDirError(f"{flag} {p} is not writable")
+        return p
+    parent = p.absolute().parent
+    while not (parent.exists() or parent.is_symlink()):
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutDirError(f"{flag} {p} is not a directory ({parent} is a file)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutDirError(f"{flag} {p} cannot be created ({parent} is not writable)")
+    return p
+
+
 # ------------------------------------------------------------------------------ atomic writes
+# atomic_write_bytes' temporary files: ".<target name>.<8 random chars from mkstemp>.tmp" beside the target
+_TMP_SUFFIX = ".tmp"
+_TMP_RE = re.compile(r"\.(?P<target>.+)\.[a-z0-9_]{8}" + re.escape(_TMP_SUFFIX))
+
+
+def _tmp_prefix(name: str) -> str:
+    return f".{name}."
+
+
+def remove_stale_temp_files(directory: Path | str, recursive: bool = False) -> list[Path]:
+    """Delete the temporary files that an interrupted :func:`atomic_write_bytes` left in ``directory``.
+
+    A write killed between creating its temporary file and renaming it (SIGKILL, power loss) leaves a
+    ``.<name>.<random>.tmp`` file beside ``<name>``; the target itself is intact (old or new content).  Only
+    regular files whose names match that exact pattern are removed (no symlinks, directories or other
+    names); ``recursive`` also cleans every sub-directory.  Returns the removed paths (sorted).  A missing
+    directory is not an error.  Call it only while nothing is writing into ``directory`` (e.g. when a
+    sweep resumes): a live writer's temporary file looks the same."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    dirs = [root]
+    if recursive:
+        dirs += [Path(d) for d, _, _ in os.walk(root) if Path(d) != root]
+    removed = []
+    for d in dirs:
+        try:
+            entries = list(os.scandir(d))
+        except FileNotFoundError:
+            continue
+        for e in entries:
+            if not _TMP_RE.fullmatch(e.name) or not e.is_file(follow_symlinks=False):
+                continue
+            try:
+                os.unlink(e.path)
+            except FileNotFoundError:
+                continue
+            removed.append(Path(e.path))
+    return sorted(removed)
+
+
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path.name), suffix=_TMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

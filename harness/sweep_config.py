@@ -79,6 +79,8 @@ def _engine_keys() -> tuple[str, ...]:
 
 def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
     """Validate a parsed YAML document and build the ``SweepConfig``."""
+    if raw is None:  # yaml.safe_load of an empty (or comments-only) file
+        _fail("config", "expected a mapping, got an empty file")
     raw = _mapping(raw, "config")
     _check_keys(raw, _TOP_KEYS, "config")
     engine_keys = _engine_keys()
@@ -128,8 +130,9 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
     data_dir = raw.get("data_dir")
     if data_dir is not None:
         data_dir = _str(data_dir, "data_dir")  # relative paths are relative to the working directory
+    _check_engine(engine, targets, models, backends, kv)
     return SweepConfig(
-        name=_str(raw.get("name", Path(source).stem if source else "sweep"), "name"),
+        name=_name(raw.get("name", Path(source).stem if source else "sweep")),
         models=models,
         engine=engine,
         targets=targets,
@@ -148,6 +151,49 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
         aa_control=_bool(raw.get("aa_control", False), "aa_control"),
         source=source,
     )
+
+
+def _name(value: Any) -> str:
+    """The run's name: the default run directory is ``runs/<name>``, so a plain directory name only."""
+    name = _str(value, "name")
+    if any(sep in name for sep in ("/", "\\", "\0")) or name.strip() in (".", ".."):
+        _fail("name", f"{name!r} is not a plain directory name (the default run directory is runs/<name>); "
+                      "use no path separators and not . or ..")
+    return name
+
+
+def _check_engine(engine: dict, targets: list[TargetSpec], models: list[str], backends: list[tuple[str, str]],
+                  kv: list[KVSpec]) -> None:
+    """Build the ``EngineConfig`` of every engine launch the sweep can make and run its validation, so a bad
+    ``engine:`` value is a config error naming its key path, before any cell starts (also for --dry-run).
+    The top-level section is checked on its own too (it may serve no embedded target)."""
+    from kvbench.runtime.config import ConfigError, EngineConfig
+
+    def check(opts: dict, target: Optional[tuple[int, TargetSpec]]) -> None:
+        try:
+            EngineConfig(**opts)
+        except ConfigError as e:
+            f = e.field
+            if target is not None and f in target[1].engine:
+                path = f"targets[{target[0]}].engine.{f}"
+            elif f in engine:
+                path = f"engine.{f}"
+            else:  # a value the axes set (already checked by the schema): name the target
+                path = f"targets[{target[0]}]" if target is not None else "engine"
+            _fail(path, str(e))
+        except TypeError as e:  # not a keyword EngineConfig takes (keys are checked before; defensive)
+            _fail("engine", str(e))
+
+    check(dict(engine), None)
+    for i, t in enumerate(targets):
+        if t.type != "embedded":
+            continue
+        for model in models:
+            for prefill, decode in backends:
+                for k in kv:
+                    check({**engine, **t.engine, "model": None if model == DEFAULT_MODEL else model,
+                           "kv_dtype": k.dtype, "kv_scales": k.scales, "prefill_backend": prefill,
+                           "decode_backend": decode, **k.options}, (i, t))
 
 
 def load_config(path: str | Path) -> SweepConfig:

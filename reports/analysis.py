@@ -9,6 +9,7 @@ baseline cell for the run) and ``kvbench compare`` (each cell against the same c
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -18,7 +19,10 @@ from kvbench.harness.loadgen_metrics import summarize
 from kvbench.reports import stats
 from kvbench.reports.load import FIDELITY_SUITE, CellData, accuracy_suites, item_scores, suite_metrics
 
-__all__ = ["Analysis", "AccuracyRow", "DeltaRow", "AARow", "FidelityRow", "analyze"]
+__all__ = ["Analysis", "AccuracyRow", "DeltaRow", "AARow", "FidelityRow", "analyze", "fidelity_records", "fidelity_kl",
+           "mismatch_warning"]
+
+log = logging.getLogger("kvbench.report")
 
 
 @dataclass
@@ -56,14 +60,15 @@ class FidelityRow:
     cell: CellData
     n_texts: int
     n_tokens: int
-    kl_mean: float  # token-weighted mean of per-text mean KL
-    kl_p99: float  # mean over texts of per-text p99 KL
+    kl_mean: float  # mean KL over every token (= token-weighted mean of per-text means; summary.json's kl_mean)
+    kl_p99: float  # p99 of KL over every token: summary.json's pooled kl_p99; NaN when the summary lacks it
     kl_max: float
     top1_agree: float  # token-weighted
     ppl_ref: float  # exp of the token-weighted mean NLL (pooled over texts)
     ppl_cand: float
     first_divergence_median: Optional[float]  # token index; the greedy window length when nothing diverged
     first_divergence_min: Optional[float]
+    kl_p99_text_mean: float = math.nan  # mean over texts of per-text p99s (a different quantity from kl_p99)
 
 
 @dataclass
@@ -77,6 +82,7 @@ class Analysis:
     fidelity: list[FidelityRow] = field(default_factory=list)
     serving: list[tuple[CellData, dict]] = field(default_factory=list)
     capacity: list[tuple[CellData, dict, Optional[float]]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # e.g. comparisons whose item sets differ
 
 
 def _rate(cell: CellData, suite: str, metric: str) -> float:
@@ -91,9 +97,28 @@ def _pass_at_k(scores: dict) -> Optional[float]:
     return sum(1 for v in per_q.values() if max(v) > 0) / len(per_q)
 
 
-def _fidelity(cell: CellData) -> Optional[FidelityRow]:
+def fidelity_records(cell: CellData) -> list[dict]:
+    """The ``scores`` of a cell's fidelity records that hold a KL value."""
     recs = [r.get("scores") or {} for r in cell.items if r.get("suite") == FIDELITY_SUITE]
-    recs = [s for s in recs if s.get("kl_mean") is not None]
+    return [s for s in recs if s.get("kl_mean") is not None]
+
+
+def fidelity_kl(cell: CellData) -> tuple[list[float], list[float]]:
+    """(per-text mean KL, per-text token count) of a cell: the one definition of "KL mean" that the report,
+    the gate and summary.json share is sum(w·kl)/sum(w), the mean over every token (a record without
+    ``n_tokens`` counts as one token)."""
+    recs = fidelity_records(cell)
+    return [float(s["kl_mean"]) for s in recs], [float(s.get("n_tokens") or 1) for s in recs]
+
+
+def _pooled_summary_value(cell: CellData, key: str) -> Optional[float]:
+    suite = ((cell.summary or {}).get("suites") or {}).get(FIDELITY_SUITE) or {}
+    v = suite.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _fidelity(cell: CellData) -> Optional[FidelityRow]:
+    recs = fidelity_records(cell)
     if not recs:
         return None
     w = [float(s.get("n_tokens") or 1) for s in recs]
@@ -107,14 +132,28 @@ def _fidelity(cell: CellData) -> Optional[FidelityRow]:
         vals = [float(s[k]) for s in recs if s.get(k) is not None]
         return sum(vals) / len(vals) if vals else math.nan
 
+    # a percentile does not pool from per-text percentiles: the pooled p99 over every token is the one
+    # fidelity suite's summary (summary.json) computed from the token values; without it, no "KL p99"
+    p99 = _pooled_summary_value(cell, "kl_p99")
+    pooled_n = _pooled_summary_value(cell, "n_tokens")
+    if p99 is not None and pooled_n is not None and int(pooled_n) != int(tw):
+        p99 = None  # the summary covers other texts than the records: do not mix them
     divs = [float(s["first_divergence"]) for s in recs if s.get("first_divergence") is not None]
     return FidelityRow(
-        cell=cell, n_texts=len(recs), n_tokens=int(tw), kl_mean=wmean("kl_mean"), kl_p99=mean("kl_p99"),
+        cell=cell, n_texts=len(recs), n_tokens=int(tw), kl_mean=wmean("kl_mean"),
+        kl_p99=math.nan if p99 is None else p99,
         kl_max=max((float(s.get("kl_max") or 0.0) for s in recs), default=math.nan), top1_agree=wmean("top1_agree"),
         ppl_ref=math.exp(wmean("nll_ref")), ppl_cand=math.exp(wmean("nll_cand")),
         first_divergence_median=statistics.median(divs) if divs else None,
         first_divergence_min=min(divs) if divs else None,
+        kl_p99_text_mean=mean("kl_p99"),
     )
+
+
+def mismatch_warning(base: CellData, cell: CellData, suite: str, d: stats.PairedDelta) -> str:
+    return (f"warning: {suite}: {cell.short} vs {base.short}: item sets differ, {d.base_unpaired} (item, repeat) "
+            f"key(s) only in the baseline and {d.cand_unpaired} only in the cell; the paired delta uses the "
+            f"{d.n_pairs} shared ones")
 
 
 def _serving(cell: CellData) -> dict:
@@ -159,8 +198,15 @@ def analyze(
         for suite in accuracy_suites(cell):
             b, c = item_scores(base, suite), item_scores(cell, suite)
             if not (set(b) & set(c)):
+                if b and c:
+                    a.warnings.append(f"warning: {suite}: {cell.short} vs {base.short}: no shared (item, repeat) keys "
+                                      f"({len(b)} in the baseline, {len(c)} in the cell); no paired delta")
+                    log.warning("%s", a.warnings[-1])
                 continue
             d = stats.paired_delta(b, c, confidence=confidence, n_boot=n_boot, seed=seed)
+            if d.mismatched:
+                a.warnings.append(mismatch_warning(base, cell, suite, d))
+                log.warning("%s", a.warnings[-1])
             if cell.aa_control:
                 shared = set(b) & set(c)
                 raw_b = {(str(r["item_id"]), int(r.get("repeat") or 0)): r.get("raw_output") for r in base.items if r.get("suite") == suite}

@@ -3,7 +3,15 @@
 A gated accuracy metric passes when the one-sided lower confidence bound of (candidate − baseline),
 paired on (item, repeat), is above −δ.  Invalid-answer and truncation rates pass when the one-sided upper
 bound of their increase is below the allowed increase; fidelity KL passes when the upper bound of the
-mean per-text KL is at most the allowed maximum (only when a maximum is configured).
+token-weighted mean KL (the ``kl_mean`` of summary.json and of the report) is at most the allowed maximum
+(only when a maximum is configured).
+
+Bounds (``stats.paired_delta``): Newcombe's hybrid score interval for paired proportions when every score
+is 0/1 and each question was asked once (accuracy, invalid, truncated); the paired bootstrap or t bound
+(``method``) otherwise.  Those cannot be estimated with fewer than 2 questions or differences without
+spread: 0/1 scores then use Newcombe's interval over the (item, repeat) pairs, other scores get an unknown
+bound (±inf, so the check fails as inconclusive).  The baseline and the candidate must hold the same (item, repeat) keys for every gated metric:
+otherwise the gate stops with exit 2 (missing data) instead of comparing a silently shrunk set.
 
 Thresholds, lowest precedence first: built-in defaults, the run manifest's ``config.gate`` section,
 a ``--config`` sweep file's ``gate:`` section, command-line flags.
@@ -16,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from kvbench.reports import stats
+from kvbench.reports.analysis import fidelity_kl
 from kvbench.reports.load import FIDELITY_SUITE, CellData, RunData, RunLoadError, accuracy_suites, item_scores, select
 
 __all__ = ["GateError", "GateThresholds", "Check", "GateResult", "merge_gate_config", "run_gate", "EXIT_PASS",
@@ -47,14 +56,20 @@ class GateThresholds:
         return self.max_drop.get(suite, self.default_max_drop)
 
     def validate(self) -> "GateThresholds":
-        if not 0.5 <= self.confidence < 1.0:
-            raise GateError(f"confidence must be in [0.5, 1), got {self.confidence}")
+        try:
+            stats.check_confidence(self.confidence)
+        except ValueError as e:
+            raise GateError(str(e)) from None
         for name, v in [("max_drop", self.default_max_drop), *((f"max_drop.{k}", v) for k, v in self.max_drop.items()),
                         ("max_invalid_rate_increase", self.max_invalid_rate_increase),
                         ("max_truncation_rate_increase", self.max_truncation_rate_increase),
                         ("max_kl_mean", self.max_kl_mean)]:
             if v is not None and (not isinstance(v, (int, float)) or math.isnan(v) or v < 0):
                 raise GateError(f"{name} must be a number >= 0, got {v!r}")
+        for name, flag, v in (("max_invalid_rate_increase", "--max-invalid-increase", self.max_invalid_rate_increase),
+                              ("max_truncation_rate_increase", "--max-truncation-increase", self.max_truncation_rate_increase)):
+            if v > 1:
+                raise GateError(f"{name} ({flag}) must be a fraction in [0, 1] (0.05 = 5 points), got {v!r}")
         if self.method not in ("bootstrap", "t"):
             raise GateError(f"method must be 'bootstrap' or 't', got {self.method!r}")
         return self
@@ -107,6 +122,8 @@ class Check:
     @property
     def inconclusive(self) -> bool:
         """The point estimate is within the margin but the bound is not: more items would decide it."""
+        if self.kind == "fidelity KL":
+            return self.threshold is not None and self.cand_value <= self.threshold
         if self.delta is None or self.threshold is None:
             return False
         return self.delta > self.threshold if self.kind == "accuracy" else self.delta < self.threshold
@@ -164,30 +181,36 @@ def _metric_specs(t: GateThresholds, base: CellData) -> list[tuple[str, str]]:
     return out
 
 
+def _same_items(base: CellData, cand: CellData, suite: str, metric: str, b: dict, c: dict) -> None:
+    """Raise GateError (exit 2) unless baseline and candidate hold the same (item, repeat) keys."""
+    only_b, only_c = stats.key_mismatch(b, c)
+    if only_b or only_c:
+        raise GateError(f"{suite}:{metric}: baseline {base.short} and candidate {cand.short} hold different items: "
+                        f"{only_b} only in the baseline, {only_c} only in the candidate "
+                        f"({len(set(b) & set(c))} shared (item, repeat) keys); rerun both on the same items")
+
+
 def _rate_check(base, cand, suite, metric, kind, allowed, t) -> Optional[Check]:
     b, c = item_scores(base, suite, metric), item_scores(cand, suite, metric)
-    if not (set(b) & set(c)):
-        return None
+    if not b and not c:
+        return None  # neither cell records this rate
+    _same_items(base, cand, suite, metric, b, c)
     # paired delta of (base − cand): its lower bound is minus the upper bound of the increase
-    d = stats.paired_delta(c, b, confidence=t.confidence, n_boot=t.n_boot, seed=t.seed, bound_method=t.method)
+    d = stats.paired_delta(c, b, confidence=t.confidence, n_boot=t.n_boot, seed=t.seed, bound_method=t.method,
+                           strict=True)
     upper = -d.lower_bound
     return Check(cand, kind, suite, metric, d.cand_mean, d.base_mean, -d.delta, upper, allowed, d.n_pairs, upper < allowed)
 
 
 def _kl_check(cand: CellData, t: GateThresholds) -> Optional[Check]:
-    vals = list(item_scores(cand, FIDELITY_SUITE, "kl_mean").values())
+    vals, weights = fidelity_kl(cand)
     if not vals:
         if t.max_kl_mean is not None:
             raise GateError(f"max_kl_mean is set but candidate {cand.short} has no fidelity records")
         return None
     if any(math.isnan(v) for v in vals):
         raise GateError(f"candidate {cand.short} has NaN fidelity KL")
-    mean = sum(vals) / len(vals)
-    if len(vals) > 1:
-        sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
-        upper = mean + stats.t_ppf(t.confidence, len(vals) - 1) * sd / math.sqrt(len(vals))
-    else:
-        upper = math.inf
+    mean, upper = stats.weighted_mean_upper(vals, weights, t.confidence)
     passed = None if t.max_kl_mean is None else upper <= t.max_kl_mean
     return Check(cand, "fidelity KL", FIDELITY_SUITE, "kl_mean", None, mean, None, upper, t.max_kl_mean, len(vals), passed)
 
@@ -201,9 +224,9 @@ def gate_one(base: CellData, cand: CellData, t: GateThresholds) -> list[Check]:
             raise GateError(f"candidate {cand.short} has no records for {suite}:{metric}")
         if not b:
             raise GateError(f"baseline {base.short} has no records for {suite}:{metric}")
-        if not (set(b) & set(c)):
-            raise GateError(f"{suite}: baseline and candidate share no (item, repeat) keys")
-        d = stats.paired_delta(b, c, confidence=t.confidence, n_boot=t.n_boot, seed=t.seed, bound_method=t.method)
+        _same_items(base, cand, suite, metric, b, c)
+        d = stats.paired_delta(b, c, confidence=t.confidence, n_boot=t.n_boot, seed=t.seed, bound_method=t.method,
+                               strict=True)
         delta_max = t.drop_for(suite)
         checks.append(Check(cand, "accuracy", suite, metric, d.base_mean, d.cand_mean, d.delta, d.lower_bound,
                             -delta_max, d.n_pairs, d.lower_bound > -delta_max))
@@ -276,7 +299,8 @@ def format_table(r: GateResult) -> str:
     rows = [GATE_COLUMNS] + [check_row(c, r.thresholds.confidence) for c in r.checks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(GATE_COLUMNS))]
     lines = [f"baseline: {r.baseline.short} [{r.baseline.key}]   method: one-sided {100 * r.thresholds.confidence:g}% "
-             f"{r.thresholds.method} bound, paired on (item, repeat)"]
+             f"bounds paired on (item, repeat): Newcombe hybrid score for 0/1 metrics, {r.thresholds.method} otherwise; "
+             "KL: t bound of the token-weighted mean"]
     for n, row in enumerate(rows):
         lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
         if n == 0:

@@ -85,6 +85,8 @@ def _markdown(a: Analysis, meta: ReportMeta, plots: dict[str, Path]) -> str:
     out = [f"# {meta.title}", ""]
     out += [f"- **{k}**: {v}" for k, v in meta.rows]
     out += [f"- **regenerate**: `{meta.command}`", ""]
+    if a.warnings:  # e.g. a comparison whose item sets differ: shown before any number
+        out += ["## Warnings", ""] + [f"- {w}" for w in a.warnings] + [""]
     lines = headline(a)
     if lines:
         out += ["## Summary", ""] + [f"- {line}" for line in lines] + [""]
@@ -109,6 +111,9 @@ def _html(a: Analysis, meta: ReportMeta, plots: dict[str, Path]) -> str:
     for k, v in meta.rows + [("regenerate", meta.command)]:
         out.append(f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(str(v))}</code></td></tr>")
     out.append("</table>")
+    if a.warnings:
+        out.append("<h2>Warnings</h2><ul class='warnings'>" + "".join(f"<li>{html.escape(w)}</li>" for w in a.warnings)
+                   + "</ul>")
     lines = headline(a)
     if lines:
         out.append("<h2>Summary</h2><ul class='headline'>" + "".join(f"<li>{html.escape(x)}</li>" for x in lines) + "</ul>")

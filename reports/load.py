@@ -184,6 +184,8 @@ def select(cells: list[CellData], selector: str | dict, *, need_items: bool = Fa
         sel = parse_selector(selector) if isinstance(selector, str) else {k: str(v) for k, v in selector.items()}
     except ValueError as e:
         raise RunLoadError(str(e)) from None
+    if not cells:
+        raise RunLoadError("the run has no cells yet: none has started (was the sweep killed before its first cell?)")
     known = {k for c in cells for k in c.config} | {"aa_control"}
     unknown = sorted(set(sel) - known)
     if unknown:

@@ -5,7 +5,10 @@
 * two cells on the same (item, repeat) keys: mean paired difference, a seeded paired bootstrap CI that
   resamples questions (the repeats of one question stay together), an exact McNemar p-value (K=1,
   binary) or a paired t-test p-value (K>1), the correlation of per-question scores, and a one-sided
-  lower confidence bound for non-inferiority;
+  lower confidence bound for non-inferiority: Newcombe's hybrid score interval for paired proportions
+  when every score is 0/1 (``newcombe_paired_interval``), otherwise the paired bootstrap or t bound,
+  which is unknown (−inf) when it cannot be estimated (fewer than 2 questions, or differences without
+  spread: a zero-width interval is not evidence);
 * Holm's step-down correction across the comparisons of one report.
 
 Pure Python + numpy: the distribution functions (Student t, binomial) are implemented in
@@ -32,6 +35,12 @@ __all__ = [
     "t_ppf",
     "binom_cdf",
     "wilson_interval",
+    "newcombe_paired_interval",
+    "newcombe_from_means",
+    "newcombe_phi",
+    "check_confidence",
+    "key_mismatch",
+    "weighted_mean_upper",
     "t_interval",
     "estimate",
     "mcnemar_exact",
@@ -74,6 +83,15 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def check_confidence(confidence) -> float:
+    """The one accepted range of a confidence level: a number strictly between 0.5 and 1 (a one-sided bound
+    at 0.5 is the point estimate).  Raises ValueError otherwise; returns it as a float."""
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or math.isnan(confidence) \
+            or not 0.5 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0.5, 1), got {confidence!r}")
+    return float(confidence)
+
+
 def t_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
     """(mean, lo, hi): Student-t interval for the mean of ``values``."""
     x = np.asarray(values, dtype=np.float64)
@@ -85,6 +103,27 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float
     se = float(x.std(ddof=1)) / math.sqrt(x.size)
     q = t_ppf(0.5 + confidence / 2.0, x.size - 1)
     return m, m - q * se, m + q * se
+
+
+def weighted_mean_upper(values: Sequence[float], weights: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """(weighted mean, one-sided upper confidence bound) of per-unit ``values`` with ``weights`` (e.g. a
+    per-text mean KL weighted by its token count: the weighted mean is then the mean over every token).
+
+    The bound is mean + t_{conf, n−1}·SE with the ratio-estimator standard error over the n units,
+    SE = sqrt(n/(n−1)·Σ w_i²(x_i − mean)²)/Σ w_i (s/√n for equal weights); +inf with fewer than 2 units."""
+    x = np.asarray(values, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if x.size == 0 or x.size != w.size:
+        raise ValueError("weighted_mean_upper needs as many weights as values, and at least one")
+    if np.any(w <= 0) or not np.all(np.isfinite(w)):
+        raise ValueError("weights must be finite and > 0")
+    check_confidence(confidence)
+    tw = float(w.sum())
+    mean = float((w * x).sum() / tw)
+    if x.size < 2:
+        return mean, math.inf
+    se = math.sqrt(x.size / (x.size - 1) * float(((w * (x - mean)) ** 2).sum())) / tw
+    return mean, mean + t_ppf(confidence, x.size - 1) * se
 
 
 def group_by_question(scores: Mapping[tuple[Hashable, int], float]) -> dict[Hashable, list[float]]:
@@ -121,6 +160,82 @@ def estimate(scores: Mapping[tuple[Hashable, int], float], confidence: float = 0
 
 
 # --------------------------------------------------------------------------- paired comparisons
+
+
+def newcombe_from_means(p1: float, p2: float, n: float, phi: Optional[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Two-sided interval for p1 − p2 from two paired proportions over ``n`` units (Newcombe 1998, method 10).
+
+    Wilson score intervals (l1, u1), (l2, u2) for each marginal proportion are combined with the
+    correlation ``phi`` of the pairs (0 when undefined, i.e. None):
+
+        L = D − sqrt((p1 − l1)² − 2·phi·(p1 − l1)·(u2 − p2) + (u2 − p2)²)
+        U = D + sqrt((u1 − p1)² − 2·phi·(u1 − p1)·(p2 − l2) + (p2 − l2)²),   D = p1 − p2.
+
+    """
+    if n <= 0:
+        raise ValueError("newcombe_from_means needs n > 0")
+    for p in (p1, p2):
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"proportions must be within [0, 1], got {p}")
+    phi = 0.0 if phi is None or math.isnan(phi) else max(-1.0, min(1.0, float(phi)))
+    z = normal_ppf(0.5 + confidence / 2.0)
+
+    def wilson(p: float) -> tuple[float, float]:
+        denom = 1.0 + z * z / n
+        centre = (p + z * z / (2 * n)) / denom
+        half = z * math.sqrt(max(p * (1 - p), 0.0) / n + z * z / (4 * n * n)) / denom
+        return max(0.0, centre - half), min(1.0, centre + half)
+
+    (l1, u1), (l2, u2) = wilson(p1), wilson(p2)
+    d = p1 - p2
+    lo_sq = (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2
+    hi_sq = (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2
+    return max(-1.0, d - math.sqrt(max(lo_sq, 0.0))), min(1.0, d + math.sqrt(max(hi_sq, 0.0)))
+
+
+def newcombe_phi(a: float, b: float, c: float, d: float, corrected: bool = True) -> float:
+    """The correlation of the pairs of a paired 2×2 table as Newcombe's interval uses it.
+
+    Plain: phi = (ad − bc)/sqrt((a+b)(c+d)(a+c)(b+d)), 0 when a margin is empty.  ``corrected`` (the
+    default) shrinks a positive correlation by n/2 in the numerator, phi = max(ad − bc − n/2, 0)/sqrt(...)
+    (negative ones are kept), as in Newcombe (1998) and Fagerland, Lydersen & Laake (2014,
+    "Recommended tests and confidence intervals for paired binomial proportions"): without it a table with
+    no discordant pairs has phi = 1, and the interval shrinks to |asymmetry of the Wilson interval|, which is
+    0 at p = 1/2 (a = d = 3 gives a zero-width interval: the defect this interval is here to avoid)."""
+    n = a + b + c + d
+    den = (a + b) * (c + d) * (a + c) * (b + d)
+    if den <= 0:
+        return 0.0
+    num = a * d - b * c
+    if corrected:
+        num = num - n / 2.0 if num > n / 2.0 else (0.0 if num >= 0 else num)
+    return num / math.sqrt(den)
+
+
+def newcombe_paired_interval(a: int, b: int, c: int, d: int, confidence: float = 0.95,
+                             corrected_phi: bool = True) -> tuple[float, float]:
+    """Newcombe's hybrid score interval (1998, method 10: Wilson intervals without continuity correction,
+    square-and-add with the correlation) for the difference p1 − p2 of paired proportions, two-sided at
+    ``confidence``.
+
+    The 2×2 table counts pairs: ``a`` both 1, ``b`` first 1 and second 0, ``c`` first 0 and second 1,
+    ``d`` both 0; p1 = (a + b)/n, p2 = (a + c)/n.  The correlation is ``newcombe_phi`` (``corrected_phi``
+    False: the plain phi coefficient).  With the corrected phi the interval keeps a width of order 1/n when
+    there are no discordant pairs (b = c = 0) instead of collapsing onto 0."""
+    for v in (a, b, c, d):
+        if v < 0:
+            raise ValueError("counts must be >= 0")
+    n = a + b + c + d
+    if n == 0:
+        raise ValueError("newcombe_paired_interval needs at least one pair")
+    phi = newcombe_phi(a, b, c, d, corrected=corrected_phi)
+    return newcombe_from_means((a + b) / n, (a + c) / n, n, phi, confidence)
+
+
+def key_mismatch(base: Mapping, cand: Mapping) -> tuple[int, int]:
+    """(keys only in ``base``, keys only in ``cand``)."""
+    b, c = set(base), set(cand)
+    return len(b - c), len(c - b)
 
 
 def mcnemar_exact(b: int, c: int) -> float:
@@ -210,7 +325,13 @@ class PairedDelta:
     base_only: int  # K=1 binary: base right, candidate wrong (McNemar b); else -1
     cand_only: int  # McNemar c; else -1
     confidence: float = 0.95
-    bound_method: str = "bootstrap"
+    bound_method: str = "bootstrap"  # "newcombe" (0/1 scores) | "bootstrap" | "t"
+    base_unpaired: int = 0  # keys only in the baseline (left out of the comparison)
+    cand_unpaired: int = 0  # keys only in the candidate
+
+    @property
+    def mismatched(self) -> bool:
+        return bool(self.base_unpaired or self.cand_unpaired)
 
 
 def paired_delta(
@@ -220,12 +341,34 @@ def paired_delta(
     n_boot: int = 10_000,
     seed: int = 0,
     bound_method: str = "bootstrap",
+    strict: bool = False,
 ) -> PairedDelta:
-    """Paired comparison over the keys present in both mappings (raises when there are none)."""
+    """Paired comparison over the keys present in both mappings (raises when there are none).
+
+    Keys present in only one mapping are left out and counted (``base_unpaired``/``cand_unpaired``);
+    with ``strict`` a mismatch raises ValueError instead.
+
+    ``lower_bound`` (one-sided at ``confidence``):
+
+    * K=1 and every score 0/1: Newcombe's hybrid score interval for paired proportions
+      (``newcombe_paired_interval`` of the 2×2 table, corrected phi; the lower limit of the two-sided
+      interval at 1 − 2α); the result's ``bound_method`` is "newcombe" whatever the argument says;
+    * otherwise the paired bootstrap or t bound (``bound_method``) over per-question differences;
+    * those cannot be estimated with fewer than 2 questions or differences without spread (a zero-width
+      interval from identical differences is not evidence about the next items): then 0/1 scores (K>1)
+      fall back to the Newcombe interval of the 2×2 table over (item, repeat) pairs, and other scores get
+      −inf (unknown; a gate reports it as inconclusive).  The fallback treats the repeats as separate
+      pairs; when no pair is discordant that is not optimistic: for a given mean discordance rate, the
+      chance of seeing none at all is largest when the rate is the same for every question.
+
+    ``ci_lo``/``ci_hi`` stay the two-sided paired-bootstrap CI (what the report shows)."""
     if bound_method not in ("bootstrap", "t"):
         raise ValueError(f"bound_method must be 'bootstrap' or 't', got {bound_method!r}")
-    if not 0.5 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0.5, 1), got {confidence}")
+    check_confidence(confidence)
+    only_b, only_c = key_mismatch(base, cand)
+    if strict and (only_b or only_c):
+        raise ValueError(f"item sets differ: {only_b} (item, repeat) key(s) only in the baseline, "
+                         f"{only_c} only in the candidate")
     keys = sorted(set(base) & set(cand), key=lambda t: (str(t[0]), t[1]))
     if not keys:
         raise ValueError("no shared (item, repeat) keys between the two cells")
@@ -242,19 +385,28 @@ def paired_delta(
     diffs = c_means - b_means
     delta = float(diffs.mean())
     alpha = 1.0 - confidence
+    correlation = pearson(b_means, c_means)
 
     boots = bootstrap_means(diffs, n_boot=n_boot, seed=seed)
     ci_lo, ci_hi = (float(v) for v in np.quantile(boots, [alpha / 2, 1 - alpha / 2]))
-    if bound_method == "bootstrap":
-        lower = float(np.quantile(boots, alpha))
+    all_binary = _is_binary(b_vals.values()) and _is_binary(c_vals.values())
+    degenerate = diffs.size < 2 or float(diffs.std(ddof=1)) == 0.0
+    if all_binary and (k == 1 or degenerate):
+        # one-sided at `confidence` = the lower limit of the two-sided interval at 1 − 2α; first = candidate
+        n11 = sum(1 for key in keys if c_vals[key] == 1.0 and b_vals[key] == 1.0)
+        n10 = sum(1 for key in keys if c_vals[key] == 1.0 and b_vals[key] == 0.0)
+        n01 = sum(1 for key in keys if c_vals[key] == 0.0 and b_vals[key] == 1.0)
+        lower = newcombe_paired_interval(n11, n10, n01, len(keys) - n11 - n10 - n01, 1.0 - 2.0 * alpha)[0]
+        used = "newcombe"
+    elif degenerate:
+        lower, used = -math.inf, bound_method
+    elif bound_method == "bootstrap":
+        lower, used = float(np.quantile(boots, alpha)), "bootstrap"
     else:
-        if diffs.size < 2:
-            lower = -math.inf
-        else:
-            se = float(diffs.std(ddof=1)) / math.sqrt(diffs.size)
-            lower = delta - t_ppf(confidence, diffs.size - 1) * se
+        se = float(diffs.std(ddof=1)) / math.sqrt(diffs.size)
+        lower, used = delta - t_ppf(confidence, diffs.size - 1) * se, "t"
 
-    binary = k == 1 and _is_binary(b_vals.values()) and _is_binary(c_vals.values())
+    binary = k == 1 and all_binary
     if binary:
         b_only = sum(1 for key in keys if b_vals[key] == 1.0 and c_vals[key] == 0.0)
         c_only = sum(1 for key in keys if b_vals[key] == 0.0 and c_vals[key] == 1.0)
@@ -274,9 +426,11 @@ def paired_delta(
         lower_bound=lower,
         p_value=p,
         p_method=p_method,
-        correlation=pearson(b_means, c_means),
+        correlation=correlation,
         base_only=b_only,
         cand_only=c_only,
         confidence=confidence,
-        bound_method=bound_method,
+        bound_method=used,
+        base_unpaired=only_b,
+        cand_unpaired=only_c,
     )

@@ -150,18 +150,22 @@ def aa_table(a: Analysis) -> Table:
                       "deltas of the same size in other cells are not attributable to the KV format.")
 
 
+def _g(x: float) -> str:
+    return "—" if x is None or math.isnan(x) else f"{x:.4g}"
+
+
 def fidelity_table(a: Analysis) -> Table:
     rows = []
     for f in a.fidelity:
         dppl = (f.ppl_cand / f.ppl_ref - 1.0) if f.ppl_ref and not math.isnan(f.ppl_ref) else math.nan
-        rows.append([f.cell.short, fmt_num(f.n_texts), fmt_num(f.n_tokens), f"{f.kl_mean:.4g}", f"{f.kl_p99:.4g}",
+        rows.append([f.cell.short, fmt_num(f.n_texts), fmt_num(f.n_tokens), f"{f.kl_mean:.4g}", _g(f.kl_p99),
                      f"{f.kl_max:.4g}", fmt_pct(f.top1_agree, 2), fmt_num(f.ppl_ref, 3), fmt_num(f.ppl_cand, 3),
                      fmt_pp(dppl, 2).replace(" pp", "%"), fmt_num(f.first_divergence_median, 0),
                      fmt_num(f.first_divergence_min, 0)])
     return Table("Fidelity against the reference cell (teacher-forced)", ["cell", "texts", "tokens", "KL mean", "KL p99",
                  "KL max", "top-1 agree", "ppl ref", "ppl cell", "Δppl", "first div. median", "first div. min"], rows,
-                 note="KL(reference ‖ cell) per token in nats. KL mean, top-1 agreement and perplexities are pooled over "
-                      "tokens; KL p99 is the mean of per-text p99s. First divergence: token index where the greedy "
+                 note="KL(reference ‖ cell) per token in nats. KL mean, KL p99, top-1 agreement and perplexities are "
+                      "pooled over tokens (KL p99 from the cell's summary.json; — when it has none). First divergence: token index where the greedy "
                       "continuation first differs from the reference's (the greedy window length when it never does).")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
@@ -14,12 +16,29 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message says which and what is allowed."""
+    """A configuration value is invalid; the message says which and what is allowed.  ``field`` names the
+    offending option when there is one (the sweep config maps it to its key path in the file)."""
+
+    def __init__(self, message: str, field: Optional[str] = None):
+        super().__init__(message)
+        self.field = field
 
 
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
-        raise ConfigError(f"{name}={value!r} is not supported; choose one of: {', '.join(map(str, allowed))}")
+        raise ConfigError(f"{name}={value!r} is not supported; choose one of: {', '.join(map(str, allowed))}", name)
+
+
+# devices the runtime runs on: cpu, cuda, cuda:N (the kernels and CUDA graphs are CUDA-only; no mps)
+_DEVICE_RE = re.compile(r"cpu|cuda(:[0-9]+)?")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
 @dataclass
@@ -84,21 +103,39 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
-        _choice("kv_scales", self.kv_scales, KV_SCALE_POLICIES)
-        _choice("prefill_backend", self.prefill_backend, BACKENDS)
-        _choice("decode_backend", self.decode_backend, BACKENDS)
-        _choice("kv_layout", self.kv_layout, KV_LAYOUTS)
+        """Check every field's type and value (values may come from YAML or the command line); raises
+        ``ConfigError`` naming the field."""
+        for name in ("model", "served_model_name"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise ConfigError(f"{name} must be a non-empty string, got {v!r}", name)
+        for name, allowed in (("kv_dtype", KV_DTYPES), ("kv_scales", KV_SCALE_POLICIES), ("prefill_backend", BACKENDS),
+                              ("decode_backend", BACKENDS), ("kv_layout", KV_LAYOUTS)):
+            _choice(name, getattr(self, name), allowed)
         if self.dtype is not None:
             _choice("dtype", self.dtype, COMPUTE_DTYPES)
-        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
-            raise ConfigError(f"page_size must be a positive power of two, got {self.page_size}")
-        if self.kv_budget_gb is not None and self.kv_budget_gb <= 0:
-            raise ConfigError(f"kv_budget_gb must be positive, got {self.kv_budget_gb}")
-        if not 0 < self.mem_fraction <= 1:
-            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
-        if self.max_running <= 0 or self.max_num_batched_tokens <= 0:
-            raise ConfigError("max_running and max_num_batched_tokens must be positive")
+        if self.device is not None and (not isinstance(self.device, str) or not _DEVICE_RE.fullmatch(self.device)):
+            raise ConfigError(f"device={self.device!r} is not supported; choose cpu, cuda or cuda:N", "device")
+        for name in ("kv_scales_per_head", "fused_append", "quantize_query", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}", name)
+        for name, optional in (("page_size", False), ("max_running", False), ("max_num_batched_tokens", False),
+                               ("max_model_len", True), ("calibration_prompts", False)):
+            v = getattr(self, name)
+            if optional and v is None:
+                continue
+            if not _is_int(v) or v <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}", name)
+        if self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a positive power of two, got {self.page_size}", "page_size")
+        if not _is_int(self.seed):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.kv_budget_gb is not None and (not _is_num(self.kv_budget_gb) or self.kv_budget_gb <= 0):
+            raise ConfigError(f"kv_budget_gb must be a positive number (GiB), got {self.kv_budget_gb!r}", "kv_budget_gb")
+        if not _is_num(self.mem_fraction) or not 0 < self.mem_fraction <= 1:
+            raise ConfigError(f"mem_fraction must be a number in (0, 1], got {self.mem_fraction!r}", "mem_fraction")
+        if not isinstance(self.extra, dict):
+            raise ConfigError(f"extra must be a mapping, got {self.extra!r}", "extra")
 
     @property
     def backend_label(self) -> str:

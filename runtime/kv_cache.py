@@ -116,6 +116,10 @@ def plan_capacity(spec: KVCacheSpec, budget_bytes: float, context_len: int) -> C
     """Pages, tokens and max concurrent sequences of ``context_len`` tokens that fit ``budget_bytes``."""
     if context_len <= 0:
         raise ValueError(f"context_len must be positive, got {context_len}")
+    if not (math.isfinite(budget_bytes) and budget_bytes > 0):
+        raise ValueError(f"budget_bytes must be positive and finite, got {budget_bytes}")
+    if spec.page_size <= 0 or spec.page_size & (spec.page_size - 1):
+        raise ValueError(f"page_size must be a positive power of two, got {spec.page_size}")
     bpt = bytes_per_token(spec)
     page_bytes = bpt * spec.page_size
     num_pages = int(budget_bytes // page_bytes)

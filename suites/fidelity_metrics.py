@@ -76,6 +76,12 @@ def p99(x: np.ndarray) -> float:
 
 
 def item_scores(kl: np.ndarray, top1: np.ndarray, ref_tok_lp: np.ndarray, cand_tok_lp: np.ndarray, divergence: int) -> dict:
+    """One text's figures (the ``scores`` of its item record).
+
+    ``kl_mean`` is the text's mean over its ``n_tokens`` tokens, so the suite-level KL mean (over every
+    token, ``pooled_summary``) is the ``n_tokens``-weighted mean of these; the report and the gate use that
+    one definition (``reports.analysis.fidelity_kl``).  ``kl_p99`` here is this text's own p99: per-text
+    percentiles do not combine into the pooled p99, which only ``pooled_summary`` (summary.json) holds."""
     n = int(len(kl))
     nll_ref = float(-np.mean(ref_tok_lp)) if n else 0.0
     nll_cand = float(-np.mean(cand_tok_lp)) if n else 0.0
@@ -94,7 +100,9 @@ def item_scores(kl: np.ndarray, top1: np.ndarray, ref_tok_lp: np.ndarray, cand_t
 
 
 def pooled_summary(kls: list[np.ndarray], top1s: list[np.ndarray], ref_lps: list[np.ndarray], cand_lps: list[np.ndarray], divs: list[int]) -> dict:
-    """Suite-level figures pooled over every token of every text (not a mean of per-text figures)."""
+    """Suite-level figures pooled over every token of every text (not a mean of per-text figures): ``kl_mean``
+    is the mean KL over every token (= the token-weighted mean of the texts' ``kl_mean``), ``kl_p99`` the
+    99th percentile of every token's KL."""
     kl = np.concatenate(kls) if kls else np.zeros(0)
     top1 = np.concatenate(top1s) if top1s else np.zeros(0)
     ref = np.concatenate(ref_lps) if ref_lps else np.zeros(0)

@@ -197,3 +197,15 @@ def test_bad_runs_get_clear_errors(tmp_path):
     with pytest.raises(RunLoadError, match="invalid JSON"):
         load_run(root)
     json.loads((root / "manifest.json").read_text())  # untouched
+
+
+def test_a_run_without_cells_says_so(tmp_path):
+    """A sweep killed before its first cell wrote cell.json: selecting says the run has no cells, instead of
+    calling the selector's keys unknown."""
+    root = make_run(tmp_path / "run", drops={"bf16": 0.0}, concurrency=(1,), aa=False)
+    for cell in (root / "cells").iterdir():
+        (cell / "cell.json").unlink()
+    run = load_run(root)
+    assert run.cells == []
+    with pytest.raises(RunLoadError, match="no cells yet"):
+        select(run.cells, "kv_dtype=bf16")

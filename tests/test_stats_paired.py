@@ -71,7 +71,12 @@ def test_paired_delta_uses_only_shared_keys_and_rejects_disjoint():
 def test_identical_cells_give_zero_delta_and_p_one():
     s = _binary(50, 0.5, 4)
     d = stats.paired_delta(s, dict(s), n_boot=1000)
-    assert d.delta == 0.0 and d.ci_lo == 0.0 and d.ci_hi == 0.0 and d.lower_bound == 0.0
+    assert d.delta == 0.0 and d.ci_lo == 0.0 and d.ci_hi == 0.0
+    # the non-inferiority bound does not collapse onto 0 without discordant pairs (Newcombe, not the bootstrap)
+    ones = int(sum(s.values()))
+    assert d.bound_method == "newcombe"
+    assert d.lower_bound == pytest.approx(stats.newcombe_paired_interval(ones, 0, 0, 50 - ones, 0.9)[0])
+    assert -0.1 < d.lower_bound < -0.01
     assert d.p_value == 1.0
     assert d.correlation == pytest.approx(1.0)
 

@@ -69,6 +69,8 @@ def test_eval_fidelity_reference_is_bf16_torch(tmp_path, fake, monkeypatch):
     assert s["kl_mean"] > 0 and s["n"] == 2
     # the bf16 candidate is the reference configuration itself: no second engine, KL exactly zero
     r = CliRunner().invoke(app, args + ["--fidelity-cache", str(tmp_path / "c2")])
+    assert r.exit_code == 2 and "--overwrite" in r.output  # results already there: refused, not replaced
+    r = CliRunner().invoke(app, args + ["--fidelity-cache", str(tmp_path / "c2"), "--overwrite"])
     assert r.exit_code == 0, r.output
     assert len(made) == 1
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["suites"]["fidelity"]["kl_max"] == 0.0
@@ -82,7 +84,7 @@ def test_eval_bad_input(tmp_path, fake):
     r = CliRunner().invoke(app, ["eval", "--suite", "gsm8k", "--limit", "0"])
     assert r.exit_code == 2
     r = CliRunner().invoke(app, ["eval", "--suite", "gpqa_diamond", "--data-dir", str(tmp_path / "missing")])
-    assert r.exit_code == 1 and "not a directory" in r.output
+    assert r.exit_code == 2 and "does not exist" in r.output
 
 
 def test_fidelity_table(tmp_path):

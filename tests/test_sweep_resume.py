@@ -94,8 +94,14 @@ def test_kill_9_then_resume(tmp_path):
     interrupted = [c.key for c in cells if st.status(c.key) == "running"]
     assert 2 <= len(done_before) < len(cells) and len(interrupted) == 1
     n_before = len(events(ev))
+    # what a write killed between its temporary file and the rename leaves behind: the resume removes it
+    stale = st.root / "cells" / interrupted[0] / ".summary.json.k1ll3d0x.tmp"
+    stale.write_text("{half")
+    keep = st.root / "cells" / interrupted[0] / "notes.tmp"  # not the store's pattern: left alone
+    keep.write_text("x")
 
     subprocess.run(cmd + ["1"], check=True, timeout=60)
+    assert not stale.exists() and keep.exists()
     second = events(ev)[n_before:]
     redone = {k for e, k in second if e == "start"}
     assert redone == {c.key for c in cells} - done_before  # unfinished and never-started cells, nothing else

@@ -1,4 +1,4 @@
-"""`kvbench bench`: GPU benchmarks (kernels, MLA kernels, engine decode step)."""
+"""`kvbench bench`: GPU benchmarks (kernels, MLA kernels)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    bench = typer.Typer(help="Benchmarks on a CUDA device: kernels, mla, engine.", no_args_is_help=True)
+    bench = typer.Typer(help="Benchmarks on a CUDA device: kernels (paged decode / prefill / append, MLA), mla (the MLA latent-cache kernels).", no_args_is_help=True)
     app.add_typer(bench, name="bench")
 
     @bench.command("kernels")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import typer
@@ -12,6 +13,13 @@ def capacity_rows(model_shape: str, kv_budget_gb: float, context: int, page_size
     from kvbench.runtime.kv_cache import plan_capacity
     from kvbench.runtime.model_shapes import get_shape
 
+    # the flags' own names in the messages; plan_capacity checks the same for library callers
+    if not (math.isfinite(kv_budget_gb) and kv_budget_gb > 0):
+        raise ValueError(f"--kv-budget-gb must be > 0, got {kv_budget_gb:g}")
+    if context <= 0:
+        raise ValueError(f"--context must be > 0, got {context}")
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"--page-size must be a positive power of two (as the engine requires), got {page_size}")
     shape = get_shape(model_shape)
     rows = []
     for name in formats or FORMAT_NAMES:
@@ -36,7 +44,8 @@ def register(app: typer.Typer) -> None:
         try:
             rows = capacity_rows(model_shape, kv_budget_gb, context, page_size)
         except ValueError as e:
-            raise typer.BadParameter(str(e)) from None
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
         if json_out:
             import json
 

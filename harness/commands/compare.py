@@ -24,6 +24,7 @@ def register(app: typer.Typer) -> None:
         n_boot: int = typer.Option(10_000, "--bootstrap", help="Paired-bootstrap resamples."),
         seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
     ) -> None:
+        from kvbench.harness.store import OutDirError, check_out_dir
         from kvbench.reports.compare import compare_analysis, load_runs, run_meta
         from kvbench.reports.html import ReportMeta, write_report
         from kvbench.reports.load import RunLoadError
@@ -32,6 +33,11 @@ def register(app: typer.Typer) -> None:
             _fail(f"--confidence must be in (0.5, 1), got {confidence}")
         if n_boot < 100:
             _fail(f"--bootstrap must be at least 100, got {n_boot}")
+        try:
+            check_out_dir(out, "--out")
+        except OutDirError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
         try:
             data = load_runs(list(runs))
             analysis = compare_analysis(data, confidence=confidence, n_boot=n_boot, seed=seed)

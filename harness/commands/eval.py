@@ -5,9 +5,11 @@
     kvbench eval --lm-eval hellaswag --limit 100 --endpoint http://127.0.0.1:8000
 
 ``--out DIR`` receives ``items.jsonl`` (one record per item and repeat) and ``summary.json`` (DESIGN §10),
-both written atomically.  The fidelity reference is the same engine configuration with bf16 KV, unit
-scales and torch backends; its top-k figures are cached per (model, reference, texts) in
-``--fidelity-cache`` (default ``$KVBENCH_CACHE/fidelity``, ``~/.cache/kvbench/fidelity``).
+both written atomically.  ``--out`` and ``--data-dir`` are checked before the model loads; a directory that
+already holds results is refused unless ``--overwrite`` is given, and a run that fails before producing any
+record writes nothing (earlier results stay as they were).  The fidelity reference is the same engine
+configuration with bf16 KV, unit scales and torch backends; its top-k figures are cached per (model,
+reference, texts) in ``--fidelity-cache`` (default ``$KVBENCH_CACHE/fidelity``, ``~/.cache/kvbench/fidelity``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,37 @@ def _open_client(engine, endpoint: Optional[str]):
     return EngineClient(engine)
 
 
+RESULT_FILES = ("items.jsonl", "summary.json")
+
+
+def _usage_error(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def _check_paths(data_dir: Optional[str], out: Optional[str], overwrite: bool) -> Optional[Path]:
+    """Fail fast (before the model loads) on a --data-dir or --out that cannot work; returns --out as a Path."""
+    from kvbench.harness.store import OutDirError, check_out_dir
+
+    if data_dir is not None:
+        d = Path(data_dir)
+        if not d.exists():
+            _usage_error(f"--data-dir {data_dir} does not exist")
+        if not d.is_dir():
+            _usage_error(f"--data-dir {data_dir} is not a directory")
+    if not out:
+        return None
+    try:
+        out_dir = check_out_dir(out, "--out")
+    except OutDirError as e:
+        _usage_error(str(e))
+    held = [n for n in RESULT_FILES if (out_dir / n).exists()]
+    if held and not overwrite:
+        _usage_error(f"--out {out} already holds results ({', '.join(held)}); pass --overwrite to replace them "
+                     "or choose another directory")
+    return out_dir
+
+
 def _print_summary(summaries: dict[str, dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -85,7 +118,8 @@ def register(app: typer.Typer) -> None:
         limit: Optional[int] = typer.Option(None, "--limit", help="First N items of each suite (fidelity: N texts, default 32)"),
         repeats: int = typer.Option(1, "--repeats", help="K samples per item (avg@K, pass@K)"),
         data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local JSONL/CSV/parquet files (else the dataset hub; env KVBENCH_DATA_DIR)"),
-        out: Optional[str] = typer.Option(None, "--out", help="Write items.jsonl and summary.json here"),
+        out: Optional[str] = typer.Option(None, "--out", help="Write items.jsonl and summary.json here (a directory; refused when it already holds them, see --overwrite)"),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace the items.jsonl / summary.json that --out already holds"),
         endpoint: Optional[str] = typer.Option(None, "--endpoint", help="External OpenAI-compatible server URL instead of the embedded engine"),
         concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight"),
         lm_eval: Optional[str] = typer.Option(None, "--lm-eval", help="Run an lm-eval task by name (same as --suite lm_eval:TASK)"),
@@ -121,6 +155,7 @@ def register(app: typer.Typer) -> None:
                                 max_tokens=max_tokens, temperature=temperature, progress=progress)
         except SuiteError as e:
             raise typer.BadParameter(str(e)) from None
+        out_dir = _check_paths(data_dir, out, overwrite)
 
         client = _open_client(engine, endpoint)
         ref_cfg = _reference_config(engine)
@@ -157,9 +192,13 @@ def register(app: typer.Typer) -> None:
             client.close()
         summary = {"suites": summaries, "load": None, "capacity": info.get("capacity"), "error": error,
                    "target": info, "engine": None if endpoint else engine.to_dict(), "endpoint": endpoint}
-        if out:
-            atomic_write_jsonl(Path(out) / "items.jsonl", records)
-            atomic_write_json(Path(out) / "summary.json", summary)
+        if out_dir is not None:
+            if records or not error:
+                atomic_write_jsonl(out_dir / "items.jsonl", records)
+                atomic_write_json(out_dir / "summary.json", summary)
+            else:  # nothing finished: leave whatever --out held as it was
+                typer.echo(f"no records; nothing written to {out}", err=True)
+                out = None
         if summaries:
             _print_summary(summaries)
         typer.echo(json.dumps({"suites": summaries, "error": error, "out": out}, indent=2, default=str))

@@ -13,7 +13,9 @@ from typing import List, Optional
 import typer
 
 _HELP = ("Non-inferiority gate: pass when the one-sided lower confidence bound of (candidate − baseline) "
-         "is above −δ for every gated metric. Exit 0 pass, 1 fail, 2 missing data or usage error.")
+         "is above −δ for every gated metric. 0/1 metrics (one repeat) use Newcombe's hybrid score interval for "
+         "paired proportions; --method applies to other scores. Baseline and candidate must hold the same items. "
+         "Exit 0 pass, 1 fail, 2 missing data or usage error.")
 
 
 def _error(msg: str) -> None:
@@ -66,11 +68,11 @@ def register(app: typer.Typer) -> None:
         baseline: Optional[str] = typer.Option(None, "--baseline", help="Cell selector of the baseline (default: the run config's baseline)."),
         metric: Optional[List[str]] = typer.Option(None, "--metric", help="Gated metric: SUITE or SUITE:METRIC or a score name (repeatable; default: every suite's primary metric)."),
         max_drop: Optional[List[str]] = typer.Option(None, "--max-drop", help="Allowed drop δ as a fraction (0.05 = 5 points), or SUITE=δ (repeatable)."),
-        max_invalid_increase: Optional[float] = typer.Option(None, "--max-invalid-increase", help="Allowed increase of the invalid-answer rate (default 0.05)."),
-        max_truncation_increase: Optional[float] = typer.Option(None, "--max-truncation-increase", help="Allowed increase of the truncation rate (default 0.05)."),
-        max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Largest allowed mean per-token fidelity KL (upper bound); not gated unless set here or in the config."),
-        confidence: Optional[float] = typer.Option(None, "--confidence", help="One-sided confidence level (default 0.95)."),
-        method: Optional[str] = typer.Option(None, "--method", help="Lower-bound method: bootstrap (default) or t."),
+        max_invalid_increase: Optional[float] = typer.Option(None, "--max-invalid-increase", help="Allowed increase of the invalid-answer rate, a fraction in [0, 1] (default 0.05)."),
+        max_truncation_increase: Optional[float] = typer.Option(None, "--max-truncation-increase", help="Allowed increase of the truncation rate, a fraction in [0, 1] (default 0.05)."),
+        max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Largest allowed fidelity KL mean over every token (summary.json's kl_mean; its upper bound is gated); not gated unless set here or in the config."),
+        confidence: Optional[float] = typer.Option(None, "--confidence", help="One-sided confidence level, strictly between 0.5 and 1 (default 0.95)."),
+        method: Optional[str] = typer.Option(None, "--method", help="Bound method for scores that are not 0/1 (and K>1): bootstrap (default) or t. 0/1 scores with one repeat always use Newcombe's interval."),
         config: Optional[Path] = typer.Option(None, "--config", help="Sweep config whose gate: section sets the thresholds (instead of the run's own)."),
         json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the decision as JSON here."),
     ) -> None:

@@ -24,6 +24,7 @@ def register(app: typer.Typer) -> None:
         n_boot: int = typer.Option(10_000, "--bootstrap", help="Paired-bootstrap resamples."),
         seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
     ) -> None:
+        from kvbench.harness.store import OutDirError, check_out_dir
         from kvbench.reports.compare import report_analysis, run_meta
         from kvbench.reports.html import ReportMeta, write_report
         from kvbench.reports.load import RunLoadError, load_run, selector_text
@@ -32,13 +33,19 @@ def register(app: typer.Typer) -> None:
             _fail(f"--confidence must be in (0.5, 1), got {confidence}")
         if n_boot < 100:
             _fail(f"--bootstrap must be at least 100, got {n_boot}")
+        out_dir = out or (run / "report")
+        if out is not None or run.is_dir():  # a RUN that is no directory is load_run's to report
+            try:
+                check_out_dir(out_dir, "--out" if out is not None else "report directory")
+            except OutDirError as e:
+                typer.echo(f"error: {e}", err=True)
+                raise typer.Exit(2) from None
         try:
             data = load_run(run)
             analysis = report_analysis(data, baseline, confidence=confidence, n_boot=n_boot, seed=seed)
         except (RunLoadError, ValueError) as e:
             _fail(str(e))
             return
-        out_dir = out or (run / "report")
         cmd = ["kvbench", "report", str(run), "--out", str(out_dir)] + (["--baseline", baseline] if baseline else [])
         meta_rows = run_meta(data)
         base = analysis.baseline

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Optional
 
 import typer
+
+DATA_DIR_ENV = "KVBENCH_DATA_DIR"  # suites.data.DATA_DIR_ENV (not imported: --help stays light)
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """A run directory must be a directory or not exist yet, and its nearest existing parent a directory."""
+    from kvbench.harness.sweep_config import SweepConfigError
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise SweepConfigError(f"--out {run_dir} exists and is not a directory")
+    for parent in run_dir.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise SweepConfigError(f"--out {run_dir}: {parent} is not a directory")
+            break
 
 
 def register(app: typer.Typer) -> None:
@@ -20,7 +37,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run the matrix of a sweep config: accuracy suites, fidelity, load tests and capacity per cell."""
         import logging
-        from pathlib import Path
 
         from kvbench.harness.matrix import expand, select
         from kvbench.harness.sweep_config import SweepConfigError, load_config
@@ -32,11 +48,15 @@ def register(app: typer.Typer) -> None:
                 if not Path(data_dir).is_dir():
                     raise SweepConfigError(f"--data-dir {data_dir} is not a directory")
                 cfg.data_dir = data_dir
+            elif cfg.data_dir is None and os.environ.get(DATA_DIR_ENV) and Path(os.environ[DATA_DIR_ENV]).is_dir():
+                # the suites would read it from the environment: record it (the manifest, --resume checks)
+                cfg.data_dir = os.environ[DATA_DIR_ENV]
             cells = select(expand(cfg), only)
+            run_dir = Path(out or Path("runs") / cfg.name)
+            _check_run_dir(run_dir)
         except SweepConfigError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)
-        run_dir = Path(out or Path("runs") / cfg.name)
         if dry_run:
             for c in cells:
                 typer.echo(f"{c.key}  {c.label}{'  [accuracy]' if c.run_accuracy else ''}")

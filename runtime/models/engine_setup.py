@@ -39,10 +39,21 @@ class EngineParts:
 
 
 def _device(cfg: EngineConfig) -> torch.device:
+    """The engine's device; a ``ValueError`` (one line for the command line) for a device string torch does
+    not parse, a device type the runtime does not run on, or a CUDA device this machine does not have."""
     if cfg.device:
-        dev = torch.device(cfg.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device cuda requested but no CUDA device is available")
+        try:
+            dev = torch.device(cfg.device)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ValueError(f"device {cfg.device!r} is not a device; use cpu, cuda or cuda:N ({e})") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {cfg.device!r} is not supported; use cpu, cuda or cuda:N")
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("device cuda requested but no CUDA device is available")
+            n = torch.cuda.device_count()
+            if dev.index is not None and dev.index >= n:
+                raise ValueError(f"device {cfg.device} requested but this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
         return dev
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
