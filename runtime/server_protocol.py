@@ -35,9 +35,19 @@ def parse_body(raw: bytes, model_id: str) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    try:  # JSON may escape a lone UTF-16 surrogate ("\ud800"), which is no text a tokenizer can take
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "request body holds a string that is not valid Unicode (an unpaired surrogate escape)") from None
+    except RecursionError:
+        raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
     name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise ApiError(400, f"'model' must be a string, got {json.dumps(name)[:80]}", param="model")
     if name is not None and name != model_id:
         raise ApiError(404, f"The model `{name}` does not exist; this server serves `{model_id}`", "not_found_error", "model", "model_not_found")
     return body
@@ -79,7 +89,21 @@ class ParsedRequest:
 
     def params_for(self, k: int) -> SamplingParams:
         seed = self.params.seed
-        return replace(self.params, seed=None if seed is None else seed + k)
+        return replace(self.params, seed=None if seed is None else choice_seed(seed, k))
+
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit integer, as torch's generators take
+
+
+def choice_seed(seed: int, k: int) -> int:
+    """The seed of choice ``k`` of a request with ``seed``: the seed itself for the first choice, a splitmix64
+    mix of (seed, k) for the others, so that choice 1 of seed s is not choice 0 of seed s + 1."""
+    if k == 0:
+        return seed
+    x = (seed + k * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1  # in [0, 2^63)
 
 
 def _parse_prompt(prompt, tok) -> list[list[int]]:
@@ -121,7 +145,9 @@ def _common(body: dict, prompt_lens: list[int], max_model_len: int, default_max_
     longest = max(prompt_lens)
     if longest >= max_model_len:
         raise ApiError(400, f"prompt has {longest} tokens; this model's context is {max_model_len} tokens", param="prompt", code="context_length_exceeded")
-    max_tokens = _get(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens", _is_int, "an integer")
+    # a null max_completion_tokens is "not given" (clients serialise unset fields as null): max_tokens then applies
+    max_tokens = _get(body, "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens",
+                      _is_int, "an integer")
     if max_tokens is None:
         max_tokens = default_max_tokens if default_max_tokens is not None else max_model_len - longest
     if max_tokens < (0 if echo else 1):
@@ -150,7 +176,13 @@ def _common(body: dict, prompt_lens: list[int], max_model_len: int, default_max_
         raise ApiError(400, "'logit_bias' is not supported", param="logit_bias")
     if body.get("tools"):
         raise ApiError(400, "'tools' are not supported", param="tools")
-    seed = _get(body, "seed", _is_int, "an integer")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported (no JSON mode)",
+                       param="response_format")
+    if not chat and body.get("suffix") not in (None, ""):
+        raise ApiError(400, "'suffix' is not supported", param="suffix")
+    seed = _get(body, "seed", lambda v: _is_int(v) and SEED_MIN <= v <= SEED_MAX, "an integer in [-2^63, 2^63)")
     stop = _get(body, "stop", _str_list, "a string or a list of strings", [])
     stop = [stop] if isinstance(stop, str) else [s for s in stop if s]
     stop_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(x) for x in v), "a list of integers", [])
@@ -169,8 +201,10 @@ def _common(body: dict, prompt_lens: list[int], max_model_len: int, default_max_
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
-    opts = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
-    include_usage = bool(opts.get("include_usage", False))
+    opts = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", None)
+    if opts is not None and not stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+    include_usage = _get(opts or {}, "include_usage", lambda v: isinstance(v, bool), "a boolean", False)
     params = SamplingParams(
         max_tokens=max(max_tokens, 1), temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed,
         stop=tuple(stop), stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos, min_tokens=min_tokens, logprobs=logprobs,
@@ -194,7 +228,10 @@ def parse_chat(body: dict, tok, max_model_len: int) -> ParsedRequest:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    clean = [{"role": m["role"], "content": _message_text(m)} for m in msgs]
+    clean = []
+    for m in msgs:
+        text = _message_text(m)  # checks that m is a message object with a known role first
+        clean.append({"role": m["role"], "content": text})
     try:
         text = tok.apply_chat_template(clean, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - template errors are the caller's input

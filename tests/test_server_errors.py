@@ -52,6 +52,22 @@ BAD = [
     ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": 7}]}, 400),
     ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": LONG}]}, 400),
     ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
+    # non-object messages or ones without a role (were 500s); a lone surrogate anywhere; deep nesting; a non-string
+    # model; stream_options without stream or with a non-boolean include_usage; seeds outside 64 bits; JSON mode
+    ("/v1/chat/completions", {"model": "fake-model", "messages": ["hi"]}, 400),
+    ("/v1/chat/completions", {"model": "fake-model", "messages": [{"content": "hi"}]}, 400),
+    ("/v1/chat/completions", {"model": "fake-model", "messages": [None]}, 400),
+    ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": "\udc00"}]}, 400),
+    ("/v1/completions", {"model": "fake-model", "prompt": "\ud800abc", "max_tokens": 3}, 400),
+    ("/tokenize", {"prompt": "\ud800"}, 400),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400),
+    ("/v1/completions", {"model": 5, "prompt": "hi"}, 400),
+    ("/v1/completions", {"model": "fake-model", "prompt": "hi", "stream_options": {"include_usage": True}}, 400),
+    ("/v1/completions", {"model": "fake-model", "prompt": "hi", "stream": True, "stream_options": {"include_usage": "no"}}, 400),
+    ("/v1/completions", {"model": "fake-model", "prompt": "hi", "temperature": 1, "seed": 2**64}, 400),
+    ("/v1/completions", {"model": "fake-model", "prompt": "hi", "suffix": "end"}, 400),
+    ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400),
     ("/v1/nope", {}, 404),
     ("/tokenize", {"prompt": 3}, 400),
     ("/detokenize", {"tokens": ["a"]}, 400),
@@ -69,6 +85,31 @@ def test_bad_input_gets_openai_error(server, path, body, status):
     # still serving
     ok = httpx.post(url + "/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_null_max_completion_tokens_means_not_given(server):
+    """Clients serialise unset fields as null: max_tokens then applies (it ran to the whole context before)."""
+    url, _ = server
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+            "max_completion_tokens": None}
+    r = httpx.post(url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "max_completion_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    # a paired surrogate (an emoji written as two escapes) is valid text
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "fake-model", "prompt": "\\ud83d\\ude00 hi", "max_tokens": 2}',
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+def test_choice_seeds_do_not_repeat_across_requests():
+    from kvbench.runtime.server_protocol import SEED_MAX, SEED_MIN, choice_seed
+
+    assert choice_seed(42, 0) == 42  # the first choice keeps the request's seed
+    seeds = {choice_seed(s, k) for s in range(40, 48) for k in range(4)}
+    assert len(seeds) == 32  # choice 1 of seed s is not choice 0 of seed s + 1
+    for s in (SEED_MIN, -1, 0, SEED_MAX):
+        assert all(0 <= choice_seed(s, k) <= SEED_MAX for k in range(1, 16))
 
 
 def test_get_on_post_route_is_openai_error(server):
