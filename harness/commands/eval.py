@@ -4,7 +4,7 @@
     kvbench eval --suite fidelity --kv-dtype fp8_e4m3 --kv-scales calibrate --limit 16 --data-dir DIR
     kvbench eval --lm-eval hellaswag --limit 100 --endpoint http://127.0.0.1:8000
 
-``--out DIR`` receives ``items.jsonl`` (one record per item and repeat) and ``summary.json`` (DESIGN §10),
+``--out DIR`` receives ``items.jsonl`` (one record per item and repeat) and ``summary.json`` (docs/accuracy.md),
 both written atomically.  ``--out`` and ``--data-dir`` are checked before the model loads; a directory that
 already holds results is refused unless ``--overwrite`` is given, and a run that fails before producing any
 record writes nothing (earlier results stay as they were).  The fidelity reference is the same engine
@@ -134,7 +134,7 @@ def register(app: typer.Typer) -> None:
         greedy_tokens: int = typer.Option(32, "--greedy-tokens", help="Fidelity: greedy continuation window"),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on a terminal"),
     ) -> None:
-        """Run accuracy and fidelity suites; per-item records and a summary (DESIGN §8, §10)."""
+        """Run accuracy and fidelity suites; per-item records and a summary (docs/accuracy.md)."""
         import json
         import logging
 
