@@ -203,7 +203,7 @@ def check_prefill(kv_dtype, dev, gen, prefix=(0, 1000, 5000, 16), new=(300, 64, 
 
 
 # (batch, cached prefix, new tokens): extends of a few to many tokens over a long prefix, and a fresh prefill
-PREFILL_CASES = ((2, 8192, 16), (2, 8192, 256), (16, 4096, 64), (1, 0, 2048))
+PREFILL_CASES = ((2, 8192, 4), (2, 8192, 16), (2, 8192, 256), (16, 4096, 64), (1, 0, 2048))
 
 
 def bench_prefill(kv_dtype, dev, gen, heads=H, cases=((2, 8192, 256), (1, 0, 2048)), fp8_query=False,
@@ -225,12 +225,13 @@ def bench_prefill(kv_dtype, dev, gen, heads=H, cases=((2, 8192, 256), (1, 0, 204
         kw = {}
         if fp8_query:
             ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
-        us = _bench(lambda: mla_prefill(ql, qp, cn, kn, cache, pt, sl, cu, SM, max_q_len=new, prefix_workspace=prefix_workspace,
-                                        **kw), ms=100)
+        fn = lambda: mla_prefill(ql, qp, cn, kn, cache, pt, sl, cu, SM, max_q_len=new, prefix_workspace=prefix_workspace, **kw)
+        us = _bench(fn, ms=100)
+        graph = _bench_graph(fn)
         flops = 2 * heads * (2 * RANK + ROPE) * b * (new * prefix + new * (new + 1) // 2)  # visible keys per new token
         read = "as stored" if kv_dtype in ("bf16", "fp16") else "registers" if prefix_workspace is False else "workspace"
-        out.append({"format": kv_dtype, "heads": heads, "batch": b, "prefix": prefix, "new": new, "us": us,
-                    "TFLOPs": flops / (us * 1e-6) / 1e12, "query": "e4m3" if fp8_query else "bf16", "prefix_read": read})
+        out.append({"format": kv_dtype, "heads": heads, "batch": b, "prefix": prefix, "new": new, "us": us, "graph_us": graph,
+                    "TFLOPs": flops / (graph * 1e-6) / 1e12, "query": "e4m3" if fp8_query else "bf16", "prefix_read": read})
         del cache
     return out
 
@@ -379,7 +380,8 @@ def _md(report: dict) -> str:
          "| check | " + " | ".join(FORMATS) + " |", "|---|" + "---|" * len(FORMATS)]
     for name in ("append", "decode", "decode H=16", "decode H=16 bytes", "decode H=128 units", "decode fp8 q",
                  "decode fp8 q H=16", "decode bytes 128-token tiles", "prefill", "prefill fp8 q", "prefill 128-token tiles",
-                 "prefill in registers", "prefill fp8 q in registers", "prefill 128-token tiles in registers"):
+                 "prefill in registers", "prefill fp8 q in registers", "prefill 128-token tiles in registers",
+                 "prefill split prefix", "prefill split prefix in registers"):
         cells = []
         for f in FORMATS:
             r = report["checks"].get(f, {}).get(name, {})
@@ -422,14 +424,17 @@ def _md(report: dict) -> str:
                 else:
                     L.append(f"| {name} | {cfg} | {r.get('error', 'error')[:60]} | | |")
     if report.get("prefill"):
-        L += ["", "Prefill/extend (absorbed, `do_bench`); the cached prefix read as stored (16-bit), through the prefix "
-              "workspace (dequantized once; mla_prefill's default) or dequantized in registers by "
-              "every program; TFLOP/s over the visible keys of each new token:",
-              "", "| format | query | prefix read | heads | batch | cached prefix | new tokens | µs | TFLOP/s |",
-              "|---|---|---|---|---|---|---|---|---|"]
+        L += ["", "Prefill/extend (absorbed, mla_prefill's defaults: a few new tokens split the prefix over programs); "
+              "the cached prefix read as stored (16-bit), through the prefix workspace (dequantized once; the default) "
+              "or dequantized in registers by every program.  µs: `do_bench` (the host's launches included: several "
+              "per call); graph µs: replayed as a CUDA graph; TFLOP/s over the visible keys of each new token, from "
+              "the graph time:",
+              "", "| format | query | prefix read | heads | batch | cached prefix | new tokens | µs | graph µs | TFLOP/s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
         for r in report["prefill"]:
+            g = r.get("graph_us")
             L.append(f"| {r['format']} | {r['query']} | {r.get('prefix_read', '')} | {r['heads']} | {r['batch']} | "
-                     f"{r['prefix']} | {r['new']} | {r['us']:.1f} | {r['TFLOPs']:.0f} |")
+                     f"{r['prefix']} | {r['new']} | {r['us']:.1f} | {'' if g is None else f'{g:.1f}'} | {r['TFLOPs']:.0f} |")
     L += ["", "Append (H=128 q_pe heads): fused Triton vs unfused torch (RoPE, formats.quantize, indexed store):", "",
           "| format | tokens | fused µs | unfused µs | fused / unfused |", "|---|---|---|---|---|"]
     for r in report["append"]:
@@ -500,6 +505,8 @@ def main(argv=None) -> int:
                  "prefill fp8 q": _guard(check_prefill, f, dev, gen, fp8_query=True),
                  "prefill 128-token tiles": _guard(check_prefill, f, dev, gen, block_n=128, num_stages=1),
                  "prefill in registers": _guard(check_prefill, f, dev, gen, prefix_workspace=False),
+                 "prefill split prefix": _guard(check_prefill, f, dev, gen, num_splits=5),
+                 "prefill split prefix in registers": _guard(check_prefill, f, dev, gen, num_splits=5, prefix_workspace=False),
                  "prefill fp8 q in registers": _guard(check_prefill, f, dev, gen, fp8_query=True, prefix_workspace=False),
                  "prefill 128-token tiles in registers": (
                      _guard(check_prefill, f, dev, gen, block_n=128, num_stages=1, prefix_workspace=False) if f != "nvfp4"

@@ -16,6 +16,11 @@ reading it: with the workspace, extends over an 8192-token prefix ran 1.2-2.0x f
 new token to 512 (docs/mla.md, "Prefix workspace"); serving engines dequantize an MLA prefix into a
 workspace for the same reason.  The workspace holds whole sequences, at most ``workspace_bytes`` at a time
 (sequences are processed in groups); a single prefix larger than that falls back to the first way.
+
+An extend of a few tokens has few (token tile, head group) programs; the prefix is then split over several
+programs per tile (``num_splits``, ``default_num_splits``), and ``mla_decode``'s merge combines their partial
+outputs by log-sum-exp (2 × 8192 cached + 1 new at 16 heads on an H200: 522 -> 33 us; docs/mla.md, "Prefix
+split").
 """
 
 from __future__ import annotations
@@ -49,24 +54,41 @@ def _softmax_pv(acc, m, l, s, c, visible, scale, vscale, DT: tl.constexpr):
 
 @triton.jit
 def _mla_prefill_kernel(
-    QL, QP, QLH, QPH, CN, KN, KV, BS, KSCALE, QSCALE, PT, SL, CU, OUT,
+    QL, QP, QLH, QPH, CN, KN, KV, BS, KSCALE, QSCALE, PT, SL, CU, OUT, MO, ML,
     sm_scale_log2,
     stride_lt, stride_lh, stride_pt_, stride_ph, stride_ct, stride_kt, stride_tab, stride_ot, stride_oh,
-    H,
+    H, num_splits,
     PAGE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, TB: tl.constexpr, HB: tl.constexpr,
     BLOCK_N: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr, Q_FP8: tl.constexpr, FP8_SCORES: tl.constexpr = False,
+    SPLIT: tl.constexpr = False,
 ):
     """``FP8_SCORES`` (e4m3 queries over an e4m3 latent): the prefix tiles' scores as fp8 dots of the query
     on the tile as stored, which is converted only for ``P·c``; the new tokens' part loads the query from
     ``QLH`` / ``QPH``, the same values in ``DT`` (converted before the launch; loaded as fp8 and converted
-    here, a 2048-token prefill with nothing cached took 544 us against 509, 16 heads on an H100)."""
+    here, a 2048-token prefill with nothing cached took 544 us against 509, 16 heads on an H100).
+    ``SPLIT``: program axis 2 is (head group, split); split ``sp`` of ``num_splits`` takes its share of the
+    prefix tiles, the last one also the new tokens, and each stores its normalized partial output to
+    ``MO [T, H, num_splits, RANK]`` (float32) and its log2-sum-exp to ``ML [T, H, num_splits]`` for
+    ``mla_decode``'s merge (``-inf``: the split saw no key)."""
     tb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    hg = tl.program_id(2)
+    if SPLIT:
+        hg = tl.program_id(2) // num_splits
+        sp = tl.program_id(2) % num_splits
+    else:
+        hg = tl.program_id(2)
+        sp = 0
     q0 = tl.load(CU + b)
     q_len = tl.load(CU + b + 1) - q0
     if tb * TB < q_len:
         prefix = tl.load(SL + b) - q_len
+        if SPLIT:  # this split's prefix tiles
+            share = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
+            p_lo = sp * share
+            p_hi = tl.minimum(p_lo + share, prefix)
+        else:
+            p_lo = 0
+            p_hi = prefix
         r = tl.arange(0, TB * HB)
         tt = tb * TB + r // HB
         hh = hg * HB + r % HB
@@ -91,9 +113,9 @@ def _mla_prefill_kernel(
         l = tl.zeros([TB * HB], tl.float32)
         acc = tl.zeros([TB * HB, RANK], tl.float32)
         # Cached prefix, from the pages (every prefix token precedes every new token).
-        for n0 in range(0, prefix, BLOCK_N):
+        for n0 in range(p_lo, p_hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
-            nm = pos < prefix
+            nm = pos < p_hi
             page = tl.load(PT + b * stride_tab + pos // PAGE, mask=nm, other=0).to(tl.int64)
             if FP8_SCORES:
                 c8, kpe8 = load_latent_tile(KV, BS, page * PAGE + pos % PAGE, nm, RANK, ROPE, FMT, KV.dtype.element_ty)
@@ -105,8 +127,8 @@ def _mla_prefill_kernel(
         if FP8_SCORES:  # the new tokens' keys are in compute precision
             ql = tl.load(QLH + tok[:, None] * stride_lt + hs[:, None] * stride_lh + dr[None, :])
             qp = tl.load(QPH + tok[:, None] * stride_pt_ + hs[:, None] * stride_ph + dp[None, :])
-        # The new tokens themselves, causally, in compute precision.
-        hi = tl.minimum(q_len, (tb + 1) * TB)
+        # The new tokens themselves, causally, in compute precision (the last split's share).
+        hi = tl.where(sp == num_splits - 1, tl.minimum(q_len, (tb + 1) * TB), 0)
         for n0 in range(0, hi, BLOCK_N):
             j = n0 + tl.arange(0, BLOCK_N)
             jm = j < hi
@@ -115,8 +137,15 @@ def _mla_prefill_kernel(
             kpe = tl.load(KN + jt[:, None] * stride_kt + dp[None, :], mask=jm[:, None], other=0.0).to(DT)
             vis = jm[None, :] & (j[None, :] <= tt[:, None])
             acc, m, l = _attend_tile(acc, m, l, ql, qp, c, kpe, vis, scale, 1.0, DT)
-        out = acc / l[:, None]
-        tl.store(OUT + tok[:, None] * stride_ot + hs[:, None] * stride_oh + dr[None, :], out.to(OUT.dtype.element_ty), mask=rm[:, None])
+        if SPLIT:
+            seen = l > 0
+            out = acc / tl.where(seen, l, 1.0)[:, None]
+            row = (tok * H + hs) * num_splits + sp
+            tl.store(MO + row[:, None] * RANK + dr[None, :], out, mask=rm[:, None])
+            tl.store(ML + row, tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf")), mask=rm)
+        else:
+            out = acc / l[:, None]
+            tl.store(OUT + tok[:, None] * stride_ot + hs[:, None] * stride_oh + dr[None, :], out.to(OUT.dtype.element_ty), mask=rm[:, None])
 
 
 @triton.jit
@@ -143,6 +172,8 @@ def _dequant_prefix(
 # Prefix workspace (fp8 / nvfp4 caches): at most this many bytes at a time (the runtime reserves them with its
 # activations, runtime/models/engine_setup.py).
 WORKSPACE_BYTES = 512 << 20
+# Split prefix (few-token extends): the float32 partial outputs stay within this many bytes.
+_SPLIT_BYTES = 256 << 20
 
 # Launch defaults by format code (block_m, heads_per_block, block_n, num_warps, num_stages): 64 rows of 4 tokens x 16
 # heads on two warp groups (the 64 x 512 fp32 accumulator spills on one).  H100, 2026-11-21 20:44 UTC, batch 2 x 256
@@ -155,7 +186,7 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
                 max_q_len: int | None = None, q_scale=None, block_m: int | None = None, heads_per_block: int | None = None,
                 block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                 fp8_scores: bool | None = None, prefix_workspace: bool | None = None,
-                workspace_bytes: int | None = None, out=None):
+                workspace_bytes: int | None = None, num_splits: int | None = None, out=None):
     """Absorbed MLA prefill/extend over ragged batches.
 
     ``q_lat [T, H, rank]``, ``q_pe [T, H, rope]`` (RoPE applied; or both fp8 e4m3 with ``q_scale``),
@@ -220,8 +251,19 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
             prefix_workspace = False  # nothing cached: nothing to dequantize
         elif not ws_ok:
             raise ValueError(f"one sequence's prefix ({seq_bytes} bytes) exceeds workspace_bytes ({budget})")
+    if num_splits is not None and int(num_splits) < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     if t == 0 or b == 0:
         return out
+    tb, hb, bn = _blocks(0 if prefix_workspace else fmt, h, block_m, heads_per_block, block_n, None, None)[:3]
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        num_splits = default_num_splits(triton.cdiv(max_q_len, tb) * b * triton.cdiv(h, hb), rows, bn, sms,
+                                        t * h * lay.kv_lora_rank * 4)
+    mid = None
+    if num_splits > 1:
+        mid = (torch.empty(t, h, num_splits, lay.kv_lora_rank, dtype=torch.float32, device=dev),
+               torch.empty(t, h, num_splits, dtype=torch.float32, device=dev), int(num_splits))
     if prefix_workspace:
         group = min(b, budget // seq_bytes)  # sequences per workspace fill (ws_ok: at least one)
         ws = torch.empty(group * rows // page, page, 1, lay.head_dim, dtype=cdt, device=dev)
@@ -237,8 +279,8 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
                 PAGE=page, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, FMT=fmt, DT=tl_dtype(cdt), SUB=sub,
             )
             _launch(q_lat, q_pe, c_kv, k_pe, ws, ws, cache.k_scale, q_scale if q_fp8 else cache.k_scale, ws_pt[: g1 - g0],
-                    sl_g, cu_g, out, sm_scale, max_q_len, h, page, lay, 0, cdt, q_fp8, False, *b_blocks)
-        return out
+                    sl_g, cu_g, out, sm_scale, max_q_len, h, page, lay, 0, cdt, q_fp8, False, *b_blocks, mid=mid)
+        return _merge(mid, out, h, lay.kv_lora_rank)
     if fmt == FMT_NVFP4 and block_n is not None and block_n > 64:
         # the GPU check (mla_check, "prefill 128-token tiles") found 2.4e-1 relative error with nvfp4 at 128-token
         # tiles on an H100 with Triton 3.6 (the interpreter is exact); refused rather than wrong
@@ -246,7 +288,25 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
                          "unset for the default (64) or pass 64 or less, or use the prefix workspace")
     _launch(q_lat, q_pe, c_kv, k_pe, cache.data, _bs_of(cache), cache.k_scale, q_scale if q_fp8 else cache.k_scale,
             page_table, seq_lens, cu_seqlens_q, out, sm_scale, max_q_len, h, page, lay, fmt, cdt, q_fp8, fp8_scores,
-            *b_blocks)
+            *b_blocks, mid=mid)
+    return _merge(mid, out, h, lay.kv_lora_rank)
+
+
+def _merge(mid, out, h: int, rank: int):
+    """The split partial outputs of every new token merged into ``out`` (``mla_decode``'s merge, one row per
+    token; the partials already carry ``k_scale``); ``mid`` None: nothing to do."""
+    if mid is None:
+        return out
+    import torch
+
+    from kvbench.kernels.mla_decode import _mla_decode_merge
+
+    mo, ml, splits = mid
+    one = torch.ones(1, dtype=torch.float32, device=out.device)
+    _mla_decode_merge[(out.shape[0], h)](
+        mo, ml, one, out, mo.stride(0), mo.stride(1), mo.stride(2), out.stride(0), out.stride(1), h, splits,
+        RANK=rank, NSP=max(64, triton.next_power_of_2(splits)), SB=8, num_warps=4,
+    )
     return out
 
 
@@ -255,17 +315,30 @@ def _bs_of(cache: LatentCache):
     return cache.block_scale if cache.block_scale is not None else cache.data
 
 
-def _launch(q_lat, q_pe, c_kv, k_pe, kv, bs, k_scale, qs, page_table, seq_lens, cu_seqlens_q, out, sm_scale, max_q_len, h,
-            page, lay, fmt, cdt, q_fp8, fp8_scores, block_m, heads_per_block, block_n, num_warps, num_stages):
-    """One launch of the prefill kernel over a (possibly workspace) latent cache of format code ``fmt``."""
+def _blocks(fmt, h, block_m, heads_per_block, block_n, num_warps, num_stages):
+    """Launch parameters for format code ``fmt`` (``None`` = ``_PREFILL_DEFAULTS``): (tb, hb, block_n, warps, stages)."""
     d_bm, d_hb, d_bn, d_nw, d_ns = _PREFILL_DEFAULTS[fmt]
     block_m = d_bm if block_m is None else block_m
     heads_per_block = d_hb if heads_per_block is None else heads_per_block
-    block_n = d_bn if block_n is None else block_n
-    num_warps = d_nw if num_warps is None else num_warps
-    num_stages = d_ns if num_stages is None else num_stages
     hb = min(triton.next_power_of_2(h), heads_per_block, block_m)
-    tb = max(1, block_m // hb)
+    return (max(1, block_m // hb), hb, d_bn if block_n is None else block_n, d_nw if num_warps is None else num_warps,
+            d_ns if num_stages is None else num_stages)
+
+
+def default_num_splits(programs: int, prefix_bound: int, block_n: int, num_sms: int, mid_bytes_per_split: int) -> int:
+    """Splits of the prefix when the launch has fewer programs than SMs: about one program per SM, never
+    splits shorter than four tiles, at most 64, and the partial outputs within ``_SPLIT_BYTES``."""
+    n = min(max(1, num_sms // max(programs, 1)), max(1, prefix_bound // (4 * block_n)), 64)
+    while n > 1 and n * mid_bytes_per_split > _SPLIT_BYTES:
+        n //= 2
+    return n
+
+
+def _launch(q_lat, q_pe, c_kv, k_pe, kv, bs, k_scale, qs, page_table, seq_lens, cu_seqlens_q, out, sm_scale, max_q_len, h,
+            page, lay, fmt, cdt, q_fp8, fp8_scores, block_m, heads_per_block, block_n, num_warps, num_stages, mid=None):
+    """One launch of the prefill kernel over a (possibly workspace) latent cache of format code ``fmt``;
+    ``mid = (MO, ML, num_splits)``: the prefix split, partial outputs there (merged by the caller)."""
+    tb, hb, block_n, num_warps, num_stages = _blocks(fmt, h, block_m, heads_per_block, block_n, num_warps, num_stages)
     scores_ok = lay.kv_dtype == "fp8_e4m3" and q_fp8 and fmt != 0
     if fp8_scores and not scores_ok:
         raise ValueError("fp8_scores needs e4m3 queries (with q_scale) and an fp8_e4m3 latent cache")
@@ -281,13 +354,15 @@ def _launch(q_lat, q_pe, c_kv, k_pe, kv, bs, k_scale, qs, page_table, seq_lens, 
         elif qlh.stride() != q_lat.stride() or qph.stride() != q_pe.stride():  # the kernel indexes both alike
             q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
     b = page_table.shape[0]
-    grid = (triton.cdiv(max_q_len, tb), b, triton.cdiv(h, hb))
+    mo, ml, splits = mid if mid is not None else (out, out, 1)
+    grid = (triton.cdiv(max_q_len, tb), b, triton.cdiv(h, hb) * splits)
     _mla_prefill_kernel[grid](
-        q_lat, q_pe, qlh, qph, c_kv, k_pe, kv, bs, k_scale, qs, page_table, seq_lens, cu_seqlens_q, out,
+        q_lat, q_pe, qlh, qph, c_kv, k_pe, kv, bs, k_scale, qs, page_table, seq_lens, cu_seqlens_q, out, mo, ml,
         float(sm_scale) * math.log2(math.e),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), c_kv.stride(0), k_pe.stride(0),
         page_table.stride(0), out.stride(0), out.stride(1),
-        h,
+        h, splits,
         PAGE=page, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, TB=tb, HB=hb, BLOCK_N=block_n,
-        FMT=fmt, DT=tl_dtype(cdt), Q_FP8=q_fp8, FP8_SCORES=fp8_scores, num_warps=num_warps, num_stages=num_stages,
+        FMT=fmt, DT=tl_dtype(cdt), Q_FP8=q_fp8, FP8_SCORES=fp8_scores, SPLIT=mid is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )

@@ -163,3 +163,33 @@ def test_prefill_rejects_bad_input():
         mla_prefill(ql, qp, c, k, cache, pt, sl, cu.long(), 0.1)
     with pytest.raises(ValueError, match="q_pe"):
         mla_prefill(ql, qp.double(), c, k, cache, pt, sl, cu, 0.1)
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_prefix_split_matches_reference(kv_dtype, monkeypatch):
+    """The prefix split over programs, partial outputs merged by log-sum-exp: 2, 3 and 7 splits (so some
+    splits see no prefix key: the 8-token prefix, the sequence with none), in registers and through the
+    workspace; the merge runs once per call."""
+    import kvbench.kernels.mla_prefill as P
+    from kvbench.kernels import mla_decode as D
+
+    merges = _CountLaunches(D._mla_decode_merge)
+    monkeypatch.setattr(D, "_mla_decode_merge", merges)
+    prefix, new = [13, 8, 0, 70], [7, 2, 19, 1]
+    for i, splits in enumerate((2, 3, 7)):
+        for ws in ((False,) if kv_dtype == "bf16" else (False, True)):
+            err = _run(kv_dtype, prefix, new, seed=100 + i, num_splits=splits, prefix_workspace=ws)
+            assert err < 1e-5, (splits, ws, err)
+    assert len(merges.grids) == 3 * (1 if kv_dtype == "bf16" else 2)
+    assert P.default_num_splits(8, 16384, 64, 132, 1 << 20) == 16  # few programs: about one per SM
+    assert P.default_num_splits(200, 16384, 64, 132, 1 << 20) == 1
+    assert P.default_num_splits(1, 300, 64, 132, 1 << 20) == 1  # never splits shorter than four tiles
+    assert P.default_num_splits(1, 1 << 20, 64, 132, 200 << 20) == 1  # the partial outputs' memory bound
+
+
+def test_prefix_split_with_fp8_queries_and_workspace_groups():
+    """e4m3 queries (fp8 score dots on the stored prefix, or the workspace in fill groups) with the prefix split."""
+    for kw in (dict(fp8_scores=True), dict(prefix_workspace=True, workspace_bytes=2 * 6 * 4 * 96 * 4 + 1)):
+        assert _run("fp8_e4m3", [13, 0, 21], [7, 19, 1], seed=110, q_fp8=True, num_splits=3, **kw) < 5e-3, kw
+    with pytest.raises(ValueError, match="num_splits"):
+        _run("fp8_e4m3", [5], [3], seed=111, num_splits=0)
