@@ -316,7 +316,7 @@ class PairedDelta:
     base_mean: float
     cand_mean: float
     delta: float
-    ci_lo: float  # two-sided paired-bootstrap CI at ``confidence``
+    ci_lo: float  # two-sided CI at ``confidence``: Newcombe's when bound_method is "newcombe", else paired bootstrap
     ci_hi: float
     lower_bound: float  # one-sided lower confidence bound at ``confidence``
     p_value: float
@@ -361,7 +361,8 @@ def paired_delta(
       pairs; when no pair is discordant that is not optimistic: for a given mean discordance rate, the
       chance of seeing none at all is largest when the rate is the same for every question.
 
-    ``ci_lo``/``ci_hi`` stay the two-sided paired-bootstrap CI (what the report shows)."""
+    ``ci_lo``/``ci_hi`` (what the report shows): Newcombe's two-sided interval at ``confidence`` where the
+    lower bound is Newcombe's, else the two-sided paired-bootstrap CI."""
     if bound_method not in ("bootstrap", "t"):
         raise ValueError(f"bound_method must be 'bootstrap' or 't', got {bound_method!r}")
     check_confidence(confidence)
@@ -396,8 +397,12 @@ def paired_delta(
         n11 = sum(1 for key in keys if c_vals[key] == 1.0 and b_vals[key] == 1.0)
         n10 = sum(1 for key in keys if c_vals[key] == 1.0 and b_vals[key] == 0.0)
         n01 = sum(1 for key in keys if c_vals[key] == 0.0 and b_vals[key] == 1.0)
-        lower = newcombe_paired_interval(n11, n10, n01, len(keys) - n11 - n10 - n01, 1.0 - 2.0 * alpha)[0]
+        n00 = len(keys) - n11 - n10 - n01
+        lower = newcombe_paired_interval(n11, n10, n01, n00, 1.0 - 2.0 * alpha)[0]
         used = "newcombe"
+        # the two-sided interval the report shows: the same construction (a bootstrap over 0/1 pairs that all
+        # agree has zero width)
+        ci_lo, ci_hi = newcombe_paired_interval(n11, n10, n01, n00, confidence)
     elif degenerate:
         lower, used = -math.inf, bound_method
     elif bound_method == "bootstrap":

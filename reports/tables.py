@@ -129,8 +129,9 @@ def delta_table(a: Analysis) -> Table:
                      fmt_pp(d.delta), f"[{fmt_pp(d.ci_lo)}, {fmt_pp(d.ci_hi)}]", f"{fmt_p(d.p_value)} ({d.p_method})",
                      fmt_p(r.p_holm), fmt_num(d.correlation, 2) if d.correlation is not None else "—", disc])
     return Table("Paired deltas against the baseline", ["suite", "cell", "baseline", "pairs", "baseline acc.", "cell acc.",
-                 "Δ", f"{conf} CI (bootstrap)", "p", "p (Holm)", "corr.", "lost/gained"], rows,
-                 note="Pairs share (item, repeat). CI: paired bootstrap over questions (seeded). p: exact McNemar for K=1, "
+                 "Δ", f"{conf} CI", "p", "p (Holm)", "corr.", "lost/gained"], rows,
+                 note="Pairs share (item, repeat). CI: Newcombe's paired score interval for 0/1 scores with K=1 (it keeps "
+                      "a width when every pair agrees), else a paired bootstrap over questions (seeded). p: exact McNemar for K=1, "
                       "paired t-test over per-question means for K>1; Holm-corrected across the comparisons of this report. "
                       "lost/gained: items the baseline got right and the cell wrong, and the reverse.")
 

@@ -71,9 +71,11 @@ def test_paired_delta_uses_only_shared_keys_and_rejects_disjoint():
 def test_identical_cells_give_zero_delta_and_p_one():
     s = _binary(50, 0.5, 4)
     d = stats.paired_delta(s, dict(s), n_boot=1000)
-    assert d.delta == 0.0 and d.ci_lo == 0.0 and d.ci_hi == 0.0
-    # the non-inferiority bound does not collapse onto 0 without discordant pairs (Newcombe, not the bootstrap)
     ones = int(sum(s.values()))
+    # neither the reported interval nor the non-inferiority bound collapses onto 0 without discordant pairs
+    # (Newcombe, not the bootstrap)
+    assert d.delta == 0.0 and (d.ci_lo, d.ci_hi) == pytest.approx(stats.newcombe_paired_interval(ones, 0, 0, 50 - ones, 0.95))
+    assert d.ci_lo < -0.01 and d.ci_hi > 0.01
     assert d.bound_method == "newcombe"
     assert d.lower_bound == pytest.approx(stats.newcombe_paired_interval(ones, 0, 0, 50 - ones, 0.9)[0])
     assert -0.1 < d.lower_bound < -0.01
