@@ -159,16 +159,24 @@ def compile_mla_decode():
 def compile_mla_prefill():
     import triton.language as tl
 
-    from kvbench.kernels.mla_prefill import _mla_prefill_kernel
+    from kvbench.kernels.mla_prefill import _dequant_prefix, _mla_prefill_kernel
+
+    # the prefix workspace fill: fp8 and nvfp4 pages into bf16 rows
+    for kv_ty, fmt in (("*fp8e4nv", 1), ("*u8", 2)):
+        _compile(_dequant_prefix, dict(PAGE=64, RANK=512, ROPE=64, FMT=fmt, DT=tl.bfloat16, SUB=64),
+                 dict(KV=kv_ty, BS="*fp8e4nv", PT="*i32", SL="*i32", CU="*i32", WS="*bf16"), num_warps=4)
 
     ptrs = dict(CN="*bf16", KN="*bf16", BS="*fp8e4nv", KSCALE="*fp32", QSCALE="*fp32", PT="*i32", SL="*i32", CU="*i32",
-                OUT="*bf16")
+                OUT="*bf16", MO="*fp32", ML="*fp32")
     # the defaults' shape (4 tokens x 16 heads, 64-token tiles, 8 warps): converted bf16 / e4m3 / nvfp4 tiles, and
-    # e4m3 queries over an e4m3 prefix as fp8 wgmma scores
+    # e4m3 queries over an e4m3 prefix as fp8 wgmma scores; the prefix split (partial outputs) over the 16-bit
+    # workspace and over an e4m3 prefix with fp8 scores
     variants = [("*bf16", "*bf16", dict(FMT=0)), ("*fp8e4nv", "*bf16", dict(FMT=1)), ("*u8", "*bf16", dict(FMT=2)),
-                ("*fp8e4nv", "*fp8e4nv", dict(FMT=1, FP8_SCORES=True, Q_FP8=True))]
+                ("*fp8e4nv", "*fp8e4nv", dict(FMT=1, FP8_SCORES=True, Q_FP8=True)), ("*bf16", "*bf16", dict(FMT=0, SPLIT=True)),
+                ("*fp8e4nv", "*fp8e4nv", dict(FMT=1, FP8_SCORES=True, Q_FP8=True, SPLIT=True))]
     for kv_ty, q_ty, extra in variants:
-        c = dict(PAGE=64, RANK=512, ROPE=64, TB=4, HB=16, BLOCK_N=64, DT=tl.bfloat16, Q_FP8=False, FP8_SCORES=False)
+        c = dict(PAGE=64, RANK=512, ROPE=64, TB=4, HB=16, BLOCK_N=64, DT=tl.bfloat16, Q_FP8=False, FP8_SCORES=False,
+                 SPLIT=False)
         c.update(extra)
         k = _compile(_mla_prefill_kernel, c, dict(ptrs, KV=kv_ty, QL=q_ty, QP=q_ty, QLH="*bf16", QPH="*bf16"), ("sm_scale_log2",),
                      num_warps=8)
