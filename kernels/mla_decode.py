@@ -277,6 +277,7 @@ def _mla_decode_split(
 def _mla_decode_merge(
     MO, ML, KSCALE, OUT, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, H, num_splits,
     RANK: tl.constexpr, NSP: tl.constexpr, SB: tl.constexpr, NP: tl.constexpr = 1, W: tl.constexpr = 1,
+    SCALED: tl.constexpr = True,
 ):
     """One (sequence, head): the splits' partial outputs weighted by their log-sum-exp.  The maximum over
     all log-sum-exps first (``NSP``: 64, or the split count rounded up to a power of two above that; masked
@@ -302,7 +303,9 @@ def _mla_decode_merge(
         part = tl.load(MO + b * stride_mb + h * stride_mh + sp[:, None] * stride_ms + dr[None, :],
                        mask=live[:, None], other=0.0)
         acc += tl.sum(part * e[:, None], axis=0)
-    out = tl.where(w > 0, acc / tl.maximum(w, 1e-30), 0.0) * tl.load(KSCALE)
+    out = tl.where(w > 0, acc / tl.maximum(w, 1e-30), 0.0)
+    if SCALED:  # False: the partials already carry the per-layer scale (mla_prefill's split)
+        out = out * tl.load(KSCALE)
     tl.store(OUT + b * stride_ob + h * stride_oh + _element_col(dr, NP, W), out.to(OUT.dtype.element_ty))
 
 

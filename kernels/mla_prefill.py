@@ -25,6 +25,7 @@ split").
 
 from __future__ import annotations
 
+import functools
 import math
 
 import triton
@@ -267,7 +268,7 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
     if prefix_workspace:
         group = min(b, budget // seq_bytes)  # sequences per workspace fill (ws_ok: at least one)
         ws = torch.empty(group * rows // page, page, 1, lay.head_dim, dtype=cdt, device=dev)
-        ws_pt = torch.arange(group * rows // page, dtype=torch.int32, device=dev).view(group, rows // page)
+        ws_pt = _identity_table(dev, group, rows // page)
         if q_fp8:  # converted once for every group (exact; _launch's own conversion is then a no-op)
             q_lat, q_pe = q_lat.to(cdt).contiguous(), q_pe.to(cdt).contiguous()
         sub = 64
@@ -297,17 +298,23 @@ def _merge(mid, out, h: int, rank: int):
     token; the partials already carry ``k_scale``); ``mid`` None: nothing to do."""
     if mid is None:
         return out
-    import torch
-
     from kvbench.kernels.mla_decode import _mla_decode_merge
 
     mo, ml, splits = mid
-    one = torch.ones(1, dtype=torch.float32, device=out.device)
     _mla_decode_merge[(out.shape[0], h)](
-        mo, ml, one, out, mo.stride(0), mo.stride(1), mo.stride(2), out.stride(0), out.stride(1), h, splits,
-        RANK=rank, NSP=max(64, triton.next_power_of_2(splits)), SB=8, num_warps=4,
+        mo, ml, mo, out, mo.stride(0), mo.stride(1), mo.stride(2), out.stride(0), out.stride(1), h, splits,
+        RANK=rank, NSP=max(64, triton.next_power_of_2(splits)), SB=8, SCALED=False, num_warps=4,
     )
     return out
+
+
+@functools.lru_cache(maxsize=32)
+def _identity_table(dev, seqs: int, width: int):
+    """The workspace's page table: sequence ``i`` owns pages ``i·width .. i·width + width − 1`` (int32, on ``dev``;
+    kept, as it never changes, so a call does not launch a fill for it)."""
+    import torch
+
+    return torch.arange(seqs * width, dtype=torch.int32, device=dev).view(seqs, width)
 
 
 def _bs_of(cache: LatentCache):

@@ -68,7 +68,7 @@ class GateThresholds:
                 raise GateError(f"{name} must be a number >= 0, got {v!r}")
         for name, flag, v in (("max_invalid_rate_increase", "--max-invalid-increase", self.max_invalid_rate_increase),
                               ("max_truncation_rate_increase", "--max-truncation-increase", self.max_truncation_rate_increase)):
-            if v > 1:
+            if v is not None and v > 1:
                 raise GateError(f"{name} ({flag}) must be a fraction in [0, 1] (0.05 = 5 points), got {v!r}")
         if self.method not in ("bootstrap", "t"):
             raise GateError(f"method must be 'bootstrap' or 't', got {self.method!r}")

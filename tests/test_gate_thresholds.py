@@ -87,3 +87,10 @@ def test_inconclusive_versus_clear_failure():
     assert c2.delta == pytest.approx(-0.4) and c2.passed is False and not c2.inconclusive
     line = summary_line(GateResult(base, [same_mean], [c1], t))
     assert line.startswith("::error") and "inconclusive" in line
+
+
+def test_rate_increase_limits_may_be_unset():
+    """A config may leave a rate limit null: validation does not compare None with a number."""
+    from kvbench.reports.gate import GateThresholds
+
+    GateThresholds(max_invalid_rate_increase=None, max_truncation_rate_increase=None).validate()

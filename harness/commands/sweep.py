@@ -12,16 +12,14 @@ DATA_DIR_ENV = "KVBENCH_DATA_DIR"  # suites.data.DATA_DIR_ENV (not imported: --h
 
 
 def _check_run_dir(run_dir: Path) -> None:
-    """A run directory must be a directory or not exist yet, and its nearest existing parent a directory."""
+    """A run directory must be a directory or creatable (``store.check_out_dir``), as a config error."""
+    from kvbench.harness.store import OutDirError, check_out_dir
     from kvbench.harness.sweep_config import SweepConfigError
 
-    if run_dir.exists() and not run_dir.is_dir():
-        raise SweepConfigError(f"--out {run_dir} exists and is not a directory")
-    for parent in run_dir.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise SweepConfigError(f"--out {run_dir}: {parent} is not a directory")
-            break
+    try:
+        check_out_dir(run_dir, "--out")
+    except OutDirError as e:
+        raise SweepConfigError(str(e)) from None
 
 
 def register(app: typer.Typer) -> None:
