@@ -4,6 +4,9 @@ A client is either the embedded engine in-process (``EngineClient``, in ``harnes
 OpenAI-compatible server (``OpenAIClient``, in ``harness/openai_client.py``).  Suites, the fidelity task and the sweep runner talk only to
 this protocol, so a cell never cares where its tokens come from.
 
+A client may also offer ``tokenizer()`` (optional, not part of the protocol): the target's tokenizer as a
+``harness.prompt_tokenizer.PromptTokenizer``, for suites that build prompts of a given token length (ruler).
+
 All calls are synchronous and thread-safe; callers run many at once from a thread pool (the embedded
 engine batches concurrent calls through its continuous-batching scheduler).
 """

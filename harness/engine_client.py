@@ -74,6 +74,13 @@ class EngineClient:
             ctx = [bos]
         return self.engine.score(ctx, cont, top_k=request.top_k, full_distribution=request.full_distribution)
 
+    def tokenizer(self):
+        """The engine's own tokenizer as a ``harness.prompt_tokenizer.PromptTokenizer``; its ``prompt_ids``
+        is exactly what ``generate`` sends."""
+        from kvbench.harness.prompt_tokenizer import HFPromptTokenizer
+
+        return HFPromptTokenizer(self.engine.tokenizer, f"engine:{self.model_id}", prompt_ids=self._prompt_ids)
+
     def info(self) -> dict:
         return {"type": "embedded", **self.engine.info()}
 

@@ -165,6 +165,17 @@ class OpenAIClient:
                 top_ids = top_lps = None  # the server ignored return_tokens_as_token_ids
         return ScoreResult(token_ids=cont, logprobs=lps, greedy=greedy, top_ids=top_ids, top_logprobs=top_lps)
 
+    def tokenizer(self):
+        """The server's tokenizer through its ``/tokenize`` route (``harness.prompt_tokenizer``); raises
+        ``PromptTokenizerError`` (saying to pass ``--tokenizer``) when the server has none."""
+        from kvbench.harness.prompt_tokenizer import RemotePromptTokenizer
+
+        if getattr(self, "_prompt_tokenizer", None) is None:
+            auth = self._http.headers.get("Authorization", "")
+            key = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+            self._prompt_tokenizer = RemotePromptTokenizer(self.base_url, key)
+        return self._prompt_tokenizer
+
     def info(self) -> dict:
         info: dict = {"target": "openai", "base_url": self.base_url, "model": self.model_id}
         r = self._request("GET", "/v1/models")
@@ -175,4 +186,7 @@ class OpenAIClient:
         return info
 
     def close(self) -> None:
+        tok = getattr(self, "_prompt_tokenizer", None)
+        if tok is not None:
+            tok.close()
         self._http.close()

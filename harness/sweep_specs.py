@@ -15,7 +15,7 @@ KV_DTYPES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
 KV_SCALE_POLICIES = ("unit", "checkpoint", "calibrate")
 BACKENDS = ("torch", "triton", "flashinfer")
 TARGET_TYPES = ("embedded", "server", "endpoint")
-SUITES = ("gsm8k", "gsm8k_cot", "gsm8k_chat", "aime24", "aime25", "gpqa_diamond", "fidelity")
+SUITES = ("gsm8k", "gsm8k_cot", "gsm8k_chat", "aime24", "aime25", "gpqa_diamond", "fidelity", "ruler")
 LOAD_DATASETS = ("random", "fixed", "sharegpt")
 LOAD_APIS = ("completions", "chat")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
@@ -165,7 +165,23 @@ def _suite(d: Any, path: str) -> SuiteSpec:
     if d.get("seed") is not None:
         s.seed = _int(d["seed"], f"{path}.seed")
     s.params = dict(_mapping(d.get("params"), f"{path}.params"))
+    if name == "ruler":
+        _ruler_params(s.params, f"{path}.params")
     return s
+
+
+def _ruler_params(params: dict, path: str) -> None:
+    """The ruler suite's params (suites/ruler_params.py: context_lengths, depths, tasks, haystack,
+    haystack_file, prompt_style, tokenizer), checked when the config loads."""
+    from kvbench.suites.base import SuiteError
+    from kvbench.suites.ruler_params import parse_params
+
+    try:
+        parse_params(params)
+    except SuiteError as e:
+        msg = str(e)
+        key = msg[len("ruler "):].split(":", 1)[0] if msg.startswith("ruler ") else ""
+        _fail(f"{path}.{key}" if key in params else path, msg.split(": ", 1)[-1])
 
 
 @dataclass
@@ -233,8 +249,10 @@ def _load(d: Any, path: str) -> LoadSpec:
 @dataclass
 class GateSpec:
     """Non-inferiority thresholds (reports/gate.py reads them from the manifest's config).  ``max_drop``
-    is one number for every gated suite or a mapping suite -> largest allowed accuracy drop (absolute);
-    ``metrics`` picks what is gated ("suite" or "suite:metric"; default every accuracy suite)."""
+    is one number for every gated suite or a mapping suite (or "suite:metric", e.g. ``ruler:auc``) -> largest
+    allowed accuracy drop (absolute); ``metrics`` picks what is gated ("suite" or "suite:metric"; default every
+    accuracy suite).  Long-context suites (ruler) also take the metrics ``auc`` (area under the
+    accuracy-vs-length curve) and ``L<length>`` (the items of one requested context length)."""
 
     max_drop: Any = field(default_factory=dict)
     confidence: float = 0.95
@@ -257,8 +275,9 @@ def _gate(d: Any, path: str, suites: list[SuiteSpec]) -> GateSpec:
         g.max_drop = _num(md, f"{path}.max_drop")
     else:
         for suite, drop in _mapping(md, f"{path}.max_drop").items():
-            if suite not in names:
+            if suite not in names and not any(str(suite).startswith(f"{n}:") for n in names):
                 _fail(f"{path}.max_drop.{suite}", f"not a suite of this sweep; suites: {', '.join(names) or '(none)'}")
+            _gate_metric(str(suite), f"{path}.max_drop.{suite}")
             g.max_drop[suite] = _num(drop, f"{path}.max_drop.{suite}")
     if "confidence" in d:
         g.confidence = _num(d["confidence"], f"{path}.confidence")
@@ -272,5 +291,19 @@ def _gate(d: Any, path: str, suites: list[SuiteSpec]) -> GateSpec:
         for i, m in enumerate(g.metrics):
             if m.split(":")[0] not in names and not m.startswith("lm_eval:"):
                 _fail(f"{path}.metrics[{i}]", f"{m!r} names no suite of this sweep; suites: {', '.join(names) or '(none)'}")
+            _gate_metric(m, f"{path}.metrics[{i}]")
     return g
+
+
+def _gate_metric(spec: str, path: str) -> None:
+    """A length metric of a ``suite:L<length>`` gate name must be a positive token length."""
+    if spec.startswith("lm_eval:"):
+        return
+    _, _, metric = spec.partition(":")
+    if metric[:1] not in ("L", "l") or not metric[1:2].isdigit():
+        return  # not a length metric (auc, a score name, or the suite alone)
+    if not metric[1:].isdigit():
+        _fail(path, f"{spec!r}: a length metric is L<tokens>, e.g. ruler:L4096")
+    if int(metric[1:]) <= 0:
+        _fail(path, f"{spec!r}: the context length must be positive")
 

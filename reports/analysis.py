@@ -1,5 +1,6 @@
 """The analysis behind a report: accuracy with intervals, paired deltas (Holm-corrected), the A/A control,
-fidelity, serving metrics and capacity, computed from loaded cells (``analyze``).  ``reports.tables``
+fidelity (overall and by position bucket), long-context accuracy by context length (AUC, recovery against the
+baseline; ``reports.long_context``), serving metrics and capacity, computed from loaded cells (``analyze``).  ``reports.tables``
 renders them.
 
 ``analyze`` takes a ``baseline_for(cell)`` function, so one code path serves ``kvbench report`` (one
@@ -17,7 +18,9 @@ from typing import Callable, Optional
 
 from kvbench.harness.loadgen_metrics import summarize
 from kvbench.reports import stats
-from kvbench.reports.load import FIDELITY_SUITE, CellData, accuracy_suites, item_scores, suite_metrics
+from kvbench.reports.load import FIDELITY_SUITE, CellData, accuracy_suites, item_scores, primary_metric, suite_metrics
+from kvbench.reports.long_context import LengthRow, RecoveryRow, length_row, length_suites, recovery_row
+from kvbench.reports.position import PositionRow, position_row
 
 __all__ = ["Analysis", "AccuracyRow", "DeltaRow", "AARow", "FidelityRow", "analyze", "fidelity_records", "fidelity_kl",
            "mismatch_warning"]
@@ -82,6 +85,9 @@ class Analysis:
     fidelity: list[FidelityRow] = field(default_factory=list)
     serving: list[tuple[CellData, dict]] = field(default_factory=list)
     capacity: list[tuple[CellData, dict, Optional[float]]] = field(default_factory=list)
+    lengths: list[LengthRow] = field(default_factory=list)  # long-context suites: accuracy by context length, AUC
+    recovery: list[RecoveryRow] = field(default_factory=list)  # long-context suites: cell / baseline
+    positions: list[PositionRow] = field(default_factory=list)  # fidelity by position bucket
     warnings: list[str] = field(default_factory=list)  # e.g. comparisons whose item sets differ
 
 
@@ -91,8 +97,10 @@ def _rate(cell: CellData, suite: str, metric: str) -> float:
 
 
 def _pass_at_k(scores: dict) -> Optional[float]:
+    """Share of questions solved by at least one of their K samples; None for K=1 and for scores that are
+    not 0/1 (a fraction > 0, e.g. one of four ruler strings found, is not "solved")."""
     per_q = stats.group_by_question(scores)
-    if max(len(v) for v in per_q.values()) < 2:
+    if max(len(v) for v in per_q.values()) < 2 or any(v not in (0.0, 1.0) for v in scores.values()):
         return None
     return sum(1 for v in per_q.values() if max(v) > 0) / len(per_q)
 
@@ -186,9 +194,16 @@ def analyze(
                 scores = item_scores(cell, suite, metric)
                 if scores:
                     a.accuracy.append(AccuracyRow(cell, suite, metric, stats.estimate(scores, confidence), inv, trunc, _pass_at_k(scores)))
+        for suite in length_suites(cell):
+            row = length_row(cell, suite, confidence, n_boot, seed)
+            if row:
+                a.lengths.append(row)
         fid = _fidelity(cell)
         if fid:
             a.fidelity.append(fid)
+        pos = position_row(cell)
+        if pos:
+            a.positions.append(pos)
         if cell.requests:
             a.serving.append((cell, _serving(cell)))
     for cell in done:
@@ -214,7 +229,11 @@ def analyze(
                 agree = sum(1 for k in shared if raw_b.get(k) == raw_c.get(k)) / len(shared)
                 a.aa.append(AARow(base, cell, suite, d, agree))
             else:
-                a.deltas.append(DeltaRow(base, cell, suite, "correct", d))
+                a.deltas.append(DeltaRow(base, cell, suite, primary_metric(suite), d))
+                if suite in length_suites(cell) and suite in length_suites(base):
+                    rec = recovery_row(base, cell, suite, confidence, n_boot, seed)
+                    if rec:
+                        a.recovery.append(rec)
     for row, p in zip(a.deltas, stats.holm([r.d.p_value for r in a.deltas])):
         row.p_holm = p
     # capacity: one row per format series (capacity does not depend on concurrency)

@@ -13,6 +13,13 @@ spread: 0/1 scores then use Newcombe's interval over the (item, repeat) pairs, o
 bound (±inf, so the check fails as inconclusive).  The baseline and the candidate must hold the same (item, repeat) keys for every gated metric:
 otherwise the gate stops with exit 2 (missing data) instead of comparing a silently shrunk set.
 
+Long-context suites (records with ``context_length``; the ruler suite, whose primary metric is the per-item
+``scores.ruler``) add two metric names: ``SUITE:L<length>`` gates the items of one requested length like any
+accuracy metric, and ``SUITE:auc`` gates the area under the accuracy-vs-length curve: its lower bound is a
+paired bootstrap resampling questions within each length and recomputing both AUCs
+(``reports.long_context.paired_auc``; deterministic with ``seed``).  ``max_drop`` may name ``SUITE:METRIC``
+(e.g. ``ruler:auc``) to set a margin for one metric; otherwise the suite's margin applies.
+
 Thresholds, lowest precedence first: built-in defaults, the run manifest's ``config.gate`` section,
 a ``--config`` sweep file's ``gate:`` section, command-line flags.
 """
@@ -25,7 +32,9 @@ from typing import Optional
 
 from kvbench.reports import stats
 from kvbench.reports.analysis import fidelity_kl
-from kvbench.reports.load import FIDELITY_SUITE, CellData, RunData, RunLoadError, accuracy_suites, item_scores, select
+from kvbench.reports.load import (FIDELITY_SUITE, CellData, RunData, RunLoadError, accuracy_suites, item_scores,
+                                  primary_metric, select)
+from kvbench.reports.long_context import length_label, length_suites, paired_auc, parse_length_metric, scores_by_length
 
 __all__ = ["GateError", "GateThresholds", "Check", "GateResult", "merge_gate_config", "run_gate", "EXIT_PASS",
            "EXIT_FAIL", "EXIT_ERROR"]
@@ -41,7 +50,7 @@ class GateError(RuntimeError):
 
 @dataclass
 class GateThresholds:
-    max_drop: dict[str, float] = field(default_factory=dict)  # suite -> δ (absolute, e.g. 0.05 = 5 pp)
+    max_drop: dict[str, float] = field(default_factory=dict)  # suite or suite:metric -> δ (absolute, 0.05 = 5 pp)
     default_max_drop: float = DEFAULT_MAX_DROP
     confidence: float = 0.95
     max_invalid_rate_increase: float = DEFAULT_MAX_RATE_INCREASE
@@ -52,7 +61,9 @@ class GateThresholds:
     n_boot: int = 10_000
     seed: int = 0
 
-    def drop_for(self, suite: str) -> float:
+    def drop_for(self, suite: str, metric: Optional[str] = None) -> float:
+        if metric is not None and f"{suite}:{metric}" in self.max_drop:
+            return self.max_drop[f"{suite}:{metric}"]
         return self.max_drop.get(suite, self.default_max_drop)
 
     def validate(self) -> "GateThresholds":
@@ -168,17 +179,47 @@ def _metric_specs(t: GateThresholds, base: CellData) -> list[tuple[str, str]]:
     if not t.metrics:
         if not suites:
             raise GateError(f"baseline cell {base.short} has no accuracy records")
-        return [(s, "correct") for s in suites]
+        return [(s, primary_metric(s)) for s in suites]
     out = []
     for m in t.metrics:
-        suite, _, metric = m.partition(":")
+        if m in suites:  # the suite alone (its name may hold a colon: lm_eval:<task>)
+            suite, metric = m, ""
+        elif m.rpartition(":")[0] in suites:
+            suite, _, metric = m.rpartition(":")
+        else:
+            suite, _, metric = m.partition(":")
         if suite in suites:
-            out.append((suite, metric or "correct"))
+            metric = metric or primary_metric(suite)
+            _check_length_metric(base, suite, metric, m)
+            out.append((suite, metric))
         elif not metric and any(item_scores(base, s, suite) for s in suites):
             out += [(s, suite) for s in suites if item_scores(base, s, suite)]  # a metric name across suites
         else:
             raise GateError(f"--metric {m!r}: no such suite or metric in the baseline; suites: {', '.join(suites)}")
     return out
+
+
+def _check_length_metric(base: CellData, suite: str, metric: str, spec: str) -> None:
+    """``auc`` and ``L<length>`` need a long-context suite (and, for a length, items of that length)."""
+    length = parse_length_metric(metric)
+    if metric != "auc" and length is None:
+        return
+    if suite not in length_suites(base):
+        raise GateError(f"--metric {spec!r}: {suite} records carry no context_length; auc and L<length> apply to "
+                        "long-context suites (ruler)")
+    if length is not None:
+        have = sorted(scores_by_length(base, suite))
+        if length not in have:
+            raise GateError(f"--metric {spec!r}: the baseline has no {suite} items of context length {length}; "
+                            f"lengths: {', '.join(map(str, have))}")
+
+
+def _scores(cell: CellData, suite: str, metric: str) -> dict:
+    """The (item, repeat) scores a metric compares: a length metric keeps the items of that length."""
+    length = parse_length_metric(metric)
+    if length is not None and suite in length_suites(cell):
+        return scores_by_length(cell, suite).get(length, {})
+    return item_scores(cell, suite, metric)
 
 
 def _same_items(base: CellData, cand: CellData, suite: str, metric: str, b: dict, c: dict) -> None:
@@ -215,11 +256,31 @@ def _kl_check(cand: CellData, t: GateThresholds) -> Optional[Check]:
     return Check(cand, "fidelity KL", FIDELITY_SUITE, "kl_mean", None, mean, None, upper, t.max_kl_mean, len(vals), passed)
 
 
+def _auc_check(base: CellData, cand: CellData, suite: str, t: GateThresholds) -> Check:
+    b, c = scores_by_length(base, suite), scores_by_length(cand, suite)
+    if not c:
+        raise GateError(f"candidate {cand.short} has no records for {suite}:auc")
+    flat_b = {k: v for m in b.values() for k, v in m.items()}
+    flat_c = {k: v for m in c.values() for k, v in m.items()}
+    _same_items(base, cand, suite, "auc", flat_b, flat_c)
+    for n in sorted(set(b) | set(c)):
+        if set(b.get(n, {})) != set(c.get(n, {})):
+            raise GateError(f"{suite}:auc: baseline {base.short} and candidate {cand.short} place the same items at "
+                            f"different context lengths (length {n}); rerun both with the same lengths")
+    p = paired_auc(b, c, confidence=t.confidence, n_boot=t.n_boot, seed=t.seed, strict=True)
+    delta_max = t.drop_for(suite, "auc")
+    return Check(cand, "accuracy", suite, "auc", p.base_auc, p.cand_auc, p.delta, p.lower_bound, -delta_max, p.n_pairs,
+                 p.lower_bound > -delta_max)
+
+
 def gate_one(base: CellData, cand: CellData, t: GateThresholds) -> list[Check]:
     checks: list[Check] = []
     specs = _metric_specs(t, base)
     for suite, metric in specs:
-        b, c = item_scores(base, suite, metric), item_scores(cand, suite, metric)
+        if metric == "auc" and suite in length_suites(base):
+            checks.append(_auc_check(base, cand, suite, t))
+            continue
+        b, c = _scores(base, suite, metric), _scores(cand, suite, metric)
         if not c:
             raise GateError(f"candidate {cand.short} has no records for {suite}:{metric}")
         if not b:
@@ -227,7 +288,7 @@ def gate_one(base: CellData, cand: CellData, t: GateThresholds) -> list[Check]:
         _same_items(base, cand, suite, metric, b, c)
         d = stats.paired_delta(b, c, confidence=t.confidence, n_boot=t.n_boot, seed=t.seed, bound_method=t.method,
                                strict=True)
-        delta_max = t.drop_for(suite)
+        delta_max = t.drop_for(suite, metric)
         checks.append(Check(cand, "accuracy", suite, metric, d.base_mean, d.cand_mean, d.delta, d.lower_bound,
                             -delta_max, d.n_pairs, d.lower_bound > -delta_max))
     for suite in dict.fromkeys(s for s, _ in specs):
@@ -273,6 +334,16 @@ def _pp(x: Optional[float], sign: bool = True) -> str:
     return f"{v:+.1f} pp" if sign else f"{v:.1f} pp"
 
 
+def _plain(c: Check) -> bool:
+    """A check on the suite's primary metric (or a rate / KL check): named by its kind alone."""
+    return c.metric in ("correct", "invalid", "truncated", "kl_mean") or c.metric == primary_metric(c.suite)
+
+
+def _metric_name(metric: str) -> str:
+    n = parse_length_metric(metric)
+    return f"{metric} ({length_label(n)} tokens)" if n is not None else ("AUC over context lengths" if metric == "auc" else metric)
+
+
 def check_row(c: Check, conf: float) -> list[str]:
     result = "info" if c.passed is None else ("PASS" if c.passed else "FAIL")
     if c.passed is False and c.inconclusive:
@@ -288,7 +359,7 @@ def check_row(c: Check, conf: float) -> list[str]:
     else:
         bound, thr = f"UB{side} {_pp(c.bound)}", f"< {_pp(c.threshold)}"
         vals = [_pct(c.base_value), _pct(c.cand_value), _pp(c.delta)]
-    name = c.kind if c.metric in ("correct", "invalid", "truncated", "kl_mean") else f"{c.kind} [{c.metric}]"
+    name = c.kind if _plain(c) else f"{c.kind} [{_metric_name(c.metric)}]"
     return [c.candidate.short, name, c.suite, *vals, bound, thr, str(c.n), result]
 
 
@@ -300,7 +371,8 @@ def format_table(r: GateResult) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(GATE_COLUMNS))]
     lines = [f"baseline: {r.baseline.short} [{r.baseline.key}]   method: one-sided {100 * r.thresholds.confidence:g}% "
              f"bounds paired on (item, repeat): Newcombe hybrid score for 0/1 metrics, {r.thresholds.method} otherwise; "
-             "KL: t bound of the token-weighted mean"]
+             "KL: t bound of the token-weighted mean"
+             + ("; auc: paired bootstrap over questions within each length" if any(c.metric == "auc" for c in r.checks) else "")]
     for n, row in enumerate(rows):
         lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
         if n == 0:
@@ -318,7 +390,7 @@ def summary_line(r: GateResult) -> str:
         return (f"::notice title=kvbench gate::PASS {cands} vs {r.baseline.short}: "
                 f"{len(gated)}/{len(gated)} checks passed{detail}")
     fails = "; ".join(
-        f"{c.candidate.short} {c.suite} {c.kind}{'' if c.metric in ('correct', 'invalid', 'truncated', 'kl_mean') else ' [' + c.metric + ']'} "
+        f"{c.candidate.short} {c.suite} {c.kind}{'' if _plain(c) else ' [' + _metric_name(c.metric) + ']'} "
         + (f"LB {_pp(c.bound)} <= {_pp(c.threshold)}" if c.kind == "accuracy" else
            f"UB {c.bound:.4g} > {c.threshold:g}" if c.kind == "fidelity KL" else f"UB {_pp(c.bound)} >= {_pp(c.threshold)}")
         + (" (inconclusive: the point estimate is within the margin; more items would decide)" if c.inconclusive else "")

@@ -7,11 +7,12 @@ import base64
 import html
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from kvbench.harness.store import atomic_write_text
 from kvbench.reports.plots import write_plots
 from kvbench.reports.analysis import Analysis
+from kvbench.reports.long_context_tables import NA_BASELINE_ZERO, fmt_ratio, long_context_tables, position_table
 from kvbench.reports.tables import (
     Table,
     aa_table,
@@ -21,6 +22,7 @@ from kvbench.reports.tables import (
     delta_table,
     fidelity_table,
     fmt_p,
+    fmt_pct,
     fmt_pp,
     serving_table,
 )
@@ -67,18 +69,37 @@ def headline(a: Analysis) -> list[str]:
     for r in a.aa:
         out.append(f"A/A control {r.suite}: {fmt_pp(r.d.delta)} [{fmt_pp(r.d.ci_lo)}, {fmt_pp(r.d.ci_hi)}], "
                    f"{100 * r.output_agreement:.1f}% identical outputs")
+    for r in a.recovery:
+        p = r.paired
+        ratio = p.auc_ratio
+        rec = NA_BASELINE_ZERO if ratio is None else f"{fmt_ratio(ratio)} [{fmt_ratio(p.auc_ratio_ci[0])}, {fmt_ratio(p.auc_ratio_ci[1])}]"
+        out.append(f"{r.cell.short} vs {r.base.short}, {r.suite} AUC: {fmt_pct(p.cand_auc)} vs {fmt_pct(p.base_auc)}, "
+                   f"recovery {rec}, {fmt_pp(p.delta)} [{fmt_pp(p.ci_lo)}, {fmt_pp(p.ci_hi)}]")
     return out
 
 
-def _sections(a: Analysis) -> list[tuple[str, list[Table], Optional[str]]]:
-    return [
-        ("Accuracy", [accuracy_table(a)], "accuracy"),
-        ("Deltas against the baseline", [delta_table(a), aa_table(a)], "deltas"),
-        ("Fidelity", [fidelity_table(a)], "fidelity"),
-        ("Serving", [serving_table(a)], "serving"),
-        ("Capacity", [capacity_table(a)], "capacity"),
-        ("Cells", [cells_table(a)], None),
+Part = Union[Table, str]  # a table, or the name of a plot (shown when it was written)
+
+
+def _sections(a: Analysis, plots: dict[str, Path]) -> list[tuple[str, list[Part]]]:
+    out: list[tuple[str, list[Part]]] = [
+        ("Accuracy", ["accuracy", accuracy_table(a)]),
+        ("Deltas against the baseline", ["deltas", delta_table(a), aa_table(a)]),
     ]
+    if a.lengths:
+        heatmaps = [n for r_suite in dict.fromkeys(r.suite for r in a.lengths) for n in plots
+                    if n.startswith(f"{r_suite}_heatmap_")]
+        out.append(("Long-context accuracy", ["long_context_length", *long_context_tables(a), *heatmaps]))
+    fid: list[Part] = ["fidelity", fidelity_table(a)]
+    if a.positions:
+        fid += ["fidelity_position", position_table(a)]
+    out += [
+        ("Fidelity", fid),
+        ("Serving", ["serving", serving_table(a)]),
+        ("Capacity", ["capacity", capacity_table(a)]),
+        ("Cells", [cells_table(a)]),
+    ]
+    return out
 
 
 def _markdown(a: Analysis, meta: ReportMeta, plots: dict[str, Path]) -> str:
@@ -90,11 +111,13 @@ def _markdown(a: Analysis, meta: ReportMeta, plots: dict[str, Path]) -> str:
     lines = headline(a)
     if lines:
         out += ["## Summary", ""] + [f"- {line}" for line in lines] + [""]
-    for title, tables, plot in _sections(a):
+    for title, parts in _sections(a, plots):
         out += [f"## {title}", ""]
-        if plot and plot in plots:
-            out += [f"![{plot}]({plots[plot].name})", ""]
-        out += [t.to_markdown() for t in tables]
+        for part in parts:
+            if isinstance(part, Table):
+                out.append(part.to_markdown())
+            elif part in plots:
+                out += [f"![{part}]({plots[part].name})", ""]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -117,11 +140,13 @@ def _html(a: Analysis, meta: ReportMeta, plots: dict[str, Path]) -> str:
     lines = headline(a)
     if lines:
         out.append("<h2>Summary</h2><ul class='headline'>" + "".join(f"<li>{html.escape(x)}</li>" for x in lines) + "</ul>")
-    for title, tables, plot in _sections(a):
+    for title, parts in _sections(a, plots):
         out.append(f"<h2>{html.escape(title)}</h2>")
-        if plot and plot in plots:
-            out.append(_img(plots[plot], plot))
-        out += [t.to_html() for t in tables]
+        for part in parts:
+            if isinstance(part, Table):
+                out.append(part.to_html())
+            elif part in plots:
+                out.append(_img(plots[part], part))
     out.append("</body></html>")
     return "\n".join(out) + "\n"
 

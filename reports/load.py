@@ -20,6 +20,8 @@ __all__ = [
     "item_scores",
     "accuracy_suites",
     "suite_metrics",
+    "primary_metric",
+    "PRIMARY_SCORES",
     "FIDELITY_SUITE",
     "SERIES_EXCLUDE",
     "resolve_baseline",
@@ -27,6 +29,10 @@ __all__ = [
 ]
 
 FIDELITY_SUITE = "fidelity"
+# suites whose primary (reported, paired, gated) metric is a per-item score rather than the 0/1 ``correct``:
+# the ruler suite scores the fraction of expected strings found (``scores.ruler``); its ``correct`` (every
+# string found) stays available as the metric ``correct``
+PRIMARY_SCORES = {"ruler": "ruler"}
 # config keys that do not distinguish one "format series" from another in plots and capacity tables
 SERIES_EXCLUDE = ("concurrency", "aa_control")
 _LABEL_ORDER = ("model", "target", "prefill_backend", "decode_backend", "kv_dtype", "kv_scales", "concurrency")
@@ -221,11 +227,19 @@ def _score(rec: dict, metric: str) -> Optional[float]:
     return float(v)
 
 
-def item_scores(cell: CellData, suite: str, metric: str = "correct") -> dict[tuple[str, int], float]:
+def primary_metric(suite: str) -> str:
+    """The metric a suite is reported, compared and gated on by default: ``correct`` for most suites, the
+    per-item score named in ``PRIMARY_SCORES`` for the others (ruler: ``scores.ruler``)."""
+    return PRIMARY_SCORES.get(suite, "correct")
+
+
+def item_scores(cell: CellData, suite: str, metric: Optional[str] = None) -> dict[tuple[str, int], float]:
     """{(item_id, repeat): score} of one suite's metric; records without the metric are skipped.
 
-    ``metric`` is ``correct`` (the suite's primary metric), ``invalid``, ``truncated`` (finish_reason
-    ``length``) or any key of the records' ``scores``."""
+    ``metric`` is None (the suite's primary metric, ``primary_metric``), ``correct`` (the record's 0/1
+    ``correct``), ``invalid``, ``truncated`` (finish_reason ``length``) or any key of the records'
+    ``scores``."""
+    metric = primary_metric(suite) if metric is None else metric
     out: dict[tuple[str, int], float] = {}
     for rec in cell.items:
         if rec.get("suite") != suite:
@@ -237,24 +251,33 @@ def item_scores(cell: CellData, suite: str, metric: str = "correct") -> dict[tup
 
 
 def accuracy_suites(cell: CellData) -> list[str]:
-    """Suites with a primary (correct) metric, in first-seen order."""
+    """Suites with a primary metric (``correct``, or their ``PRIMARY_SCORES`` score), in first-seen order."""
     seen: list[str] = []
     for rec in cell.items:
         s = rec.get("suite")
-        if s != FIDELITY_SUITE and rec.get("correct") is not None and s not in seen:
+        if s == FIDELITY_SUITE or s in seen:
+            continue
+        primary = primary_metric(s)
+        if (rec.get("correct") is not None if primary == "correct" else _score(rec, primary) is not None):
             seen.append(s)
     return seen
 
 
 def suite_metrics(cell: CellData, suite: str) -> list[str]:
-    """``correct`` followed by the other per-item score names of a suite."""
-    names: list[str] = []
+    """The suite's primary metric followed by its other per-item metrics (``correct`` when the primary is a
+    score and the records hold ``correct``, then the other score names)."""
+    primary = primary_metric(suite)
+    names: list[str] = [primary]
     for rec in cell.items:
         if rec.get("suite") == suite:
+            if rec.get("correct") is not None and "correct" not in names:
+                names.append("correct")
             for k in (rec.get("scores") or {}):
                 if k not in names:
                     names.append(k)
-    return ["correct"] + [n for n in names if n != "correct"]
+    if primary == "correct":  # the historical order: correct, then the score names
+        return ["correct"] + [n for n in names if n != "correct"]
+    return names
 
 
 def selector_text(sel: str | dict) -> str:

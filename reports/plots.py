@@ -13,6 +13,7 @@ from typing import Optional
 
 from kvbench.harness.store import atomic_write_bytes
 from kvbench.reports.analysis import Analysis
+from kvbench.reports.load import primary_metric
 
 __all__ = ["accuracy_plot", "delta_plot", "serving_plot", "capacity_plot", "fidelity_plot", "write_plots"]
 
@@ -47,7 +48,7 @@ def series_colors(a: Analysis) -> dict[str, str]:
 
 
 def accuracy_plot(a: Analysis, path: Path) -> bool:
-    rows = [r for r in a.accuracy if r.metric == "correct"]
+    rows = [r for r in a.accuracy if r.metric == primary_metric(r.suite)]
     suites = list(dict.fromkeys(r.suite for r in rows))
     if not suites:
         return False
@@ -184,11 +185,14 @@ def fidelity_plot(a: Analysis, path: Path) -> bool:
 
 
 def write_plots(a: Analysis, out_dir: Path, max_drop: Optional[float] = None) -> dict[str, Path]:
-    """Write every figure that has data; returns {name: path}."""
+    """Write every figure that has data (the long-context ones too); returns {name: path}."""
+    from kvbench.reports.long_context_plots import write_long_context_plots
+
     out: dict[str, Path] = {}
     for name, fn in (("accuracy", accuracy_plot), ("deltas", lambda a, p: delta_plot(a, p, max_drop)),
                      ("fidelity", fidelity_plot), ("serving", serving_plot), ("capacity", capacity_plot)):
         p = Path(out_dir) / f"{name}.png"
         if fn(a, p):
             out[name] = p
+    out.update(write_long_context_plots(a, Path(out_dir)))
     return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvbench.reports.analysis import Analysis
-from kvbench.reports.load import CellData
+from kvbench.reports.load import CellData, primary_metric
 
 __all__ = ["Table", "fmt_pct", "fmt_pp", "fmt_p", "fmt_num", "all_tables"]
 
@@ -108,7 +108,7 @@ def accuracy_table(a: Analysis) -> Table:
     conf = f"{100 * a.confidence:g}%"
     rows = []
     order = {s: i for i, s in enumerate(dict.fromkeys(r.suite for r in a.accuracy))}
-    for r in sorted(a.accuracy, key=lambda r: (order[r.suite], r.metric != "correct", r.metric)):
+    for r in sorted(a.accuracy, key=lambda r: (order[r.suite], r.metric != primary_metric(r.suite), r.metric)):
         e = r.est
         rows.append([r.suite, r.metric, r.cell.short, fmt_num(e.n), str(e.k), fmt_pct(e.mean),
                      f"[{fmt_pct(max(0.0, e.lo))}, {fmt_pct(min(1.0, e.hi))}]", e.method,
@@ -116,7 +116,8 @@ def accuracy_table(a: Analysis) -> Table:
     return Table("Accuracy", ["suite", "metric", "cell", "questions", "K", "accuracy", f"{conf} CI", "interval",
                               "pass@K", "invalid", "truncated"], rows,
                  note="Wilson interval when every question was asked once, t-interval over per-question means for K>1. "
-                      "`correct` is the suite's primary metric.")
+                      "The first metric of each suite is its primary one: `correct`, except `ruler` (the mean fraction "
+                      "of expected strings found; its `correct` is every string found).")
 
 
 def delta_table(a: Analysis) -> Table:
@@ -196,4 +197,7 @@ def capacity_table(a: Analysis) -> Table:
 
 
 def all_tables(a: Analysis) -> list[Table]:
-    return [accuracy_table(a), delta_table(a), aa_table(a), fidelity_table(a), serving_table(a), capacity_table(a), cells_table(a)]
+    from kvbench.reports.long_context_tables import long_context_tables, position_table
+
+    return [accuracy_table(a), delta_table(a), aa_table(a), *long_context_tables(a), fidelity_table(a), position_table(a),
+            serving_table(a), capacity_table(a), cells_table(a)]

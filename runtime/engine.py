@@ -2,9 +2,15 @@
 continuous-batching scheduler, driven by one background step thread.
 
 Requests are token ids.  ``generate``/``stream``/``score`` are blocking helpers over ``add_request``.
-Scoring is teacher-forced through the same cache and backends as generation: the context is prefilled,
-then each continuation token is fed as a decode step, so every score sees the KV format exactly as
-generation does.
+A request fits when the cache can hold it: prompt + generated tokens - 1 <= ``max_model_len`` (the last
+sampled token is never fed back), so a prompt of exactly ``max_model_len`` tokens gets one token.
+
+Scoring is teacher-forced through the same cache and backends as generation.  ``mode="prefill"`` (the
+default): the context is prefilled as any prompt (new tokens in compute precision), then the continuation
+runs as prefill/extend chunks in which its tokens attend to their own K/V after the format's
+quantize -> dequantize round trip -- exactly what token-by-token decode reads from the cache -- and every
+continuation row's logits are kept.  ``mode="decode"``: each continuation token is fed as its own decode
+step (the reference the prefill mode is tested against; one step per token, so slow on long texts).
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ from kvbench.runtime.models.outputs import OutputProcessor
 from kvbench.runtime.sampling import MAX_REQUEST_LOGPROBS, MAX_SCORE_LOGPROBS, SampleRow, sample, validate_params
 from kvbench.runtime.scheduler import Scheduler, Sequence as Seq
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "SCORE_MODES", "LOGIT_ROWS"]
+
+SCORE_MODES = ("prefill", "decode")
+LOGIT_ROWS = 256  # sampled rows are turned into logits this many at a time (a scored 8k chunk: 8k x vocab)
 
 log = logging.getLogger("kvbench.runtime")
 
@@ -104,19 +113,34 @@ class Engine:
         on_delta: Optional[Callable[[StreamDelta], None]] = None,
         _forced: Optional[list[int]] = None,
         _full_rows: bool = False,
+        _score_prefill: bool = False,
     ) -> str:
+        """``_forced``: teacher-forced continuation (scoring); with ``_score_prefill`` it is fed as
+        prefill chunks with decode semantics (``Sequence.score_from``) instead of one decode step per token."""
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("empty prompt: give at least one token")
+        if _score_prefill and not _forced:
+            raise ValueError("prefill scoring needs a non-empty continuation")
         validate_params(params, MAX_SCORE_LOGPROBS if _forced is not None else MAX_REQUEST_LOGPROBS)
         vocab = self.parts.loaded.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
+        if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len} (max_model_len)")
         rid = request_id or f"req-{next(self._ids)}"
-        seq = Seq(rid, ids, params, on_delta=on_delta)
-        seq.state["max_new"] = min(int(params.max_tokens), self.max_model_len - len(ids))
+        if _score_prefill:
+            forced = [int(t) for t in _forced]
+            if min(forced) < 0 or max(forced) >= vocab:
+                raise ValueError(f"continuation token ids must be in [0, {vocab})")
+            if len(ids) + len(forced) - 1 > self.max_model_len:
+                raise ValueError(f"context + continuation exceed the context length {self.max_model_len}")
+            seq = Seq(rid, ids + forced[:-1], params, on_delta=on_delta)
+            seq.score_from = len(ids)
+        else:
+            seq = Seq(rid, ids, params, on_delta=on_delta)
+        # the cache holds prompt + generated - 1 tokens (the last sampled token is never fed back)
+        seq.state["max_new"] = min(int(params.max_tokens), self.max_model_len - len(ids) + 1)
         if _forced is not None:
             seq.state["forced"] = list(_forced)
             seq.state["full_rows"] = [] if _full_rows else None
@@ -156,40 +180,59 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return 0
-        logits, idx = self.runner.run(batch)
+        out = self.runner.run_rows(batch)
         for seq, q in zip(batch.seqs, batch.q_lens):
             seq.num_cached += q
             if batch.phase == "prefill":
                 self._stats.prompt_tokens += q
-        if logits is None:
+        if out is None:
             return batch.num_tokens
+        n = len(out.seq_idx)
+        for a in range(0, n, LOGIT_ROWS):
+            self._sample_rows(batch, out, a, min(n, a + LOGIT_ROWS))
+        return batch.num_tokens
+
+    def _sample_rows(self, batch, out, a: int, b: int) -> None:
+        """Sample (or, for scoring, force) rows ``a:b`` of a step's output and hand them to the requests."""
+        logits = self.runner.model.logits(out.hidden[a:b])
         rows, top_n = [], []
-        for i in idx:
-            seq = batch.seqs[i]
+        for j in range(a, b):
+            seq = batch.seqs[out.seq_idx[j]]
             p = seq.params
             forced = seq.state.get("forced")
             banned = ()
             if forced is None and len(seq.output_ids) < p.min_tokens:
                 banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.tokenizer.eos_token_ids))
-            rows.append(SampleRow(p, seq.state.get("generator"), banned, forced[len(seq.output_ids)] if forced else None))
+            if seq.score_from is not None:  # the row at position p predicts continuation token p - score_from + 1
+                tok = forced[out.positions[j] - seq.score_from + 1]
+            else:
+                tok = forced[len(seq.output_ids)] if forced else None
+            rows.append(SampleRow(p, seq.state.get("generator"), banned, tok))
             top_n.append(p.logprobs or 0)
         res = sample(logits, rows, top_n)
         now = time.monotonic()
-        for j, i in enumerate(idx):
-            seq = batch.seqs[i]
+        for jj, j in enumerate(range(a, b)):
+            seq = batch.seqs[out.seq_idx[j]]
             if seq.status == "finished":
                 continue
-            if seq.state.get("full_rows") is not None:
-                seq.state["full_rows"].append(res.logp[j].cpu())
+            st = seq.state
+            if seq.score_from is not None and out.positions[j] - seq.score_from + 1 < len(st["logprobs"]):
+                continue  # recomputed after a preemption: this row was scored before
+            if st.get("full_rows") is not None:
+                st["full_rows"].append(res.logp[jj].cpu())
             if seq.first_token_time is None:
                 seq.first_token_time = now
             self._stats.generation_tokens += 1
-            reason, delta = self.out.append(seq, res.token_ids[j], res.logprobs[j], res.top_ids[j], res.top_logprobs[j], res.greedy[j])
+            if seq.score_from is not None:
+                reason = self.out.record_scored(seq, res.token_ids[jj], res.logprobs[jj], res.top_ids[jj], res.top_logprobs[jj], res.greedy[jj])
+                if reason is not None:
+                    self._finish(seq, reason)
+                continue
+            reason, delta = self.out.append(seq, res.token_ids[jj], res.logprobs[jj], res.top_ids[jj], res.top_logprobs[jj], res.greedy[jj])
             if reason is not None:
                 self._finish(seq, reason, last=delta)
             elif seq.on_delta is not None and delta is not None:
                 seq.on_delta(delta)
-        return batch.num_tokens
 
     def _finish(self, seq: Seq, reason: str, last: Optional[StreamDelta] = None, error: Optional[str] = None) -> None:
         self.scheduler.finish(seq, reason)
@@ -207,7 +250,7 @@ class Engine:
                 log.exception("on_delta callback failed for %s", seq.request_id)
 
     # ----------------------------------------------------------------------------- blocking API
-    def _run_blocking(self, prompts, params_list, forced=None, full_rows=False) -> list[RequestOutput]:
+    def _run_blocking(self, prompts, params_list, forced=None, full_rows=False, score_prefill=False) -> list[RequestOutput]:
         self.start()
         done = [threading.Event() for _ in prompts]
         outs: list[Optional[RequestOutput]] = [None] * len(prompts)
@@ -223,7 +266,8 @@ class Engine:
         rids = []
         try:
             for k, (ids, p) in enumerate(zip(prompts, params_list)):
-                rid = self.add_request(ids, p, on_delta=cb(k), _forced=forced[k] if forced else None, _full_rows=full_rows)
+                rid = self.add_request(ids, p, on_delta=cb(k), _forced=forced[k] if forced else None, _full_rows=full_rows,
+                                       _score_prefill=score_prefill)
                 seqs.append(self._seqs_snapshot(rid))
                 rids.append(rid)
             for ev in done:
@@ -258,13 +302,19 @@ class Engine:
             if not finished:
                 self.abort(rid)
 
-    def score(self, context_ids: list[int], continuation_ids: list[int], top_k: int = 0, full_distribution: bool = False) -> ScoreResult:
+    def score(self, context_ids: list[int], continuation_ids: list[int], top_k: int = 0, full_distribution: bool = False,
+              mode: str = "prefill") -> ScoreResult:
+        """Teacher-forced log-probs of ``continuation_ids`` after ``context_ids`` (see the module doc for
+        ``mode``; both modes give the same numbers up to float rounding)."""
+        if mode not in SCORE_MODES:
+            raise ValueError(f"score mode must be one of {', '.join(SCORE_MODES)}, got {mode!r}")
         if not continuation_ids:
             raise ValueError("score needs a non-empty continuation")
-        if len(context_ids) + len(continuation_ids) > self.max_model_len:
+        if len(context_ids) + len(continuation_ids) - 1 > self.max_model_len:
             raise ValueError(f"context + continuation exceed the context length {self.max_model_len}")
         p = SamplingParams(max_tokens=len(continuation_ids), temperature=0.0, ignore_eos=True, logprobs=top_k or None)
-        (out,), (seq,) = self._run_blocking([list(context_ids)], [p], forced=[list(continuation_ids)], full_rows=full_distribution)
+        (out,), (seq,) = self._run_blocking([list(context_ids)], [p], forced=[list(continuation_ids)], full_rows=full_distribution,
+                                            score_prefill=mode == "prefill")
         if out.finish_reason not in ("length", "stop"):
             raise RuntimeError(f"scoring failed: {out.finish_reason}")
         st = seq.state

@@ -3,7 +3,12 @@ preemption by recompute, a cap on running sequences.
 
 Each step is either a **prefill** step (sequences whose cached tokens lag behind their known tokens:
 new prompts, later chunks of long prompts, recomputation after preemption) or a **decode** step (every
-running sequence that has all but its newest token cached).  Prefill work goes first, so new requests
+running sequence whose prompt is cached and that has all but its newest token cached; a prompt's last
+token is prefilled even when it is the only one left).
+
+Teacher-forced scoring sequences carry ``score_from``: the prompt holds context + continuation, and a
+prefill chunk never straddles ``score_from`` (the continuation chunks run with decode semantics, see
+``attention/base.py``).  Prefill work goes first, so new requests
 start as soon as pages allow; decode never waits more than one prefill step per chunk budget.
 
 Admission reserves pages for all of a sequence's known tokens (so its chunked prefill never stalls); a
@@ -40,6 +45,9 @@ class Sequence:
     num_preemptions: int = 0
     order: int = -1  # admission priority (arrival order), set by the scheduler
     first_token_time: Optional[float] = None
+    # teacher-forced scoring in prefill passes: token index where the continuation starts (chunks are cut
+    # there); None for every other request
+    score_from: Optional[int] = None
     finish_time: Optional[float] = None
     # per-request extras owned by the engine (callbacks, detokenizer, generator, scoring state)
     state: dict[str, Any] = field(default_factory=dict)
@@ -60,7 +68,15 @@ class Sequence:
 
     @property
     def in_decode(self) -> bool:
-        return self.status == "running" and self.pending == 1 and self.num_cached > 0
+        return self.status == "running" and self.pending == 1 and self.num_cached >= len(self.prompt_ids) > 0
+
+    def chunk_len(self, budget: int) -> int:
+        """New tokens of this sequence's next prefill chunk under ``budget``: never past ``score_from``
+        while the context is not yet cached."""
+        n = min(self.pending, budget)
+        if self.score_from is not None and self.num_cached < self.score_from:
+            n = min(n, self.score_from - self.num_cached)
+        return n
 
 
 @dataclass
@@ -168,7 +184,7 @@ class Scheduler:
                 continue
             if seq.status != "running":
                 continue  # preempted by an older sequence earlier in this loop
-            n = min(seq.pending, budget)
+            n = seq.chunk_len(budget)
             if not self._make_room(seq, seq.num_cached + n):
                 continue
             seqs.append(seq)
@@ -177,7 +193,7 @@ class Scheduler:
         # 2) admit from the waiting queue in arrival order while pages and slots last
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            n = min(seq.pending, budget)
+            n = seq.chunk_len(budget)
             # pages for every known token up front: a chunked prefill then never stalls half-way
             if not self._grow(seq, seq.num_tokens):
                 break  # not enough free pages: wait for running sequences to finish

@@ -9,17 +9,27 @@ Every request is one job of one or more engine requests (several prompts, or ``n
 ``on_delta`` callbacks arrive on the engine thread and are handed to the event loop with
 ``call_soon_threadsafe``.  When a job ends early (client gone, error, cancellation) its unfinished engine
 requests are aborted, which frees their pages.  Bad input gets a 4xx with an OpenAI-style error body.
+
+Long prompts cannot stall the server: a request body is read as a stream and turned away with a 413 as
+soon as it passes ``max_body_bytes`` (at once when its Content-Length says so), so an oversized body is
+never held in memory; JSON parsing, validation, tokenization and chat templating run on a small thread
+pool, not on the event loop (the tokenizer releases the GIL while it works), so ``/health`` and other
+streams keep answering meanwhile; and a prompt that certainly cannot fit the context (the tokenizer's
+``min_token_count`` bound) gets its 400 before it is tokenized at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import time
 import uuid
-from typing import Any, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbench.runtime.engine_api import SamplingParams, StreamDelta
@@ -35,6 +45,36 @@ from kvbench.runtime.server_protocol import (  # noqa: F401 - re-exported for im
 )
 
 _DISCONNECT_POLL_S = 0.5
+_PREP_THREADS = 4  # threads that parse and tokenize requests off the event loop
+MIN_MAX_BODY_BYTES = 8 * 2**20
+BODY_BYTES_PER_TOKEN = 64
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The default request-body cap: 64 bytes per token of context, at least 8 MiB.  A full-context prompt
+    of ordinary text is ~4-6 bytes per token as JSON (as a token-id list, ~7), so this leaves room for
+    non-ASCII text escaped as ``\\uXXXX`` and for batches of prompts, while a body that size still parses
+    in tens of milliseconds.  ``kvbench serve --max-body-mb`` sets another."""
+    return max(MIN_MAX_BODY_BYTES, BODY_BYTES_PER_TOKEN * int(max_model_len))
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body is larger than this server's limit of {limit} bytes ({limit / 2**20:.1f} MiB; "
+                    "kvbench serve --max-body-mb sets it)", code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The request body, read as a stream and given up (413) as soon as it passes ``limit`` bytes; a
+    Content-Length over the limit is refused before any of the body is read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise _too_large(limit)
+    return buf
 
 
 class Job:
@@ -108,12 +148,22 @@ class _Choice:
         self.top: list[Optional[dict]] = []
 
 
-def create_app(engine, own_engine: bool = False):
-    """A FastAPI app serving ``engine`` (an ``EngineProtocol``); starts its step loop on start-up."""
+def create_app(engine, own_engine: bool = False, max_body_bytes: Optional[int] = None):
+    """A FastAPI app serving ``engine`` (an ``EngineProtocol``); starts its step loop on start-up.
+    ``max_body_bytes``: the request-body cap (None: ``default_max_body_bytes(engine.max_model_len)``)."""
     from contextlib import asynccontextmanager
 
     tok = engine.tokenizer
     model_id = engine.model_id
+    max_len = engine.max_model_len
+    limit = int(max_body_bytes) if max_body_bytes is not None else default_max_body_bytes(max_len)
+    if limit < 1:
+        raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    prep = ThreadPoolExecutor(_PREP_THREADS, thread_name_prefix="kvbench-prep")
+
+    async def off_loop(fn: Callable, *args):
+        """``fn(*args)`` on the request-preparation threads (parsing, tokenizing, rendering)."""
+        return await asyncio.get_running_loop().run_in_executor(prep, functools.partial(fn, *args))
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -121,6 +171,7 @@ def create_app(engine, own_engine: bool = False):
         try:
             yield
         finally:
+            prep.shutdown(wait=False, cancel_futures=True)
             if own_engine:
                 engine.shutdown()
 
@@ -141,8 +192,13 @@ def create_app(engine, own_engine: bool = False):
     async def _http_error(_req, e: StarletteHTTPException):
         return error(ApiError(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error"))
 
-    async def body_of(request: Request) -> dict:
-        return parse_body(await request.body(), model_id)
+    async def parsed(request: Request, parse: Callable[[dict], Any]):
+        """The body read under the cap, then ``parse(body_dict)``, all of the CPU work off the event loop."""
+        raw = await read_body(request, limit)
+        return await off_loop(lambda: parse(parse_body(raw, model_id)))
+
+    def json_response(obj: dict) -> Response:
+        return Response(json.dumps(obj, ensure_ascii=False).encode(), media_type="application/json")
 
     def token_str(i: int, as_ids: bool) -> str:
         return f"token_id:{i}" if as_ids else tok.decode([i], skip_special_tokens=False)
@@ -173,26 +229,30 @@ def create_app(engine, own_engine: bool = False):
             "chat_template": getattr(tok, "chat_template", None),
         }
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        body = await body_of(request)
+    def _tokenize(body: dict) -> Response:
         text, special = body.get("prompt"), body.get("add_special_tokens", True)
         if not isinstance(text, str) or not isinstance(special, bool):
             raise ApiError(400, "/tokenize needs 'prompt' (string) and optional 'add_special_tokens' (bool)", param="prompt")
         ids = tok.encode(text, add_special_tokens=special)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": max_len})
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        body = await body_of(request)
+    def _detokenize(body: dict) -> Response:
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < tok.vocab_size for i in ids):
             raise ApiError(400, f"/detokenize needs 'tokens': a list of token ids in [0, {tok.vocab_size})", param="tokens")
-        return {"prompt": tok.decode(ids, skip_special_tokens=False)}
+        return json_response({"prompt": tok.decode(ids, skip_special_tokens=False)})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await parsed(request, _tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await parsed(request, _detokenize)
 
     async def echo_logprobs(ids: list[int], top_k: int, as_ids: bool) -> tuple[list, list, list]:
         """Prompt tokens' logprobs (first is None) by teacher-forced scoring through the cache."""
-        strs = [token_str(i, as_ids) for i in ids]
+        strs = await off_loop(lambda: [token_str(i, as_ids) for i in ids])
         if len(ids) < 2:
             return strs, [None] * len(ids), [None] * len(ids)
         try:
@@ -223,7 +283,8 @@ def create_app(engine, own_engine: bool = False):
         if req.echo:
             for c in choices:
                 p = c.index // req.n
-                c.text = req.texts[p] if req.texts and req.texts[p] is not None else tok.decode(prompts[c.index], skip_special_tokens=False)
+                c.text = req.texts[p] if req.texts and req.texts[p] is not None else await off_loop(
+                    functools.partial(tok.decode, skip_special_tokens=False), prompts[c.index])
                 if req.logprobs is not None and p not in echo_lp:
                     echo_lp[p] = await echo_logprobs(prompts[c.index], req.logprobs, req.as_ids)
         tstr = lambda i: token_str(i, req.as_ids)  # noqa: E731
@@ -305,12 +366,12 @@ def create_app(engine, own_engine: bool = False):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_completion(await body_of(request), tok, engine.max_model_len)
+        req = await parsed(request, lambda body: parse_completion(body, tok, max_len))
         return await run_job(request, req, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_chat(await body_of(request), tok, engine.max_model_len)
+        req = await parsed(request, lambda body: parse_chat(body, tok, max_len))
         return await run_job(request, req, chat=True)
 
     return app
@@ -323,7 +384,8 @@ def build_engine(config: Any):
     return Engine(config)
 
 
-def run_server(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
+def run_server(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+               max_body_bytes: Optional[int] = None) -> None:
     """Build the engine, log its KV capacity and serve until interrupted."""
     import uvicorn
 
@@ -331,5 +393,7 @@ def run_server(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, lo
     cap = getattr(engine, "capacity", None)
     if cap is not None:
         print(cap.log_line(), flush=True)
-    print(f"kvbench serving {engine.model_id} on http://{host}:{port}/v1", flush=True)
-    uvicorn.run(create_app(engine, own_engine=True), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    app = create_app(engine, own_engine=True, max_body_bytes=max_body_bytes)
+    limit = max_body_bytes if max_body_bytes is not None else default_max_body_bytes(engine.max_model_len)
+    print(f"kvbench serving {engine.model_id} on http://{host}:{port}/v1 (request bodies up to {limit / 2**20:.1f} MiB)", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

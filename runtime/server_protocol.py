@@ -106,7 +106,24 @@ def choice_seed(seed: int, k: int) -> int:
     return (x ^ (x >> 31)) >> 1  # in [0, 2^63)
 
 
-def _parse_prompt(prompt, tok) -> list[list[int]]:
+def _context_error(n_tokens: int, max_model_len: int, param: str, at_least: bool = False) -> ApiError:
+    has = f"at least {n_tokens} tokens" if at_least else f"{n_tokens} tokens"
+    return ApiError(400, f"prompt has {has}; this model's context is {max_model_len} tokens", param=param,
+                    code="context_length_exceeded")
+
+
+def encode_within(tok, text: str, max_model_len: int, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    """``tok.encode(text)``, unless the tokenizer's ``min_token_count`` (optional: a lower bound on the token
+    count found without tokenizing) shows that ``text`` cannot fit the context: then a 400 at once, so a
+    huge prompt costs a character count, not a tokenization (time and memory grow with the text)."""
+    bound = getattr(tok, "min_token_count", None)
+    least = bound(text) if bound is not None else 0
+    if least >= max_model_len:
+        raise _context_error(least, max_model_len, param, at_least=True)
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _parse_prompt(prompt, tok, max_model_len: int) -> list[list[int]]:
     vocab = tok.vocab_size
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -119,7 +136,9 @@ def _parse_prompt(prompt, tok) -> list[list[int]]:
         if isinstance(p, str):
             if not p:
                 raise ApiError(400, "'prompt' must not be empty", param="prompt")
-            out.append(tok.encode(p, add_special_tokens=True))
+            out.append(encode_within(tok, p, max_model_len, True))
+        elif isinstance(p, list) and p and len(p) >= max_model_len:
+            raise _context_error(len(p), max_model_len, "prompt")
         elif isinstance(p, list) and p and all(_is_int(t) and 0 <= t < vocab for t in p):
             out.append(list(p))
         else:
@@ -144,7 +163,7 @@ def _common(body: dict, prompt_lens: list[int], max_model_len: int, default_max_
     echo = bool(_get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)) if not chat else False
     longest = max(prompt_lens)
     if longest >= max_model_len:
-        raise ApiError(400, f"prompt has {longest} tokens; this model's context is {max_model_len} tokens", param="prompt", code="context_length_exceeded")
+        raise _context_error(longest, max_model_len, "messages" if chat else "prompt")
     # a null max_completion_tokens is "not given" (clients serialise unset fields as null): max_tokens then applies
     max_tokens = _get(body, "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens",
                       _is_int, "an integer")
@@ -216,7 +235,7 @@ def _common(body: dict, prompt_lens: list[int], max_model_len: int, default_max_
 def parse_completion(body: dict, tok, max_model_len: int) -> ParsedRequest:
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", param="prompt")
-    prompts = _parse_prompt(body["prompt"], tok)
+    prompts = _parse_prompt(body["prompt"], tok, max_model_len)
     req = _common(body, [len(p) for p in prompts], max_model_len, 16, chat=False)
     req.prompts = prompts
     raw = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
@@ -236,7 +255,7 @@ def parse_chat(body: dict, tok, max_model_len: int) -> ParsedRequest:
         text = tok.apply_chat_template(clean, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - template errors are the caller's input
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
-    ids = tok.encode(text, add_special_tokens=False)
+    ids = encode_within(tok, text, max_model_len, False, param="messages")
     req = _common(body, [len(ids)], max_model_len, None, chat=True)
     req.prompts = [ids]
     return req

@@ -6,6 +6,7 @@ sandbox through transformers)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -24,6 +25,28 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
+    def min_token_count(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` found without tokenizing (0 where none can be shown): the
+        server turns away prompts that certainly cannot fit the context before it tokenizes them."""
+        bound = self._token_bound
+        if bound is None:
+            return 0
+        longest, dropped = bound
+        kept = len(text) - sum(text.count(c) for c in dropped)
+        return -(-kept // longest)
+
+    @cached_property
+    def _token_bound(self) -> Optional[tuple[int, str]]:
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        import json
+
+        try:
+            return byte_level_token_bound(json.loads(backend.to_str()))
+        except Exception:  # noqa: BLE001 - an unusual definition: no bound, prompts are tokenized
+            return None
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -40,6 +63,63 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # the template already holds the special tokens it wants
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+_KEEPING_SPLITS = ("Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous")
+
+
+def _byte_chars() -> dict[int, str]:
+    """The character that stands for each byte 0..255 in byte-level BPE vocabularies (GPT-2's mapping)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    out = {b: chr(b) for b in keep}
+    for i, b in enumerate(b for b in range(256) if b not in out):
+        out[b] = chr(256 + i)
+    return out
+
+
+_BYTE_CHARS = _byte_chars()
+
+
+def byte_level_token_bound(spec: dict) -> Optional[tuple[int, str]]:
+    """For a byte-level BPE tokenizer.json definition: ``(L, dropped)`` such that a text of C characters,
+    D of them in ``dropped``, encodes to at least ceil((C - D) / L) tokens; None for any other tokenizer.
+
+    Why: with no normalizer, a pre-tokenizer that only splits (ByteLevel, Digits, or Split / Punctuation
+    that keep what they split on) and a BPE model without unknown-token handling, every UTF-8 byte of the
+    text whose byte character is in the vocabulary ends up in exactly one token (prefix spaces and template
+    tokens only add), and bytes whose character is missing are dropped.  When no UTF-8 continuation byte
+    (0x80-0xBF) is missing, every multi-byte character keeps at least one byte, and so does every ASCII
+    character outside ``dropped`` (the missing ASCII characters); so #tokens >= kept bytes / L >= kept
+    characters / L, where L is the longest token in bytes (vocabulary entries are one character per byte;
+    added tokens count their UTF-8 length).  Added tokens that strip surrounding whitespace (lstrip /
+    rstrip) break this: None.
+    """
+    if spec.get("normalizer") is not None:
+        return None
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    for p in parts:
+        kind = p.get("type")
+        if kind in ("Split", "Punctuation") and p.get("behavior") in _KEEPING_SPLITS:
+            continue
+        if kind not in ("ByteLevel", "Digits"):
+            return None
+    if not any(p.get("type") == "ByteLevel" for p in parts):
+        return None
+    model = spec.get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") != "BPE" or not isinstance(vocab, dict) or not vocab:
+        return None
+    if model.get("unk_token") is not None or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        return None
+    missing = [b for b, c in _BYTE_CHARS.items() if c not in vocab]
+    if any(0x80 <= b < 0xC0 for b in missing):
+        return None  # a continuation byte is dropped: a multi-byte character might vanish whole
+    added = spec.get("added_tokens") or []
+    if any(a.get("lstrip") or a.get("rstrip") for a in added):
+        return None
+    longest = max([len(t) for t in vocab] + [len(a["content"].encode("utf-8")) for a in added])
+    return longest, "".join(chr(b) for b in missing if b < 0x80)
 
 
 def load_tokenizer(source: str | Path, gguf_file: Optional[str] = None, extra_eos: Sequence[int] = ()) -> Tokenizer:

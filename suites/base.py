@@ -20,6 +20,10 @@ class SuiteError(RuntimeError):
     """A suite cannot run (bad options, no data, every request failed); the message says why."""
 
 
+class SuiteInputError(SuiteError):
+    """Bad user input found only once the target is known (e.g. a length beyond its context); a usage error."""
+
+
 @dataclass
 class SuiteOptions:
     limit: Optional[int] = None  # first N items (in dataset order)
@@ -89,6 +93,7 @@ class GenerationTask(ABC):
 
     name: str = ""
     default_params = SamplingParams(max_tokens=256, temperature=0.0)
+    applies_limit: bool = False  # True: load_items applies --limit itself (the runner does not cut the list)
 
     @abstractmethod
     def load_items(self, opts: SuiteOptions) -> tuple[list[Item], str]:
@@ -115,6 +120,10 @@ class GenerationTask(ABC):
         if opts.temperature is not None:
             p = replace(p, temperature=opts.temperature)
         return p
+
+    def record_fields(self, item: Item) -> dict:
+        """Suite-specific top-level fields added to each record of ``item`` (the prepared item)."""
+        return {}
 
     def extra_summary(self, records: list[dict], opts: SuiteOptions) -> dict:
         """Suite-specific aggregate metrics (pass@k ...) added to the summary."""

@@ -9,6 +9,13 @@ KL is exact over the full vocabulary when the reference runs live next to an in-
 (``exact=True``); otherwise the cached reference top-k plus a lumped tail bucket is used (a lower bound
 that is close; tests check it against the exact value); an HTTP candidate reporting only its own top-k
 gets the overlap bound.  The method is part of the protocol string.
+
+By position: every record carries ``by_position``, per-bucket sums {lo, hi, n_tokens, kl_sum, top1_sum} over
+its tokens' absolute positions (context tokens, taken from the greedy request's prompt token count, plus the
+index in the continuation), and the summary a pooled ``by_position`` list {lo, hi, n_tokens, kl_mean,
+kl_p99, top1_agree} (buckets 0-512, 512-1k, 1k-2k, … doubling; ``extra["position_buckets"]`` sets the first
+edge or a list of edges).  Long texts (``extra["text_tokens"]``, optionally ``extra["haystack_file"]``;
+``suites/fidelity_texts.py``) make those positions reach the context lengths that matter.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from kvbench.harness.store import prompt_hash
 from kvbench.suites.base import SuiteError, SuiteOptions, SuiteResult, summarize_records
 from kvbench.suites.fidelity_metrics import (
     argmax_ids,
+    bucket_edges,
+    by_position_sums,
+    pooled_by_position,
     first_divergence,
     item_scores,
     kl_full,
@@ -46,6 +56,7 @@ from kvbench.suites.fidelity_ref import (
     save_reference,
     to_numpy,
 )
+from kvbench.suites.fidelity_texts import Counter, build_long_texts, long_text_spec, token_counter
 from kvbench.suites.gsm8k import load_gsm8k
 
 log = logging.getLogger(__name__)
@@ -75,6 +86,7 @@ class CandidateOut:
     ref_lp: np.ndarray
     cand_lp: np.ndarray
     divergence: int
+    offset: int  # context tokens: the absolute position of the continuation's first token
 
 
 class FidelitySuite:
@@ -88,11 +100,34 @@ class FidelitySuite:
         greedy_tokens: int = 32,
         exact: bool = False,
         texts: Optional[Callable[[SuiteOptions], list[Text]]] = None,
+        count_tokens: Optional[Counter] = None,
     ):
         if top_k <= 0 or greedy_tokens <= 0:
             raise SuiteError("fidelity top_k and greedy_tokens must be positive")
         self.reference, self.cache_dir, self.top_k, self.greedy_tokens, self.exact = reference, cache_dir, top_k, greedy_tokens, exact
         self.texts = texts or gsm8k_texts
+        self.count_tokens = count_tokens  # long texts: the target's token count (default: from the client)
+        self.texts_label = "gsm8k-solutions"
+
+    def _concurrency(self, opts: SuiteOptions) -> int:
+        """Texts in flight: one at a time for long texts, whose full log-prob rows are T×V floats each
+        (8k tokens × a 49k vocabulary: 1.6 GB per side), else ``opts.concurrency``."""
+        return 1 if self.texts_label.startswith("texts=") else opts.concurrency
+
+    def _texts(self, client: Client, opts: SuiteOptions) -> list[Text]:
+        """The built-in or given texts; long texts when ``extra["text_tokens"]`` is set (sets ``texts_label``)."""
+        spec = long_text_spec(opts)
+        if spec is None:
+            self.texts_label = "gsm8k-solutions"
+            return self.texts(opts)
+        if self.texts is not gsm8k_texts:
+            raise SuiteError("fidelity: text_tokens builds its own long texts; it does not apply to given texts")
+        count = self.count_tokens or token_counter(client, (opts.extra or {}).get("tokenizer"))
+        info = client.info() if hasattr(client, "info") else {}
+        mml = (info or {}).get("max_model_len")
+        texts, label = build_long_texts(opts, spec, count, int(mml) if mml else None)
+        self.texts_label = f"texts={label}"
+        return texts
 
     def _cached_references(self, texts: list[Text], opts: SuiteOptions) -> list[RefText]:
         key = cache_key(self.reference.label, texts, self.top_k, self.greedy_tokens)
@@ -103,7 +138,7 @@ class FidelitySuite:
                 return cached
         client = self.reference.make_client()
         try:
-            refs = compute_reference(client, texts, self.top_k, self.greedy_tokens, False, opts.concurrency)
+            refs = compute_reference(client, texts, self.top_k, self.greedy_tokens, False, self._concurrency(opts))
         finally:
             client.close()
         self._save(texts, refs)
@@ -116,9 +151,9 @@ class FidelitySuite:
             save_reference(self.cache_dir, key, refs, meta)
 
     def protocol(self, opts: SuiteOptions, method: str, n: int) -> str:
-        return f"kvbench:fidelity:v1:gsm8k-solutions:n{n}:ref={self.reference.label}:kl={method}:top{self.top_k}:greedy{self.greedy_tokens}"
+        return f"kvbench:fidelity:v1:{self.texts_label}:n{n}:ref={self.reference.label}:kl={method}:top{self.top_k}:greedy{self.greedy_tokens}"
 
-    def _one(self, client: Client, text: Text, ref: RefText, opts: SuiteOptions, n: int) -> CandidateOut:
+    def _one(self, client: Client, text: Text, ref: RefText, opts: SuiteOptions, n: int, buckets) -> CandidateOut:
         t0 = time.perf_counter()
         res = client.score(ScoreRequest(text.context, text.continuation, top_k=min(self.top_k, API_TOP_K), full_distribution=True))
         if list(res.token_ids) != [int(x) for x in ref.token_ids]:
@@ -147,6 +182,7 @@ class FidelitySuite:
             method += ";div=chars"
             div = first_divergence(ref.greedy_text, gen.text, len(ref.greedy_text) or 1)
         cand_lp = np.asarray(res.logprobs, dtype=np.float64)
+        offset = int(gen.prompt_tokens)
         record = {
             "suite": self.name,
             "item_id": text.item_id,
@@ -164,21 +200,27 @@ class FidelitySuite:
             "latency_s": time.perf_counter() - t0,
             "scores": {**item_scores(kl, top1, ref.logprobs, cand_lp, div), **extra},
             "protocol": self.protocol(opts, method, n),
+            "by_position": by_position_sums(kl, top1, offset, bucket_edges(offset + len(kl), buckets)),
         }
-        return CandidateOut(record, kl, top1, ref.logprobs, cand_lp, div)
+        return CandidateOut(record, kl, top1, ref.logprobs, cand_lp, div, offset)
 
     def run(self, client: Client, opts: SuiteOptions) -> SuiteResult:
-        texts = self.texts(opts)
+        texts = self._texts(client, opts)
         if not texts:
             raise SuiteError("fidelity: no texts")
-        workers = max(1, min(opts.concurrency, len(texts)))
+        buckets = (opts.extra or {}).get("position_buckets")
+        try:  # the edges are one sequence whatever the length they cover: checked once here
+            bucket_edges(0, buckets)
+        except ValueError as e:
+            raise SuiteError(f"fidelity: {e}") from None
+        workers = max(1, min(self._concurrency(opts), len(texts)))
         if self.exact:  # reference live, text by text, so full rows of only a few texts are alive at once
             ref_client = self.reference.make_client()
             refs: list[Optional[RefText]] = [None] * len(texts)
 
             def both(i: int) -> CandidateOut:
                 ref = reference_one(ref_client, texts[i], self.top_k, self.greedy_tokens, True)
-                out = self._one(client, texts[i], ref, opts, len(texts))
+                out = self._one(client, texts[i], ref, opts, len(texts), buckets)
                 ref.full = None
                 refs[i] = ref
                 return out
@@ -194,12 +236,15 @@ class FidelitySuite:
             if [r.item_id for r in refs_c] != [t.item_id for t in texts]:
                 raise SuiteError("fidelity: reference cache does not match the texts")
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                outs = list(pool.map(lambda tr: self._one(client, tr[0], tr[1], opts, len(texts)), zip(texts, refs_c)))
+                outs = list(pool.map(lambda tr: self._one(client, tr[0], tr[1], opts, len(texts), buckets), zip(texts, refs_c)))
         records = [o.record for o in outs]
         summary = summarize_records(records)
         summary.update(pooled_summary([o.kl for o in outs], [o.top1 for o in outs], [o.ref_lp for o in outs], [o.cand_lp for o in outs], [o.divergence for o in outs]))
+        edges = bucket_edges(max(o.offset + len(o.kl) for o in outs), buckets)
+        summary["by_position"] = pooled_by_position([o.kl for o in outs], [o.top1 for o in outs], [o.offset for o in outs], edges)
         summary["n"] = len(records)
         if all("kl_mean_topk" in r["scores"] for r in records):  # exact run: the approximation, token-weighted too
             w = [r["scores"]["n_tokens"] for r in records]
             summary["kl_mean_topk"] = sum(r["scores"]["kl_mean_topk"] * n for r, n in zip(records, w)) / max(sum(w), 1.0)
-        return SuiteResult(self.name, records, summary, "gsm8k test solutions")
+        source = "gsm8k test solutions" if self.texts_label == "gsm8k-solutions" else f"long texts ({self.texts_label})"
+        return SuiteResult(self.name, records, summary, source)

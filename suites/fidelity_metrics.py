@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 EPS = 1e-12
+ROW_CHUNK = 256  # rows per step over full [T, V] arrays, so memory stays bounded on long texts
 
 
 def _log_tail(lp: np.ndarray) -> np.ndarray:
@@ -28,12 +29,17 @@ def _log_tail(lp: np.ndarray) -> np.ndarray:
 
 def kl_full(ref_lp: np.ndarray, cand_lp: np.ndarray) -> np.ndarray:
     """Exact KL per row from full log-prob rows ``[T, V]``."""
-    ref = np.asarray(ref_lp, dtype=np.float64)
-    cand = np.asarray(cand_lp, dtype=np.float64)
-    if ref.shape != cand.shape:
-        raise ValueError(f"full rows differ in shape: {ref.shape} vs {cand.shape}")
-    p = np.exp(ref)
-    return np.maximum((p * (ref - cand)).sum(axis=-1), 0.0)
+    ref_lp, cand_lp = np.asarray(ref_lp), np.asarray(cand_lp)
+    if ref_lp.shape != cand_lp.shape:
+        raise ValueError(f"full rows differ in shape: {ref_lp.shape} vs {cand_lp.shape}")
+    if ref_lp.ndim == 1:
+        return kl_full(ref_lp[None], cand_lp[None])[0]
+    out = np.empty(ref_lp.shape[0])
+    for s in range(0, ref_lp.shape[0], ROW_CHUNK):  # float64 temporaries of a few rows, not of a long text
+        ref = ref_lp[s:s + ROW_CHUNK].astype(np.float64)
+        cand = cand_lp[s:s + ROW_CHUNK].astype(np.float64)
+        out[s:s + ROW_CHUNK] = np.maximum((np.exp(ref) * (ref - cand)).sum(axis=-1), 0.0)
+    return out
 
 
 def kl_topk_tail(ref_top_lp: np.ndarray, cand_lp_at_ref: np.ndarray) -> np.ndarray:
@@ -119,3 +125,73 @@ def argmax_ids(top_ids: Optional[np.ndarray], top_lp: Optional[np.ndarray]) -> n
         raise ValueError("top-k ids and log-probs are needed")
     top_ids, top_lp = np.asarray(top_ids), np.asarray(top_lp)
     return top_ids[np.arange(len(top_ids)), np.argmax(top_lp, axis=-1)]
+
+
+# ------------------------------------------------------------------------------ by position
+
+DEFAULT_FIRST_BUCKET = 512
+
+
+def bucket_edges(max_position: int, spec=None) -> list[int]:
+    """Edges 0 = e_0 < e_1 < … of the position buckets [e_i, e_{i+1}) covering positions 0..max_position.
+
+    ``spec`` None or an int B: 0, B, 2B, 4B, … (doubling; default B = 512: 0-512, 512-1k, 1k-2k, 2k-4k, …);
+    a list of increasing positive ints: 0 and those edges, then doubling past the last one."""
+    if spec is None:
+        spec = DEFAULT_FIRST_BUCKET
+    if isinstance(spec, bool):
+        raise ValueError(f"position_buckets must be a positive int or a list of increasing positive ints, got {spec!r}")
+    if isinstance(spec, int):
+        if spec <= 0:
+            raise ValueError(f"position_buckets must be positive, got {spec}")
+        edges = [0, spec]
+    else:
+        try:
+            given = [int(e) for e in spec]
+        except (TypeError, ValueError):
+            raise ValueError(f"position_buckets must be a positive int or a list of increasing positive ints, got {spec!r}") from None
+        if not given or any(e <= 0 for e in given) or any(b <= a for a, b in zip(given, given[1:])) \
+                or any(isinstance(e, bool) or float(e) != int(e) for e in spec):
+            raise ValueError(f"position_buckets must be a positive int or a list of increasing positive ints, got {spec!r}")
+        edges = [0, *given]
+    while edges[-1] <= max_position:
+        edges.append(edges[-1] * 2)
+    return edges
+
+
+def by_position_sums(kl: np.ndarray, top1: np.ndarray, offset: int, edges: Sequence[int]) -> list[dict]:
+    """One text's per-bucket sums (its record's ``by_position``): the continuation token at index i sits at
+    absolute position ``offset + i`` (``offset`` = context tokens).  Only buckets holding tokens are listed."""
+    kl, top1 = np.asarray(kl, dtype=np.float64), np.asarray(top1, dtype=np.float64)
+    if kl.shape != top1.shape:
+        raise ValueError(f"kl and top1 differ in shape: {kl.shape} vs {top1.shape}")
+    pos = offset + np.arange(kl.size)
+    idx = np.searchsorted(np.asarray(edges), pos, side="right") - 1
+    out = []
+    for b in np.unique(idx):
+        m = idx == b
+        out.append({"lo": int(edges[b]), "hi": int(edges[b + 1]), "n_tokens": int(m.sum()),
+                    "kl_sum": float(kl[m].sum()), "top1_sum": float(top1[m].sum())})
+    return out
+
+
+def pooled_by_position(kls: list[np.ndarray], top1s: list[np.ndarray], offsets: list[int], edges: Sequence[int]) -> list[dict]:
+    """Summary ``by_position``: per bucket with tokens, the KL mean, KL p99 and top-1 agreement pooled over every
+    token of every text in the bucket (the p99 needs the token values, so this runs where they are)."""
+    e = np.asarray(edges)
+    kl_b: dict[int, list[np.ndarray]] = {}
+    t1_b: dict[int, list[np.ndarray]] = {}
+    for kl, top1, off in zip(kls, top1s, offsets):
+        kl, top1 = np.asarray(kl, dtype=np.float64), np.asarray(top1, dtype=np.float64)
+        idx = np.searchsorted(e, off + np.arange(kl.size), side="right") - 1
+        for b in np.unique(idx):
+            m = idx == b
+            kl_b.setdefault(int(b), []).append(kl[m])
+            t1_b.setdefault(int(b), []).append(top1[m])
+    out = []
+    for b in sorted(kl_b):
+        kl = np.concatenate(kl_b[b])
+        top1 = np.concatenate(t1_b[b])
+        out.append({"lo": int(e[b]), "hi": int(e[b + 1]), "n_tokens": int(kl.size), "kl_mean": float(kl.mean()),
+                    "kl_p99": p99(kl), "top1_agree": float(top1.mean())})
+    return out

@@ -51,12 +51,21 @@ def to_numpy(x, dtype=np.float32) -> np.ndarray:
     return np.asarray(x, dtype=dtype)
 
 
-def topk_from_full(full: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def topk_from_full(full: np.ndarray, k: int, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k ids and values per row, largest first; in row chunks (argpartition's [rows, V] index array of a
+    long text would otherwise be several GB)."""
     k = min(k, full.shape[-1])
-    idx = np.argpartition(-full, k - 1, axis=-1)[:, :k]
-    vals = np.take_along_axis(full, idx, axis=-1)
-    order = np.argsort(-vals, axis=-1, kind="stable")
-    return np.take_along_axis(idx, order, axis=-1), np.take_along_axis(vals, order, axis=-1)
+    ids, vals = [], []
+    for s in range(0, full.shape[0], chunk):
+        rows = full[s:s + chunk]
+        idx = np.argpartition(-rows, k - 1, axis=-1)[:, :k]
+        v = np.take_along_axis(rows, idx, axis=-1)
+        order = np.argsort(-v, axis=-1, kind="stable")
+        ids.append(np.take_along_axis(idx, order, axis=-1))
+        vals.append(np.take_along_axis(v, order, axis=-1))
+    if not ids:
+        return np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=full.dtype)
+    return np.concatenate(ids), np.concatenate(vals)
 
 
 def greedy_request(text: Text, n: int) -> GenRequest:

@@ -2,6 +2,9 @@
 
     python -m kvbench.suites.fidelity_table DIR [DIR ...]
     python -m kvbench.suites.fidelity_table --paired DIR_A DIR_B   # per-text A − B, mean ± standard error
+
+When the summaries hold ``by_position`` (fidelity by position bucket), a second table follows: one column
+per bucket, each entry ``KL mean / KL p99 / top-1 agreement`` over the tokens at those absolute positions.
 """
 
 from __future__ import annotations
@@ -22,21 +25,52 @@ COLUMNS = (
 )
 
 
-def row(out_dir: Path) -> list[str]:
+def _summary(out_dir: Path) -> tuple[dict, dict]:
     s = json.loads((Path(out_dir) / "summary.json").read_text())
     if s.get("error"):
         raise SystemExit(f"{out_dir}: run failed: {s['error']}")
     fid = s["suites"].get("fidelity")
     if fid is None:
         raise SystemExit(f"{out_dir}: no fidelity suite in summary.json")
+    return s, fid
+
+
+def _config(s: dict) -> list[str]:
     eng = s.get("engine") or {}
     target = s.get("target") or {}
     scales = eng.get("kv_scales", "?")
     if eng.get("kv_dtype") in ("bf16", "fp16"):
         scales = "-"
     backend = eng.get("prefill_backend", "?") if eng.get("prefill_backend") == eng.get("decode_backend") else f"{eng.get('prefill_backend')}+{eng.get('decode_backend')}"
-    cells = [str(eng.get("kv_dtype", target.get("kv_dtype", "?"))), scales, backend]
-    return cells + [fmt.format(fid[k]) if fid.get(k) is not None else "-" for k, _, fmt in COLUMNS]
+    return [str(eng.get("kv_dtype", target.get("kv_dtype", "?"))), scales, backend]
+
+
+def row(out_dir: Path) -> list[str]:
+    s, fid = _summary(out_dir)
+    return _config(s) + [fmt.format(fid[k]) if fid.get(k) is not None else "-" for k, _, fmt in COLUMNS]
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def position_table(dirs: list[Path]) -> str:
+    """KL mean / p99 / top-1 per position bucket (columns: the union of the runs' buckets); "" when no
+    summary has ``by_position``."""
+    rows = []
+    for d in dirs:
+        s, fid = _summary(d)
+        rows.append((_config(s), {(int(b["lo"]), int(b["hi"])): b for b in fid.get("by_position") or []}))
+    buckets = sorted({k for _, by in rows for k in by})
+    if not buckets:
+        return ""
+    head = ["kv", "scales", "backend"] + [f"{_k(lo)}–{_k(hi)}" for lo, hi in buckets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cfg, by in rows:
+        vals = [f"{by[k]['kl_mean']:.2e} / {by[k]['kl_p99']:.2e} / {by[k]['top1_agree']:.2%}" if k in by else "-"
+                for k in buckets]
+        lines.append("| " + " | ".join(cfg + vals) + " |")
+    return "\n".join(lines)
 
 
 def table(dirs: list[Path]) -> str:
@@ -78,7 +112,12 @@ def main(argv: list[str]) -> int:
             return 2
         print(paired(Path(argv[1]), Path(argv[2])))
         return 0
-    print(table([Path(a) for a in argv]))
+    dirs = [Path(a) for a in argv]
+    print(table(dirs))
+    pos = position_table(dirs)
+    if pos:
+        print("\nKL mean / KL p99 / top-1 agreement by absolute token position:\n")
+        print(pos)
     return 0
 
 

@@ -1,7 +1,9 @@
 """Suite registry: names → suites, and one entry point ``run_suite`` for the CLI and the sweep runner.
 
-Generation suites: ``gsm8k``, ``gsm8k_cot``, ``gsm8k_chat``, ``aime24``, ``aime25``, ``gpqa_diamond``.
-``fidelity`` needs a reference (``FidelityContext``); ``lm_eval:<task>`` runs any lm-eval task.
+Generation suites: ``gsm8k``, ``gsm8k_cot``, ``gsm8k_chat``, ``aime24``, ``aime25``, ``gpqa_diamond``, and
+``ruler`` (synthetic long-context tasks built with the target's tokenizer, options in ``opts.extra``: see
+suites/ruler_params.py).  ``fidelity`` needs a reference (``FidelityContext``); ``lm_eval:<task>`` runs any
+lm-eval task.
 ``--protocol`` picks a variant of a suite (``gsm8k`` + ``cot`` → ``gsm8k_cot``).
 """
 
@@ -60,11 +62,13 @@ GENERATION_SUITES: dict[str, Callable[[], GenerationTask]] = {
 PROTOCOLS: dict[str, dict[str, str]] = {
     "gsm8k": {"lm-eval": "gsm8k", "5shot": "gsm8k", "cot": "gsm8k_cot", "8shot-cot": "gsm8k_cot", "chat": "gsm8k_chat"},
 }
+# suites built for one client (they need its tokenizer and context length)
+CLIENT_SUITES = ("ruler",)
 SPECIAL = ("fidelity", "lm_eval:<task>")
 
 
 def suite_names() -> list[str]:
-    return [*GENERATION_SUITES, *SPECIAL]
+    return [*GENERATION_SUITES, *CLIENT_SUITES, *SPECIAL]
 
 
 def resolve(name: str, protocol: Optional[str] = None) -> str:
@@ -73,7 +77,7 @@ def resolve(name: str, protocol: Optional[str] = None) -> str:
         if not name[len("lm_eval:") :]:
             raise SuiteError("lm_eval:<task> needs a task name, e.g. lm_eval:gsm8k")
         return name
-    if name not in GENERATION_SUITES and name != "fidelity":
+    if name not in GENERATION_SUITES and name not in CLIENT_SUITES and name != "fidelity":
         raise SuiteError(f"unknown suite {name!r}; choose one of: {', '.join(suite_names())}")
     if protocol is None:
         return name
@@ -117,8 +121,13 @@ def run_suite(name: str, client: Client, opts: SuiteOptions, ctx: Optional[RunCo
         f = ctx.fidelity
         suite = FidelitySuite(Reference(f.label, f.make_client), f.cache_dir, f.top_k, f.greedy_tokens, f.exact)
         return suite.run(client, opts)
+    from kvbench.suites.runner import run_generation
+
+    if name == "ruler":
+        from kvbench.suites.ruler import make_ruler
+
+        return run_generation(make_ruler(client, opts), client, opts)
     if name not in GENERATION_SUITES:
         raise SuiteError(f"unknown suite {name!r}; choose one of: {', '.join(suite_names())}")
-    from kvbench.suites.runner import run_generation
 
     return run_generation(GENERATION_SUITES[name](), client, opts)

@@ -47,7 +47,7 @@ def progress_bar(total: int, label: str, enabled: bool) -> Iterator[Callable[[],
 
 def run_generation(task: GenerationTask, client: Client, opts: SuiteOptions) -> SuiteResult:
     items, source = task.load_items(opts)
-    if opts.limit is not None:
+    if opts.limit is not None and not task.applies_limit:
         items = items[: opts.limit]
     if not items:
         raise SuiteError(f"{task.name}: no items to run ({source})")
@@ -76,7 +76,10 @@ def run_generation(task: GenerationTask, client: Client, opts: SuiteOptions) -> 
             scored = Scored(None, False, True, {})
         else:
             scored = task.score(item, result.text)
-        return make_record(task.name, item, k, seed, req, result, scored, protocol, prompt_hash)
+        record = make_record(task.name, item, k, seed, req, result, scored, protocol, prompt_hash)
+        for key, value in task.record_fields(item).items():
+            record.setdefault(key, value)  # never overrides a make_record field
+        return record
 
     with progress_bar(len(units), task.name, opts.progress) as advance:
         with ThreadPoolExecutor(max_workers=min(opts.concurrency, len(units))) as pool:

@@ -173,9 +173,14 @@ def test_sampling_seed_topk_stop_and_min_tokens(engine):
 def test_score_is_consistent_with_generation(engine):
     ids = _enc(engine)[0]
     g = engine.generate([ids], _greedy(10, logprobs=0))[0]
+    # token-by-token scoring repeats generation's decode steps exactly
+    d = engine.score(ids, g.token_ids, top_k=2, mode="decode")
+    assert d.logprobs == pytest.approx(g.logprobs, abs=1e-5)
+    # prefill scoring (the default): decode semantics in one extend; the batched linears round differently,
+    # which can move a bf16 K element by one step (tests/test_runtime_score_prefill.py)
     s = engine.score(ids, g.token_ids, top_k=2)
     assert s.is_greedy and len(s.logprobs) == 10
-    assert s.logprobs == pytest.approx(g.logprobs, abs=1e-5)
+    assert s.logprobs == pytest.approx(g.logprobs, abs=1e-2)
     assert [t[0] for t in s.top_ids] == g.token_ids
     other = engine.score(ids, engine.tokenizer.encode(" Berlin, the capital of Germany"))
     assert not other.is_greedy and other.total_logprob < s.total_logprob

@@ -101,7 +101,7 @@ def test_identical_candidate_scores_perfectly(tmp_path):
     res = suite.run(FakeClient(seed=0), SuiteOptions(progress=False, concurrency=2))
     assert len(res.records) == 4
     for r in res.records:
-        assert set(r) == set(ITEM_FIELDS)
+        assert set(r) == set(ITEM_FIELDS) | {"by_position"}  # per-bucket sums (fidelity by position)
         assert SCORE_KEYS <= set(r["scores"])
         assert r["correct"] is None and r["suite"] == "fidelity"
         assert r["scores"]["kl_max"] < 1e-6 and r["scores"]["top1_agree"] == 1.0

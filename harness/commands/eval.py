@@ -3,6 +3,7 @@
     kvbench eval --suite gsm8k --limit 50 --data-dir DIR --out runs/gsm8k-bf16
     kvbench eval --suite fidelity --kv-dtype fp8_e4m3 --kv-scales calibrate --limit 16 --data-dir DIR
     kvbench eval --lm-eval hellaswag --limit 100 --endpoint http://127.0.0.1:8000
+    kvbench eval --suite ruler --context-lengths 1024,4096 --depths 3 --ruler-tasks niah_single,vt --limit 4
 
 ``--out DIR`` receives ``items.jsonl`` (one record per item and repeat) and ``summary.json`` (docs/accuracy.md),
 both written atomically.  ``--out`` and ``--data-dir`` are checked before the model loads; a directory that
@@ -64,6 +65,7 @@ def _open_client(engine, endpoint: Optional[str]):
 
 
 RESULT_FILES = ("items.jsonl", "summary.json")
+_RULER = "Long context (--suite ruler)"
 
 
 def _usage_error(msg: str) -> None:
@@ -114,8 +116,8 @@ def register(app: typer.Typer) -> None:
     @engine_options
     def eval_cmd(
         engine,
-        suite: Optional[str] = typer.Option(None, "--suite", help="Suite(s), comma-separated: gsm8k, gsm8k_cot, gsm8k_chat, aime24, aime25, gpqa_diamond, fidelity, lm_eval:<task> (default gsm8k)"),
-        limit: Optional[int] = typer.Option(None, "--limit", help="First N items of each suite (fidelity: N texts, default 32)"),
+        suite: Optional[str] = typer.Option(None, "--suite", help="Suite(s), comma-separated: gsm8k, gsm8k_cot, gsm8k_chat, aime24, aime25, gpqa_diamond, ruler, fidelity, lm_eval:<task> (default gsm8k)"),
+        limit: Optional[int] = typer.Option(None, "--limit", help="First N items of each suite (fidelity: N texts, default 32; ruler: N items per task, length and depth, default 5)"),
         repeats: int = typer.Option(1, "--repeats", help="K samples per item (avg@K, pass@K)"),
         data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local JSONL/CSV/parquet files (else the dataset hub; env KVBENCH_DATA_DIR)"),
         out: Optional[str] = typer.Option(None, "--out", help="Write items.jsonl and summary.json here (a directory; refused when it already holds them, see --overwrite)"),
@@ -132,14 +134,24 @@ def register(app: typer.Typer) -> None:
         fidelity_cache: Optional[str] = typer.Option(None, "--fidelity-cache", help="Fidelity reference cache directory"),
         fidelity_top_k: int = typer.Option(64, "--fidelity-top-k", help="Fidelity: reference top-k kept per position"),
         greedy_tokens: int = typer.Option(32, "--greedy-tokens", help="Fidelity: greedy continuation window"),
+        fidelity_text_tokens: Optional[int] = typer.Option(None, "--fidelity-text-tokens", help="Fidelity: long texts of this many tokens (GSM8K solutions concatenated, or --haystack-file) instead of single solutions; KL by position bucket shows how error grows with context"),
+        position_buckets: Optional[int] = typer.Option(None, "--position-buckets", help="Fidelity: first position bucket edge (buckets 0-N, N-2N, 2N-4N, ...; default 512)"),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on a terminal"),
+        context_lengths: Optional[str] = typer.Option(None, "--context-lengths", help="ruler: prompt lengths in target tokens, e.g. 1024,4096,32k (default 1024,2048,4096)", rich_help_panel=_RULER),
+        depths: Optional[str] = typer.Option(None, "--depths", help="ruler: N needle depths spread over 0-100% (N=1: 50%), or percents 10,50,90 (default 5)", rich_help_panel=_RULER),
+        ruler_tasks: Optional[str] = typer.Option(None, "--ruler-tasks", help="ruler: tasks, comma-separated: niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe (default all)", rich_help_panel=_RULER),
+        haystack: Optional[str] = typer.Option(None, "--haystack", help="ruler: built-in haystack: auto (RULER's per task), noise, essay", rich_help_panel=_RULER),
+        haystack_file: Optional[str] = typer.Option(None, "--haystack-file", help="ruler: natural-text haystack from this UTF-8 file (never fetched)", rich_help_panel=_RULER),
+        prompt_style: Optional[str] = typer.Option(None, "--prompt-style", help="ruler: chat or completion (default chat when the tokenizer has a chat template)", rich_help_panel=_RULER),
+        tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="ruler with --endpoint: tokenizer.json, HF directory, .gguf or hub name (default: the server's /tokenize)", rich_help_panel=_RULER),
     ) -> None:
         """Run accuracy and fidelity suites; per-item records and a summary (docs/accuracy.md)."""
         import json
         import logging
+        from dataclasses import replace
 
         from kvbench.harness.store import atomic_write_json, atomic_write_jsonl, canonical_key
-        from kvbench.suites.base import SuiteError, SuiteOptions
+        from kvbench.suites.base import SuiteError, SuiteInputError, SuiteOptions
         from kvbench.suites.data import DataError
         from kvbench.suites.registry import FidelityContext, RunContext, resolve, run_suite
 
@@ -149,10 +161,34 @@ def register(app: typer.Typer) -> None:
         if lm_eval:
             names.append(f"lm_eval:{lm_eval}")
         names = names or ["gsm8k"]
+        ruler_flags = {"context_lengths": context_lengths, "depths": depths, "tasks": ruler_tasks, "haystack": haystack,
+                       "haystack_file": haystack_file, "prompt_style": prompt_style, "tokenizer": tokenizer}
+        extra = {k: v for k, v in ruler_flags.items() if v is not None}
+        fidelity_flags = {"text_tokens": fidelity_text_tokens, "position_buckets": position_buckets}
+        fid_extra: dict = {"haystack_file": haystack_file} if haystack_file is not None and fidelity_text_tokens is not None else {}
         try:
             names = [resolve(n, protocol) for n in names]
+            long_fidelity = "fidelity" in names and fidelity_text_tokens is not None
+            ruler_only = {k: v for k, v in extra.items() if not (long_fidelity and k == "haystack_file")}
+            if ruler_only and "ruler" not in names:
+                flag = "--" + ("ruler-tasks" if next(iter(ruler_only)) == "tasks" else next(iter(ruler_only)).replace("_", "-"))
+                raise SuiteError(f"{flag} applies to --suite ruler only" + (" (and to fidelity with --fidelity-text-tokens)" if flag == "--haystack-file" else ""))
+            for k, v in fidelity_flags.items():
+                if v is None:
+                    continue
+                if "fidelity" not in names:
+                    raise SuiteError(f"--{'fidelity-text-tokens' if k == 'text_tokens' else 'position-buckets'} applies to --suite fidelity only")
+                if v <= 0:
+                    raise SuiteError(f"--{'fidelity-text-tokens' if k == 'text_tokens' else 'position-buckets'} must be positive, got {v}")
+                fid_extra[k] = v
+            if tokenizer is not None and not endpoint:
+                raise SuiteError("--tokenizer applies to --endpoint only (the embedded engine uses its own tokenizer)")
+            if "ruler" in names:
+                from kvbench.suites.ruler_params import parse_params
+
+                parse_params(extra)
             opts = SuiteOptions(limit=limit, repeats=repeats, data_dir=data_dir, concurrency=concurrency, seed=sample_seed,
-                                max_tokens=max_tokens, temperature=temperature, progress=progress)
+                                max_tokens=max_tokens, temperature=temperature, progress=progress, extra=extra)
         except SuiteError as e:
             raise typer.BadParameter(str(e)) from None
         out_dir = _check_paths(data_dir, out, overwrite)
@@ -175,16 +211,18 @@ def register(app: typer.Typer) -> None:
         records: list[dict] = []
         summaries: dict[str, dict] = {}
         error: Optional[str] = None
+        usage_error = False  # bad input found once the target is known (ruler lengths): exit 2, not 1
         info: dict = {}
         try:
             info = client.info()
             for name in names:
-                res = run_suite(name, client, opts, ctx)
+                res = run_suite(name, client, replace(opts, extra=fid_extra) if name == "fidelity" else opts, ctx)
                 records += res.records
                 for k, s in res.summaries().items():
                     summaries[k] = {**s, "source": res.source}
         except (SuiteError, DataError) as e:
             error = str(e)
+            usage_error = isinstance(e, SuiteInputError)
         except Exception as e:  # an engine or server failure: keep what finished, report, exit 1
             logging.getLogger("kvbench.eval").exception("suite failed")
             error = f"{type(e).__name__}: {e}"
@@ -204,4 +242,4 @@ def register(app: typer.Typer) -> None:
         typer.echo(json.dumps({"suites": summaries, "error": error, "out": out}, indent=2, default=str))
         if error:
             typer.echo(f"error: {error}", err=True)
-            raise typer.Exit(1)
+            raise typer.Exit(2 if usage_error else 1)

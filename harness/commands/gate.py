@@ -1,6 +1,7 @@
 """`kvbench gate RUN --baseline SELECTOR --candidate SELECTOR`: non-inferiority exit code for CI.
 
-Exit 0 when every gated check passes, 1 when one fails, 2 for missing data or a usage error.  Prints the
+Exit 0 when every gated check passes, 1 when one fails, 2 for missing data or a usage error.  The
+long-context score gates as ``--metric ruler`` (per-item scores.ruler), ``ruler:L<length>`` or ``ruler:auc``.  Prints the
 deciding table and, last, one GitHub-Actions workflow-command line (``::notice::`` / ``::error::``).
 """
 
@@ -66,8 +67,8 @@ def register(app: typer.Typer) -> None:
         run: Path = typer.Argument(..., help="Run directory written by `kvbench sweep`."),
         candidate: str = typer.Option(..., "--candidate", help="Cell selector key=value[,key=value]; every matching cell with accuracy records is gated."),
         baseline: Optional[str] = typer.Option(None, "--baseline", help="Cell selector of the baseline (default: the run config's baseline)."),
-        metric: Optional[List[str]] = typer.Option(None, "--metric", help="Gated metric: SUITE or SUITE:METRIC or a score name (repeatable; default: every suite's primary metric)."),
-        max_drop: Optional[List[str]] = typer.Option(None, "--max-drop", help="Allowed drop δ as a fraction (0.05 = 5 points), or SUITE=δ (repeatable)."),
+        metric: Optional[List[str]] = typer.Option(None, "--metric", help="Gated metric: SUITE or SUITE:METRIC or a score name (repeatable; default: every suite's primary metric). Long-context suites (ruler) also take SUITE:auc (area under the accuracy-vs-length curve) and SUITE:L<length> (one context length)."),
+        max_drop: Optional[List[str]] = typer.Option(None, "--max-drop", help="Allowed drop δ as a fraction (0.05 = 5 points), or SUITE=δ, or SUITE:METRIC=δ such as ruler:auc=0.1 (repeatable)."),
         max_invalid_increase: Optional[float] = typer.Option(None, "--max-invalid-increase", help="Allowed increase of the invalid-answer rate, a fraction in [0, 1] (default 0.05)."),
         max_truncation_increase: Optional[float] = typer.Option(None, "--max-truncation-increase", help="Allowed increase of the truncation rate, a fraction in [0, 1] (default 0.05)."),
         max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Largest allowed fidelity KL mean over every token (summary.json's kl_mean; its upper bound is gated); not gated unless set here or in the config."),

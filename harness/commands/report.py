@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
         meta_rows = run_meta(data)
         base = analysis.baseline
         meta_rows.append(("baseline", f"{base.short} [{base.key}]" if base else "none (no cell has item records)"))
-        meta_rows.append(("statistics", f"{100 * confidence:g}% intervals; paired deltas: Newcombe for 0/1 scores (K=1), else paired bootstrap {n_boot} resamples, seed {seed}; Holm"))
+        meta_rows.append(("statistics", f"{100 * confidence:g}% intervals; paired deltas: Newcombe for 0/1 scores (K=1), else paired bootstrap {n_boot} resamples, seed {seed}; Holm; long-context AUC: bootstrap over questions within each length, same resamples and seed"))
         meta = ReportMeta(title=f"kvbench report: {data.config.get('name') or data.name}", command=shlex.join(cmd),
                           rows=meta_rows)
         written = write_report(analysis, out_dir, meta, max_drop=_default_drop(data.config))

@@ -12,6 +12,12 @@ Semantics shared by every backend (so they agree on numbers):
   round-tripped through the cache format).  The new K/V are appended to the cache in the same call.
 * ``phase == "decode"``: every sequence has exactly one new token; it is appended first and then every
   K/V, the new one included, is read from the pages.
+* Round-trip sequences (``AttentionMetadata.roundtrip_seqs_cpu[b]`` true, prefill phase only): the new
+  tokens of sequence ``b`` attend to their own K/V **as stored** (the format's quantize -> dequantize
+  round trip, read back after this step's append), exactly as token-by-token decode would read them.  This
+  is how teacher-forced scoring runs a continuation as one extend with decode semantics.  A sequence's
+  rows in one step are all round-trip or none (the scheduler never puts the context/continuation
+  boundary inside a chunk); other sequences of the same step keep the plain prefill semantics.
 * RoPE is applied before quantization.  Sliding window ``W``: a query at position ``p`` sees keys at
   positions ``j`` with ``p - W < j <= p``.  Sinks: one learned logit per query head that joins the
   softmax denominator only (GPT-OSS).
@@ -105,6 +111,10 @@ class AttentionMetadata:
     rope: RopeCache
     seq_lens_cpu: list[int] = field(default_factory=list)
     q_lens_cpu: list[int] = field(default_factory=list)
+    # decode semantics for some prefill sequences (see the module doc): bool [T] per new-token row (every
+    # row of a flagged sequence is True) and the same per sequence on the host; None / [] = no such sequence
+    roundtrip_rows: Optional["torch.Tensor"] = None
+    roundtrip_seqs_cpu: list[bool] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # backend-private per-step state (e.g. a flashinfer plan)
 
     def __post_init__(self) -> None:
@@ -118,6 +128,11 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    @property
+    def has_roundtrip(self) -> bool:
+        """Some sequence of this (prefill) step reads its new tokens' K/V back from the cache."""
+        return self.phase == "prefill" and any(self.roundtrip_seqs_cpu)
 
     @property
     def prefix_lens_cpu(self) -> list[int]:

@@ -1,6 +1,10 @@
 """FlashInfer backend (GPU, optional): FlashInfer's paged decode and prefill kernels over the cache
 layout of ``runtime/kv_cache.py`` (HND or NHD pages, K and V planes separate).
 
+Round-trip sequences (scoring with decode semantics, ``base.py``) need nothing extra: FlashInfer's prefill
+reads the new tokens' K/V back from the pages, and it runs only when the cache keeps the compute dtype, so
+what it reads is the stored value.
+
 RoPE, quantization and append use the torch reference path (``PagedKVCache.write``); attention
 runs in FlashInfer.  Per-tensor / per-head fp8 scales are folded exactly: ``k_scale`` into q (per kv
 head) and ``v_scale`` into the output, so no scale is passed as a Python float.

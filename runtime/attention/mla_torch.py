@@ -1,7 +1,12 @@
 """MLA on the torch reference backend: RoPE, append the latent through ``PagedKVCache.write`` (the
-format's torch quantizer), gather and dequantize each sequence's latent pages, expand them with
-``kv_b_proj`` (``W_UK``, ``W_UV``) and run masked softmax attention in float32.  Uses the padded slot
-table that ``TorchBackend.plan`` builds (``meta.extra["torch"]``)."""
+format's torch quantizer), read and dequantize the latent positions the step's queries can see (one
+gather, ``TorchPlan.reads``), then per sequence expand the latent with ``kv_b_proj`` (``W_UK``, ``W_UV``)
+and attend in float32 query chunks (``torch_backend.attend_chunked``): no padding to the batch's longest
+sequence and no score tile larger than one chunk's ``[H, C, S]``.
+
+With ``quantize_query`` the absorbed query ``[W_UKᵀ q_nope | rope(q_pe)]`` is rounded through fp8 and
+attends to the latent itself (one shared "kv head"), the output ``W_UV · (P c)``.  Round-trip sequences
+(``base.py``) and decode read every latent, their own included, back from the pages."""
 
 from __future__ import annotations
 
@@ -19,12 +24,9 @@ def rope_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata)
 
 
 def torch_forward_mla(backend, q_nope, q_pe, c_kv, k_pe, layer: MLAAttentionLayer, cache, meta: AttentionMetadata) -> torch.Tensor:
-    from kvbench.runtime.attention.torch_backend import quantize_query_fp8
+    from kvbench.runtime.attention.torch_backend import attend_chunked, quantize_query_fp8, seq_kv
 
-    st = meta.extra.get("torch")
-    if st is None:
-        backend.plan(meta, cache)
-        st = meta.extra["torch"]
+    st = backend.step_plan(meta, cache)
     T, H = q_nope.shape[:2]
     r, vd = layer.kv_lora_rank, layer.v_head_dim
     qp, kp = rope_latent(q_pe, k_pe, meta)
@@ -32,38 +34,28 @@ def torch_forward_mla(backend, q_nope, q_pe, c_kv, k_pe, layer: MLAAttentionLaye
     cache.write(layer.layer_idx, meta.slot_mapping, new_lat[:, None])
 
     w_uk, w_uv = layer.w_uk.float(), layer.w_uv.float()
-    slots, rows = st["slots"], st["rows"]
-    B, S = slots.shape
-    Q = rows.shape[1]
-    lat, _ = cache.read_slots(layer.layer_idx, slots.reshape(-1), torch.float32)
-    lat = lat.view(B, S, r + layer.qk_rope_head_dim)
-    if meta.phase == "prefill":  # the new tokens' own latent in compute precision
-        bi, qi = st["valid_idx"]
-        lat = lat.clone()
-        lat[bi, st["qpos"][bi, qi]] = new_lat.float()[rows[bi, qi]]
-    # keys no query sees (padding, the scratch page) are zeroed, so stale bytes never reach the output
-    lat = torch.where(st["base_mask"].any(1)[..., None], lat, torch.zeros((), device=lat.device))
-    c, kpe = lat[..., :r], lat[..., r:]
-
-    qp_b = qp.float()[rows]  # [B, Q, H, rope]
+    slots, offs, los, ns = st.reads(None)
+    lat_c, _ = cache.read_slots(layer.layer_idx, slots, torch.float32)  # [N, 1, rank + rope]
     if backend.opts.quantize_query:  # absorbed query through fp8 (the form the MLA kernels consume)
-        q_abs = quantize_query_fp8(torch.cat((absorb(q_nope.float(), w_uk), qp.float()), dim=-1), layer.q_scale)
-        q_abs = q_abs[rows]
-        scores = torch.einsum("bqhr,bsr->bhqs", q_abs[..., :r], c) + torch.einsum("bqhp,bsp->bhqs", q_abs[..., r:], kpe)
+        q_all = quantize_query_fp8(torch.cat((absorb(q_nope.float(), w_uk), qp.float()), dim=-1), layer.q_scale)
     else:
-        k_nope = torch.einsum("bsr,hnr->bhsn", c, w_uk)
-        scores = torch.einsum("bqhn,bhsn->bhqs", q_nope.float()[rows], k_nope) + torch.einsum("bqhp,bsp->bhqs", qp_b, kpe)
-    scores = scores * layer.softmax_scale
-    mask = st["base_mask"][:, None]  # [B, 1, Q, S]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    safe = torch.where(mask.any(-1, keepdim=True), scores, torch.zeros_like(scores))  # padded rows: no NaN
-    probs = torch.softmax(safe, dim=-1)
-    v = torch.einsum("bsr,hvr->bhsv", c, w_uv)
-    out = torch.einsum("bhqs,bhsv->bqhv", probs, v).reshape(B, Q, H * vd)
-    res = torch.zeros(T, H * vd, dtype=torch.float32, device=q_nope.device)
-    if meta.phase == "decode":  # one row per sequence, in order (rows past B are padding)
-        res[:B] = out[:, 0]
-    else:
-        bi, qi = st["valid_idx"]
-        res[rows[bi, qi]] = out[bi, qi]
+        q_all = torch.cat((q_nope.float(), qp.float()), dim=-1)  # [T, H, nope + rope]
+    res = torch.zeros(T, H * vd, dtype=torch.float32, device=q_nope.device)  # padding rows stay zero
+    for b in range(st.B):
+        r0, r1 = st.cu[b], st.cu[b + 1]
+        if r1 == r0:
+            continue
+        lat = seq_kv(st, b, lat_c, offs, ns, new_lat[:, None])  # [S, 1, rank + rope]
+        c, kpe = lat[:, 0, :r], lat[:, 0, r:]
+        qb = q_all[r0:r1]
+        pre = st.seq_lens[b] - st.q_lens[b]
+        if backend.opts.quantize_query:
+            o_lat = attend_chunked(qb, lat, c[:, None], pre, los[b], layer.softmax_scale, chunk=backend.query_chunk)
+            out = torch.einsum("qhr,hvr->qhv", o_lat, w_uv)
+        else:
+            k_nope = torch.einsum("sr,hnr->shn", c, w_uk)  # [S, H, nope]
+            keys = torch.cat((k_nope, kpe[:, None].expand(-1, H, -1)), dim=-1)
+            vals = torch.einsum("sr,hvr->shv", c, w_uv)  # [S, H, v]
+            out = attend_chunked(qb, keys, vals, pre, los[b], layer.softmax_scale, chunk=backend.query_chunk)
+        res[r0:r1] = out.reshape(r1 - r0, H * vd)
     return res.to(q_nope.dtype)

@@ -1,6 +1,7 @@
 """MLA on the Triton backend: fused (or unfused) RoPE + quantize + append of ``[c_kv | k_pe]`` into the
 latent pages (``kernels/mla_append.py``), then the absorbed kernels: ``mla_decode`` (split-K over pages)
-or ``mla_prefill`` (new tokens over the quantized prefix plus their own latent in compute precision).
+or ``mla_prefill`` (new tokens over the quantized prefix plus their own latent in compute precision;
+round-trip sequences pass their latent as stored instead, read back after the append).
 
 No host syncs (the decode split count follows ``meta.max_seqlen_k``), so decode can be captured in a
 CUDA graph.  With ``quantize_query`` the append kernel emits the fp8 absorbed query that both kernels
@@ -59,6 +60,12 @@ def triton_forward_mla(backend, q_nope, q_pe, c_kv, k_pe, layer: MLAAttentionLay
     else:
         from kvbench.kernels.mla_prefill import mla_prefill
 
+        if meta.has_roundtrip:  # decode semantics: these rows see their latent as stored
+            from kvbench.runtime.attention.triton_backend import stored_new_kv
+
+            lat = torch.cat((c_kv, k_rot.to(c_kv.dtype)), dim=-1)[:, None]
+            lat, _ = stored_new_kv(cache, layer.layer_idx, meta, lat, lat)
+            c_kv, k_rot = lat[:, 0, :r].contiguous(), lat[:, 0, r:].to(k_rot.dtype).contiguous()
         o_lat = mla_prefill(ql, qp, c_kv, k_rot, lc, meta.page_table, meta.seq_lens, meta.cu_seqlens_q,
                             layer.softmax_scale, max_q_len=max(int(meta.max_seqlen_q), 1), q_scale=q_scale)
     out = unabsorb(o_lat.to(q_nope.dtype), layer.w_uv)

@@ -1,17 +1,30 @@
 """The reference attention backend: plain torch, CPU or GPU, every KV format, both phases.
 
-Per step (``plan``) it builds a padded ``[B, max_seq_len]`` slot table; per layer it applies RoPE,
-appends the new K/V through ``PagedKVCache.write`` (the format's torch quantizer), gathers and
-dequantizes each sequence's K/V, and runs masked softmax attention in float32 (GQA by head grouping,
-sliding window, sinks).  In prefill the new tokens' own K/V enter in compute precision; in decode
-everything is read back from the pages (see ``base.py``).
+Per step (``plan``) it records each sequence's rows, prefix and whether its K/V all come from the pages
+(decode, round-trip sequences) or its new tokens enter in compute precision (prefill); per layer it applies
+RoPE, appends the new K/V through ``PagedKVCache.write`` (the format's torch quantizer), reads and
+dequantizes, in one gather for the whole step, only the cached positions some query can see (a sliding
+window skips the rest), and then attends **one sequence at a time in query chunks** with
+``torch.nn.functional.scaled_dot_product_attention`` in float32 (GQA through ``enable_gqa``, an explicit
+causal / sliding-window mask per chunk, keys sliced to the chunk's causal reach).  Nothing is padded to
+the batch's longest sequence and no score tensor larger than one chunk's ``[H, C, S]`` exists, so an 8k
+prefill on the CPU needs megabytes, not gigabytes, of attention workspace.
+
+Sinks (one extra logit per query head in the softmax denominator only) ride in one extra head dimension:
+q gets ``sink[h] / scale`` there, an appended all-zero key gets 1 there and a zero value, so that key's
+logit is exactly ``sink[h]`` and it contributes nothing to the output.
+
+Semantics are those of ``base.py``: in prefill the new tokens' own K/V enter in compute precision; in
+decode, and for round-trip sequences, everything is read back from the pages.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
 
 import torch
+import torch.nn.functional as F
 
 from kvbench.runtime.attention.base import (
     AttentionLayer,
@@ -21,9 +34,14 @@ from kvbench.runtime.attention.base import (
 )
 from kvbench.runtime.kv_cache import PagedKVCache
 
-__all__ = ["TorchBackend", "quantize_query_fp8"]
+__all__ = ["TorchBackend", "TorchPlan", "quantize_query_fp8", "attend_chunked", "SCORE_TILE_BYTES"]
 
 _E4M3_MAX = 448.0
+
+# Query chunk size: the largest C whose float32 score tile [H, C, S] fits this many bytes (SDPA's fused CPU
+# kernel never builds the tile; its math fallback, e.g. MLA's unequal head dims, builds one per chunk).
+# ``BackendOptions.extra["torch_query_chunk"]`` fixes C instead (tests force small chunks with it).
+SCORE_TILE_BYTES = 64 * 2**20
 
 
 def quantize_query_fp8(q: torch.Tensor, q_scale: float) -> torch.Tensor:
@@ -32,14 +50,165 @@ def quantize_query_fp8(q: torch.Tensor, q_scale: float) -> torch.Tensor:
     return (y.float() * q_scale).to(q.dtype)
 
 
+def query_chunk(num_heads: int, num_keys: int, fixed: Optional[int] = None) -> int:
+    """Queries per attention chunk: ``fixed`` when given, else what keeps ``[H, C, S]`` float32 within
+    ``SCORE_TILE_BYTES`` (at least 1)."""
+    if fixed is not None:
+        return max(int(fixed), 1)
+    return max(SCORE_TILE_BYTES // (4 * max(num_heads, 1) * max(num_keys, 1)), 1)
+
+
+def attend_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos0: int,
+    k_pos0: int,
+    scale: float,
+    window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    chunk: Optional[int] = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence's queries over its keys, in query chunks.
+
+    ``q [Q, H, Dk]`` are the queries at positions ``q_pos0 .. q_pos0 + Q - 1``; ``k [S, Hk, Dk]``,
+    ``v [S, Hk, Dv]`` the keys/values at positions ``k_pos0 .. k_pos0 + S - 1``, which must cover every
+    position a query sees (``k_pos0 + S == q_pos0 + Q``).  Query at ``p`` sees keys ``j <= p`` and, with a
+    ``window`` W, ``j > p - W``; ``sinks`` (float ``[H]``) join each head's softmax denominator.  Query head
+    ``h`` reads kv head ``h // (H // Hk)``.  All float32; returns ``[Q, H, Dv]``.
+    """
+    Q, H, Dk = q.shape
+    S, Hk, Dv = v.shape
+    if k_pos0 + S != q_pos0 + Q:
+        raise ValueError(f"keys end at {k_pos0 + S}, queries at {q_pos0 + Q}: the keys must cover the queries")
+    qt = q.transpose(0, 1)  # [H, Q, Dk]
+    kt = k.transpose(0, 1).contiguous()  # [Hk, S, Dk]
+    vt = v.transpose(0, 1).contiguous()  # [Hk, S, Dv]
+    if sinks is not None:
+        # one extra dim: q carries sink/scale, a trailing zero key carries 1 -> its logit is exactly the sink
+        pad = 8
+        qe = torch.zeros(H, Q, Dk + pad, dtype=q.dtype, device=q.device)
+        qe[..., :Dk] = qt
+        qe[..., Dk] = (sinks.to(q.device, torch.float32) / scale)[:, None]
+        ke = torch.zeros(Hk, S + 1, Dk + pad, dtype=k.dtype, device=k.device)
+        ke[:, :S, :Dk] = kt
+        ke[:, S, Dk] = 1.0
+        ve = torch.zeros(Hk, S + 1, max(Dv, Dk + pad), dtype=v.dtype, device=v.device)
+        ve[:, :S, :Dv] = vt
+        qt, kt, vt = qe, ke, ve
+    out = torch.empty(Q, H, Dv, dtype=q.dtype, device=q.device)
+    C = query_chunk(H, S, chunk)
+    gqa = Hk != H
+    for i0 in range(0, Q, C):
+        i1 = min(Q, i0 + C)
+        p_lo, p_hi = q_pos0 + i0, q_pos0 + i1 - 1
+        j_lo = k_pos0 if window is None else max(k_pos0, p_lo - int(window) + 1)
+        j_hi = p_hi + 1  # exclusive: causal reach of the chunk's last query
+        a, b = j_lo - k_pos0, j_hi - k_pos0
+        ks, vs = kt[:, a:b], vt[:, a:b]
+        mask = None
+        if i1 - i0 > 1:  # a single query sees every key of its slice
+            qp = torch.arange(p_lo, p_hi + 1, device=q.device)[:, None]
+            kp = torch.arange(j_lo, j_hi, device=q.device)[None, :]
+            mask = kp <= qp
+            if window is not None:
+                mask &= kp > qp - int(window)
+        if sinks is not None:
+            ks = torch.cat((ks, kt[:, S:]), dim=1)
+            vs = torch.cat((vs, vt[:, S:]), dim=1)
+            if mask is not None:
+                mask = torch.cat((mask, torch.ones(i1 - i0, 1, dtype=torch.bool, device=q.device)), dim=1)
+        o = F.scaled_dot_product_attention(qt[None, :, i0:i1], ks[None], vs[None], attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[i0:i1] = o[0, :, :, :Dv].transpose(0, 1)
+    return out
+
+
+@dataclass
+class TorchPlan:
+    """Per-step host view of the batch (``meta.extra["torch"]``), shared by the MHA and MLA paths.
+
+    ``from_cache[b]``: sequence ``b`` reads all its K/V from the pages (decode, round-trip); otherwise its
+    new tokens' K/V come from the step's compute-precision tensors and only the prefix is read."""
+
+    B: int
+    cu: list[int]
+    seq_lens: list[int]
+    q_lens: list[int]
+    from_cache: list[bool]
+    table: torch.Tensor  # int64 [B, P]
+    page_size: int
+    _reads: dict = field(default_factory=dict)
+
+    @property
+    def prefixes(self) -> list[int]:
+        return [s - q for s, q in zip(self.seq_lens, self.q_lens)]
+
+    def reads(self, window: Optional[int]) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
+        """Cache positions a layer with this window must read: ``(slots [N], offsets, lo, n)``; sequence
+        ``b`` reads positions ``lo[b] .. lo[b] + n[b] - 1``, rows ``offsets[b] ..`` of the gathered K/V.
+        Keys below the first query's window are skipped.  Cached per window for the step."""
+        hit = self._reads.get(window)
+        if hit is not None:
+            return hit
+        los, ns, offs = [], [], []
+        o = 0
+        for b in range(self.B):
+            pre = self.seq_lens[b] - self.q_lens[b]
+            hi = self.seq_lens[b] if self.from_cache[b] else pre
+            lo = 0 if window is None else max(0, pre - int(window) + 1)
+            lo = min(lo, hi)
+            los.append(lo)
+            ns.append(hi - lo)
+            offs.append(o)
+            o += hi - lo
+        dev = self.table.device
+        if o:
+            n_t = torch.tensor(ns, device=dev)
+            seg = torch.repeat_interleave(torch.arange(self.B, device=dev), n_t)
+            start = torch.tensor(offs, device=dev)[seg]
+            pos = torch.arange(o, device=dev) - start + torch.tensor(los, device=dev)[seg]
+            slots = self.table[seg, pos // self.page_size] * self.page_size + pos % self.page_size
+        else:
+            slots = torch.zeros(0, dtype=torch.int64, device=dev)
+        hit = (slots, offs, los, ns)
+        self._reads[window] = hit
+        return hit
+
+
+def make_plan(meta: AttentionMetadata) -> TorchPlan:
+    """The step's ``TorchPlan`` (host lists from the metadata, or one copy of the device tensors when the
+    caller gave none)."""
+    B = meta.num_seqs
+    cu = [int(x) for x in meta.cu_seqlens_q.tolist()]
+    seq_lens = list(meta.seq_lens_cpu) if meta.seq_lens_cpu else [int(x) for x in meta.seq_lens.tolist()]
+    q_lens = list(meta.q_lens_cpu) if meta.q_lens_cpu else [cu[b + 1] - cu[b] for b in range(B)]
+    rt = list(meta.roundtrip_seqs_cpu) if meta.roundtrip_seqs_cpu else [False] * B
+    if len(rt) != B:
+        raise ValueError(f"roundtrip_seqs_cpu has {len(rt)} entries for {B} sequences")
+    from_cache = [meta.phase == "decode" or bool(r) for r in rt]
+    return TorchPlan(B, cu, seq_lens, q_lens, from_cache, meta.page_table.to(torch.int64), meta.page_size)
+
+
+def seq_kv(plan: TorchPlan, b: int, gathered: torch.Tensor, offs: list[int], ns: list[int], new: torch.Tensor) -> torch.Tensor:
+    """Sequence ``b``'s keys (or values) for its visible positions: the gathered cache rows, followed by its
+    new tokens' compute-precision rows unless it reads everything from the cache."""
+    part = gathered[offs[b] : offs[b] + ns[b]]
+    if plan.from_cache[b]:
+        return part
+    return torch.cat((part, new[plan.cu[b] : plan.cu[b + 1]].float()), dim=0)
+
+
 class TorchBackend:
     name: ClassVar[str] = "torch"
-    # capturable (no host syncs in decode), but a graph fixes the key length at max_model_len, which makes
-    # this gather-everything reference far slower than eager: decode it eagerly
+    # decode loops over sequences on the host: eager only
     graph_safe: ClassVar[bool] = False
 
     def __init__(self, opts: BackendOptions):
         self.opts = opts
+        chunk = (opts.extra or {}).get("torch_query_chunk")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"torch_query_chunk must be a positive integer, got {chunk!r}")
+        self.query_chunk: Optional[int] = chunk
 
     @classmethod
     def supports(cls, kv_dtype: str, phase: str) -> bool:
@@ -61,31 +230,14 @@ class TorchBackend:
 
     # ------------------------------------------------------------------------------------ plan
     def plan(self, meta: AttentionMetadata, cache: PagedKVCache) -> None:
-        dev = meta.positions.device
-        ps = meta.page_size
-        B = meta.num_seqs
-        seq_lens = meta.seq_lens.to(dev, torch.int64)
-        cu = meta.cu_seqlens_q.to(dev, torch.int64)
-        q_lens = cu[1:] - cu[:-1]
-        max_s = max(int(meta.max_seqlen_k), 1)
-        max_q = max(int(meta.max_seqlen_q), 1)
-        pos = torch.arange(max_s, device=dev)
-        table = meta.page_table.to(dev, torch.int64)
-        pages = table[:, (pos // ps).clamp(max=table.shape[1] - 1)]
-        slots = pages * ps + pos % ps
-        kvalid = pos[None, :] < seq_lens[:, None]
-        slots = torch.where(kvalid, slots, torch.full_like(slots, cache.scratch_page * ps))
-        qi = torch.arange(max_q, device=dev)
-        qvalid = qi[None, :] < q_lens[:, None]
-        prefix = seq_lens - q_lens
-        qpos = prefix[:, None] + qi[None, :]
-        rows = (cu[:-1, None] + qi[None, :]).clamp(max=max(int(meta.num_tokens) - 1, 0))
-        causal = pos[None, None, :] <= qpos[:, :, None]  # [B, Q, S]
-        base_mask = causal & kvalid[:, None, :] & qvalid[:, :, None]
-        meta.extra["torch"] = dict(
-            slots=slots, qvalid=qvalid,
-            valid_idx=torch.nonzero(qvalid, as_tuple=True) if meta.phase == "prefill" else None, qpos=qpos, rows=rows, prefix=prefix, base_mask=base_mask, B=B
-        )
+        meta.extra["torch"] = make_plan(meta)
+
+    def step_plan(self, meta: AttentionMetadata, cache: PagedKVCache) -> TorchPlan:
+        st = meta.extra.get("torch")
+        if not isinstance(st, TorchPlan):
+            self.plan(meta, cache)
+            st = meta.extra["torch"]
+        return st
 
     # --------------------------------------------------------------------------------- forward
     def forward(
@@ -97,56 +249,27 @@ class TorchBackend:
         cache: PagedKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        st = meta.extra.get("torch")
-        if st is None:
-            self.plan(meta, cache)
-            st = meta.extra["torch"]
+        st = self.step_plan(meta, cache)
         T = q.shape[0]
-        H, Hk, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        G = H // Hk
+        H, D = layer.num_heads, layer.head_dim
         qr = apply_rope(q, meta.positions, meta.rope)
         kr = apply_rope(k, meta.positions, meta.rope)
         cache.write(layer.layer_idx, meta.slot_mapping, kr, v)
         if self.opts.quantize_query:
             qr = quantize_query_fp8(qr, layer.q_scale)
 
-        slots, rows, qvalid = st["slots"], st["rows"], st["qvalid"]
-        B, S = slots.shape
-        Q = rows.shape[1]
-        kk, vv = cache.read_slots(layer.layer_idx, slots.reshape(-1), torch.float32)
-        kk, vv = kk.view(B, S, Hk, D), vv.view(B, S, Hk, D)
-        if meta.phase == "prefill":
-            # new tokens' own K/V in compute precision, not round-tripped through the cache format
-            bi, qi = st["valid_idx"]
-            kpos = st["qpos"][bi, qi]
-            kk = kk.clone()
-            vv = vv.clone()
-            kk[bi, kpos] = kr.float()[rows[bi, qi]]
-            vv[bi, kpos] = v.float()[rows[bi, qi]]
-
-        qq = qr.float()[rows].view(B, Q, Hk, G, D).permute(0, 2, 3, 1, 4)  # [B, Hk, G, Q, D]
-        kt = kk.permute(0, 2, 3, 1)  # [B, Hk, D, S]
-        scores = torch.matmul(qq, kt.unsqueeze(2)) * layer.softmax_scale  # [B, Hk, G, Q, S]
-        mask = st["base_mask"]
-        if layer.sliding_window is not None:
-            kpos = torch.arange(S, device=mask.device)
-            mask = mask & (kpos[None, None, :] > st["qpos"][:, :, None] - int(layer.sliding_window))
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-        if layer.sinks is not None:
-            sink = layer.sinks.float().view(1, Hk, G, 1, 1).expand(B, Hk, G, Q, 1)
-            logits = torch.cat((scores, sink), dim=-1)
-            probs = torch.softmax(logits, dim=-1)[..., :-1]
-        else:
-            # rows with nothing visible (padding) would be all -inf -> NaN; give them a zero row
-            safe = torch.where(mask.any(-1)[:, None, None, :, None], scores, torch.zeros_like(scores))
-            probs = torch.softmax(safe, dim=-1)
-        out = torch.matmul(probs, vv.permute(0, 2, 1, 3).unsqueeze(2))  # [B, Hk, G, Q, D]
-        out = out.permute(0, 3, 1, 2, 4).reshape(B, Q, H * D)
-        if meta.phase == "decode":  # one row per sequence, in order (rows past B are padding)
-            res = torch.zeros(T, H * D, dtype=torch.float32, device=q.device)
-            res[:B] = out[:, 0]
-            return res.to(q.dtype)
-        bi, qi = st["valid_idx"]
-        res = torch.zeros(T, H * D, dtype=torch.float32, device=q.device)
-        res[rows[bi, qi]] = out[bi, qi]
+        slots, offs, los, ns = st.reads(layer.sliding_window)
+        kc, vc = cache.read_slots(layer.layer_idx, slots, torch.float32)
+        res = torch.zeros(T, H * D, dtype=torch.float32, device=q.device)  # padding rows stay zero
+        for b in range(st.B):
+            r0, r1 = st.cu[b], st.cu[b + 1]
+            if r1 == r0:
+                continue
+            kb = seq_kv(st, b, kc, offs, ns, kr)
+            vb = seq_kv(st, b, vc, offs, ns, v)
+            o = attend_chunked(
+                qr[r0:r1].float(), kb, vb, st.seq_lens[b] - st.q_lens[b], los[b], layer.softmax_scale,
+                layer.sliding_window, layer.sinks, self.query_chunk,
+            )
+            res[r0:r1] = o.reshape(r1 - r0, H * D)
         return res.to(q.dtype)

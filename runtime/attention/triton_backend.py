@@ -4,7 +4,9 @@ decode attention, all from ``kvbench.kernels`` (every KV format, both phases).
 Runs on a CUDA device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``; slow, for
 tests).  Numbers agree with the torch backend up to the compute dtype's rounding: same RoPE (float32,
 same operation order), same quantizer (``kernels/formats.py``, bit for bit on the GPU), same attention
-semantics (``base.py``).
+semantics (``base.py``).  Round-trip sequences (scoring with decode semantics): after the append, their new
+rows' K/V are read back from the pages (``stored_new_kv``) and passed to the prefill kernel as the new
+tokens' K/V, so they see exactly the bytes decode would read.
 """
 
 from __future__ import annotations
@@ -16,9 +18,20 @@ import torch
 
 from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, RopeCache
 
-__all__ = ["TritonBackend"]
+__all__ = ["TritonBackend", "stored_new_kv"]
 
 _FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+
+
+def stored_new_kv(cache, layer_idx: int, meta: AttentionMetadata, k_new: torch.Tensor, v_new: torch.Tensor):
+    """``k_new``/``v_new`` ``[T, H_kv, D]`` with the rows of round-trip sequences (``meta.roundtrip_rows``)
+    replaced by their K/V as stored in the pages (dequantized, cast to the inputs' dtypes).  Call after the
+    step's append.  Other rows, padding included, keep their compute-precision values."""
+    if meta.roundtrip_rows is None:
+        return k_new, v_new
+    kk, vv = cache.read_slots(layer_idx, meta.slot_mapping, torch.float32)
+    m = meta.roundtrip_rows.to(k_new.device)[:, None, None]
+    return torch.where(m, kk.to(k_new.dtype), k_new), torch.where(m, vv.to(v_new.dtype), v_new)
 
 
 class TritonBackend:
@@ -117,8 +130,9 @@ class TritonBackend:
             else:
                 out[:B] = res
         else:
+            k_new, v_new = stored_new_kv(cache, li, meta, app.k, v) if meta.has_roundtrip else (app.k, v)
             out = paged_prefill(
-                qq, app.k, v, meta.cu_seqlens_q, int(meta.max_seqlen_q), page_table=meta.page_table,
+                qq, k_new, v_new, meta.cu_seqlens_q, int(meta.max_seqlen_q), page_table=meta.page_table,
                 seq_lens=meta.seq_lens, max_prefix_len=self._max_prefix(meta), **attn,
             )
         return out.reshape(T, H * D)

@@ -1,5 +1,9 @@
 """Per-request output bookkeeping: appending sampled tokens, stop ids / stop strings / length checks,
-incremental detokenization with stop-string hold-back, stream deltas and the final RequestOutput."""
+incremental detokenization with stop-string hold-back, stream deltas and the final RequestOutput.
+
+Scoring sequences run in prefill passes (``Sequence.score_from``) keep their continuation inside the
+prompt (the scheduler feeds it), so their scored tokens are recorded with ``record_scored`` and never
+appended to ``output_ids``; ``request_output`` reports them as the context plus the scored tokens."""
 
 from __future__ import annotations
 
@@ -72,6 +76,16 @@ class OutputProcessor:
         st["emitted"] = max(st["emitted"], len(upto))
         return reason, self._delta(seq, tok, lp, top_ids, top_lps, text)
 
+    def record_scored(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps, greedy: bool) -> Optional[str]:
+        """One teacher-forced row of a prefill-scored sequence; "length" once every continuation token is
+        scored."""
+        st = seq.state
+        st["logprobs"].append(lp)
+        st["top_ids"].append(top_ids)
+        st["top_lps"].append(top_lps)
+        st["greedy"].append(greedy)
+        return "length" if len(st["logprobs"]) >= len(st["forced"]) else None
+
     def _delta(self, seq: Sequence, tok, lp, top_ids, top_lps, text: str) -> StreamDelta:
         want = seq.params.logprobs is not None
         return StreamDelta(
@@ -97,10 +111,14 @@ class OutputProcessor:
         tops = None
         if seq.params.logprobs:
             tops = [dict(zip(i or [], v or [])) for i, v in zip(st["top_ids"], st["top_lps"])]
+        if seq.score_from is not None:  # the continuation rides in the prompt; report it as the output
+            prompt, toks = seq.prompt_ids[: seq.score_from], st["forced"][: len(st["logprobs"])]
+        else:
+            prompt, toks = seq.prompt_ids, seq.output_ids
         return RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=list(seq.prompt_ids),
-            token_ids=list(seq.output_ids),
+            prompt_token_ids=list(prompt),
+            token_ids=list(toks),
             text=st.get("text") or "",
             finish_reason=d.finish_reason or "error",
             logprobs=list(st["logprobs"]) if want else None,

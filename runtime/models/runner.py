@@ -1,9 +1,15 @@
 """Model runner: turns a scheduled batch into flat tensors + AttentionMetadata, runs the model, and
-returns the logits of the rows that produce a next token.  Decode steps go through CUDA graphs when a
-``DecodeGraphs`` is attached (``runtime/graphs.py``)."""
+returns the final hidden states (or logits) of the rows that produce a next token.  Decode steps go
+through CUDA graphs when a ``DecodeGraphs`` is attached (``runtime/graphs.py``).
+
+Sampled rows: a sequence's last row when the step caches all its known tokens; for a teacher-forced
+scoring sequence (``Sequence.score_from``) every row from position ``score_from - 1`` on (the last context
+row predicts the first continuation token, each continuation row the next one), and its continuation
+chunks are flagged round-trip (``AttentionMetadata.roundtrip_*``: decode semantics in one extend)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -13,7 +19,7 @@ from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.models.llama import LlamaForCausalLM
 from kvbench.runtime.scheduler import ScheduledBatch
 
-__all__ = ["ModelRunner", "StepInputs"]
+__all__ = ["ModelRunner", "StepInputs", "StepRows"]
 
 
 class StepInputs:
@@ -27,6 +33,8 @@ class StepInputs:
         cu = [0]
         sample_rows: list[int] = []
         sample_idx: list[int] = []  # index into batch.seqs of each sampled row
+        sample_pos: list[int] = []  # position (token index) of each sampled row in its sequence
+        roundtrip: list[bool] = []  # per sequence: its new tokens read their own K/V as stored
         width = max(max_pages or 0, max(len(s.pages) for s in batch.seqs))
         table: list[list[int]] = []
         for i, (seq, q) in enumerate(zip(batch.seqs, batch.q_lens)):
@@ -38,13 +46,36 @@ class StepInputs:
                 slots.append(seq.pages[p // page_size] * page_size + p % page_size)
             seq_lens.append(start + q)
             cu.append(cu[-1] + q)
-            if start + q == seq.num_tokens:
-                sample_rows.append(cu[-1] - 1)
-                sample_idx.append(i)
+            sf = seq.score_from
+            if sf is not None:
+                if start < sf < start + q:
+                    raise ValueError(f"{seq.request_id}: a chunk of tokens {start}..{start + q - 1} straddles the scoring boundary {sf}")
+                roundtrip.append(start >= sf)
+                for p in range(max(start, sf - 1), start + q):
+                    sample_rows.append(cu[-2] + p - start)
+                    sample_idx.append(i)
+                    sample_pos.append(p)
+            else:
+                roundtrip.append(False)
+                if start + q == seq.num_tokens:
+                    sample_rows.append(cu[-1] - 1)
+                    sample_idx.append(i)
+                    sample_pos.append(start + q - 1)
             table.append(seq.pages + [scratch_page] * (width - len(seq.pages)))
         self.ids, self.pos, self.slots, self.seq_lens, self.cu, self.table = ids, pos, slots, seq_lens, cu, table
         self.q_lens = list(batch.q_lens)
-        self.sample_rows, self.sample_idx = sample_rows, sample_idx
+        self.sample_rows, self.sample_idx, self.sample_pos = sample_rows, sample_idx, sample_pos
+        self.roundtrip = roundtrip if batch.phase == "prefill" and any(roundtrip) else []
+
+
+@dataclass
+class StepRows:
+    """What one step produced: the final hidden states ``[N, hidden]`` of its sampled rows, the index in
+    ``batch.seqs`` and the position of each row."""
+
+    hidden: torch.Tensor
+    seq_idx: list[int]
+    positions: list[int]
 
 
 class ModelRunner:
@@ -81,11 +112,25 @@ class ModelRunner:
             seq_lens_cpu=list(inp.seq_lens),
             q_lens_cpu=list(inp.q_lens),
         )
+        if inp.roundtrip:
+            meta.roundtrip_seqs_cpu = list(inp.roundtrip)
+            flags = [f for f, q in zip(inp.roundtrip, inp.q_lens) for _ in range(q)]
+            meta.roundtrip_rows = torch.tensor(flags, dtype=torch.bool, device=dev)
         return torch.tensor(inp.ids, **i64), meta
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[Optional[torch.Tensor], list[int]]:
         """Logits ``[N, vocab]`` float32 of the sampled rows (None if none) and their sequence indices."""
+        rows = self.run_rows(batch)
+        if rows is None:
+            return None, []
+        return self.model.logits(rows.hidden), rows.seq_idx
+
+    @torch.inference_mode()
+    def run_rows(self, batch: ScheduledBatch) -> Optional[StepRows]:
+        """Run one step; the sampled rows' hidden states (None if the step samples nothing).  The caller
+        turns them into logits (``model.logits``) in slices, so a long scored chunk never holds
+        ``[N, vocab]`` at once."""
         inp = StepInputs(batch, self.cache.page_size, self.cache.scratch_page)
         hidden = None
         if batch.phase == "decode" and self.graphs is not None and self.graphs.can_run(inp):
@@ -100,6 +145,6 @@ class ModelRunner:
             self.backend.plan(meta, self.cache)
             hidden = self.model(ids, self.backend, self.cache, meta)
         if not inp.sample_rows:
-            return None, []
+            return None
         rows = torch.tensor(inp.sample_rows, dtype=torch.int64, device=hidden.device)
-        return self.model.logits(hidden[rows]), inp.sample_idx
+        return StepRows(hidden[rows], inp.sample_idx, inp.sample_pos)
