@@ -20,10 +20,11 @@ Intervals (seeded, deterministic):
   gives the two-sided intervals of the per-length and AUC ratios (candidate / baseline: the "recovery";
   undefined when the baseline's mean is 0, and a resample whose baseline mean is 0 counts as +inf when
   the candidate's is > 0 and as 1 when both are 0) and of the AUC delta, and the one-sided lower bound of
-  the AUC delta that the gate uses.  When that bound cannot be estimated because no length shows any
-  spread in its per-question differences (e.g. every pair agrees) the ``stats`` convention applies: 0/1
-  scores get the Bonferroni combination Σ w_i·LB_i of Newcombe's per-length bounds at confidence
-  1 − α/m (valid at 1 − α by the union bound), other scores an unknown bound (−inf).
+  the AUC delta that the gate uses.  A length whose pairs all agree adds no width to that bootstrap however
+  few its questions, so for 0/1 scores with such a length the bound and the interval are the more conservative of the
+  bootstrap's and the Bonferroni combination Σ w_i·bound_i of Newcombe's per-length intervals at
+  confidence 1 − α/m (valid at 1 − α by the union bound); other scores without spread in any length get
+  an unknown bound (−inf).
 
 Per-length paired deltas use ``stats.paired_delta`` (Newcombe for 0/1 scores with one repeat).
 """
@@ -254,17 +255,20 @@ def paired_auc(base: Mapping[int, Mapping[Key, float]], cand: Mapping[int, Mappi
     deltas = c_auc_boot - b_auc_boot
     base_auc, cand_auc = float(w @ np.array(b_means)), float(w @ np.array(c_means))
     ci_lo, ci_hi = _quantiles(deltas, qs)
-    if not all(degenerate):
-        lower, method = _quantiles(deltas, [a])[0], "bootstrap"
-    elif binary:
-        # every length without spread: Bonferroni-combined Newcombe bounds, Σ w_i·LB_i at 1 − α/m each
+    lower, method = (_quantiles(deltas, [a])[0], "bootstrap") if not all(degenerate) else (-math.inf, "none")
+    if binary and any(degenerate):
+        # A length whose pairs all agree adds no width to the bootstrap, however few its questions.  For 0/1
+        # scores the Bonferroni-combined Newcombe interval (Σ w_i·bound_i, each at 1 − α/m) is always valid:
+        # the reported bound and interval are the more conservative of the two.
         conf_i = 1.0 - a / len(ls)
-        lbs = [stats.paired_delta({k: base[n][k] for k in shared[n]}, {k: cand[n][k] for k in shared[n]},
-                                  confidence=conf_i, n_boot=200, seed=seed).lower_bound for n in ls]
-        lower, method = float(w @ np.array(lbs)), "newcombe-bonferroni"
-        lower = -math.inf if math.isnan(lower) else lower
-    else:
-        lower, method = -math.inf, "none"
+        one = [stats.paired_delta({k: base[n][k] for k in shared[n]}, {k: cand[n][k] for k in shared[n]},
+                                  confidence=conf_i, n_boot=200, seed=seed) for n in ls]
+        nc_lower = float(w @ np.array([d.lower_bound for d in one]))
+        if not math.isnan(nc_lower) and (method == "none" or nc_lower < lower):
+            lower, method = nc_lower, "newcombe-bonferroni"
+        nc_lo, nc_hi = float(w @ np.array([d.ci_lo for d in one])), float(w @ np.array([d.ci_hi for d in one]))
+        if not (math.isnan(nc_lo) or math.isnan(nc_hi)):
+            ci_lo, ci_hi = min(ci_lo, nc_lo), max(ci_hi, nc_hi)
     return PairedAuc(
         lengths=tuple(ls), base_means=tuple(b_means), cand_means=tuple(c_means), ratio_ci=ratio_ci,
         base_auc=base_auc, cand_auc=cand_auc, delta=cand_auc - base_auc, ci_lo=ci_lo, ci_hi=ci_hi,

@@ -96,8 +96,9 @@ def long_delta_table(a: Analysis) -> Table:
                  *(length_label(n) for n in lengths), "AUC Δ", f"AUC Δ one-sided LB{conf}"], rows,
                  note="Per length: the paired delta of the accuracy section (Newcombe for 0/1 scores asked once, else "
                       "paired bootstrap over questions). AUC Δ: paired bootstrap resampling questions within each length "
-                      "and recomputing both AUCs; its one-sided lower bound is what `kvbench gate --metric ruler:auc` "
-                      "compares with −δ.")
+                      "and recomputing both AUCs (newcombe-bonferroni: 0/1 scores with a length whose pairs all agree, where "
+                      "the bootstrap has no width, take the weighted Newcombe intervals at 1 − α/m when they are wider); "
+                      "its one-sided lower bound is what `kvbench gate --metric ruler:auc` compares with −δ.")
 
 
 def position_table(a: Analysis) -> Table:

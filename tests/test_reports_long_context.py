@@ -283,3 +283,17 @@ def test_repeats_of_an_item_stay_together(tmp_path):
         assert rec.paired.n_pairs == 3 * rec.paired.n_questions == 3 * 14 * len(LENGTHS)
     assert all(r.pass_at_k is None for r in a.accuracy if r.metric == "ruler")  # fractional scores: no pass@K
     assert any(r.pass_at_k is not None for r in a.accuracy if r.metric == "correct")
+
+
+def test_paired_auc_keeps_width_when_a_short_length_agrees_everywhere():
+    # six questions per length; every pair agrees at 2048, the candidate loses two at 1024: the bootstrap
+    # alone would give the 2048 length no width, so the bound and interval fall back to Newcombe's
+    base = {1024: {(f"a{i}", 0): 1.0 for i in range(6)}, 2048: {(f"b{i}", 0): 1.0 for i in range(6)}}
+    cand = {1024: {(f"a{i}", 0): float(i >= 2) for i in range(6)}, 2048: dict(base[2048])}
+    p = paired_auc(base, cand, confidence=0.95, n_boot=2000, seed=0)
+    assert p.bound_method == "newcombe-bonferroni"
+    boot_only = min(0.5 * (c - 1.0) for c in (4 / 6, 1.0))  # what resampling 1024 alone could reach
+    assert p.lower_bound < boot_only - 0.05
+    assert p.ci_hi > 0.0 and p.ci_lo <= p.lower_bound
+    same = paired_auc(base, {n: dict(v) for n, v in base.items()}, confidence=0.95, n_boot=2000, seed=0)
+    assert same.delta == 0.0 and same.ci_lo < -0.1 and same.ci_hi > 0.1

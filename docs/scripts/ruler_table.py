@@ -26,7 +26,7 @@ def main(root: str) -> None:
             tasks.add(r["task"])
         rows[d.name] = by
     order = sorted(lengths)
-    head = "| KV (scales) | task | " + " | ".join(f"{n // 1024}k" for n in order) + " |"
+    head = "| KV (scales) | task | " + " | ".join(str(n) for n in order) + " |"
     print(head)
     print("|" + "---|" * (2 + len(order)))
     for name, by in rows.items():
