@@ -44,6 +44,41 @@ class GenRequest:
             raise ValueError("GenRequest needs exactly one of prompt or messages")
 
 
+# How a request failed (records' ``error_kind``): no answer in time, an HTTP status other than 200, no
+# connection (refused, reset before a response), a response or stream cut off or malformed mid-way, else other.
+ERROR_KINDS = ("timeout", "http", "connection", "stream", "other")
+
+
+class RequestFailed(ConnectionError, RuntimeError):
+    """One request failed before it produced a result; ``error_kind`` says how (one of ``ERROR_KINDS``).
+
+    A ``ConnectionError`` (and a ``RuntimeError``) so that callers which let a failed request or an
+    unreachable server stop them keep doing so."""
+
+    def __init__(self, message: str, error_kind: str = "other"):
+        super().__init__(message)
+        self.error_kind = error_kind if error_kind in ERROR_KINDS else "other"
+
+
+def classify_error(exc: BaseException) -> str:
+    """The ``ERROR_KINDS`` entry of an exception raised by a client's ``generate``: its own ``error_kind``
+    when it carries one, else by type (timeouts, httpx's transport and protocol errors, connection errors,
+    undecodable JSON), else ``other``."""
+    kind = getattr(exc, "error_kind", None)
+    if kind in ERROR_KINDS:
+        return kind
+    names = {c.__name__ for c in type(exc).__mro__}
+    if isinstance(exc, TimeoutError) or "TimeoutException" in names:
+        return "timeout"
+    if names & {"RemoteProtocolError", "ReadError", "DecodingError", "JSONDecodeError", "IncompleteRead"}:
+        return "stream"
+    if isinstance(exc, ConnectionError) or names & {"TransportError", "NetworkError"}:
+        return "connection"
+    if "HTTPStatusError" in names:
+        return "http"
+    return "other"
+
+
 @dataclass
 class GenResult:
     text: str
@@ -55,6 +90,7 @@ class GenResult:
     token_ids: Optional[list[int]] = None
     logprobs: Optional[list[float]] = None  # logprob of each generated token, when asked for
     error: Optional[str] = None
+    error_kind: str = "other"  # with finish_reason "error": one of ERROR_KINDS (read only for failed requests)
 
 
 @dataclass

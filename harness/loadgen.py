@@ -140,6 +140,26 @@ async def _lag_monitor(stop: asyncio.Event, lags: list[float], period: float = 0
         lags.append(max(0.0, time.perf_counter() - t - period))
 
 
+def load_settings(cfg: LoadConfig, tokenizer=None) -> dict:
+    """The arrival and dataset settings a load summary records next to its metrics.
+
+    ``request_rate`` is the string ``"inf"`` for all-at-once arrivals (JSON has no infinity);
+    ``max_concurrency`` None means no cap.  A length the dataset does not fix is None: ShareGPT prompts
+    keep their own lengths, and their outputs too when a tokenizer measures them.
+    """
+    sharegpt = cfg.dataset == "sharegpt"
+    return {
+        "request_rate": "inf" if math.isinf(cfg.request_rate) else float(cfg.request_rate),
+        "burstiness": float(cfg.burstiness),
+        "max_concurrency": cfg.max_concurrency,
+        "num_prompts": cfg.num_prompts,
+        "dataset": cfg.dataset,
+        "input_len": None if sharegpt else cfg.input_len,
+        "output_len": None if sharegpt and tokenizer is not None else cfg.output_len,
+        "range_ratio": 0.0 if cfg.dataset == "fixed" else (None if sharegpt else cfg.range_ratio),
+    }
+
+
 async def _run_async(base_url: str, model: str, cfg: LoadConfig, items: list[LoadItem], tokenizer) -> tuple[dict, list[dict]]:
     import random
 
@@ -211,6 +231,7 @@ async def _run_async(base_url: str, model: str, cfg: LoadConfig, items: list[Loa
         records.append(rec)
         sources.add(src)
     summary = summarize(records, duration, cfg.slo, cfg.bucket_s)
+    summary.update(load_settings(cfg, tokenizer))
     summary["token_count_source"] = "+".join(sorted(sources))
     summary["t0_monotonic"] = t0  # time.perf_counter() at start_s = 0 (CLOCK_MONOTONIC on Linux)
     lag = describe_ms(lags, "lag")
@@ -286,6 +307,7 @@ def format_block(summary: dict) -> str:
         row("Max running requests:", sm.get("max_running"), ".0f")
         row("Max running without queueing:", sm.get("max_running_without_queueing"), ".0f")
         row("Max KV cache usage:", sm.get("kv_usage_max"), ".3f")
+        row("Preemptions:", sm.get("preemptions"), "d")
     lines.append("=" * w)
     return "\n".join(lines)
 

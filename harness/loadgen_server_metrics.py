@@ -1,4 +1,9 @@
-"""Samples of a server's Prometheus ``/metrics`` during a load run (kvbench, vLLM and SGLang names)."""
+"""Samples of a server's Prometheus ``/metrics`` during a load run (kvbench, vLLM and SGLang names).
+
+Gauges (running, waiting, KV usage) are summarized by their maxima; the preemption counter by its increase
+over the run (kvbench ``kvbench_preemptions_total``, vLLM ``vllm:num_preemptions_total``, SGLang
+``sglang:num_retracted_requests_total``: requests retracted to free KV memory).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from typing import Optional
 RUNNING = ("kvbench_num_requests_running", "vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("kvbench_num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("kvbench_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+# counters (Prometheus text names, with their ``_total`` suffix)
+PREEMPTIONS = ("kvbench_preemptions_total", "vllm:num_preemptions_total", "sglang:num_retracted_requests_total")
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -34,6 +41,18 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
+def counter_increase(values) -> Optional[float]:
+    """Increase of a counter over its samples (None values skipped); a drop is a restart of the counter,
+    after which it counts from zero again.  None when fewer than one sample holds a value."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return None
+    total = 0.0
+    for prev, cur in zip(xs, xs[1:]):
+        total += cur - prev if cur >= prev else cur
+    return total
+
+
 def _first(values: dict[str, float], names) -> Optional[float]:
     for n in names:
         if n in values:
@@ -46,7 +65,8 @@ class MetricsSampler:
 
     def __init__(self, pool, path: str, interval_s: float, t0: float):
         self.pool, self.path, self.interval_s, self.t0 = pool, path, interval_s, t0
-        self.samples: list[tuple[float, Optional[float], Optional[float], Optional[float]]] = []
+        # (t_s, running, waiting, kv_usage, preemptions counter)
+        self.samples: list[tuple[float, Optional[float], Optional[float], Optional[float], Optional[float]]] = []
         self.available = True
         self._stop = asyncio.Event()
 
@@ -59,7 +79,8 @@ class MetricsSampler:
         except Exception:  # noqa: BLE001 - a server without /metrics is fine
             return False
         self.samples.append(
-            (time.perf_counter() - self.t0, _first(values, RUNNING), _first(values, WAITING), _first(values, KV_USAGE))
+            (time.perf_counter() - self.t0, _first(values, RUNNING), _first(values, WAITING), _first(values, KV_USAGE),
+             _first(values, PREEMPTIONS))
         )
         return True
 
@@ -75,6 +96,7 @@ class MetricsSampler:
                 await asyncio.wait_for(self._stop.wait(), self.interval_s)
             except asyncio.TimeoutError:
                 pass
+        await self._poll()  # the counters as the run ends (the last periodic poll may be up to interval_s old)
 
     def stop(self) -> None:
         self._stop.set()
@@ -86,6 +108,7 @@ class MetricsSampler:
         waiting = [s[2] for s in self.samples if s[2] is not None]
         kv = [s[3] for s in self.samples if s[3] is not None]
         no_queue = [s[1] for s in self.samples if s[1] is not None and s[2] is not None and s[2] == 0]
+        preempted = counter_increase(s[4] for s in self.samples)
         return {
             "available": True,
             "samples": len(self.samples),
@@ -95,5 +118,6 @@ class MetricsSampler:
             "max_running_without_queueing": max(no_queue) if no_queue else None,
             "kv_usage_max": max(kv) if kv else None,
             "kv_usage_mean": sum(kv) / len(kv) if kv else None,
-            "timeline": [list(s) for s in self.samples],  # [t_s, running, waiting, kv_usage]
+            "preemptions": None if preempted is None else int(round(preempted)),  # None: the server exports no counter
+            "timeline": [list(s) for s in self.samples],  # [t_s, running, waiting, kv_usage, preemptions counter]
         }

@@ -85,18 +85,32 @@ def expand(sweep: SweepConfig) -> list[Cell]:
     return cells
 
 
+def aa_concurrency(sweep: SweepConfig) -> int:
+    """The A/A control's concurrency: ``aa_concurrency``, else half the accuracy concurrency (2 when that is
+    1), so the control's requests are batched differently from the baseline's."""
+    if sweep.aa_concurrency is not None:
+        return sweep.aa_concurrency
+    acc = sweep.accuracy_concurrency
+    return acc // 2 if acc > 1 else 2
+
+
 def _aa_control_cells(sweep: SweepConfig, cells: list[Cell]) -> list[Cell]:
     """The baseline's accuracy cell once more, with ``aa_control: true`` in its config (so its own key).
 
-    It runs last, in a fresh engine, so the paired comparison baseline vs control measures the
-    harness's nondeterminism (batching, scheduling, float reductions) — the floor under any delta."""
+    It runs last, in a fresh engine, at a different concurrency (``aa_concurrency``), so the paired
+    comparison baseline vs control measures the stack's nondeterminism (batching, scheduling, float
+    reductions) — the floor under any delta (reports/discriminative.py)."""
     acc = [c for c in cells if c.run_accuracy]
+    if not acc or not sweep.suites:
+        return []
     base = [c for c in acc if matches(c.config, sweep.baseline)] if sweep.baseline else acc
     if not base:
         raise SweepConfigError(f"aa_control: no accuracy cell matches the baseline {sweep.baseline}")
     b = base[0]
-    cfg = {**b.config, "aa_control": True}
-    return [Cell(key=canonical_key(cfg), label=f"{b.label} A/A", config=cfg, index=len(cells), run_accuracy=True)]
+    conc = aa_concurrency(sweep)
+    cfg = {**b.config, "aa_control": True, "concurrency": conc}
+    label = b.label.replace(f"c={b.config['concurrency']}", f"c={conc}") + " A/A"
+    return [Cell(key=canonical_key(cfg), label=label, config=cfg, index=len(cells), run_accuracy=True)]
 
 
 def select(cells: list[Cell], selector: Optional[str]) -> list[Cell]:

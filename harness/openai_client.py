@@ -4,8 +4,9 @@
 yields text pieces from SSE; ``score`` teacher-forces a continuation through ``/v1/completions`` with
 ``echo`` + ``logprobs`` on token-id prompts (tokenized by the server's ``/tokenize``), as lm-eval's
 ``local-completions`` does.  A server without those features gets a clear ``NotImplementedError``.
-HTTP errors of single requests come back as ``GenResult(finish_reason="error", error=...)``; an
-unreachable server raises ``ConnectionError``.  Thread-safe (one pooled ``httpx.Client``).
+HTTP errors of single requests come back as ``GenResult(finish_reason="error", error=..., error_kind="http")``;
+a timeout, a lost connection or a response cut off raise ``RequestFailed`` (a ``ConnectionError`` carrying its
+``error_kind``); an unreachable server raises ``ConnectionError``.  Thread-safe (one pooled ``httpx.Client``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import time
 from typing import Iterator, Optional
 
-from kvbench.harness.client import GenRequest, GenResult, SamplingParams, ScoreRequest, ScoreResult
+from kvbench.harness.client import GenRequest, GenResult, RequestFailed, SamplingParams, ScoreRequest, ScoreResult
 
 
 def _root(base_url: str) -> str:
@@ -88,47 +89,102 @@ class OpenAIClient:
         return "/v1/completions", body
 
     # ------------------------------------------------------------------------------ Client
+    def _post(self, path: str, body: dict):
+        """POST and read the whole response; a failure raises ``RequestFailed`` with its kind: ``timeout``,
+        ``connection`` (no response), ``stream`` (the body broke off after the headers)."""
+        import httpx
+
+        url = f"{self.base_url}{path}"
+        try:
+            r = self._http.send(self._http.build_request("POST", path, json=body), stream=True)
+        except httpx.TimeoutException as e:
+            raise RequestFailed(f"{url}: timed out waiting for a response ({type(e).__name__}: {e})", "timeout") from None
+        except httpx.TransportError as e:
+            raise RequestFailed(f"{url}: {type(e).__name__}: {e}", "connection") from None
+        try:
+            r.read()
+        except httpx.TimeoutException as e:
+            raise RequestFailed(f"{url}: timed out reading the response ({type(e).__name__}: {e})", "timeout") from None
+        except httpx.TransportError as e:
+            raise RequestFailed(f"{url}: response cut off ({type(e).__name__}: {e})", "stream") from None
+        finally:
+            r.close()
+        return r
+
     def generate(self, request: GenRequest) -> GenResult:
+        """One completion.  A response with an HTTP error status or a malformed body is a ``GenResult`` with
+        ``finish_reason="error"`` (``error_kind`` ``http`` / ``stream``); a timeout, a refused or reset
+        connection and a body cut off mid-way raise ``RequestFailed`` (kinds ``timeout``, ``connection``,
+        ``stream``)."""
         path, body = self._payload(request, stream=False)
         t0 = time.perf_counter()
-        r = self._request("POST", path, json=body)
+        r = self._post(path, body)
         latency = time.perf_counter() - t0
         if r.status_code != 200:
-            return GenResult("", "error", 0, 0, latency, error=_error_text(r))
-        out = r.json()
-        choice = (out.get("choices") or [{}])[0]
-        usage = out.get("usage") or {}
-        chat = request.messages is not None
-        text = ((choice.get("message") or {}).get("content") or "") if chat else (choice.get("text") or "")
-        logprobs = None
-        lp = choice.get("logprobs")
-        if request.params.logprobs is not None and lp:
-            logprobs = [c["logprob"] for c in lp.get("content") or []] if chat else list(lp.get("token_logprobs") or [])
-        return GenResult(
-            text=text, finish_reason=choice.get("finish_reason") or "stop", prompt_tokens=int(usage.get("prompt_tokens", 0)),
-            output_tokens=int(usage.get("completion_tokens", 0)), latency_s=latency, logprobs=logprobs,
-        )
+            return GenResult("", "error", 0, 0, latency, error=_error_text(r), error_kind="http")
+        try:
+            out = r.json()
+            choice = out["choices"][0]
+            usage = out.get("usage") or {}
+            chat = request.messages is not None
+            text = ((choice.get("message") or {}).get("content") or "") if chat else (choice.get("text") or "")
+            logprobs = None
+            lp = choice.get("logprobs")
+            if request.params.logprobs is not None and lp:
+                logprobs = [c["logprob"] for c in lp.get("content") or []] if chat else list(lp.get("token_logprobs") or [])
+            return GenResult(
+                text=text, finish_reason=choice.get("finish_reason") or "stop", prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                output_tokens=int(usage.get("completion_tokens", 0)), latency_s=latency, logprobs=logprobs,
+            )
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:  # ValueError: bad JSON
+            return GenResult("", "error", 0, 0, latency, error=f"malformed response ({type(e).__name__}: {e}): {r.text[:200]}",
+                             error_kind="stream")
 
     def stream(self, request: GenRequest) -> Iterator[str]:
+        """Text pieces of one streamed completion.  Raises ``RequestFailed``: ``http`` for an error status,
+        ``timeout``, ``connection``, and ``stream`` when the stream breaks off, carries a malformed event or
+        an error event, or ends without ``[DONE]`` and without a finish reason."""
+        import httpx
+
         path, body = self._payload(request, stream=True)
         chat = request.messages is not None
-        with self._http.stream("POST", path, json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                raise RuntimeError(_error_text(r))
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                obj = json.loads(data)
-                if obj.get("error"):
-                    raise RuntimeError(str(obj["error"]))
-                for choice in obj.get("choices") or ():
-                    piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if piece:
-                        yield piece
+        url = f"{self.base_url}{path}"
+        finished = False
+        try:
+            with self._http.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise RequestFailed(_error_text(r), "http")
+                try:
+                    for line in r.iter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            return
+                        try:
+                            obj = json.loads(data)
+                        except ValueError:
+                            raise RequestFailed(f"{url}: malformed stream event: {data[:200]}", "stream") from None
+                        if not isinstance(obj, dict):
+                            raise RequestFailed(f"{url}: malformed stream event: {data[:200]}", "stream")
+                        if obj.get("error"):
+                            raise RequestFailed(f"{url}: error event mid-stream: {obj['error']}", "stream")
+                        for choice in obj.get("choices") or ():
+                            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                            if piece:
+                                yield piece
+                            finished = finished or bool(choice.get("finish_reason"))
+                except httpx.TimeoutException as e:
+                    raise RequestFailed(f"{url}: timed out mid-stream ({type(e).__name__}: {e})", "timeout") from None
+                except httpx.TransportError as e:
+                    raise RequestFailed(f"{url}: stream cut off ({type(e).__name__}: {e})", "stream") from None
+        except httpx.TimeoutException as e:
+            raise RequestFailed(f"{url}: timed out waiting for a response ({type(e).__name__}: {e})", "timeout") from None
+        except httpx.TransportError as e:
+            raise RequestFailed(f"{url}: {type(e).__name__}: {e}", "connection") from None
+        if not finished:
+            raise RequestFailed(f"{url}: stream ended without [DONE] or a finish reason", "stream")
 
     def _tokenize(self, text: str, special: bool) -> list[int]:
         r = self._request("POST", "/tokenize", json={"prompt": text, "add_special_tokens": special})

@@ -431,8 +431,12 @@ def _copy_log_slice(log_path: Optional[Path], offset: int, dest: Path) -> int:
 def _brief(summary: dict) -> str:
     parts = []
     for name, s in summary["suites"].items():
+        errors = int(s.get("errors") or 0)
+        tail = f" ({errors} error{'s' if errors != 1 else ''})" if errors else ""  # failed requests, apart from accuracy
         if "accuracy" in s:
-            parts.append(f"{name} {s['accuracy']:.3f}")
+            parts.append(f"{name} {s['accuracy']:.3f}{tail}")
+        elif errors and not s.get("answered"):
+            parts.append(f"{name} —{tail}")
         elif "kl_mean" in s:
             parts.append(f"{name} KL {s['kl_mean']:.2e}")
     load = summary.get("load") or {}

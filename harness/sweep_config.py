@@ -42,7 +42,10 @@ class SweepConfig:
     data_dir: Optional[str] = None
     description: str = ""
     seed: int = 0
-    aa_control: bool = False  # add a second copy of the baseline accuracy cell (measures nondeterminism)
+    # a second copy of the baseline's accuracy cell, in a fresh engine at ``aa_concurrency`` (different
+    # batching): the run's noise floor (reports/discriminative.py); on by default when the sweep has suites
+    aa_control: bool = True
+    aa_concurrency: Optional[int] = None  # None: half the accuracy concurrency (2 when that is 1)
     source: Optional[str] = None  # the file it came from (not part of to_dict)
 
     def to_dict(self) -> dict:
@@ -62,7 +65,7 @@ class SweepConfig:
 
 _TOP_KEYS = (
     "name", "description", "model", "engine", "targets", "axes", "accuracy_concurrency", "suites", "load",
-    "slo", "baseline", "gate", "data_dir", "seed", "aa_control",
+    "slo", "baseline", "gate", "data_dir", "seed", "aa_control", "aa_concurrency",
 )
 _AXES_KEYS = ("backends", "kv", "concurrency")
 # engine options the sweep controls per cell (set through the axes, not through `engine:`)
@@ -148,7 +151,8 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
         data_dir=data_dir,
         description=str(raw.get("description", "")),
         seed=_int(raw.get("seed", 0), "seed"),
-        aa_control=_bool(raw.get("aa_control", False), "aa_control"),
+        aa_control=_bool(raw.get("aa_control", bool(suites)), "aa_control"),
+        aa_concurrency=None if raw.get("aa_concurrency") is None else _int(raw["aa_concurrency"], "aa_concurrency", 1),
         source=source,
     )
 

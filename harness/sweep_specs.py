@@ -260,6 +260,7 @@ class GateSpec:
     max_truncation_rate_increase: Optional[float] = None
     max_kl_mean: Optional[float] = None  # fidelity: mean per-token KL vs the reference
     metrics: Optional[list] = None
+    max_error_rate: Optional[float] = None  # failed requests per cell and gated suite (default 0.01)
 
 
 _GATE_KEYS = tuple(GateSpec.__dataclass_fields__)
@@ -283,7 +284,7 @@ def _gate(d: Any, path: str, suites: list[SuiteSpec]) -> GateSpec:
         g.confidence = _num(d["confidence"], f"{path}.confidence")
         if not 0.5 <= g.confidence < 1:
             _fail(f"{path}.confidence", f"expected a number in [0.5, 1), got {g.confidence}")
-    for k in ("max_invalid_rate_increase", "max_truncation_rate_increase", "max_kl_mean"):
+    for k in ("max_invalid_rate_increase", "max_truncation_rate_increase", "max_kl_mean", "max_error_rate"):
         if d.get(k) is not None:
             setattr(g, k, _num(d[k], f"{path}.{k}"))
     if d.get("metrics") is not None:

@@ -16,9 +16,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from kvbench.harness.loadgen_metrics import summarize
 from kvbench.reports import stats
-from kvbench.reports.load import FIDELITY_SUITE, CellData, accuracy_suites, item_scores, primary_metric, suite_metrics
+from kvbench.reports.load import (FIDELITY_SUITE, CellData, accuracy_suites, error_counts, error_keys, item_scores,
+                                  paired_scores, primary_metric, suite_metrics)
 from kvbench.reports.long_context import LengthRow, RecoveryRow, length_row, length_suites, recovery_row
 from kvbench.reports.position import PositionRow, position_row
 
@@ -33,10 +33,12 @@ class AccuracyRow:
     cell: CellData
     suite: str
     metric: str
-    est: stats.Estimate
-    invalid_rate: float
-    truncation_rate: float
+    est: stats.Estimate  # over answered records (failed requests are not wrong answers)
+    invalid_rate: float  # over answered records
+    truncation_rate: float  # over answered records
     pass_at_k: Optional[float]
+    n_errors: int = 0  # the suite's error records (failed requests) in the cell
+    error_rate: float = 0.0  # n_errors / all the suite's records in the cell
 
 
 @dataclass
@@ -47,6 +49,7 @@ class DeltaRow:
     metric: str
     d: stats.PairedDelta
     p_holm: Optional[float] = None
+    n_error_pairs: int = 0  # (item, repeat) keys left out because either cell's request failed
 
 
 @dataclass
@@ -56,6 +59,7 @@ class AARow:
     suite: str
     d: stats.PairedDelta
     output_agreement: float  # fraction of shared (item, repeat) keys with byte-identical raw output
+    n_error_pairs: int = 0  # (item, repeat) keys left out because either cell's request failed
 
 
 @dataclass
@@ -92,17 +96,28 @@ class Analysis:
 
 
 def _rate(cell: CellData, suite: str, metric: str) -> float:
+    """Mean of a 0/1 record metric (``invalid``, ``truncated``) over the suite's answered records
+    (``item_scores`` leaves error records out); NaN when none answered."""
     v = list(item_scores(cell, suite, metric).values())
     return sum(v) / len(v) if v else math.nan
 
 
-def _pass_at_k(scores: dict) -> Optional[float]:
+def _pass_at_k(scores: dict, errored: frozenset = frozenset()) -> Optional[float]:
     """Share of questions solved by at least one of their K samples; None for K=1 and for scores that are
-    not 0/1 (a fraction > 0, e.g. one of four ruler strings found, is not "solved")."""
+    not 0/1 (a fraction > 0, e.g. one of four ruler strings found, is not "solved").  ``errored``: the
+    (item, repeat) keys whose request failed; a question with a failed sample is left out (it did not get
+    its K tries), and K counts those samples too.  None when no question got all its K samples."""
     per_q = stats.group_by_question(scores)
-    if max(len(v) for v in per_q.values()) < 2 or any(v not in (0.0, 1.0) for v in scores.values()):
+    counts = {q: len(v) for q, v in per_q.items()}  # K of a question: its answered and failed samples
+    for q, _ in errored:
+        counts[q] = counts.get(q, 0) + 1
+    if not counts or max(counts.values()) < 2 or any(v not in (0.0, 1.0) for v in scores.values()):
         return None
-    return sum(1 for v in per_q.values() if max(v) > 0) / len(per_q)
+    failed_q = {q for q, _ in errored}
+    full = {q: v for q, v in per_q.items() if q not in failed_q}
+    if not full:
+        return None
+    return sum(1 for v in full.values() if max(v) > 0) / len(full)
 
 
 def fidelity_records(cell: CellData) -> list[dict]:
@@ -165,16 +180,11 @@ def mismatch_warning(base: CellData, cell: CellData, suite: str, d: stats.Paired
 
 
 def _serving(cell: CellData) -> dict:
-    recs = cell.requests
-    load = (cell.summary or {}).get("load") or {}
-    duration = load.get("duration_s")
-    if not duration:
-        ends = [float(r["start_s"]) + float(r["latency_s"]) for r in recs if r.get("start_s") is not None and r.get("latency_s") is not None]
-        starts = [float(r["start_s"]) for r in recs if r.get("start_s") is not None]
-        duration = (max(ends) - min(starts)) if ends and starts else 0.0
-    if duration <= 0:
-        duration = 1e-9
-    return summarize(recs, duration)
+    """The cell's serving metrics: ``reports.serving.serving_summary`` (recomputed from requests.jsonl, with the
+    load settings and server /metrics values of summary.json)."""
+    from kvbench.reports.serving import serving_summary  # imported here: reports.serving imports this module
+
+    return serving_summary(cell)
 
 
 def analyze(
@@ -190,10 +200,13 @@ def analyze(
     for cell in done:
         for suite in accuracy_suites(cell):
             inv, trunc = _rate(cell, suite, "invalid"), _rate(cell, suite, "truncated")
+            n_err, n_all = error_counts(cell, suite)
+            errored = frozenset(error_keys(cell, suite))
             for metric in suite_metrics(cell, suite):
                 scores = item_scores(cell, suite, metric)
                 if scores:
-                    a.accuracy.append(AccuracyRow(cell, suite, metric, stats.estimate(scores, confidence), inv, trunc, _pass_at_k(scores)))
+                    a.accuracy.append(AccuracyRow(cell, suite, metric, stats.estimate(scores, confidence), inv, trunc,
+                                                  _pass_at_k(scores, errored), n_err, n_err / n_all if n_all else 0.0))
         for suite in length_suites(cell):
             row = length_row(cell, suite, confidence, n_boot, seed)
             if row:
@@ -211,7 +224,9 @@ def analyze(
         if base is None or base is cell or not cell.items:
             continue
         for suite in accuracy_suites(cell):
-            b, c = item_scores(base, suite), item_scores(cell, suite)
+            # keys whose request failed in either cell are left out of the pairs (and counted), so a failed
+            # request on one side is neither a lost item nor an "item sets differ" warning
+            b, c, n_error_pairs = paired_scores(base, cell, suite)
             if not (set(b) & set(c)):
                 if b and c:
                     a.warnings.append(f"warning: {suite}: {cell.short} vs {base.short}: no shared (item, repeat) keys "
@@ -227,9 +242,9 @@ def analyze(
                 raw_b = {(str(r["item_id"]), int(r.get("repeat") or 0)): r.get("raw_output") for r in base.items if r.get("suite") == suite}
                 raw_c = {(str(r["item_id"]), int(r.get("repeat") or 0)): r.get("raw_output") for r in cell.items if r.get("suite") == suite}
                 agree = sum(1 for k in shared if raw_b.get(k) == raw_c.get(k)) / len(shared)
-                a.aa.append(AARow(base, cell, suite, d, agree))
+                a.aa.append(AARow(base, cell, suite, d, agree, n_error_pairs))
             else:
-                a.deltas.append(DeltaRow(base, cell, suite, primary_metric(suite), d))
+                a.deltas.append(DeltaRow(base, cell, suite, primary_metric(suite), d, n_error_pairs=n_error_pairs))
                 if suite in length_suites(cell) and suite in length_suites(base):
                     rec = recovery_row(base, cell, suite, confidence, n_boot, seed)
                     if rec:

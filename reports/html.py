@@ -12,6 +12,9 @@ from typing import Optional, Union
 from kvbench.harness.store import atomic_write_text
 from kvbench.reports.plots import write_plots
 from kvbench.reports.analysis import Analysis
+from kvbench.reports.export import SCHEMA_VERSION, write_exports
+from kvbench.reports.discriminative import delta_blind
+from kvbench.reports.verdict_render import VERDICT_CSS, verdict_html, verdict_markdown
 from kvbench.reports.long_context_tables import NA_BASELINE_ZERO, fmt_ratio, long_context_tables, position_table
 from kvbench.reports.tables import (
     Table,
@@ -24,8 +27,8 @@ from kvbench.reports.tables import (
     fmt_p,
     fmt_pct,
     fmt_pp,
-    serving_table,
 )
+from kvbench.reports.serving import serving_tables
 
 __all__ = ["ReportMeta", "write_report", "headline"]
 
@@ -41,7 +44,7 @@ th{background:#f6f8fa;text-align:center}
 td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}
 tr:nth-child(even) td{background:#fbfcfd}
 tr.fail td{background:#ffebe9}
-.meta td{text-align:left}
+.meta td{text-align:left;white-space:normal;word-break:break-word}
 .note{color:#57606a;font-size:.85em;max-width:1100px}
 .empty{color:#57606a;font-style:italic}
 img{max-width:100%;border:1px solid #e1e4e8;margin:.5em 0}
@@ -63,6 +66,11 @@ def headline(a: Analysis) -> list[str]:
     for r in a.deltas:
         d = r.d
         sig = r.p_holm is not None and r.p_holm < 1 - a.confidence
+        blind = delta_blind(d.base_mean, d.cand_mean)
+        if blind:
+            out.append(f"{r.cell.short} vs {r.base.short}, {r.suite}: {blind}: {fmt_pct(d.cand_mean)} vs "
+                       f"{fmt_pct(d.base_mean)} says nothing about the format")
+            continue
         out.append(f"{r.cell.short} vs {r.base.short}, {r.suite}: {fmt_pp(d.delta)} "
                    f"[{fmt_pp(d.ci_lo)}, {fmt_pp(d.ci_hi)}], p(Holm) {fmt_p(r.p_holm)}"
                    f"{' — significant' if sig else ''}")
@@ -73,6 +81,11 @@ def headline(a: Analysis) -> list[str]:
         p = r.paired
         ratio = p.auc_ratio
         rec = NA_BASELINE_ZERO if ratio is None else f"{fmt_ratio(ratio)} [{fmt_ratio(p.auc_ratio_ci[0])}, {fmt_ratio(p.auc_ratio_ci[1])}]"
+        blind = delta_blind(p.base_auc, p.cand_auc)
+        if blind:
+            out.append(f"{r.cell.short} vs {r.base.short}, {r.suite} AUC: {blind}: {fmt_pct(p.cand_auc)} vs "
+                       f"{fmt_pct(p.base_auc)} says nothing about the format")
+            continue
         out.append(f"{r.cell.short} vs {r.base.short}, {r.suite} AUC: {fmt_pct(p.cand_auc)} vs {fmt_pct(p.base_auc)}, "
                    f"recovery {rec}, {fmt_pp(p.delta)} [{fmt_pp(p.ci_lo)}, {fmt_pp(p.ci_hi)}]")
     return out
@@ -86,6 +99,8 @@ def _sections(a: Analysis, plots: dict[str, Path]) -> list[tuple[str, list[Part]
         ("Accuracy", ["accuracy", accuracy_table(a)]),
         ("Deltas against the baseline", ["deltas", delta_table(a), aa_table(a)]),
     ]
+    if "accuracy_throughput" in plots:  # the trade-off: accuracy against serving throughput, Pareto front
+        out.append(("Accuracy vs throughput", ["accuracy_throughput"]))
     if a.lengths:
         heatmaps = [n for r_suite in dict.fromkeys(r.suite for r in a.lengths) for n in plots
                     if n.startswith(f"{r_suite}_heatmap_")]
@@ -95,19 +110,21 @@ def _sections(a: Analysis, plots: dict[str, Path]) -> list[tuple[str, list[Part]
         fid += ["fidelity_position", position_table(a)]
     out += [
         ("Fidelity", fid),
-        ("Serving", ["serving", serving_table(a)]),
+        ("Serving", ["serving", "latency", *serving_tables(a)]),
         ("Capacity", ["capacity", capacity_table(a)]),
         ("Cells", [cells_table(a)]),
     ]
     return out
 
 
-def _markdown(a: Analysis, meta: ReportMeta, plots: dict[str, Path]) -> str:
+def _markdown(a: Analysis, meta: ReportMeta, plots: dict[str, Path], verdicts=None) -> str:
     out = [f"# {meta.title}", ""]
     out += [f"- **{k}**: {v}" for k, v in meta.rows]
     out += [f"- **regenerate**: `{meta.command}`", ""]
     if a.warnings:  # e.g. a comparison whose item sets differ: shown before any number
         out += ["## Warnings", ""] + [f"- {w}" for w in a.warnings] + [""]
+    if verdicts is not None:
+        out.append(verdict_markdown(verdicts))
     lines = headline(a)
     if lines:
         out += ["## Summary", ""] + [f"- {line}" for line in lines] + [""]
@@ -126,10 +143,10 @@ def _img(path: Path, alt: str) -> str:
     return f"<img alt='{html.escape(alt)}' src='data:image/png;base64,{data}'>"
 
 
-def _html(a: Analysis, meta: ReportMeta, plots: dict[str, Path]) -> str:
+def _html(a: Analysis, meta: ReportMeta, plots: dict[str, Path], verdicts=None) -> str:
     out = ["<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
            "<meta name='viewport' content='width=device-width, initial-scale=1'>",
-           f"<title>{html.escape(meta.title)}</title><style>{_CSS}</style></head><body>",
+           f"<title>{html.escape(meta.title)}</title><style>{_CSS}{VERDICT_CSS}</style></head><body>",
            f"<h1>{html.escape(meta.title)}</h1>", "<table class='meta'>"]
     for k, v in meta.rows + [("regenerate", meta.command)]:
         out.append(f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(str(v))}</code></td></tr>")
@@ -137,6 +154,8 @@ def _html(a: Analysis, meta: ReportMeta, plots: dict[str, Path]) -> str:
     if a.warnings:
         out.append("<h2>Warnings</h2><ul class='warnings'>" + "".join(f"<li>{html.escape(w)}</li>" for w in a.warnings)
                    + "</ul>")
+    if verdicts is not None:
+        out.append(verdict_html(verdicts))
     lines = headline(a)
     if lines:
         out.append("<h2>Summary</h2><ul class='headline'>" + "".join(f"<li>{html.escape(x)}</li>" for x in lines) + "</ul>")
@@ -151,12 +170,18 @@ def _html(a: Analysis, meta: ReportMeta, plots: dict[str, Path]) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_report(a: Analysis, out_dir: Path | str, meta: ReportMeta, max_drop: Optional[float] = None) -> dict[str, Path]:
-    """Write PNGs, report.md and report.html into ``out_dir``; returns {name: path} of what was written."""
+def write_report(a: Analysis, out_dir: Path | str, meta: ReportMeta, max_drop: Optional[float] = None,
+                 extra: Optional[dict[str, list[dict]]] = None, verdicts=None) -> dict[str, Path]:
+    """Write PNGs, report.md and report.html into ``out_dir``, and the machine-readable tables
+    (``report.json``, ``tables/*.csv``; ``reports.export``, with the ``extra`` tables); returns {name: path}
+    of what was written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(a, out_dir, max_drop=max_drop)
     md, page = out_dir / "report.md", out_dir / "report.html"
-    atomic_write_text(md, _markdown(a, meta, plots))
-    atomic_write_text(page, _html(a, meta, plots))
-    return {"markdown": md, "html": page, **plots}
+    shown = ReportMeta(meta.title, meta.command, [*meta.rows, ("tables", f"report.json, tables/*.csv ({SCHEMA_VERSION})")])
+    atomic_write_text(md, _markdown(a, shown, plots, verdicts))
+    atomic_write_text(page, _html(a, shown, plots, verdicts))
+    exports = write_exports(a, out_dir, extra=extra,
+                            meta={"title": meta.title, "command": meta.command, "info": dict(meta.rows)})
+    return {"markdown": md, "html": page, **plots, **exports}

@@ -18,6 +18,10 @@ __all__ = [
     "load_run",
     "select",
     "item_scores",
+    "is_error",
+    "error_keys",
+    "error_counts",
+    "paired_scores",
     "accuracy_suites",
     "suite_metrics",
     "primary_metric",
@@ -233,8 +237,20 @@ def primary_metric(suite: str) -> str:
     return PRIMARY_SCORES.get(suite, "correct")
 
 
+def is_error(rec: dict) -> bool:
+    """Whether an item record is a failed request (timeout, HTTP error, dropped stream ...), not an answer: it
+    holds an ``error`` message, or (stores written before that field) its finish_reason is ``error``."""
+    return bool(rec.get("error")) or rec.get("finish_reason") == "error"
+
+
+def _key(rec: dict) -> tuple[str, int]:
+    return (str(rec.get("item_id")), int(rec.get("repeat") or 0))
+
+
 def item_scores(cell: CellData, suite: str, metric: Optional[str] = None) -> dict[tuple[str, int], float]:
-    """{(item_id, repeat): score} of one suite's metric; records without the metric are skipped.
+    """{(item_id, repeat): score} of one suite's metric; records without the metric and error records
+    (``is_error``: failed requests are no answer, for every metric, ``invalid`` and ``truncated`` included)
+    are skipped.
 
     ``metric`` is None (the suite's primary metric, ``primary_metric``), ``correct`` (the record's 0/1
     ``correct``), ``invalid``, ``truncated`` (finish_reason ``length``) or any key of the records'
@@ -242,25 +258,60 @@ def item_scores(cell: CellData, suite: str, metric: Optional[str] = None) -> dic
     metric = primary_metric(suite) if metric is None else metric
     out: dict[tuple[str, int], float] = {}
     for rec in cell.items:
-        if rec.get("suite") != suite:
+        if rec.get("suite") != suite or is_error(rec):
             continue
         v = _score(rec, metric)
         if v is not None:
-            out[(str(rec.get("item_id")), int(rec.get("repeat") or 0))] = v
+            out[_key(rec)] = v
     return out
 
 
+def error_keys(cell: CellData, suite: str) -> set[tuple[str, int]]:
+    """The (item_id, repeat) keys of one suite's error records."""
+    return {_key(rec) for rec in cell.items if rec.get("suite") == suite and is_error(rec)}
+
+
+def error_counts(cell: CellData, suite: str) -> tuple[int, int]:
+    """(error records, all records) of one suite in a cell."""
+    recs = [rec for rec in cell.items if rec.get("suite") == suite]
+    return sum(1 for rec in recs if is_error(rec)), len(recs)
+
+
+def paired_scores(base: CellData, cand: CellData, suite: str,
+                  metric: Optional[str] = None) -> tuple[dict[tuple[str, int], float], dict[tuple[str, int], float], int]:
+    """(baseline scores, candidate scores, dropped) for a paired comparison: both ``item_scores`` restricted
+    to the (item, repeat) keys that errored in neither cell; ``dropped`` counts the keys left out because
+    either side errored (keys present in one cell only and errored there count too)."""
+    drop = error_keys(base, suite) | error_keys(cand, suite)
+    b = {k: v for k, v in item_scores(base, suite, metric).items() if k not in drop}
+    c = {k: v for k, v in item_scores(cand, suite, metric).items() if k not in drop}
+    return b, c, len(drop)
+
+
 def accuracy_suites(cell: CellData) -> list[str]:
-    """Suites with a primary metric (``correct``, or their ``PRIMARY_SCORES`` score), in first-seen order."""
+    """Suites with a primary metric (``correct``, or their ``PRIMARY_SCORES`` score), in first-seen order.
+
+    A suite whose records all errored is listed too when it is an accuracy suite by name (a generation
+    suite's error records hold no score): its accuracy is then unknown, its errors still count."""
     seen: list[str] = []
+    only_errors: list[str] = []
     for rec in cell.items:
         s = rec.get("suite")
         if s == FIDELITY_SUITE or s in seen:
             continue
+        if is_error(rec):
+            if s not in only_errors:
+                only_errors.append(s)
+            continue
         primary = primary_metric(s)
         if (rec.get("correct") is not None if primary == "correct" else _score(rec, primary) is not None):
             seen.append(s)
-    return seen
+    # a suite seen only through error records: keep it (in first-seen order) unless answered records show it
+    # is not an accuracy suite
+    answered = {rec.get("suite") for rec in cell.items if not is_error(rec)}
+    order = list(dict.fromkeys(rec.get("suite") for rec in cell.items))
+    keep = set(seen) | {s for s in only_errors if s not in answered}
+    return [s for s in order if s in keep]
 
 
 def suite_metrics(cell: CellData, suite: str) -> list[str]:

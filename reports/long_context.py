@@ -194,6 +194,7 @@ class PairedAuc:
     confidence: float
     base_unpaired: int = 0
     cand_unpaired: int = 0
+    upper_bound: float = math.inf  # one-sided upper bound of the delta at ``confidence`` (as lower_bound)
 
     @property
     def auc_ratio(self) -> Optional[float]:
@@ -256,6 +257,7 @@ def paired_auc(base: Mapping[int, Mapping[Key, float]], cand: Mapping[int, Mappi
     base_auc, cand_auc = float(w @ np.array(b_means)), float(w @ np.array(c_means))
     ci_lo, ci_hi = _quantiles(deltas, qs)
     lower, method = (_quantiles(deltas, [a])[0], "bootstrap") if not all(degenerate) else (-math.inf, "none")
+    upper = _quantiles(deltas, [1 - a])[0] if not all(degenerate) else math.inf
     if binary and any(degenerate):
         # A length whose pairs all agree adds no width to the bootstrap, however few its questions.  For 0/1
         # scores the Bonferroni-combined Newcombe interval (Σ w_i·bound_i, each at 1 − α/m) is always valid:
@@ -264,8 +266,11 @@ def paired_auc(base: Mapping[int, Mapping[Key, float]], cand: Mapping[int, Mappi
         one = [stats.paired_delta({k: base[n][k] for k in shared[n]}, {k: cand[n][k] for k in shared[n]},
                                   confidence=conf_i, n_boot=200, seed=seed) for n in ls]
         nc_lower = float(w @ np.array([d.lower_bound for d in one]))
+        nc_upper = float(w @ np.array([d.upper_bound for d in one]))
         if not math.isnan(nc_lower) and (method == "none" or nc_lower < lower):
             lower, method = nc_lower, "newcombe-bonferroni"
+        if not math.isnan(nc_upper) and (math.isinf(upper) or nc_upper > upper):
+            upper = nc_upper
         nc_lo, nc_hi = float(w @ np.array([d.ci_lo for d in one])), float(w @ np.array([d.ci_hi for d in one]))
         if not (math.isnan(nc_lo) or math.isnan(nc_hi)):
             ci_lo, ci_hi = min(ci_lo, nc_lo), max(ci_hi, nc_hi)
@@ -274,7 +279,7 @@ def paired_auc(base: Mapping[int, Mapping[Key, float]], cand: Mapping[int, Mappi
         base_auc=base_auc, cand_auc=cand_auc, delta=cand_auc - base_auc, ci_lo=ci_lo, ci_hi=ci_hi,
         lower_bound=lower, bound_method=method, auc_ratio_ci=tuple(_quantiles(_ratio(c_auc_boot, b_auc_boot), qs)),
         n_pairs=sum(len(v) for v in shared.values()), n_questions=n_q, confidence=confidence,
-        base_unpaired=only_b, cand_unpaired=only_c,
+        base_unpaired=only_b, cand_unpaired=only_c, upper_bound=upper,
     )
 
 

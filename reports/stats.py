@@ -328,6 +328,7 @@ class PairedDelta:
     bound_method: str = "bootstrap"  # "newcombe" (0/1 scores) | "bootstrap" | "t"
     base_unpaired: int = 0  # keys only in the baseline (left out of the comparison)
     cand_unpaired: int = 0  # keys only in the candidate
+    upper_bound: float = math.inf  # one-sided upper confidence bound at ``confidence`` (same method as lower_bound)
 
     @property
     def mismatched(self) -> bool:
@@ -398,18 +399,19 @@ def paired_delta(
         n10 = sum(1 for key in keys if c_vals[key] == 1.0 and b_vals[key] == 0.0)
         n01 = sum(1 for key in keys if c_vals[key] == 0.0 and b_vals[key] == 1.0)
         n00 = len(keys) - n11 - n10 - n01
-        lower = newcombe_paired_interval(n11, n10, n01, n00, 1.0 - 2.0 * alpha)[0]
+        lower, upper = newcombe_paired_interval(n11, n10, n01, n00, 1.0 - 2.0 * alpha)
         used = "newcombe"
         # the two-sided interval the report shows: the same construction (a bootstrap over 0/1 pairs that all
         # agree has zero width)
         ci_lo, ci_hi = newcombe_paired_interval(n11, n10, n01, n00, confidence)
     elif degenerate:
-        lower, used = -math.inf, bound_method
+        lower, upper, used = -math.inf, math.inf, bound_method
     elif bound_method == "bootstrap":
-        lower, used = float(np.quantile(boots, alpha)), "bootstrap"
+        lower, upper, used = float(np.quantile(boots, alpha)), float(np.quantile(boots, 1.0 - alpha)), "bootstrap"
     else:
         se = float(diffs.std(ddof=1)) / math.sqrt(diffs.size)
-        lower, used = delta - t_ppf(confidence, diffs.size - 1) * se, "t"
+        half = t_ppf(confidence, diffs.size - 1) * se
+        lower, upper, used = delta - half, delta + half, "t"
 
     binary = k == 1 and all_binary
     if binary:
@@ -438,4 +440,5 @@ def paired_delta(
         bound_method=used,
         base_unpaired=only_b,
         cand_unpaired=only_c,
+        upper_bound=upper,
     )

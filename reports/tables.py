@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvbench.reports.analysis import Analysis
-from kvbench.reports.load import CellData, primary_metric
+from kvbench.reports.discriminative import delta_blind
+from kvbench.reports.load import CellData, accuracy_suites, error_counts, primary_metric
 
-__all__ = ["Table", "fmt_pct", "fmt_pp", "fmt_p", "fmt_num", "all_tables"]
+__all__ = ["Table", "fmt_pct", "fmt_pp", "fmt_p", "fmt_num", "fmt_errors", "all_tables"]
 
 
 # ------------------------------------------------------------------------------ formatting
@@ -104,6 +105,11 @@ def cells_table(a: Analysis) -> Table:
                            "items", "requests", "error"], rows)
 
 
+def fmt_errors(n_errors: int, rate: Optional[float]) -> str:
+    """Failed requests as "count (rate)", e.g. "2 (1.6%)"; "0" when none."""
+    return f"{n_errors:,} ({fmt_pct(rate)})" if n_errors else "0"
+
+
 def accuracy_table(a: Analysis) -> Table:
     conf = f"{100 * a.confidence:g}%"
     rows = []
@@ -112,10 +118,25 @@ def accuracy_table(a: Analysis) -> Table:
         e = r.est
         rows.append([r.suite, r.metric, r.cell.short, fmt_num(e.n), str(e.k), fmt_pct(e.mean),
                      f"[{fmt_pct(max(0.0, e.lo))}, {fmt_pct(min(1.0, e.hi))}]", e.method,
-                     fmt_pct(r.pass_at_k) if r.pass_at_k is not None else "—", fmt_pct(r.invalid_rate), fmt_pct(r.truncation_rate)])
+                     fmt_pct(r.pass_at_k) if r.pass_at_k is not None else "—", fmt_pct(r.invalid_rate), fmt_pct(r.truncation_rate),
+                     fmt_errors(r.n_errors, r.error_rate)])
+    # a suite whose every request failed has no accuracy: listed with its errors
+    shown = {(id(r.cell), r.suite) for r in a.accuracy}
+    for cell in a.cells:
+        if not cell.done:
+            continue
+        for suite in accuracy_suites(cell):
+            n_err, n_all = error_counts(cell, suite)
+            if (id(cell), suite) not in shown and n_err and n_err == n_all:
+                rows.append([suite, primary_metric(suite), cell.short, "0", "—", "—", "—", "—", "—", "—", "—",
+                             fmt_errors(n_err, 1.0)])
     return Table("Accuracy", ["suite", "metric", "cell", "questions", "K", "accuracy", f"{conf} CI", "interval",
-                              "pass@K", "invalid", "truncated"], rows,
-                 note="Wilson interval when every question was asked once, t-interval over per-question means for K>1. "
+                              "pass@K", "invalid", "truncated", "errors"], rows,
+                 note="Accuracy, its interval and the invalid and truncated rates are over answered items: failed "
+                      "requests (timeouts, HTTP errors, dropped streams) are no answer and are counted apart, in "
+                      "errors (count and share of all the suite's requests in the cell); pass@K leaves out questions "
+                      "with a failed sample. "
+                      "Wilson interval when every question was asked once, t-interval over per-question means for K>1. "
                       "The first metric of each suite is its primary one: `correct`, except `ruler` (the mean fraction "
                       "of expected strings found; its `correct` is every string found).")
 
@@ -123,18 +144,29 @@ def accuracy_table(a: Analysis) -> Table:
 def delta_table(a: Analysis) -> Table:
     conf = f"{100 * a.confidence:g}%"
     rows = []
+    with_errors = any(r.n_error_pairs for r in a.deltas)
     for r in a.deltas:
         d = r.d
         disc = f"{d.base_only}/{d.cand_only}" if d.base_only >= 0 else "—"
-        rows.append([r.suite, r.cell.short, r.base.short, fmt_num(d.n_pairs), fmt_pct(d.base_mean), fmt_pct(d.cand_mean),
-                     fmt_pp(d.delta), f"[{fmt_pp(d.ci_lo)}, {fmt_pp(d.ci_hi)}]", f"{fmt_p(d.p_value)} ({d.p_method})",
-                     fmt_p(r.p_holm), fmt_num(d.correlation, 2) if d.correlation is not None else "—", disc])
-    return Table("Paired deltas against the baseline", ["suite", "cell", "baseline", "pairs", "baseline acc.", "cell acc.",
-                 "Δ", f"{conf} CI", "p", "p (Holm)", "corr.", "lost/gained"], rows,
-                 note="Pairs share (item, repeat). CI: Newcombe's paired score interval for 0/1 scores with K=1 (it keeps "
-                      "a width when every pair agrees), else a paired bootstrap over questions (seeded). p: exact McNemar for K=1, "
-                      "paired t-test over per-question means for K>1; Holm-corrected across the comparisons of this report. "
-                      "lost/gained: items the baseline got right and the cell wrong, and the reverse.")
+        row = [r.suite, r.cell.short, r.base.short, fmt_num(d.n_pairs), fmt_pct(d.base_mean), fmt_pct(d.cand_mean),
+               delta_blind(d.base_mean, d.cand_mean) or fmt_pp(d.delta), f"[{fmt_pp(d.ci_lo)}, {fmt_pp(d.ci_hi)}]",
+               f"{fmt_p(d.p_value)} ({d.p_method})",
+               fmt_p(r.p_holm), fmt_num(d.correlation, 2) if d.correlation is not None else "—", disc]
+        if with_errors:
+            row.append(fmt_num(r.n_error_pairs))
+        rows.append(row)
+    columns = ["suite", "cell", "baseline", "pairs", "baseline acc.", "cell acc.", "Δ", f"{conf} CI", "p", "p (Holm)",
+               "corr.", "lost/gained"] + (["excluded (errors)"] if with_errors else [])
+    note = ("Pairs share (item, repeat). CI: Newcombe's paired score interval for 0/1 scores with K=1 (it keeps "
+            "a width when every pair agrees), else a paired bootstrap over questions (seeded). p: exact McNemar for K=1, "
+            "paired t-test over per-question means for K>1; Holm-corrected across the comparisons of this report. "
+            "lost/gained: items the baseline got right and the cell wrong, and the reverse. A metric whose baseline "
+            "scores 0%, or where both cells score 100%, cannot show a loss: its Δ reads \"not discriminative\" "
+            "(the verdict above applies the margins and the A/A control).")
+    if with_errors:
+        note += (" excluded (errors): (item, repeat) pairs left out because the request failed in the cell or in the "
+                 "baseline (a failed request is not a wrong answer).")
+    return Table("Paired deltas against the baseline", columns, rows, note=note)
 
 
 def aa_table(a: Analysis) -> Table:
@@ -172,16 +204,10 @@ def fidelity_table(a: Analysis) -> Table:
 
 
 def serving_table(a: Analysis) -> Table:
-    rows = []
-    for cell, s in sorted(a.serving, key=lambda t: (t[0].run, _series(t[0], False), t[0].concurrency or 0)):
-        rows.append([_series(cell, False), str(cell.concurrency), f"{s['completed']}/{s['failed']}",
-                     fmt_num(s["request_throughput"], 2), fmt_num(s["output_throughput"]), fmt_num(s["peak_output_throughput"]),
-                     fmt_num(s["median_ttft_ms"]), fmt_num(s["p99_ttft_ms"]), fmt_num(s["median_tpot_ms"], 2),
-                     fmt_num(s["p99_tpot_ms"], 2), fmt_num(s["median_itl_ms"], 2), fmt_num(s["median_e2el_ms"]),
-                     fmt_num(s["p99_e2el_ms"])])
-    return Table("Serving metrics by concurrency", ["series", "conc.", "ok/failed", "req/s", "out tok/s", "peak out tok/s",
-                 "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "ITL p50 ms", "E2E p50 ms", "E2E p99 ms"], rows,
-                 note="Recomputed from each cell's requests.jsonl (TPOT = (latency − TTFT)/(output tokens − 1)).")
+    """The "Serving: load and throughput" table (``reports.serving.serving_tables`` gives it with the latency one)."""
+    from kvbench.reports.serving import serving_tables  # imported here: reports.serving imports this module
+
+    return serving_tables(a)[0]
 
 
 def capacity_table(a: Analysis) -> Table:
@@ -198,6 +224,7 @@ def capacity_table(a: Analysis) -> Table:
 
 def all_tables(a: Analysis) -> list[Table]:
     from kvbench.reports.long_context_tables import long_context_tables, position_table
+    from kvbench.reports.serving import serving_tables
 
     return [accuracy_table(a), delta_table(a), aa_table(a), *long_context_tables(a), fidelity_table(a), position_table(a),
-            serving_table(a), capacity_table(a), cells_table(a)]
+            *serving_tables(a), capacity_table(a), cells_table(a)]

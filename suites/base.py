@@ -135,6 +135,12 @@ class GenerationTask(ABC):
         return f"{samp}:max{p.max_tokens}"
 
 
+def is_error_record(rec: dict) -> bool:
+    """Whether a record is a failed request (not an answer): it has an ``error`` message, or (records written
+    before the ``error`` field) its finish_reason is ``error``."""
+    return bool(rec.get("error")) or rec.get("finish_reason") == "error"
+
+
 def make_record(
     suite: str,
     item: Item,
@@ -142,51 +148,78 @@ def make_record(
     seed: Optional[int],
     req: GenRequest,
     result: Optional[GenResult],
-    scored: Scored,
+    scored: Optional[Scored],
     protocol: str,
     prompt_hash_fn,
+    error: Optional[str] = None,
+    error_kind: Optional[str] = None,
 ) -> dict:
+    """One item record.  A failed request (``error`` set, or ``result`` None or with finish_reason ``error``)
+    is no answer: ``correct`` and ``invalid`` are None, ``scores`` is empty, finish_reason is ``error`` and
+    ``error`` / ``error_kind`` say what happened; an answered record has ``error`` and ``error_kind`` None."""
     r = result
+    failed = error is not None or r is None or r.finish_reason == "error"
+    if failed:
+        error = error or (r.error if r is not None else None) or "request failed"
+        error_kind = error_kind or (getattr(r, "error_kind", None) if r is not None else None) or "other"
+    elif scored is None:
+        raise ValueError("make_record needs the scored answer of a successful request")
     return {
         "suite": suite,
         "item_id": item.item_id,
         "repeat": repeat,
         "seed": seed,
         "prompt_hash": prompt_hash_fn(request_text(req)),
-        "raw_output": r.text if r is not None else "",
-        "extracted": scored.extracted,
+        "raw_output": (r.text or "") if r is not None else "",
+        "extracted": None if failed else scored.extracted,
         "target": item.target,
-        "correct": scored.correct,
-        "invalid": scored.invalid,
-        "finish_reason": r.finish_reason if r is not None else "error",
+        "correct": None if failed else scored.correct,
+        "invalid": None if failed else scored.invalid,
+        "finish_reason": "error" if failed else r.finish_reason,
         "prompt_tokens": int(r.prompt_tokens) if r is not None else 0,
         "output_tokens": int(r.output_tokens) if r is not None else 0,
         "latency_s": float(r.latency_s) if r is not None else 0.0,
-        "scores": {k: float(v) for k, v in scored.scores.items()},
+        "scores": {} if failed else {k: float(v) for k, v in scored.scores.items()},
         "protocol": protocol,
+        "error": error if failed else None,
+        "error_kind": error_kind if failed else None,
     }
 
 
+def _mean(values: list) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
 def summarize_records(records: list[dict]) -> dict:
-    """Per-suite summary: mean of ``correct`` (``accuracy``) and of every score, n, and the rates of
-    invalid answers, truncations (finish_reason = length), empty outputs and request errors."""
+    """Per-suite summary.  Failed requests (``is_error_record``) are counted apart, never as wrong answers:
+    ``accuracy`` (mean of ``correct``), the mean of every score and the rates of invalid answers,
+    truncations (finish_reason = length) and empty outputs are over the answered records only (None when
+    none answered); ``n`` counts every record, ``answered`` the others, ``errors`` the failed ones,
+    ``error_rate`` = errors / n and ``error_kinds`` = {kind: count}."""
     n = len(records)
-    if n == 0:
-        return {"n": 0, "invalid_rate": None, "truncation_rate": None, "empty_rate": None, "error_rate": None}
+    answered = [r for r in records if not is_error_record(r)]
+    failed = [r for r in records if is_error_record(r)]
+    kinds: dict[str, int] = {}
+    for r in failed:
+        kind = r.get("error_kind") or "other"
+        kinds[kind] = kinds.get(kind, 0) + 1
     out: dict[str, Any] = {}
-    judged = [r["correct"] for r in records if r.get("correct") is not None]
+    judged = [r["correct"] for r in answered if r.get("correct") is not None]
     if judged:
         out["accuracy"] = sum(bool(c) for c in judged) / len(judged)
     keys: list[str] = []
-    for r in records:
-        keys += [k for k in r.get("scores", {}) if k not in keys]
+    for r in answered:
+        keys += [k for k in (r.get("scores") or {}) if k not in keys]
     for k in keys:
-        vals = [r["scores"][k] for r in records if k in r.get("scores", {}) and r["scores"][k] is not None]
+        vals = [r["scores"][k] for r in answered if k in (r.get("scores") or {}) and r["scores"][k] is not None]
         if vals:
             out[k] = sum(vals) / len(vals)
     out["n"] = n
-    out["invalid_rate"] = sum(bool(r.get("invalid")) for r in records) / n
-    out["truncation_rate"] = sum(r.get("finish_reason") == "length" for r in records) / n
-    out["empty_rate"] = sum(not (r.get("raw_output") or "").strip() for r in records) / n
-    out["error_rate"] = sum(r.get("finish_reason") == "error" for r in records) / n
+    out["answered"] = len(answered)
+    out["errors"] = len(failed)
+    out["error_rate"] = len(failed) / n if n else None
+    out["error_kinds"] = kinds
+    out["invalid_rate"] = _mean([bool(r.get("invalid")) for r in answered])
+    out["truncation_rate"] = _mean([r.get("finish_reason") == "length" for r in answered])
+    out["empty_rate"] = _mean([not (r.get("raw_output") or "").strip() for r in answered])
     return out

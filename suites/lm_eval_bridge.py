@@ -7,21 +7,27 @@ teacher-forced ``Client.score`` (sum of continuation log-probs, all-greedy flag)
 longer than the context is an error).  Requests run concurrently on a thread pool.
 
 Records: one per document; ``scores`` holds every per-sample metric as ``"<metric>,<filter>"`` (lm-eval's
-own naming); ``correct`` is the first metric of the first filter when it is 0/1, else null.
+own naming); ``correct`` is the first metric of the first filter when it is 0/1, else null.  A document
+whose request failed (raised, or finish_reason ``error``) is an error record as in ``suites.runner``:
+``error`` / ``error_kind`` set, ``correct`` / ``invalid`` null, no scores; lm-eval sees an empty generation
+(or a log-likelihood of -inf) for it, and its aggregates are then not copied into the summary.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from kvbench.harness.client import Client, GenRequest, SamplingParams, ScoreRequest
+from kvbench.harness.client import Client, GenRequest, SamplingParams, ScoreRequest, classify_error
 from kvbench.harness.store import prompt_hash
 from kvbench.suites.base import SuiteError, SuiteOptions, SuiteResult, summarize_records
 from kvbench.suites.extract import INVALID
+
+log = logging.getLogger(__name__)
 
 
 def _make_lm_class():
@@ -37,6 +43,10 @@ def _make_lm_class():
         def _note(self, req, **m) -> None:
             with self._lock:
                 self.meta[(req.task_name, req.doc_id)].append(m)
+
+        def _failed(self, req, error: str, kind: str, latency_s: float = 0.0) -> None:
+            self._note(req, finish_reason="error", prompt_tokens=0, output_tokens=0, latency_s=latency_s,
+                       error=error, error_kind=kind)
 
         def _map(self, fn, requests):
             if not requests:
@@ -58,9 +68,14 @@ def _make_lm_class():
                     top_p=float(kw.get("top_p", 1.0)) if sample else 1.0,
                     stop=tuple(until),
                 )
-                res = self.client.generate(GenRequest(prompt=context, params=params))
+                try:
+                    res = self.client.generate(GenRequest(prompt=context, params=params))
+                except Exception as e:  # a failed request: recorded as an error, no answer
+                    self._failed(req, f"{type(e).__name__}: {e}", classify_error(e))
+                    return ""
                 if res.finish_reason == "error":
-                    raise RuntimeError(f"generation failed: {res.error}")
+                    self._failed(req, res.error or "request failed", res.error_kind or "other", res.latency_s)
+                    return ""
                 self._note(req, finish_reason=res.finish_reason, prompt_tokens=res.prompt_tokens,
                            output_tokens=res.output_tokens, latency_s=res.latency_s)
                 return res.text
@@ -71,7 +86,13 @@ def _make_lm_class():
             import time
 
             t0 = time.perf_counter()
-            res = self.client.score(ScoreRequest(context=context, continuation=continuation))
+            try:
+                res = self.client.score(ScoreRequest(context=context, continuation=continuation))
+            except NotImplementedError:
+                raise  # the target cannot score at all: not one failed request
+            except Exception as e:  # a failed request: the document becomes an error record
+                self._failed(req, f"{type(e).__name__}: {e}", classify_error(e), time.perf_counter() - t0)
+                return None
             self._note(req, finish_reason="score", prompt_tokens=len(res.token_ids), output_tokens=0,
                        latency_s=time.perf_counter() - t0)
             return res
@@ -79,14 +100,21 @@ def _make_lm_class():
         def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
             def one(req):
                 res = self._score(req, *req.args)
-                return res.total_logprob, res.is_greedy
+                return (res.total_logprob, res.is_greedy) if res is not None else (_FAILED_LL, False)
 
             return self._map(one, requests)
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-            return self._map(lambda req: self._score(req, "", req.args[0]).total_logprob, requests)
+            def one(req):
+                res = self._score(req, "", req.args[0])
+                return res.total_logprob if res is not None else _FAILED_LL
+
+            return self._map(one, requests)
 
     return ClientLM
+
+
+_FAILED_LL = float("-inf")  # what lm-eval sees for a failed scoring request (its record is an error record)
 
 
 def _scalar(v: Any) -> Optional[float]:
@@ -132,7 +160,8 @@ def samples_to_records(task: str, samples: list[dict], meta: dict, protocol: str
         resps = first.get("resps") or []
         raw = resps[0][0] if resps and resps[0] and isinstance(resps[0][0], str) else json.dumps(resps, default=str)
         ms = meta.get((task, doc_id), [])
-        finish = next((m["finish_reason"] for m in reversed(ms) if m["finish_reason"] != "score"), "score" if ms else "stop")
+        failed = [m for m in ms if m.get("error")]
+        finish = "error" if failed else next((m["finish_reason"] for m in reversed(ms) if m["finish_reason"] != "score"), "score" if ms else "stop")
         context = first["arguments"][0][0] if first.get("arguments") else ""
         records.append({
             "suite": f"lm_eval:{task}",
@@ -141,16 +170,18 @@ def samples_to_records(task: str, samples: list[dict], meta: dict, protocol: str
             "seed": None,
             "prompt_hash": prompt_hash(str(context)),
             "raw_output": raw,
-            "extracted": extracted,
+            "extracted": None if failed else extracted,
             "target": str(first.get("target")),
-            "correct": correct,
-            "invalid": isinstance((first.get("filtered_resps") or [None])[0], str) and extracted is None,
+            "correct": None if failed else correct,
+            "invalid": None if failed else isinstance((first.get("filtered_resps") or [None])[0], str) and extracted is None,
             "finish_reason": finish,
             "prompt_tokens": int(sum(m["prompt_tokens"] for m in ms)),
             "output_tokens": int(sum(m["output_tokens"] for m in ms)),
             "latency_s": float(sum(m["latency_s"] for m in ms)),
-            "scores": scores,
+            "scores": {} if failed else scores,
             "protocol": protocol,
+            "error": failed[0]["error"] if failed else None,
+            "error_kind": failed[0].get("error_kind") or "other" if failed else None,
         })
     return records
 
@@ -185,10 +216,17 @@ def run_lm_eval(task: str, client: Client, opts: SuiteOptions, include_path: Opt
         recs = samples_to_records(sub, samples, lm.meta, proto)
         records += recs
         s = summarize_records(recs)
-        for k, v in (out.get("results", {}).get(sub) or {}).items():
+        # lm-eval's own aggregates score a failed request as an answer: use them only when none failed
+        for k, v in (out.get("results", {}).get(sub) or {}).items() if not s.get("errors") else ():
             if _scalar(v) is not None and "," in k and "_stderr" not in k:  # "<metric>,<filter>" entries
                 s[k] = float(v)
         summary[f"lm_eval:{sub}"] = s
+    failed = [r for r in records if r.get("error")]
+    if failed and len(failed) == len(records):
+        raise SuiteError(f"lm_eval:{task}: every request failed; first error: [{failed[0]['error_kind']}] {failed[0]['error']}")
+    if failed:
+        log.warning("lm_eval:%s: %d of %d documents had a failed request; first: %s", task, len(failed), len(records),
+                    failed[0]["error"])
     name = f"lm_eval:{task}"
     if list(summary) == [name]:
         return SuiteResult(name, records, summary[name], f"lm-eval task {task}")

@@ -2,8 +2,10 @@
 
 Work units are (item, repeat) pairs submitted to a thread pool of ``opts.concurrency`` workers (the
 embedded engine batches concurrent calls; an HTTP client keeps that many requests in flight).  Records come
-back in dataset order whatever the completion order, and a request that raises becomes a record with
-``finish_reason = "error"`` — items are never dropped.  When every request fails the suite raises.
+back in dataset order whatever the completion order, and a failed request (it raises, or returns
+finish_reason ``error``) becomes a record with ``finish_reason = "error"``, ``error`` (the message) and
+``error_kind`` (``harness.client.ERROR_KINDS``), no ``correct`` and no scores: counted apart from wrong
+answers, and items are never dropped.  When every request fails the suite raises.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
-from kvbench.harness.client import Client, GenResult
+from kvbench.harness.client import Client, GenResult, classify_error
 from kvbench.harness.store import prompt_hash
-from kvbench.suites.base import GenerationTask, Scored, SuiteError, SuiteOptions, SuiteResult, item_seed, make_record, summarize_records
+from kvbench.suites.base import (GenerationTask, SuiteError, SuiteOptions, SuiteResult, is_error_record, item_seed,
+                                 make_record, summarize_records)
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +67,22 @@ def run_generation(task: GenerationTask, client: Client, opts: SuiteOptions) -> 
         seed = item_seed(opts.seed, task.name, items[i].item_id, k)
         item = task.prepare(items[i], k, seed)
         req = task.build(item, k, task.params(opts, seed))
-        result: Optional[GenResult]
+        result: Optional[GenResult] = None
+        error: Optional[str] = None
+        kind: Optional[str] = None
         try:
             result = client.generate(req)
         except Exception as e:  # a failed request is recorded, never dropped
-            errors.append(f"{item.item_id}/{k}: {type(e).__name__}: {e}")
-            result = None
-        if result is None or result.finish_reason == "error":
-            if result is not None:
-                errors.append(f"{item.item_id}/{k}: {result.error or 'error'}")
-            scored = Scored(None, False, True, {})
+            error, kind = f"{type(e).__name__}: {e}", classify_error(e)
+        if error is None and (result is None or result.finish_reason == "error"):
+            error = (result.error if result is not None else None) or "request failed"
+            kind = (result.error_kind if result is not None else None) or "other"
+        if error is not None:
+            errors.append(f"{item.item_id}/{k}: [{kind}] {error}")
+            scored = None
         else:
             scored = task.score(item, result.text)
-        record = make_record(task.name, item, k, seed, req, result, scored, protocol, prompt_hash)
+        record = make_record(task.name, item, k, seed, req, result, scored, protocol, prompt_hash, error, kind)
         for key, value in task.record_fields(item).items():
             record.setdefault(key, value)  # never overrides a make_record field
         return record
@@ -94,5 +100,6 @@ def run_generation(task: GenerationTask, client: Client, opts: SuiteOptions) -> 
             raise SuiteError(f"{task.name}: every request failed; first error: {errors[0]}")
     done = [r for r in records if r is not None]
     summary = summarize_records(done)
-    summary.update(task.extra_summary(done, opts))
+    # suite aggregates (pass@k, by length ...) are over answered records too: a failed request is no answer
+    summary.update(task.extra_summary([r for r in done if not is_error_record(r)], opts))
     return SuiteResult(task.name, done, summary, source)

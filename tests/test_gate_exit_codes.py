@@ -102,7 +102,7 @@ def test_github_step_summary_is_appended(run, tmp_path):
     code, _ = gate(run, "--candidate", "kv_dtype=nvfp4", env={"GITHUB_STEP_SUMMARY": str(summary)})
     assert code == 1
     text = summary.read_text()
-    assert "kvbench gate: FAILED" in text and "| nvfp4 calibrate | accuracy | gsm8k |" in text
+    assert "kvbench gate: FAIL" in text and "| nvfp4 calibrate | accuracy | gsm8k |" in text
 
 
 @pytest.mark.parametrize("args,needle", [

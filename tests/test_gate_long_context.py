@@ -66,9 +66,9 @@ def test_auc_gate_inconclusive_with_few_items(tmp_path):
     js = tmp_path / "g.json"
     code, out = gate(root, "--candidate", "kv_dtype=nvfp4", "--metric", "ruler:auc", "--max-drop", "0.1", "--json", js)
     (row,) = json.loads(js.read_text())["checks"][:1]
-    assert code == 1, out
-    assert row["delta"] > -0.1 >= row["bound"] and row["inconclusive"] is True
-    assert "FAIL (inconclusive)" in out and "more items would decide" in out
+    assert code == 3, out  # INCONCLUSIVE
+    assert row["delta"] > -0.1 >= row["bound"] and row["inconclusive"] is True and row["status"] == "inconclusive"
+    assert "INCONCLUSIVE" in out and "more items would decide" in out
 
 
 def test_length_gate_and_default_primary_metric(run, tmp_path):

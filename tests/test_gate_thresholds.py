@@ -86,7 +86,7 @@ def test_inconclusive_versus_clear_failure():
     c2 = [c for c in gate_one(base, worse, t) if c.kind == "accuracy"][0]
     assert c2.delta == pytest.approx(-0.4) and c2.passed is False and not c2.inconclusive
     line = summary_line(GateResult(base, [same_mean], [c1], t))
-    assert line.startswith("::error") and "inconclusive" in line
+    assert line.startswith("::warning title=kvbench gate::INCONCLUSIVE (exit 3)") and "inconclusive" in line
 
 
 def test_rate_increase_limits_may_be_unset():

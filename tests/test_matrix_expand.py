@@ -95,9 +95,11 @@ def test_engine_options_merge_sweep_target_and_cell():
 
 def test_default_config_matrix():
     cells = expand(load_config(CONFIGS / "default.yaml"))
-    assert len(cells) == 12
-    assert len(groups(cells)) == 4
-    assert sum(c.run_accuracy for c in cells) == 4
+    assert len(cells) == 13  # 4 formats x 3 concurrencies + the A/A control (on by default)
+    assert len(groups(cells)) == 5  # the A/A control runs last, in a fresh engine
+    assert sum(c.run_accuracy for c in cells) == 5
+    aa = cells[-1]
+    assert aa.config["aa_control"] is True and aa.config["kv_dtype"] == "bf16" and aa.config["concurrency"] == 8
 
 
 def test_aa_control_adds_one_copy_of_the_baseline_accuracy_cell():
@@ -105,14 +107,22 @@ def test_aa_control_adds_one_copy_of_the_baseline_accuracy_cell():
     from kvbench.harness.sweep_config import SweepConfigError, parse_config
 
     raw = {"axes": {"kv": ["bf16", "fp8_e4m3"], "concurrency": [1, 4]}, "accuracy_concurrency": 4,
-           "baseline": {"kv_dtype": "bf16"}, "aa_control": True}
+           "baseline": {"kv_dtype": "bf16"}, "aa_control": True, "suites": [{"name": "gsm8k", "limit": 2}]}
     cells = expand(parse_config(raw))
     assert len(cells) == 5
     aa = cells[-1]
     assert aa.config["aa_control"] is True and aa.run_accuracy
     base = [c for c in cells[:-1] if c.config["kv_dtype"] == "bf16" and c.run_accuracy][0]
-    assert {k: v for k, v in aa.config.items() if k != "aa_control"} == base.config and aa.key != base.key
+    # the same cell under different batching: half the accuracy concurrency unless aa_concurrency says
+    assert aa.config["concurrency"] == 2 and aa.label.endswith("c=2 A/A")
+    assert {k: v for k, v in aa.config.items() if k not in ("aa_control", "concurrency")} == \
+        {k: v for k, v in base.config.items() if k != "concurrency"} and aa.key != base.key
+    assert expand(parse_config({**raw, "aa_concurrency": 3}))[-1].config["concurrency"] == 3
+    assert expand(parse_config({**raw, "accuracy_concurrency": 1}))[-1].config["concurrency"] == 2
     assert len(expand(parse_config({**raw, "aa_control": False}))) == 4
+    raw_default = {k: v for k, v in raw.items() if k != "aa_control"}
+    assert len(expand(parse_config(raw_default))) == 5  # on by default with suites
+    assert len(expand(parse_config({**raw_default, "suites": []}))) == 4  # nothing to repeat without suites
     import pytest
 
     with pytest.raises(SweepConfigError, match="aa_control"):

@@ -19,7 +19,7 @@ from kvbench.reports.load import item_scores, load_run
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reports_load import make_run  # noqa: E402
 
-PLOTS = {"accuracy", "deltas", "fidelity", "serving", "capacity"}
+PLOTS = {"accuracy", "deltas", "accuracy_throughput", "fidelity", "serving", "latency", "capacity"}
 
 
 def cli(*args):
@@ -52,7 +52,7 @@ def test_report_writes_markdown_html_and_plots(run, tmp_path):
         _check_png(out / f"{name}.png")
     md = (out / "report.md").read_text()
     for title in ("## Accuracy", "### Paired deltas against the baseline", "### A/A control", "### Fidelity",
-                  "### Serving metrics by concurrency", "### KV capacity by format", "### Cells"):
+                  "### Serving: load and throughput", "### Serving: latency (ms)", "### KV capacity by format", "### Cells"):
         assert title in md
     for name in PLOTS:
         assert f"]({name}.png)" in md
@@ -104,7 +104,7 @@ def test_runs_without_items_or_requests(tmp_path):
     code, text = cli("report", root, "--out", tmp_path / "r1")
     assert code == 0, text
     names = {p.stem for p in (tmp_path / "r1").glob("*.png")}
-    assert names == {"serving", "capacity"}
+    assert names == {"serving", "latency", "capacity"}
     root = make_run(tmp_path / "acc_only", drops={"bf16": 0.0, "nvfp4": 0.3}, concurrency=(1,))
     for ref in RunStore(root).cells():
         (ref.path / "requests.jsonl").unlink(missing_ok=True)

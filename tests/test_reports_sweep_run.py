@@ -73,17 +73,20 @@ def test_report_and_gate_on_a_runner_written_run(tmp_path):
     })
     run = tmp_path / "run"
     outcome = run_sweep(sweep, run, work=_Work(), progress=False, opener=_opener)
-    assert outcome.ok and len(outcome.done) == 4
+    assert outcome.ok and len(outcome.done) == 5  # 2 formats x 2 concurrencies + the A/A control (default)
 
     r = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "rep"), "--bootstrap", "500"])
     assert r.exit_code == 0, r.stdout
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "| gsm8k_chat | nvfp4 c=1 | bf16 c=1 | 200 |" in md  # delta row: candidate, baseline, pairs
-    assert {p.stem for p in (tmp_path / "rep").glob("*.png")} == {"accuracy", "deltas", "fidelity", "serving", "capacity"}
+    assert {p.stem for p in (tmp_path / "rep").glob("*.png")} == {"accuracy", "deltas", "accuracy_throughput", "fidelity",
+                                                                      "serving", "latency", "capacity"}
 
     gate = lambda *a: CliRunner().invoke(app, ["gate", str(run), *a])  # noqa: E731
     res = gate("--candidate", "kv_dtype=nvfp4")  # baseline and thresholds from the run's config
     assert res.exit_code == 1, res.stdout
+    assert "Overall: FAIL — `kvbench gate" in md and "A/A control: bf16 c=2 (A/A)" in md  # the report's word
+    assert "### nvfp4 c=1: **FAIL**" in md
     last = res.stdout.strip().splitlines()[-1]
     assert "fidelity KL" in last and "gsm8k_chat accuracy" not in last  # δ = 0.4 from the config holds
     assert gate("--candidate", "kv_dtype=nvfp4", "--max-kl", "0.1").exit_code == 0

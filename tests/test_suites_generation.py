@@ -43,7 +43,8 @@ def test_gsm8k_records_order_and_fewshot():
         assert not (set(shots[:5]) & test_q), "few-shot example taken from the test split"
         assert shots[5] in test_q and p.endswith("\nAnswer:")
     for r in res.records:
-        assert set(r) == set(ITEM_FIELDS)
+        assert set(r) == set(ITEM_FIELDS) | {"error", "error_kind"}  # error fields: None on answered records
+        assert r["error"] is None and r["error_kind"] is None
         assert r["extracted"] == "1" and r["correct"] == (r["target"] == "1")
         assert r["seed"] is not None and r["protocol"].startswith("lm-eval:gsm8k:")
     # same items, same seeds and prompts in a second run (what makes cells comparable)
@@ -155,10 +156,13 @@ def test_errors_truncations_and_empties_are_counted(tmp_path):
     res = run_suite("gpqa_diamond", _Flaky(responder=lambda r: "Answer: B"), SuiteOptions(data_dir=str(d), progress=False))
     assert len(res.records) == 6  # nothing dropped
     s = res.summary
-    assert s["error_rate"] == pytest.approx(1 / 6) and s["truncation_rate"] == pytest.approx(1 / 6)
-    assert s["empty_rate"] == pytest.approx(2 / 6)  # the failed request and the empty answer
+    # the failed request is counted apart: rates over the 5 answered records
+    assert s["error_rate"] == pytest.approx(1 / 6) and s["errors"] == 1 and s["answered"] == 5
+    assert s["truncation_rate"] == pytest.approx(1 / 5)
+    assert s["empty_rate"] == pytest.approx(1 / 5)  # the empty answer (the failed request is no answer)
     err = [r for r in res.records if r["finish_reason"] == "error"]
-    assert len(err) == 1 and err[0]["item_id"] == "rec1" and err[0]["invalid"] and err[0]["correct"] is False
+    assert len(err) == 1 and err[0]["item_id"] == "rec1" and err[0]["invalid"] is None and err[0]["correct"] is None
+    assert err[0]["error_kind"] == "connection" and "server went away" in err[0]["error"] and err[0]["scores"] == {}
 
     class _Dead(FakeClient):
         def generate(self, request):

@@ -19,8 +19,9 @@ def test_dry_run_lists_the_matrix(tmp_path):
     r = invoke(str(CONFIGS / "default.yaml"), "--dry-run", "--out", str(tmp_path / "run"))
     assert r.exit_code == 0, r.output
     lines = r.output.strip().splitlines()
-    assert len(lines) == 13 and lines[-1] == f"12 cells -> {tmp_path / 'run'}"
-    assert sum("[accuracy]" in line for line in lines) == 4
+    assert len(lines) == 14 and lines[-1] == f"13 cells -> {tmp_path / 'run'}"
+    assert sum("[accuracy]" in line for line in lines) == 5  # one per format + the A/A control
+    assert "bf16/unit torch c=8 A/A" in lines[-2]
     assert not (tmp_path / "run").exists()
     r = invoke(str(CONFIGS / "default.yaml"), "--dry-run", "--only", "kv_dtype=nvfp4,concurrency=4")
     assert r.exit_code == 0 and r.output.strip().splitlines()[0].endswith("nvfp4/calibrate torch c=4")

@@ -39,13 +39,21 @@ def test_embedded_sweep_end_to_end(tmp_path):
         assert all(set(ITEM_FIELDS) <= set(r) for r in items)
         fid = items[-1]
         assert fid["correct"] is None and {"kl_mean", "top1_agree", "first_divergence"} <= set(fid["scores"])
-        reqs = st.read_requests(c.key)
-        assert len(reqs) == 2 and all(r["success"] and set(REQUEST_FIELDS) <= set(r) for r in reqs)
         cap = st.read_json(c.key, "capacity")
         assert cap["kv_dtype"] == c.config["kv_dtype"] and cap["tokens"] > 0 and cap["bytes_per_token"] > 0
         s = st.read_json(c.key, "summary")
-        assert s["suites"]["gsm8k_chat"]["n"] == 2 and s["load"]["completed"] == 2
-    bf16, fp8 = expand(cfg)
+        assert s["suites"]["gsm8k_chat"]["n"] == 2
+        if c.config.get("aa_control"):  # the A/A control (on by default): accuracy only, at concurrency 1
+            assert c.config["concurrency"] == 1 and st.read_requests(c.key) == [] and s["load"] is None
+            continue
+        reqs = st.read_requests(c.key)
+        assert len(reqs) == 2 and all(r["success"] and set(REQUEST_FIELDS) <= set(r) for r in reqs)
+        assert s["load"]["completed"] == 2
+    bf16, fp8, aa = expand(cfg)
+    assert aa.config["aa_control"] is True
+    # the baseline rerun under other batching, on the same items (its outputs may differ: that is the noise)
+    ids = [(r["suite"], r["item_id"], r["prompt_hash"]) for r in st.read_items(bf16.key)]
+    assert ids == [(r["suite"], r["item_id"], r["prompt_hash"]) for r in st.read_items(aa.key)]
     kl_ref = st.read_items(bf16.key)[-1]["scores"]["kl_mean"]
     assert abs(kl_ref) < 1e-3  # the reference against itself
     cap16, cap8 = st.read_json(bf16.key, "capacity"), st.read_json(fp8.key, "capacity")

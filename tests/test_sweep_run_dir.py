@@ -34,6 +34,7 @@ RAW = {
     "load": {"num_prompts": 2},
     "baseline": {"kv_dtype": "bf16"},
     "gate": {"max_drop": 0.05},
+    "aa_control": False,  # run-directory mechanics; the A/A control has tests of its own (test_sweep_runner)
 }
 
 

@@ -24,6 +24,7 @@ def make_sweep(kv=("bf16", "fp8_e4m3"), conc=(1, 4), suites=("gsm8k_chat", "fide
         "suites": [{"name": s, "limit": 3} for s in suites],
         "load": {"num_prompts": 2},
         "baseline": {"kv_dtype": kv[0]},
+        "aa_control": False,  # the runner mechanics below; test_aa_control_runs_last_in_a_fresh_engine covers it
     }
     raw.update(over)
     return parse_config(raw)
@@ -85,6 +86,21 @@ class Harness:
     def load(self, base_url, model_id, cell):
         self.calls.append(("load", cell.key, cell.concurrency))
         return {"output_throughput": 10.0 * cell.concurrency}, [{"request_id": f"{cell.key}-{i}", "success": True} for i in range(2)]
+
+
+def test_aa_control_runs_last_in_a_fresh_engine(tmp_path):
+    """On by default: the baseline's accuracy suites once more, at half the accuracy concurrency, in an engine
+    of its own opened last; no load test."""
+    cfg, h = make_sweep(conc=(1, 4), accuracy_concurrency=4, aa_control=True), Harness()
+    out = run_sweep(cfg, tmp_path / "run", work=h, opener=h.opener, progress=False)
+    cells = expand(cfg)
+    aa = cells[-1]
+    assert out.ok and aa.config["aa_control"] is True and aa.config["concurrency"] == 2 and aa.key in out.done
+    assert h.opened == ["bf16/torch", "fp8_e4m3/torch", "bf16/torch"]  # a fresh engine, opened last
+    assert [c for c in h.calls if c[1] == aa.key] == [("suite", aa.key, "gsm8k_chat"), ("suite", aa.key, "fidelity")]
+    st = RunStore(tmp_path / "run")
+    assert len((st.cell_dir(aa.key) / "items.jsonl").read_text().splitlines()) == 6
+    assert not (st.cell_dir(aa.key) / "requests.jsonl").exists()
 
 
 def test_every_cell_written(tmp_path):

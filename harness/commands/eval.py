@@ -101,14 +101,32 @@ def _print_summary(summaries: dict[str, dict]) -> None:
     from rich.table import Table
 
     t = Table(title="kvbench eval")
-    for col in ("suite", "n", "metrics", "invalid", "truncated", "empty"):
+    for col in ("suite", "n", "metrics", "invalid", "truncated", "empty", "errors"):
         t.add_column(col)
-    skip = {"n", "invalid_rate", "truncation_rate", "empty_rate", "error_rate", "source", "subtasks"}
+    skip = {"n", "answered", "errors", "invalid_rate", "truncation_rate", "empty_rate", "error_rate", "source", "subtasks"}
     for name, s in summaries.items():
-        metrics = ", ".join(f"{k}={v:.4g}" for k, v in s.items() if k not in skip and isinstance(v, (int, float)))
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in s.items()
+                            if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool))
         rate = lambda k: "-" if s.get(k) is None else f"{s[k]:.1%}"  # noqa: E731
-        t.add_row(name, str(s.get("n", "")), metrics, rate("invalid_rate"), rate("truncation_rate"), rate("empty_rate"))
+        t.add_row(name, str(s.get("n", "")), metrics, rate("invalid_rate"), rate("truncation_rate"), rate("empty_rate"),
+                  _errors_text(s))
     Console(stderr=True).print(t)
+    if any(s.get("errors") for s in summaries.values()):
+        Console(stderr=True).print("metrics, invalid, truncated and empty are over answered requests; "
+                                   "failed requests (errors) are counted apart, not as wrong answers")
+
+
+def _errors_text(s: dict) -> str:
+    """Failed requests of one suite: "3 (2.5%: timeout 2, http 1)", "0", or "-" (older summaries)."""
+    if "errors" not in s:
+        return "-"
+    n = int(s.get("errors") or 0)
+    if not n:
+        return "0"
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted((s.get("error_kinds") or {}).items()))
+    rate = s.get("error_rate")
+    inner = ": ".join(p for p in (f"{rate:.1%}" if rate is not None else "", kinds) if p)
+    return f"{n} ({inner})" if inner else str(n)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,7 +1,7 @@
 """`kvbench gate RUN --baseline SELECTOR --candidate SELECTOR`: non-inferiority exit code for CI.
 
-Exit 0 when every gated check passes, 1 when one fails, 2 for missing data or a usage error.  The
-long-context score gates as ``--metric ruler`` (per-item scores.ruler), ``ruler:L<length>`` or ``ruler:auc``.  Prints the
+Exit 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 4 NOT DISCRIMINATIVE (reports/gate.py says which wins), 2 for missing
+data or a usage error: the same word the report's verdict card shows for the same run.  The long-context score gates as ``--metric ruler`` (per-item scores.ruler), ``ruler:L<length>`` or ``ruler:auc``.  Prints the
 deciding table and, last, one GitHub-Actions workflow-command line (``::notice::`` / ``::error::``).
 """
 
@@ -15,8 +15,11 @@ import typer
 
 _HELP = ("Non-inferiority gate: pass when the one-sided lower confidence bound of (candidate − baseline) "
          "is above −δ for every gated metric. 0/1 metrics (one repeat) use Newcombe's hybrid score interval for "
-         "paired proportions; --method applies to other scores. Baseline and candidate must hold the same items. "
-         "Exit 0 pass, 1 fail, 2 missing data or usage error.")
+         "paired proportions; --method applies to other scores. Baseline and candidate must hold the same items "
+         "(pairs with a failed request on either side are left out and counted; each cell's error rate is a check). "
+         "A metric whose baseline sits at the floor or ceiling, or that the run's A/A control moves by the margin, "
+         "is NOT DISCRIMINATIVE: the gate refuses to certify on it. "
+         "Exit 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 4 NOT DISCRIMINATIVE, 2 missing data or usage error.")
 
 
 def _error(msg: str) -> None:
@@ -25,7 +28,8 @@ def _error(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def _apply_flags(t, max_drop, metric, max_invalid_increase, max_truncation_increase, max_kl, confidence, method):
+def _apply_flags(t, max_drop, metric, max_invalid_increase, max_truncation_increase, max_kl, confidence, method,
+                 max_error_rate=None, no_aa=False):
     from dataclasses import replace
 
     t = replace(t, max_drop=dict(t.max_drop))
@@ -42,9 +46,12 @@ def _apply_flags(t, max_drop, metric, max_invalid_increase, max_truncation_incre
     if metric:
         t.metrics = list(metric)
     for name, v in (("max_invalid_rate_increase", max_invalid_increase), ("max_truncation_rate_increase", max_truncation_increase),
-                    ("max_kl_mean", max_kl), ("confidence", confidence), ("method", method)):
+                    ("max_kl_mean", max_kl), ("confidence", confidence), ("method", method),
+                    ("max_error_rate", max_error_rate)):
         if v is not None:
             setattr(t, name, v)
+    if no_aa:
+        t.use_aa = False
     return t
 
 
@@ -54,7 +61,7 @@ def _step_summary(result) -> None:
         return
     from kvbench.reports.gate import GATE_COLUMNS, check_row
 
-    lines = ["### kvbench gate: " + ("passed" if result.passed else "FAILED"), "",
+    lines = [f"### kvbench gate: {result.word}", "",
              "| " + " | ".join(GATE_COLUMNS) + " |", "|" + "---|" * len(GATE_COLUMNS)]
     lines += ["| " + " | ".join(check_row(c, result.thresholds.confidence)) + " |" for c in result.checks]
     with open(path, "a", encoding="utf-8") as f:
@@ -65,7 +72,7 @@ def register(app: typer.Typer) -> None:
     @app.command("gate", help=_HELP)
     def gate(
         run: Path = typer.Argument(..., help="Run directory written by `kvbench sweep`."),
-        candidate: str = typer.Option(..., "--candidate", help="Cell selector key=value[,key=value]; every matching cell with accuracy records is gated."),
+        candidate: Optional[str] = typer.Option(None, "--candidate", help="Cell selector key=value[,key=value]; every matching cell with accuracy records is gated (default: every cell with accuracy records except the baseline and the A/A control, as the report's verdict cards)."),
         baseline: Optional[str] = typer.Option(None, "--baseline", help="Cell selector of the baseline (default: the run config's baseline)."),
         metric: Optional[List[str]] = typer.Option(None, "--metric", help="Gated metric: SUITE or SUITE:METRIC or a score name (repeatable; default: every suite's primary metric). Long-context suites (ruler) also take SUITE:auc (area under the accuracy-vs-length curve) and SUITE:L<length> (one context length)."),
         max_drop: Optional[List[str]] = typer.Option(None, "--max-drop", help="Allowed drop δ as a fraction (0.05 = 5 points), or SUITE=δ, or SUITE:METRIC=δ such as ruler:auc=0.1 (repeatable)."),
@@ -75,6 +82,10 @@ def register(app: typer.Typer) -> None:
         confidence: Optional[float] = typer.Option(None, "--confidence", help="One-sided confidence level, strictly between 0.5 and 1 (default 0.95)."),
         method: Optional[str] = typer.Option(None, "--method", help="Bound method for scores that are not 0/1 (and K>1): bootstrap (default) or t. 0/1 scores with one repeat always use Newcombe's interval."),
         config: Optional[Path] = typer.Option(None, "--config", help="Sweep config whose gate: section sets the thresholds (instead of the run's own)."),
+        max_error_rate: Optional[float] = typer.Option(None, "--max-error-rate", help="Largest allowed share of failed requests (timeouts, HTTP errors, dropped streams) per cell and gated suite, a fraction in [0, 1] (default 0.01)."),
+        no_aa: bool = typer.Option(False, "--no-aa", help="Ignore the run's A/A control when judging whether a metric discriminates."),
+        plan: bool = typer.Option(False, "--plan", help="Also print how many questions would certify each gated accuracy check that did not pass, at the observed rates and agreement."),
+        power: float = typer.Option(0.8, "--power", help="Power of the --plan estimate (the 50%% figure is printed too)."),
         json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the decision as JSON here."),
     ) -> None:
         from kvbench.harness.store import atomic_write_json
@@ -93,7 +104,10 @@ def register(app: typer.Typer) -> None:
                     t = merge_gate_config(t, asdict(load_config(config).gate))
                 except SweepConfigError as e:
                     raise GateError(f"--config: {e}") from None
-            t = _apply_flags(t, max_drop, metric, max_invalid_increase, max_truncation_increase, max_kl, confidence, method)
+            t = _apply_flags(t, max_drop, metric, max_invalid_increase, max_truncation_increase, max_kl, confidence, method,
+                             max_error_rate, no_aa)
+            if not 0.5 <= power < 1:
+                raise GateError(f"--power must be in [0.5, 1), got {power}")
             if baseline is None:
                 sel = data.config.get("baseline")
                 if not sel:
@@ -104,8 +118,18 @@ def register(app: typer.Typer) -> None:
             _error(str(e))
             return
         typer.echo(format_table(result))
+        doc = to_json(result)
+        if plan:
+            from kvbench.reports.gate_plan import format_plan, plan_result
+
+            plans = plan_result(result, power)
+            typer.echo("")
+            typer.echo(format_plan(plans))
+            doc["plan"] = [{"candidate": p.check.candidate.key, "suite": p.check.suite, "metric": p.check.metric,
+                            "status": p.check.status, "questions_now": p.n_now, "needed_expected": p.n_expected,
+                            "needed_power": p.n_power, "power": p.power, "note": p.note} for p in plans]
         if json_out is not None:
-            atomic_write_json(json_out, to_json(result))
+            atomic_write_json(json_out, doc)
         _step_summary(result)
         typer.echo(summary_line(result))
         raise typer.Exit(result.exit_code)

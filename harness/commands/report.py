@@ -53,7 +53,13 @@ def register(app: typer.Typer) -> None:
         meta_rows.append(("statistics", f"{100 * confidence:g}% intervals; paired deltas: Newcombe for 0/1 scores (K=1), else paired bootstrap {n_boot} resamples, seed {seed}; Holm; long-context AUC: bootstrap over questions within each length, same resamples and seed"))
         meta = ReportMeta(title=f"kvbench report: {data.config.get('name') or data.name}", command=shlex.join(cmd),
                           rows=meta_rows)
-        written = write_report(analysis, out_dir, meta, max_drop=_default_drop(data.config))
+        from kvbench.reports.verdict import build_verdicts, verdict_records
+
+        verdicts = build_verdicts(data, analysis, baseline)
+        if verdicts is not None:
+            meta_rows.insert(0, ("verdict", verdicts.word or f"none: {verdicts.error}"))
+        written = write_report(analysis, out_dir, meta, max_drop=_default_drop(data.config), verdicts=verdicts,
+                               extra=verdict_records(verdicts))
         typer.echo(f"wrote {len(written)} files to {out_dir}")
         typer.echo(f"markdown: {written['markdown']}")
         typer.echo(f"html:     {written['html'].resolve()}")
