@@ -49,11 +49,24 @@ class DefaultWork:
             ctx.fidelity = FidelityContext(fidelity.label, fidelity.make_client, fidelity.cache_dir, **knobs)
         opts = SuiteOptions(
             limit=spec.limit, repeats=spec.repeats, data_dir=self.sweep.data_dir, concurrency=cell.concurrency,
-            seed=self.sweep.seed if spec.seed is None else spec.seed, max_tokens=spec.max_tokens,
-            temperature=spec.temperature, progress=False, extra=params,
+            seed=self.sweep.seed if spec.seed is None else spec.seed, progress=False, extra=params,
+            request=self.request(spec, cell),
         )
         res = run_suite(spec.name, client, opts, ctx)
         return res.records, {**res.summary, "source": res.source}
+
+    def request(self, spec: SuiteSpec, cell: Cell) -> dict:
+        """The suite's request options on this cell's target: suite (``request`` and the top-level
+        ``max_tokens`` / ``temperature``) > target ``request``; the suite's protocol defaults fill the rest
+        (harness/request_options.py).  ``max_tokens`` / ``temperature`` move to ``SuiteOptions``' fields."""
+        from kvbench.harness.request_options import merge_requests
+
+        try:
+            target = getattr(self.sweep.target(getattr(cell, "config", {})["target"]), "request", None)
+        except KeyError:  # no target named (or an unknown one): the suite's options alone
+            target = None
+        top = {"max_tokens": spec.max_tokens, "temperature": spec.temperature}
+        return merge_requests(target, top, getattr(spec, "request", None))
 
     def load(self, base_url: str, model_id: str, cell: Cell) -> tuple[dict, list[dict]]:
         from kvbench.harness.loadgen import LoadConfig, run_load

@@ -29,6 +29,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: Optional[int] = None  # number of top logprobs per generated token, None = off
+    reasoning_effort: Optional[str] = None  # low | medium | high (chat requests; harness/request_options.py)
+    extra_body: Optional[dict] = None  # merged verbatim into an HTTP request's JSON body (HTTP targets only)
 
 
 @dataclass
@@ -55,9 +57,10 @@ class RequestFailed(ConnectionError, RuntimeError):
     A ``ConnectionError`` (and a ``RuntimeError``) so that callers which let a failed request or an
     unreachable server stop them keep doing so."""
 
-    def __init__(self, message: str, error_kind: str = "other"):
+    def __init__(self, message: str, error_kind: str = "other", retries: int = 0):
         super().__init__(message)
         self.error_kind = error_kind if error_kind in ERROR_KINDS else "other"
+        self.retries = int(retries)  # connection retries made before giving up
 
 
 def classify_error(exc: BaseException) -> str:
@@ -91,6 +94,8 @@ class GenResult:
     logprobs: Optional[list[float]] = None  # logprob of each generated token, when asked for
     error: Optional[str] = None
     error_kind: str = "other"  # with finish_reason "error": one of ERROR_KINDS (read only for failed requests)
+    reasoning: Optional[str] = None  # reasoning text the server returned apart from the answer (never scored)
+    retries: int = 0  # connection retries before this result
 
 
 @dataclass

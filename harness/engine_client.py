@@ -4,14 +4,21 @@ Completion requests tokenize the raw prompt (with the tokenizer's special tokens
 requests render the tokenizer's chat template.  Scoring tokenizes context and continuation separately
 (context with special tokens, continuation without) so the continuation's token ids are exactly its own.
 Thread-safe: the engine's step loop batches concurrent calls.
+
+Request options (harness/request_options.py): ``reasoning_effort`` of a chat request becomes the chat
+template's ``reasoning_effort`` variable, and only where the template uses one (e.g. gpt-oss's); ``extra_body``
+has no meaning in-process (there is no request body).  ``check_request`` refuses both cases with a
+``RequestOptionsError`` naming the option, before any request runs.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Iterator, Optional
 
 from kvbench.harness.client import GenRequest, GenResult, ScoreRequest, ScoreResult
+from kvbench.harness.request_options import RequestOptionsError
 from kvbench.runtime.config import EngineConfig
 
 __all__ = ["EngineClient"]
@@ -28,9 +35,30 @@ class EngineClient:
         self.engine.start()
 
     # -------------------------------------------------------------------------------- helpers
+    def check_request(self, request: GenRequest) -> None:
+        """Raise ``RequestOptionsError`` for request options the embedded engine cannot honour."""
+        p = request.params
+        if p.extra_body:
+            raise RequestOptionsError("extra_body applies to server and endpoint targets only (the embedded engine "
+                                      f"has no HTTP request body); got keys {sorted(p.extra_body)}")
+        if p.reasoning_effort and request.messages is not None:
+            tok = self.engine.tokenizer
+            template = getattr(tok, "chat_template", None)
+            if not template or "reasoning_effort" not in str(template):
+                raise RequestOptionsError(f"reasoning_effort {p.reasoning_effort!r}: the chat template of "
+                                          f"{self.model_id} has no reasoning_effort variable")
+            if not _takes_template_vars(tok):
+                raise RequestOptionsError(f"reasoning_effort {p.reasoning_effort!r}: this engine's tokenizer "
+                                          "renders no template variables")
+
     def _prompt_ids(self, req: GenRequest) -> list[int]:
         tok = self.engine.tokenizer
+        if req.params.extra_body or req.params.reasoning_effort:
+            self.check_request(req)
         if req.messages is not None:
+            effort = req.params.reasoning_effort
+            if effort:  # a template variable, as servers pass it for gpt-oss's template
+                return list(tok.encode_chat(req.messages, add_generation_prompt=True, reasoning_effort=effort))
             return list(tok.encode_chat(req.messages, add_generation_prompt=True))
         return list(tok.encode(req.prompt, add_special_tokens=True))
 
@@ -92,3 +120,12 @@ class EngineClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _takes_template_vars(tok) -> bool:
+    """Whether ``tok.encode_chat`` passes keyword variables to its chat template."""
+    try:
+        params = inspect.signature(tok.encode_chat).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD or p.name == "reasoning_effort" for p in params)

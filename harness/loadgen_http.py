@@ -234,7 +234,8 @@ class HttpPool:
 def _piece(api: str, choice: dict) -> Optional[str]:
     if api == "chat":
         delta = choice.get("delta") or {}
-        return delta.get("content") or delta.get("reasoning_content")
+        # reasoning tokens are output tokens too: sglang / vLLM ``reasoning_content``, newer vLLM ``reasoning``
+        return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
     return choice.get("text")
 
 

@@ -1,5 +1,13 @@
 """Samples of a server's Prometheus ``/metrics`` during a load run (kvbench, vLLM and SGLang names).
 
+The names, as the engines define them: vLLM ``vllm/v1/metrics/loggers.py`` (``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (0.9+; ``vllm:gpu_cache_usage_perc`` before, and
+in V0), the counter ``vllm:num_preemptions`` exported as ``vllm:num_preemptions_total``; labels ``model_name``,
+``engine``); SGLang ``python/sglang/srt/metrics/collector.py`` (``sglang:num_running_reqs``,
+``sglang:num_queue_reqs``, ``sglang:token_usage``, the counter ``sglang:num_retracted_requests_total``; served
+only with ``--enable-metrics``).  Label sets are summed (data-parallel engines each report their own queue),
+KV usage ratios averaged.
+
 Gauges (running, waiting, KV usage) are summarized by their maxima; the preemption counter by its increase
 over the run (kvbench ``kvbench_preemptions_total``, vLLM ``vllm:num_preemptions_total``, SGLang
 ``sglang:num_retracted_requests_total``: requests retracted to free KV memory).
@@ -16,11 +24,14 @@ WAITING = ("kvbench_num_requests_waiting", "vllm:num_requests_waiting", "sglang:
 KV_USAGE = ("kvbench_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 # counters (Prometheus text names, with their ``_total`` suffix)
 PREEMPTIONS = ("kvbench_preemptions_total", "vllm:num_preemptions_total", "sglang:num_retracted_requests_total")
+_RATIOS = frozenset(KV_USAGE)
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Metric name -> value summed over label sets (comments and unparsable lines are skipped)."""
+    """Metric name -> value summed over label sets (one per data-parallel engine or rank), except the KV usage
+    ratios, which are averaged (each engine's share of its own pool); comments and unparsable lines are skipped."""
     out: dict[str, float] = {}
+    seen: dict[str, int] = {}
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
@@ -37,7 +48,11 @@ def parse_prometheus(text: str) -> dict[str, float]:
             value = float(fields[0])
         except ValueError:
             continue
-        out[name.strip()] = out.get(name.strip(), 0.0) + value
+        name = name.strip()
+        out[name] = out.get(name, 0.0) + value
+        seen[name] = seen.get(name, 0) + 1
+    for name in _RATIOS.intersection(out):
+        out[name] /= seen[name]
     return out
 
 

@@ -1,9 +1,14 @@
 """Sweep config → cells.
 
 A cell is one point of the matrix (model, target, prefill_backend, decode_backend, kv_dtype, kv_scales,
-concurrency); its key is ``store.canonical_key`` of that canonical config, so the same cell gets the same
-directory in every run.  Cells come out grouped: all concurrency levels of one (model, target, backends,
-kv format) are consecutive, so the engine or server is started once per group.
+concurrency; plus ``options``, ``scales_file`` and ``extra_args`` when its entries set them); its key is
+``store.canonical_key`` of that canonical config, so the same cell gets the same directory in every run.
+Cells come out grouped: all concurrency levels of one (model, target, backends, kv format) are consecutive,
+so the engine or server is started once per group.  Each target runs its own (backend, KV) entries
+(``sweep_axes.entries``: the product of the axes, a target's own backends, or ``axes.combos``).
+
+The accuracy suites run in the cell at ``accuracy_concurrency``.  When that level is not on the load axis,
+each group gets one more cell at it, first in the group, that runs the suites only (``run_load`` false).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvbench.harness.store import canonical_key, matches, parse_selector
+from kvbench.harness.sweep_axes import cell_fields, entries
 from kvbench.harness.sweep_config import CELL_KEYS, DEFAULT_MODEL, SweepConfig, SweepConfigError
 
 
@@ -19,16 +25,17 @@ from kvbench.harness.sweep_config import CELL_KEYS, DEFAULT_MODEL, SweepConfig, 
 class Cell:
     key: str
     label: str
-    config: dict  # CELL_KEYS (+ "options" when a KV entry sets engine options)
+    config: dict  # CELL_KEYS (+ "options", "scales_file", "extra_args" when its entries set them)
     index: int  # position in the full matrix (stable across --only filters)
     run_accuracy: bool  # concurrency == the sweep's accuracy_concurrency
+    run_load: bool = True  # False: an accuracy-only cell (accuracy_concurrency off the load axis; the A/A control)
 
     @property
     def group(self) -> tuple:
         """Cells with the same group share one engine / server launch."""
         c = self.config
         return (c["model"], c["target"], c["prefill_backend"], c["decode_backend"], c["kv_dtype"], c["kv_scales"],
-                tuple(sorted(c.get("options", {}).items())))
+                tuple(sorted(c.get("options", {}).items())), c.get("scales_file"), c.get("extra_args"))
 
     @property
     def concurrency(self) -> int:
@@ -36,26 +43,37 @@ class Cell:
 
     @property
     def kv_label(self) -> str:
-        c = self.config
-        opts = "".join(f"+{k}" for k, v in sorted(c.get("options", {}).items()) if v)
-        return f"{c['kv_dtype']}/{c['kv_scales']}{opts}"
+        return _kv_label(self.config)
 
 
 def cell_config(model: str, target: str, prefill: str, decode: str, kv_dtype: str, kv_scales: str,
-                concurrency: int, options: Optional[dict] = None) -> dict:
+                concurrency: int, options: Optional[dict] = None, scales_file: Optional[str] = None,
+                extra_args: Optional[str] = None) -> dict:
     cfg = {
         "model": model, "target": target, "prefill_backend": prefill, "decode_backend": decode,
         "kv_dtype": kv_dtype, "kv_scales": kv_scales, "concurrency": int(concurrency),
     }
     if options:
         cfg["options"] = dict(sorted(options.items()))
+    if scales_file:
+        cfg["scales_file"] = scales_file
+    if extra_args:
+        cfg["extra_args"] = extra_args
     return cfg
+
+
+def _kv_label(cfg: dict) -> str:
+    """``fp8_e4m3/checkpoint@scales.json+quantize_query=decode``: dtype, scales (and file), options set."""
+    opts = "".join(f"+{k}" if v is True else f"+{k}={v}" for k, v in sorted(cfg.get("options", {}).items()) if v)
+    sf = cfg.get("scales_file")
+    return f"{cfg['kv_dtype']}/{cfg['kv_scales']}{'@' + sf.rstrip('/').rsplit('/', 1)[-1] if sf else ''}{opts}"
 
 
 def _label(cfg: dict, show_model: bool, show_target: bool) -> str:
     be = cfg["prefill_backend"] if cfg["prefill_backend"] == cfg["decode_backend"] else f"{cfg['prefill_backend']}+{cfg['decode_backend']}"
-    opts = "".join(f"+{k}" for k, v in cfg.get("options", {}).items() if v)
-    parts = [f"{cfg['kv_dtype']}/{cfg['kv_scales']}{opts}", be, f"c={cfg['concurrency']}"]
+    parts = [_kv_label(cfg), be, f"c={cfg['concurrency']}"]
+    if cfg.get("extra_args"):
+        parts.insert(2, f"[{cfg['extra_args']}]")
     if show_target:
         parts.insert(0, cfg["target"])
     if show_model:
@@ -67,22 +85,29 @@ def expand(sweep: SweepConfig) -> list[Cell]:
     """Every cell of the matrix, grouped by engine launch, in a stable order."""
     cells: list[Cell] = []
     show_model, show_target = len(sweep.models) > 1, len(sweep.targets) > 1
+    acc = sweep.accuracy_concurrency
+    acc_only = acc not in sweep.concurrency and bool(sweep.suites)  # an accuracy-only cell per group
+
+    def add(cfg: dict, run_accuracy: bool, run_load: bool = True) -> None:
+        cells.append(Cell(key=canonical_key(cfg), label=_label(cfg, show_model, show_target), config=cfg,
+                          index=len(cells), run_accuracy=run_accuracy, run_load=run_load))
+
     for model in sweep.models:
-        for target in sweep.targets:
-            for prefill, decode in sweep.backends:
-                for kv in sweep.kv:
-                    for conc in sweep.concurrency:
-                        cfg = cell_config(model, target.name, prefill, decode, kv.dtype, kv.scales, conc, kv.options)
-                        cells.append(Cell(
-                            key=canonical_key(cfg),
-                            label=_label(cfg, show_model, show_target),
-                            config=cfg,
-                            index=len(cells),
-                            run_accuracy=conc == sweep.accuracy_concurrency,
-                        ))
+        for ti, target in enumerate(sweep.targets):
+            for e in entries(sweep, target, ti):
+                f = cell_fields(e.backends, e.kv)
+                if acc_only:
+                    add(_entry_config(model, target.name, f, acc), True, run_load=False)
+                for conc in sweep.concurrency:
+                    add(_entry_config(model, target.name, f, conc), conc == acc)
     if sweep.aa_control:
         cells.extend(_aa_control_cells(sweep, cells))
     return cells
+
+
+def _entry_config(model: str, target: str, f: dict, conc: int) -> dict:
+    return cell_config(model, target, f["prefill_backend"], f["decode_backend"], f["kv_dtype"], f["kv_scales"], conc,
+                       f.get("options"), f.get("scales_file"), f.get("extra_args"))
 
 
 def aa_concurrency(sweep: SweepConfig) -> int:
@@ -110,7 +135,7 @@ def _aa_control_cells(sweep: SweepConfig, cells: list[Cell]) -> list[Cell]:
     conc = aa_concurrency(sweep)
     cfg = {**b.config, "aa_control": True, "concurrency": conc}
     label = b.label.replace(f"c={b.config['concurrency']}", f"c={conc}") + " A/A"
-    return [Cell(key=canonical_key(cfg), label=label, config=cfg, index=len(cells), run_accuracy=True)]
+    return [Cell(key=canonical_key(cfg), label=label, config=cfg, index=len(cells), run_accuracy=True, run_load=False)]
 
 
 def select(cells: list[Cell], selector: Optional[str]) -> list[Cell]:

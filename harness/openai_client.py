@@ -7,11 +7,21 @@ yields text pieces from SSE; ``score`` teacher-forces a continuation through ``/
 HTTP errors of single requests come back as ``GenResult(finish_reason="error", error=..., error_kind="http")``;
 a timeout, a lost connection or a response cut off raise ``RequestFailed`` (a ``ConnectionError`` carrying its
 ``error_kind``); an unreachable server raises ``ConnectionError``.  Thread-safe (one pooled ``httpx.Client``).
+
+Requests (docs/external-engines.md, "Requests"): ``reasoning_effort`` (chat) and ``extra_body`` of the
+``SamplingParams`` go into the JSON body; reasoning the server returns apart (``reasoning_content``, or
+``reasoning`` in newer vLLM) is ``GenResult.reasoning``, never the answer text.  A request that gets no
+response (connection refused, reset or closed before a response, connect timeout) is retried up to
+``max_retries`` times with exponential backoff and jitter; an HTTP status (4xx, 429, 5xx), a timeout waiting for
+the response and a response cut off are not retried.  ``GenResult.retries`` / ``RequestFailed.retries`` count
+the retries.  The connection pool is unbounded by default (``max_connections``), so any number of requests
+may be in flight.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import time
 from typing import Iterator, Optional
 
@@ -32,14 +42,40 @@ def _error_text(resp) -> str:
     return f"HTTP {resp.status_code}: {msg or resp.text[:300]}"
 
 
+CONTROL_TIMEOUT_S = 60.0  # /v1/models: a control call, not a generation
+BACKOFF_CAP_S = 30.0
+
+
+def _reasoning_text(obj: dict) -> Optional[str]:
+    """Reasoning a server returned apart from the answer: ``reasoning_content`` (sglang, vLLM) or
+    ``reasoning`` (newer vLLM); None when neither is there."""
+    for key in ("reasoning_content", "reasoning"):
+        value = obj.get(key)
+        if value:
+            return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return None
+
+
 class OpenAIClient:
-    def __init__(self, base_url: str, model: Optional[str] = None, api_key: Optional[str] = None, timeout: float = 600.0):
+    def __init__(self, base_url: str, model: Optional[str] = None, api_key: Optional[str] = None, timeout: float = 600.0,
+                 max_retries: int = 0, max_connections: Optional[int] = None, retry_backoff_s: float = 0.5):
+        """``timeout``: seconds to wait for a response (a non-streamed generation: all of it; a stream: each
+        event); ``max_retries``: retries of a request that got no response; ``max_connections``: the pool's
+        bound (None: unbounded); ``retry_backoff_s``: the first backoff (doubling per retry, jittered, at most
+        30 s)."""
         import httpx
 
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.base_url = _root(base_url)
+        self.timeout_s = float(timeout)
+        self.max_retries = int(max_retries)
+        self.retry_backoff_s = float(retry_backoff_s)
+        self._sleep = time.sleep  # tests replace it
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout,
-                                  limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+        self._http = httpx.Client(base_url=self.base_url, headers=headers,
+                                  timeout=httpx.Timeout(timeout, connect=min(timeout, CONTROL_TIMEOUT_S)),
+                                  limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
         self.model_id = model or self._first_model()
 
     # ------------------------------------------------------------------------------ plumbing
@@ -52,7 +88,7 @@ class OpenAIClient:
             raise ConnectionError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from None
 
     def _first_model(self) -> str:
-        r = self._request("GET", "/v1/models")
+        r = self._request("GET", "/v1/models", timeout=min(self.timeout_s, CONTROL_TIMEOUT_S))
         if r.status_code != 200:
             raise ConnectionError(f"{self.base_url}/v1/models: {_error_text(r)}")
         data = r.json().get("data") or []
@@ -78,38 +114,72 @@ class OpenAIClient:
         if p.min_tokens:
             body["min_tokens"] = int(p.min_tokens)
         if request.messages is not None:
+            path = "/v1/chat/completions"
             body["messages"] = request.messages
             if p.logprobs is not None:
                 body["logprobs"] = True
                 body["top_logprobs"] = int(p.logprobs)
-            return "/v1/chat/completions", body
-        body["prompt"] = request.prompt
-        if p.logprobs is not None:
-            body["logprobs"] = int(p.logprobs)
-        return "/v1/completions", body
+            if p.reasoning_effort:
+                body["reasoning_effort"] = p.reasoning_effort
+        else:
+            path = "/v1/completions"
+            body["prompt"] = request.prompt
+            if p.logprobs is not None:
+                body["logprobs"] = int(p.logprobs)
+        for key, value in (p.extra_body or {}).items():
+            if key in body:
+                raise ValueError(f"extra_body may not set {key!r}: kvbench sets it itself")
+            body[key] = value
+        return path, body
 
     # ------------------------------------------------------------------------------ Client
-    def _post(self, path: str, body: dict):
-        """POST and read the whole response; a failure raises ``RequestFailed`` with its kind: ``timeout``,
-        ``connection`` (no response), ``stream`` (the body broke off after the headers)."""
+    def _backoff(self, attempt: int) -> float:
+        """Seconds before retry ``attempt + 1``: exponential, capped, with jitter (half fixed, half random)."""
+        d = min(BACKOFF_CAP_S, self.retry_backoff_s * (2 ** attempt))
+        return d / 2 + random.uniform(0, d / 2)
+
+    def _send(self, path: str, body: dict):
+        """POST until a response's headers arrive: ``(response, retries, send time)`` with the body unread.
+        No response (refused, reset, closed, connect timeout) is retried up to ``max_retries`` times; then, and
+        for a timeout waiting for the response, ``RequestFailed`` (``connection`` / ``timeout``)."""
         import httpx
 
         url = f"{self.base_url}{path}"
-        try:
-            r = self._http.send(self._http.build_request("POST", path, json=body), stream=True)
-        except httpx.TimeoutException as e:
-            raise RequestFailed(f"{url}: timed out waiting for a response ({type(e).__name__}: {e})", "timeout") from None
-        except httpx.TransportError as e:
-            raise RequestFailed(f"{url}: {type(e).__name__}: {e}", "connection") from None
+        attempt = 0
+        while True:
+            t0 = time.perf_counter()
+            try:
+                return self._http.send(self._http.build_request("POST", path, json=body), stream=True), attempt, t0
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+                    httpx.WriteError) as e:  # no response
+                if attempt >= self.max_retries:
+                    tries = f" after {attempt} retries" if attempt else ""
+                    raise RequestFailed(f"{url}: no response{tries} ({type(e).__name__}: {e})", "connection", attempt) from None
+            except httpx.TimeoutException as e:
+                raise RequestFailed(f"{url}: timed out waiting for a response ({type(e).__name__}: {e})", "timeout",
+                                    attempt) from None
+            except httpx.TransportError as e:
+                raise RequestFailed(f"{url}: {type(e).__name__}: {e}", "connection", attempt) from None
+            self._sleep(self._backoff(attempt))
+            attempt += 1
+
+    def _post(self, path: str, body: dict):
+        """POST and read the whole response: ``(response, retries, send time)``.  A failure raises
+        ``RequestFailed`` with its kind: ``timeout``, ``connection`` (no response, after the retries),
+        ``stream`` (the body broke off after the headers)."""
+        import httpx
+
+        url = f"{self.base_url}{path}"
+        r, retries, t0 = self._send(path, body)
         try:
             r.read()
         except httpx.TimeoutException as e:
-            raise RequestFailed(f"{url}: timed out reading the response ({type(e).__name__}: {e})", "timeout") from None
+            raise RequestFailed(f"{url}: timed out reading the response ({type(e).__name__}: {e})", "timeout", retries) from None
         except httpx.TransportError as e:
-            raise RequestFailed(f"{url}: response cut off ({type(e).__name__}: {e})", "stream") from None
+            raise RequestFailed(f"{url}: response cut off ({type(e).__name__}: {e})", "stream", retries) from None
         finally:
             r.close()
-        return r
+        return r, retries, t0
 
     def generate(self, request: GenRequest) -> GenResult:
         """One completion.  A response with an HTTP error status or a malformed body is a ``GenResult`` with
@@ -117,17 +187,18 @@ class OpenAIClient:
         connection and a body cut off mid-way raise ``RequestFailed`` (kinds ``timeout``, ``connection``,
         ``stream``)."""
         path, body = self._payload(request, stream=False)
-        t0 = time.perf_counter()
-        r = self._post(path, body)
+        r, retries, t0 = self._post(path, body)
         latency = time.perf_counter() - t0
         if r.status_code != 200:
-            return GenResult("", "error", 0, 0, latency, error=_error_text(r), error_kind="http")
+            return GenResult("", "error", 0, 0, latency, error=_error_text(r), error_kind="http", retries=retries)
         try:
             out = r.json()
             choice = out["choices"][0]
             usage = out.get("usage") or {}
             chat = request.messages is not None
-            text = ((choice.get("message") or {}).get("content") or "") if chat else (choice.get("text") or "")
+            message = (choice.get("message") or {}) if chat else {}
+            # the answer is the content alone; reasoning returned apart is kept apart (never scored)
+            text = (message.get("content") or "") if chat else (choice.get("text") or "")
             logprobs = None
             lp = choice.get("logprobs")
             if request.params.logprobs is not None and lp:
@@ -135,26 +206,29 @@ class OpenAIClient:
             return GenResult(
                 text=text, finish_reason=choice.get("finish_reason") or "stop", prompt_tokens=int(usage.get("prompt_tokens", 0)),
                 output_tokens=int(usage.get("completion_tokens", 0)), latency_s=latency, logprobs=logprobs,
+                reasoning=_reasoning_text(message), retries=retries,
             )
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:  # ValueError: bad JSON
             return GenResult("", "error", 0, 0, latency, error=f"malformed response ({type(e).__name__}: {e}): {r.text[:200]}",
-                             error_kind="stream")
+                             error_kind="stream", retries=retries)
 
     def stream(self, request: GenRequest) -> Iterator[str]:
-        """Text pieces of one streamed completion.  Raises ``RequestFailed``: ``http`` for an error status,
-        ``timeout``, ``connection``, and ``stream`` when the stream breaks off, carries a malformed event or
-        an error event, or ends without ``[DONE]`` and without a finish reason."""
+        """Text pieces of one streamed completion (answer text only: reasoning deltas are not yielded).
+        Raises ``RequestFailed``: ``http`` for an error status, ``timeout``, ``connection`` (after the
+        retries), and ``stream`` when the stream breaks off, carries a malformed event or an error event, or
+        ends without ``[DONE]`` and without a finish reason."""
         import httpx
 
         path, body = self._payload(request, stream=True)
         chat = request.messages is not None
         url = f"{self.base_url}{path}"
         finished = False
+        r, retries, _ = self._send(path, body)
         try:
-            with self._http.stream("POST", path, json=body) as r:
+            try:
                 if r.status_code != 200:
                     r.read()
-                    raise RequestFailed(_error_text(r), "http")
+                    raise RequestFailed(_error_text(r), "http", retries)
                 try:
                     for line in r.iter_lines():
                         if not line.startswith("data:"):
@@ -176,15 +250,17 @@ class OpenAIClient:
                                 yield piece
                             finished = finished or bool(choice.get("finish_reason"))
                 except httpx.TimeoutException as e:
-                    raise RequestFailed(f"{url}: timed out mid-stream ({type(e).__name__}: {e})", "timeout") from None
+                    raise RequestFailed(f"{url}: timed out mid-stream ({type(e).__name__}: {e})", "timeout", retries) from None
                 except httpx.TransportError as e:
-                    raise RequestFailed(f"{url}: stream cut off ({type(e).__name__}: {e})", "stream") from None
+                    raise RequestFailed(f"{url}: stream cut off ({type(e).__name__}: {e})", "stream", retries) from None
+            finally:
+                r.close()
         except httpx.TimeoutException as e:
-            raise RequestFailed(f"{url}: timed out waiting for a response ({type(e).__name__}: {e})", "timeout") from None
+            raise RequestFailed(f"{url}: timed out reading the response ({type(e).__name__}: {e})", "timeout", retries) from None
         except httpx.TransportError as e:
-            raise RequestFailed(f"{url}: {type(e).__name__}: {e}", "connection") from None
+            raise RequestFailed(f"{url}: response cut off ({type(e).__name__}: {e})", "stream", retries) from None
         if not finished:
-            raise RequestFailed(f"{url}: stream ended without [DONE] or a finish reason", "stream")
+            raise RequestFailed(f"{url}: stream ended without [DONE] or a finish reason", "stream", retries)
 
     def _tokenize(self, text: str, special: bool) -> list[int]:
         r = self._request("POST", "/tokenize", json={"prompt": text, "add_special_tokens": special})
@@ -233,8 +309,9 @@ class OpenAIClient:
         return self._prompt_tokenizer
 
     def info(self) -> dict:
-        info: dict = {"target": "openai", "base_url": self.base_url, "model": self.model_id}
-        r = self._request("GET", "/v1/models")
+        info: dict = {"target": "openai", "base_url": self.base_url, "model": self.model_id,
+                      "timeout_s": self.timeout_s, "max_retries": self.max_retries}
+        r = self._request("GET", "/v1/models", timeout=min(self.timeout_s, CONTROL_TIMEOUT_S))
         if r.status_code == 200:
             for card in r.json().get("data") or []:
                 if card.get("id") == self.model_id and card.get("max_model_len"):

@@ -18,8 +18,8 @@ from kvbench.runtime.config import ConfigError, EngineConfig
 _PANEL = "Engine"
 
 
-def _opt(default, *names, help: str):
-    return typer.Option(default, *names, help=help, rich_help_panel=_PANEL)
+def _opt(default, *names, help: str, **kw):
+    return typer.Option(default, *names, help=help, rich_help_panel=_PANEL, **kw)
 
 
 # name -> (annotation, typer.Option)
@@ -32,7 +32,10 @@ ENGINE_PARAMS: dict[str, tuple[object, object]] = {
     "prefill_backend": (Optional[str], _opt(None, "--prefill-backend", help="Prefill attention backend (overrides --backend)")),
     "decode_backend": (Optional[str], _opt(None, "--decode-backend", help="Decode attention backend (overrides --backend)")),
     "fused_append": (bool, _opt(True, "--fused-append/--no-fused-append", help="Fused RoPE+quantize+append kernel")),
-    "quantize_query": (bool, _opt(False, "--quantize-query", help="fp8 queries in attention (reproduces fp8-Q accuracy loss)")),
+    "quantize_query": (str, _opt("none", "--quantize-query", metavar="none|prefill|decode|both",
+                                 help="fp8 (e4m3) queries in attention, per phase: none, prefill (every prefill/extend chunk), "
+                                      "decode (decode steps and scored continuations) or both (reproduces fp8-Q accuracy loss); "
+                                      "the query scale comes from the checkpoint when it has one, else 1.0")),
     "page_size": (int, _opt(16, "--page-size", help="Tokens per KV page")),
     "kv_layout": (str, _opt("HND", "--kv-layout", help="KV page layout: HND (head-major pages) or NHD (token-major)")),
     "kv_budget_gb": (Optional[float], _opt(None, "--kv-budget-gb", help="KV cache budget in GiB (default: --mem-fraction of free memory)")),

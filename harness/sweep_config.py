@@ -1,9 +1,11 @@
 """Sweep configuration: the YAML schema of ``configs/*.yaml`` and its validation.
 
-A sweep is the matrix model × target × backend pair × KV format (with scale policy) × concurrency, plus
-what each cell runs (accuracy suites, the fidelity suite, a load test), the baseline cell and the gate
-thresholds.  Every unknown key and bad value is reported with its path in the file and the allowed
-choices.  No torch here: ``kvbench sweep --help`` imports this module.
+A sweep is the matrix model × target × backend pair × KV format (with scale policy) × concurrency (or
+explicit backend/KV combinations: ``axes.combos``), plus what each cell runs (accuracy suites, the fidelity
+suite, a load test), the baseline cell and the gate thresholds.  Every unknown key and bad value is reported
+with its path in the file and the allowed choices; so is a cell option that cannot reach its target (a
+server's launch template that does not carry it: harness/launch_options.py, harness/sweep_axes.py).  No torch
+here: ``kvbench sweep --help`` imports this module.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from typing import Any, Optional
 
 from kvbench.harness.config_checks import (SweepConfigError, _bool, _check_keys, _choice, _fail, _int, _list,
                                            _mapping, _num, _str)
+from kvbench.harness.launch_options import parse_target_options, sniff_engine_kind
+from kvbench.harness.request_options import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S
+from kvbench.harness.sweep_axes import (BackendPair, check_targets, entries, kv_ident, parse_backend_entry,
+                                        parse_combos, parse_kv_entry)
 from kvbench.harness.sweep_specs import (CELL_KEYS, DEFAULT_MODEL, KV_ENTRY_OPTIONS, SLO_KEYS, GateSpec, KVSpec,
-                                         LoadSpec, SuiteSpec, TargetSpec, _backend_pair, _gate, _kv_entry, _load,
-                                         _suite, _target)
+                                         LoadSpec, SuiteSpec, TargetSpec, _gate, _load, _suite, _target)
 
 __all__ = ["SweepConfig", "SweepConfigError", "parse_config", "load_config", "CELL_KEYS", "DEFAULT_MODEL",
            "SuiteSpec", "TargetSpec"]
@@ -30,8 +35,8 @@ class SweepConfig:
     models: list[str]
     engine: dict
     targets: list[TargetSpec]
-    backends: list[tuple[str, str]]
-    kv: list[KVSpec]
+    backends: list[BackendPair]  # (prefill, decode) tuples; with combos: the entries the combos use
+    kv: list[KVSpec]  # with combos: the entries the combos use
     concurrency: list[int]
     accuracy_concurrency: int
     suites: list[SuiteSpec]
@@ -47,12 +52,21 @@ class SweepConfig:
     aa_control: bool = True
     aa_concurrency: Optional[int] = None  # None: half the accuracy concurrency (2 when that is 1)
     source: Optional[str] = None  # the file it came from (not part of to_dict)
+    combos: Optional[list] = None  # axes.combos: [(BackendPair, KVSpec)] run instead of backends x kv
+    implicit_axes: tuple = ()  # "backends" / "kv" when the config gives none (targets run their defaults)
 
     def to_dict(self) -> dict:
-        """Plain, JSON-safe form (recorded in the manifest; compared on --resume)."""
+        """Plain, JSON-safe form (recorded in the manifest; compared on --resume).  Keys added to the schema
+        later are left out while they hold their defaults, so the manifests of earlier runs still compare
+        equal on --resume."""
         d = asdict(self)
-        d.pop("source")
-        d["backends"] = [list(p) for p in self.backends]
+        for k in ("source", "implicit_axes", "combos"):
+            d.pop(k)
+        d["backends"] = [p.to_json() if isinstance(p, BackendPair) else list(p) for p in self.backends]
+        d["kv"] = [_kv_dict(k) for k in self.kv]
+        if self.combos:
+            d["combos"] = [{"backends": b.to_json(), "kv": _kv_dict(k)} for b, k in self.combos]
+        d["targets"] = [_target_dict(t) for t in self.targets]
         d["load"]["request_rate"] = "inf" if math.isinf(self.load.request_rate) else self.load.request_rate
         return d
 
@@ -67,7 +81,7 @@ _TOP_KEYS = (
     "name", "description", "model", "engine", "targets", "axes", "accuracy_concurrency", "suites", "load",
     "slo", "baseline", "gate", "data_dir", "seed", "aa_control", "aa_concurrency",
 )
-_AXES_KEYS = ("backends", "kv", "concurrency")
+_AXES_KEYS = ("backends", "kv", "concurrency", "combos")
 # engine options the sweep controls per cell (set through the axes, not through `engine:`)
 _AXIS_ENGINE_KEYS = ("model", "kv_dtype", "kv_scales", "prefill_backend", "decode_backend", *KV_ENTRY_OPTIONS)
 
@@ -95,27 +109,29 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
     models = [DEFAULT_MODEL if m is None else _str(m, f"model[{i}]") for i, m in enumerate(_list(models, "model"))]
 
     targets_raw = raw.get("targets", [{"name": "embedded", "type": "embedded"}])
-    targets = [_target(t, f"targets[{i}]", engine_keys) for i, t in enumerate(_list(targets_raw, "targets"))]
+    targets = [_target_with_launch(t, f"targets[{i}]", engine_keys) for i, t in enumerate(_list(targets_raw, "targets"))]
     names = [t.name for t in targets]
     if len(set(names)) != len(names):
         _fail("targets", f"target names must be unique, got {names}")
 
     axes = _mapping(raw.get("axes"), "axes")
     _check_keys(axes, _AXES_KEYS, "axes")
-    backends = [_backend_pair(b, f"axes.backends[{i}]") for i, b in enumerate(_list(axes.get("backends", ["torch"]), "axes.backends"))]
-    kv = [_kv_entry(k, f"axes.kv[{i}]") for i, k in enumerate(_list(axes.get("kv", ["bf16"]), "axes.kv"))]
+    backends, kv, combos, implicit = _backend_kv_axes(axes, targets)
     conc = [_int(c, f"axes.concurrency[{i}]", 1) for i, c in enumerate(_list(axes.get("concurrency", [1]), "axes.concurrency"))]
-    for what, vals in (("backends", backends), ("concurrency", conc), ("kv", [(k.dtype, k.scales, sorted(k.options.items())) for k in kv])):
-        if len(set(map(str, vals))) != len(vals):
-            _fail(f"axes.{what}", "duplicate entries")
-    acc = raw.get("accuracy_concurrency", conc[0])
-    acc = _int(acc, "accuracy_concurrency", 1)
-    if acc not in conc:
-        _fail("accuracy_concurrency", f"{acc} is not one of the concurrency levels {conc}")
+    if len(set(conc)) != len(conc):
+        _fail("axes.concurrency", "duplicate entries")
 
     suites = [_suite(s, f"suites[{i}]") for i, s in enumerate(raw.get("suites") or [])]
     if len({s.name for s in suites}) != len(suites):
         _fail("suites", "each suite may appear once")
+    acc = raw.get("accuracy_concurrency", conc[0])
+    acc = _int(acc, "accuracy_concurrency", 1)
+    if acc not in conc and not suites:
+        _fail("accuracy_concurrency", f"{acc} is not one of the concurrency levels {conc} (a level outside them gets "
+                                      "accuracy-only cells, but this sweep has no suites)")
+    from kvbench.harness.request_options import check_embedded_suites
+
+    check_embedded_suites(targets, suites)  # a suite's extra_body cannot reach an embedded target
     load = _load(raw.get("load"), "load")
 
     slo = dict(_mapping(raw.get("slo"), "slo"))
@@ -125,16 +141,13 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
     baseline = dict(_mapping(raw.get("baseline"), "baseline"))
     _check_keys(baseline, CELL_KEYS, "baseline")
     baseline = {k: str(v) for k, v in baseline.items()}
-    if "kv_dtype" in baseline:
-        _choice(baseline["kv_dtype"], tuple(dict.fromkeys(k.dtype for k in kv)), "baseline.kv_dtype")
     if "target" in baseline:
         _choice(baseline["target"], tuple(names), "baseline.target")
 
     data_dir = raw.get("data_dir")
     if data_dir is not None:
         data_dir = _str(data_dir, "data_dir")  # relative paths are relative to the working directory
-    _check_engine(engine, targets, models, backends, kv)
-    return SweepConfig(
+    cfg = SweepConfig(
         name=_name(raw.get("name", Path(source).stem if source else "sweep")),
         models=models,
         engine=engine,
@@ -154,7 +167,79 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
         aa_control=_bool(raw.get("aa_control", bool(suites)), "aa_control"),
         aa_concurrency=None if raw.get("aa_concurrency") is None else _int(raw["aa_concurrency"], "aa_concurrency", 1),
         source=source,
+        combos=combos,
+        implicit_axes=implicit,
     )
+    if "kv_dtype" in baseline:
+        dtypes = tuple(dict.fromkeys(e.kv.dtype for i, t in enumerate(targets) for e in entries(cfg, t, i)))
+        _choice(baseline["kv_dtype"], dtypes, "baseline.kv_dtype")
+    check_targets(cfg)
+    _check_engine(cfg)
+    return cfg
+
+
+def _target_with_launch(d: Any, path: str, engine_keys: tuple[str, ...]) -> TargetSpec:
+    """A target with its launch options (``engine_kind``, ``option_flags``, ``extra_args``, ``tp_size``,
+    ``devices``) and its own ``backends`` list."""
+    t = _target(d, path, engine_keys)
+    parse_target_options(t, d, path)
+    if d.get("backends") is not None:
+        t.backends = [parse_backend_entry(b, f"{path}.backends[{i}]") for i, b in enumerate(_list(d["backends"], f"{path}.backends"))]
+        _no_duplicates([b.ident() for b in t.backends], f"{path}.backends")
+    return t
+
+
+def _no_duplicates(vals: list, path: str) -> None:
+    if len(set(map(str, vals))) != len(vals):
+        _fail(path, "duplicate entries")
+
+
+def _backend_kv_axes(axes: dict, targets: list[TargetSpec]):
+    """``(backends, kv, combos, implicit)`` of the axes: the backend and KV entries, the explicit combinations
+    (None: the product), and which of the two axes the config leaves out (targets then run their defaults)."""
+    if axes.get("combos") is not None:
+        for k in ("backends", "kv"):
+            if k in axes:
+                _fail(f"axes.{k}", "axes.combos lists the backend and KV entries itself; give either combos or backends/kv")
+        for i, t in enumerate(targets):
+            if t.backends is not None:
+                _fail(f"targets[{i}].backends", "a target's own backends cannot be combined with axes.combos")
+        combos = parse_combos(axes["combos"], "axes.combos")
+        backends = list({b.ident(): b for b, _ in combos}.values())
+        kv = list({kv_ident(k): k for _, k in combos}.values())
+        return backends, kv, combos, ()
+    implicit = tuple(k for k in ("backends", "kv") if k not in axes)
+    backends = [parse_backend_entry(b, f"axes.backends[{i}]") for i, b in enumerate(_list(axes.get("backends", ["torch"]), "axes.backends"))]
+    kv = [parse_kv_entry(k, f"axes.kv[{i}]") for i, k in enumerate(_list(axes.get("kv", ["bf16"]), "axes.kv"))]
+    _no_duplicates([b.ident() for b in backends], "axes.backends")
+    _no_duplicates([kv_ident(k) for k in kv], "axes.kv")
+    return backends, kv, None, implicit
+
+
+def _kv_dict(k: KVSpec) -> dict:
+    d = {"dtype": k.dtype, "scales": k.scales, "options": dict(k.options)}
+    if k.scales_file:
+        d["scales_file"] = k.scales_file
+    if k.extra_args:
+        d["extra_args"] = k.extra_args
+    return d
+
+
+# target keys added after runs were recorded: left out of to_dict while they hold these defaults
+_ADDED_TARGET_DEFAULTS = {"option_flags": {}, "extra_args": "", "tp_size": 1, "devices": None, "backends": None,
+                          "request": {}, "timeout_s": DEFAULT_TIMEOUT_S, "max_retries": DEFAULT_MAX_RETRIES}
+
+
+def _target_dict(t: TargetSpec) -> dict:
+    d = asdict(t)
+    for k, v in _ADDED_TARGET_DEFAULTS.items():
+        if k in d and d[k] == v:
+            d.pop(k)
+    if d.get("engine_kind") in (None, sniff_engine_kind(t.launch, t.type)):
+        d.pop("engine_kind", None)
+    if t.backends is not None:
+        d["backends"] = [b.to_json() for b in t.backends]
+    return d
 
 
 def _name(value: Any) -> str:
@@ -166,8 +251,7 @@ def _name(value: Any) -> str:
     return name
 
 
-def _check_engine(engine: dict, targets: list[TargetSpec], models: list[str], backends: list[tuple[str, str]],
-                  kv: list[KVSpec]) -> None:
+def _check_engine(sweep: SweepConfig) -> None:
     """Build the ``EngineConfig`` of every engine launch the sweep can make and run its validation, so a bad
     ``engine:`` value is a config error naming its key path, before any cell starts (also for --dry-run).
     The top-level section is checked on its own too (it may serve no embedded target)."""
@@ -188,16 +272,16 @@ def _check_engine(engine: dict, targets: list[TargetSpec], models: list[str], ba
         except TypeError as e:  # not a keyword EngineConfig takes (keys are checked before; defensive)
             _fail("engine", str(e))
 
+    engine = sweep.engine
     check(dict(engine), None)
-    for i, t in enumerate(targets):
+    for i, t in enumerate(sweep.targets):
         if t.type != "embedded":
             continue
-        for model in models:
-            for prefill, decode in backends:
-                for k in kv:
-                    check({**engine, **t.engine, "model": None if model == DEFAULT_MODEL else model,
-                           "kv_dtype": k.dtype, "kv_scales": k.scales, "prefill_backend": prefill,
-                           "decode_backend": decode, **k.options}, (i, t))
+        for model in sweep.models:
+            for e in entries(sweep, t, i):
+                check({**engine, **t.engine, "model": None if model == DEFAULT_MODEL else model,
+                       "kv_dtype": e.kv.dtype, "kv_scales": e.kv.scales, "prefill_backend": e.backends[0],
+                       "decode_backend": e.backends[1], **e.kv.options}, (i, t))
 
 
 def load_config(path: str | Path) -> SweepConfig:

@@ -1,6 +1,6 @@
-"""The sections of a sweep configuration (``sweep_config``): targets, KV axis entries, backend pairs,
-suites, the load test and the gate, each a dataclass with its validating parser; and the schema's
-constants.  No torch here."""
+"""The sections of a sweep configuration (``sweep_config``): targets, KV axis entries, suites, the load
+test and the gate, each a dataclass with its validating parser (KV and backend entries: ``sweep_axes``;
+a target's launch options: ``launch_options``); and the schema's constants.  No torch here."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 from kvbench.harness.config_checks import (_bool, _check_keys, _choice, _fail, _int, _list, _mapping, _num,
                                            _str)
+from kvbench.harness.request_options import (DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, check_suite_params,
+                                             check_target_request, parse_request, suite_request)
 
 KV_DTYPES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
 KV_SCALE_POLICIES = ("unit", "checkpoint", "calibrate")
@@ -30,10 +32,10 @@ class TargetSpec:
     """Where a cell's tokens come from.
 
     ``embedded``: the in-process engine (``engine`` overrides the sweep's engine options).
-    ``server``: an external server started from ``launch`` (placeholders ``{model} {kv_dtype}
-    {kv_scales} {prefill_backend} {decode_backend} {host} {port}``), health-waited, logs captured to the
-    cell directory, its process group killed afterwards.  ``endpoint``: an already-running
-    OpenAI-compatible ``base_url``.
+    ``server``: an external server started from ``launch`` (placeholders and ``option_flags``:
+    harness/launch_options.py; every cell option reaches the command or the config is refused),
+    health-waited, logs captured to the cell directory, its process group killed afterwards.
+    ``endpoint``: an already-running OpenAI-compatible ``base_url``.
     """
 
     name: str
@@ -51,6 +53,16 @@ class TargetSpec:
     flush_cache: Optional[str] = None  # e.g. "POST /flush_cache" (sglang), "POST /reset_prefix_cache" (vLLM)
     kv_dtype_map: dict = field(default_factory=dict)  # our kv_dtype name -> the server's flag value
     backend_map: dict = field(default_factory=dict)  # our backend name -> the server's flag value
+    request: dict = field(default_factory=dict)  # request options of every suite on this target (harness/request_options.py)
+    timeout_s: float = DEFAULT_TIMEOUT_S  # per request (server / endpoint targets)
+    max_retries: int = DEFAULT_MAX_RETRIES  # retries of requests that got no response, with backoff
+    # launch options (harness/launch_options.py parses them; sweep_axes.py the target's own backends)
+    engine_kind: Optional[str] = None  # sglang | vllm | kvbench | generic; None in the config: sniffed from launch
+    option_flags: dict = field(default_factory=dict)  # option -> "args with {value}" | {value: "args"}
+    extra_args: str = ""  # appended to every launch of this target (or where {extra_args} stands)
+    tp_size: int = 1  # devices one server uses ({tp_size}; --parallel gives it that many)
+    devices: Optional[list] = None  # GPU ids this target may use; None: all visible
+    backends: Optional[list] = None  # this target's backend entries (instead of axes.backends)
 
 
 _TARGET_KEYS = tuple(TargetSpec.__dataclass_fields__)
@@ -93,6 +105,15 @@ def _target(d: Any, path: str, engine_keys: tuple[str, ...]) -> TargetSpec:
         parts = t.flush_cache.split()
         if len(parts) != 2 or parts[0] not in ("GET", "POST") or not parts[1].startswith("/"):
             _fail(f"{path}.flush_cache", f"expected 'POST /path' or 'GET /path', got {t.flush_cache!r}")
+    t.request = parse_request(d.get("request"), f"{path}.request")
+    check_target_request(ttype, t.request, f"{path}.request")
+    for k in ("timeout_s", "max_retries"):
+        if d.get(k) is not None and ttype == "embedded":
+            _fail(f"{path}.{k}", "applies to server and endpoint targets only (this target is embedded)")
+    if d.get("timeout_s") is not None:
+        t.timeout_s = _num(d["timeout_s"], f"{path}.timeout_s", 1e-3)
+    if d.get("max_retries") is not None:
+        t.max_retries = _int(d["max_retries"], f"{path}.max_retries", 0)
     for k in ("env", "kv_dtype_map", "backend_map"):
         m = _mapping(d.get(k), f"{path}.{k}")
         setattr(t, k, {str(a): str(b) for a, b in m.items()})
@@ -101,34 +122,13 @@ def _target(d: Any, path: str, engine_keys: tuple[str, ...]) -> TargetSpec:
 
 @dataclass
 class KVSpec:
+    """A KV axis entry (parsed by ``sweep_axes.parse_kv_entry``)."""
+
     dtype: str
     scales: str = "unit"
     options: dict = field(default_factory=dict)  # KV_ENTRY_OPTIONS set by this entry
-
-
-def _kv_entry(d: Any, path: str) -> KVSpec:
-    if isinstance(d, str):
-        d = {"dtype": d}
-    d = _mapping(d, path)
-    _check_keys(d, ("dtype", "scales", *KV_ENTRY_OPTIONS), path)
-    dtype = _choice(d.get("dtype"), KV_DTYPES, f"{path}.dtype")
-    scales = _choice(d.get("scales", "unit"), KV_SCALE_POLICIES, f"{path}.scales")
-    options = {k: _bool(d[k], f"{path}.{k}") for k in KV_ENTRY_OPTIONS if k in d}
-    return KVSpec(dtype, scales, options)
-
-
-def _backend_pair(d: Any, path: str) -> tuple[str, str]:
-    """``torch`` | ``triton+flashinfer`` | ``{prefill: triton, decode: flashinfer}``."""
-    if isinstance(d, str):
-        parts = d.split("+")
-        if len(parts) == 1:
-            parts = parts * 2
-        if len(parts) != 2:
-            _fail(path, f"expected BACKEND or PREFILL+DECODE, got {d!r}")
-        return (_choice(parts[0], BACKENDS, path), _choice(parts[1], BACKENDS, path))
-    d = _mapping(d, path)
-    _check_keys(d, ("prefill", "decode"), path)
-    return (_choice(d.get("prefill"), BACKENDS, f"{path}.prefill"), _choice(d.get("decode"), BACKENDS, f"{path}.decode"))
+    scales_file: Optional[str] = None  # a quantization-param file / checkpoint path ({scales_file})
+    extra_args: str = ""  # launch arguments this entry adds (server targets)
 
 
 @dataclass
@@ -140,6 +140,7 @@ class SuiteSpec:
     temperature: Optional[float] = None
     seed: Optional[int] = None
     params: dict = field(default_factory=dict)  # passed through to the suite
+    request: dict = field(default_factory=dict)  # request options (harness/request_options.py); beat the target's
 
 
 _SUITE_KEYS = tuple(SuiteSpec.__dataclass_fields__)
@@ -165,6 +166,8 @@ def _suite(d: Any, path: str) -> SuiteSpec:
     if d.get("seed") is not None:
         s.seed = _int(d["seed"], f"{path}.seed")
     s.params = dict(_mapping(d.get("params"), f"{path}.params"))
+    s.request = suite_request(s, path, d)
+    check_suite_params(name, s.params, f"{path}.params")
     if name == "ruler":
         _ruler_params(s.params, f"{path}.params")
     return s

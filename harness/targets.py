@@ -2,8 +2,8 @@
 
 * ``embedded``: the in-process engine, ``EngineClient(EngineConfig)``; for the load test an
   OpenAI-compatible server (runtime/server.py) is started in-process on a free loopback port.
-* ``server``: an external server started from a launch template (``{model} {kv_dtype} {kv_scales}
-  {prefill_backend} {decode_backend} {host} {port} {python}``), waited on until its health URL answers,
+* ``server``: an external server started from a launch template (placeholders and option flags:
+  harness/launch_options.py), waited on until its health URL answers,
   its stdout/stderr captured to a log file, its whole process group killed afterwards.
 * ``endpoint``: an already-running OpenAI-compatible URL (nothing started, nothing killed).
 
@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -28,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from kvbench.harness.client import Client
+from kvbench.harness.server_capacity import server_capacity
 from kvbench.harness.sweep_config import TargetSpec
 
 log = logging.getLogger(__name__)
@@ -37,17 +36,34 @@ class TargetError(RuntimeError):
     """A target could not be started or reached; the message says why (with the log tail)."""
 
 
+_PORT_LOCK = threading.Lock()
+_PORTS_GIVEN: set[int] = set()  # every port free_port handed out in this process
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A free port the OS picked, never one this process was handed before: servers launched side by side
+    (``--parallel``) never race for one port, even while an earlier one is still starting."""
+    with _PORT_LOCK:
+        for _ in range(1000):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _PORTS_GIVEN:
+                _PORTS_GIVEN.add(port)
+                return port
+    raise TargetError(f"no free port on {host} that was not handed out already")
 
 
-def http_client(base_url: str, model_id: Optional[str], api_key: Optional[str] = None) -> Client:
-    """The OpenAI-compatible ``Client`` of an HTTP target."""
+def http_client(base_url: str, model_id: Optional[str], api_key: Optional[str] = None,
+                spec: Optional[TargetSpec] = None) -> Client:
+    """The OpenAI-compatible ``Client`` of an HTTP target, with the target's per-request ``timeout_s`` and
+    ``max_retries`` (defaults 3600 s and 3 without a spec); its connection pool is unbounded."""
     from kvbench.harness.openai_client import OpenAIClient
+    from kvbench.harness.request_options import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S
 
-    return OpenAIClient(base_url=base_url, model=model_id, api_key=api_key)
+    return OpenAIClient(base_url=base_url, model=model_id, api_key=api_key,
+                        timeout=getattr(spec, "timeout_s", DEFAULT_TIMEOUT_S),
+                        max_retries=getattr(spec, "max_retries", DEFAULT_MAX_RETRIES))
 
 
 def _get(url: str, timeout: float = 5.0):
@@ -73,7 +89,8 @@ def wait_healthy(url: str, timeout_s: float, proc: Optional[subprocess.Popen] = 
     last = "no answer yet"
     while True:
         if proc is not None and proc.poll() is not None:
-            raise TargetError(f"server exited with code {proc.returncode} before {url} answered" + _tail(log_path))
+            raise TargetError(f"server exited with code {proc.returncode} before {url} answered{_cause(log_path)}"
+                              + _tail(log_path))
         try:
             r = _get(url, timeout=min(5.0, max(timeout_s, 0.5)))
             if r.status_code == 200:
@@ -84,6 +101,25 @@ def wait_healthy(url: str, timeout_s: float, proc: Optional[subprocess.Popen] = 
         if time.monotonic() - t0 > timeout_s:
             raise TargetError(f"{url} not healthy after {timeout_s:g} s (last: {last})" + _tail(log_path))
         time.sleep(interval_s)
+
+
+_CAUSE_MARKS = ("error", "exception", "traceback", "usage:", "not found", "no such", "invalid", "cannot", "failed",
+                "unrecognized", "out of memory")
+
+
+def _cause(path: Optional[Path]) -> str:
+    """``": <the log's last line that names an error>"`` (else its last line), so the first line of a failed
+    start says why; empty when there is no log."""
+    if path is None or not Path(path).exists():
+        return ""
+    lines = [ln.strip() for ln in Path(path).read_text(errors="replace")[-20000:].splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("$ ")]  # not the launch command itself
+    if not lines:
+        return ""
+    hits = [ln for ln in lines if any(m in ln.lower() for m in _CAUSE_MARKS)
+            and not ln.lower().startswith(("traceback", "during handling"))]
+    line = (hits or lines)[-1]
+    return f": {line[:300]}"
 
 
 def _tail(path: Optional[Path], n: int = 2000) -> str:
@@ -207,33 +243,49 @@ def open_embedded(engine_kwargs: dict) -> Iterator[TargetSession]:
 
 
 # -------------------------------------------------------------------------------- server
-def render_launch(spec: TargetSpec, cell_config: dict, port: int) -> str:
-    """Fill the launch template's placeholders (values shell-quoted; names mapped through the target's
-    ``kv_dtype_map`` / ``backend_map``)."""
-    c = cell_config
-    values = {
-        "model": c["model"],
-        "kv_dtype": spec.kv_dtype_map.get(c["kv_dtype"], c["kv_dtype"]),
-        "kv_scales": c["kv_scales"],
-        "prefill_backend": spec.backend_map.get(c["prefill_backend"], c["prefill_backend"]),
-        "decode_backend": spec.backend_map.get(c["decode_backend"], c["decode_backend"]),
-        "host": spec.host,
-        "port": port,
-        "python": sys.executable,
-    }
+def render_launch(spec: TargetSpec, cell_config: dict, port: int, devices: Optional[list[int]] = None) -> str:
+    """The launch command of a cell group (harness/launch_options.py: placeholders filled and shell-quoted,
+    names mapped through ``kv_dtype_map`` / ``backend_map``, ``option_flags`` and extra arguments added).
+    ``devices``: the GPU ids the server was given (``{devices}``; default: the target's ``devices``, else
+    0..tp_size-1).  A template that cannot carry the cell raises ``TargetError`` (the config check refuses
+    such cells before any launch)."""
+    from kvbench.harness.launch_options import LaunchError, render_command
+
     try:
-        return spec.launch.format(**{k: shlex.quote(str(v)) for k, v in values.items()})
-    except (KeyError, IndexError) as e:
-        raise TargetError(f"launch template of target {spec.name!r} has an unknown placeholder {e}; "
-                          f"allowed: {', '.join('{' + k + '}' for k in values)}") from None
+        return render_command(spec, cell_config, port, devices)
+    except LaunchError as e:
+        raise TargetError(str(e)) from None
 
 
-def _die_with_parent() -> None:
-    """In the launched shell (before exec): get SIGKILL when the sweep process dies, even by kill -9."""
+def _render_launch(spec: TargetSpec, cell_config: dict, port: int, devices: Optional[list[int]]) -> str:
+    """``render_launch`` with ``devices`` when it takes them (and any are assigned)."""
+    import inspect
+
+    if devices is not None and "devices" in inspect.signature(render_launch).parameters:
+        return render_launch(spec, cell_config, port, devices=devices)
+    return render_launch(spec, cell_config, port)
+
+
+def _load_prctl():
     try:
         import ctypes
 
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+        return ctypes.CDLL(None).prctl
+    except Exception:
+        return None
+
+
+# resolved here, in the parent: between fork and exec (other threads may hold the loader's locks when
+# servers are launched from several threads) the child only calls it
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent() -> None:
+    """In the launched shell (before exec): get SIGKILL when the launching thread of the sweep process
+    ends or the process dies, even by kill -9 (a server is always killed before its launching thread ends)."""
+    try:
+        if _PRCTL is not None:
+            _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
     except Exception:
         pass
 
@@ -256,6 +308,8 @@ def reap_stale(logs_dir: Path) -> list[int]:
         try:
             pid_s, started = pid_file.read_text().split()
             pid = int(pid_s)
+        except FileNotFoundError:  # its server was closed meanwhile (a sweep killing its own servers)
+            continue
         except ValueError:
             pid, started = -1, ""
         now = _start_time(pid) if pid > 0 else "invalid"
@@ -289,13 +343,20 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 
 @contextmanager
-def open_server(spec: TargetSpec, cell_config: dict, log_path: Path) -> Iterator[TargetSession]:
+def open_server(spec: TargetSpec, cell_config: dict, log_path: Path,
+                devices: Optional[list[int]] = None) -> Iterator[TargetSession]:
+    """Launch, health-wait and finally kill a server.  ``devices``: the GPU ids it may use (its
+    ``CUDA_VISIBLE_DEVICES``, over the target's ``env``; ``{devices}`` in the template; recorded in the
+    session's ``info``); None leaves the environment as it is."""
     port = spec.port or free_port(spec.host)
-    cmd = render_launch(spec, cell_config, port)
+    cmd = _render_launch(spec, cell_config, port, devices)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **spec.env}
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     url = f"http://{spec.host}:{port}"
+    log_start = log_path.stat().st_size if log_path.exists() else 0  # this launch's part of the log
     with open(log_path, "ab", buffering=0) as logf:
         logf.write(f"$ {cmd}\n".encode())
         proc = subprocess.Popen(cmd, shell=True, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -306,11 +367,15 @@ def open_server(spec: TargetSpec, cell_config: dict, log_path: Path) -> Iterator
         waited = wait_healthy(f"{url}{spec.health_path}", spec.health_timeout_s, proc, log_path)
         log.info("server %s healthy after %.1f s (pid %d)", url, waited, proc.pid)
         model_id = spec.model_id or served_model_id(url)
-        client = http_client(url, model_id, spec.api_key)
+        client = http_client(url, model_id, spec.api_key, spec)
         session = TargetSession(
             client, model_id, url=url, flush=lambda: flush_cache(url, spec.flush_cache, spec.api_key),
             log_path=log_path, info={"type": "server", "launch": cmd, "pid": proc.pid, "url": url},
+            capacity=lambda: server_capacity(log_path, url, getattr(spec, "engine_kind", None), cell_config.get("kv_dtype"),
+                                             offset=log_start, api_key=spec.api_key),
         )
+        if devices is not None:
+            session.info["devices"] = list(devices)
         try:
             yield session
         finally:
@@ -326,7 +391,7 @@ def open_endpoint(spec: TargetSpec) -> Iterator[TargetSession]:
     url = spec.base_url
     wait_healthy(f"{url}{spec.health_path}", min(spec.health_timeout_s, 60.0))
     model_id = spec.model_id or served_model_id(url)
-    client = http_client(url, model_id, spec.api_key)
+    client = http_client(url, model_id, spec.api_key, spec)
     try:
         yield TargetSession(client, model_id, url=url, flush=lambda: flush_cache(url, spec.flush_cache, spec.api_key),
                             info={"type": "endpoint", "url": url})
@@ -334,12 +399,14 @@ def open_endpoint(spec: TargetSpec) -> Iterator[TargetSession]:
         client.close()
 
 
-def open_target(spec: TargetSpec, cell_config: dict, engine_kwargs: dict, log_path: Path):
-    """Open the target of a cell group (a context manager yielding a ``TargetSession``)."""
+def open_target(spec: TargetSpec, cell_config: dict, engine_kwargs: dict, log_path: Path,
+                devices: Optional[list[int]] = None):
+    """Open the target of a cell group (a context manager yielding a ``TargetSession``).  ``devices``
+    (server targets only): the GPU ids its server may use (see ``open_server``)."""
     if spec.type == "embedded":
         return open_embedded(engine_kwargs)
     if spec.type == "server":
-        return open_server(spec, cell_config, log_path)
+        return open_server(spec, cell_config, log_path, devices=devices)
     if spec.type == "endpoint":
         return open_endpoint(spec)
     raise TargetError(f"unknown target type {spec.type!r}")

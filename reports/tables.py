@@ -101,8 +101,14 @@ def cells_table(a: Analysis) -> Table:
                      f"{cfg.get('prefill_backend', '')}/{cfg.get('decode_backend', '')}", str(cfg.get("kv_dtype", "")),
                      str(cfg.get("kv_scales", "")), str(cfg.get("concurrency", "")), str(c.status or "missing"),
                      fmt_num(len(c.items)), fmt_num(len(c.requests)), (c.error or "")[:120]])
-    return Table("Cells", ["cell", "key", "model", "target", "prefill/decode", "kv", "scales", "conc.", "status",
-                           "items", "requests", "error"], rows)
+    columns = ["cell", "key", "model", "target", "prefill/decode", "kv", "scales", "conc.", "status",
+               "items", "requests", "error"]
+    devices = [((c.summary or {}).get("target") or {}).get("devices") for c in a.cells]
+    if any(d is not None for d in devices):  # servers given GPUs (kvbench sweep --parallel / --devices)
+        columns.insert(4, "devices")
+        for row, d in zip(rows, devices):
+            row.insert(4, ",".join(str(x) for x in d) if d is not None else "—")
+    return Table("Cells", columns, rows)
 
 
 def fmt_errors(n_errors: int, rate: Optional[float]) -> str:
@@ -210,16 +216,35 @@ def serving_table(a: Analysis) -> Table:
     return serving_tables(a)[0]
 
 
+def _running_limit(cap: dict):
+    """The server's admission limit on running requests (sglang max_running_requests, vLLM max_num_seqs)."""
+    for k in ("max_running_requests", "max_num_seqs"):
+        if cap.get(k) is not None:
+            return cap[k]
+    return None
+
+
 def capacity_table(a: Analysis) -> Table:
+    server = any(str(cap.get("source", "")).startswith("server") for _, cap, _ in a.capacity)
     rows = []
     for cell, cap, ratio in a.capacity:
         kv_bytes = cap.get("kv_bytes")
-        rows.append([_series(cell, False), str(cap.get("kv_dtype", "")), fmt_num(cap.get("bytes_per_token"), 0),
-                     fmt_num(cap.get("tokens")), f"{kv_bytes / 2**30:.3f}" if kv_bytes else "—",
-                     fmt_num(cap.get("context_len")), fmt_num(cap.get("max_concurrency")),
-                     f"{ratio:.2f}×" if ratio else "—"])
-    return Table("KV capacity by format", ["series", "kv", "bytes/token", "tokens", "KV GiB", "context", "max concurrency",
-                 "tokens vs baseline"], rows, note="Bytes per token include block and tensor scales.")
+        row = [_series(cell, False), str(cap.get("kv_dtype", "")), fmt_num(cap.get("bytes_per_token"), 0),
+               fmt_num(cap.get("tokens")), f"{kv_bytes / 2**30:.3f}" if kv_bytes else "—",
+               fmt_num(cap.get("context_len")), fmt_num(cap.get("max_concurrency")),
+               f"{ratio:.2f}×" if ratio else "—"]
+        if server:
+            row[7:7] = [fmt_num(_running_limit(cap)), str(cap.get("source") or "engine")]
+        rows.append(row)
+    header = ["series", "kv", "bytes/token", "tokens", "KV GiB", "context", "max concurrency", "tokens vs baseline"]
+    note = "Bytes per token include block and tensor scales."
+    if server:
+        header[7:7] = ["running limit", "source"]
+        note = ("Embedded cells: the engine's own plan; bytes per token include block and tensor scales. Server cells: "
+                "the KV pool the server printed at start-up (bytes per token from its pool size, which it rounds) and its "
+                "/metrics; the running limit is its admission limit (sglang max_running_requests, vLLM max_num_seqs), "
+                "which caps concurrency before the KV pool does when it is smaller than max concurrency.")
+    return Table("KV capacity by format", header, rows, note=note)
 
 
 def all_tables(a: Analysis) -> list[Table]:

@@ -13,6 +13,8 @@ KV_LAYOUTS = ("HND", "NHD")
 KV_SCALE_POLICIES = ("unit", "checkpoint", "calibrate")
 BACKENDS = ("torch", "triton", "flashinfer")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# which attention phases round the query through float8_e4m3fn (True = "both", False = "none")
+QUERY_QUANT_MODES = ("none", "prefill", "decode", "both")
 
 
 class ConfigError(ValueError):
@@ -27,6 +29,27 @@ class ConfigError(ValueError):
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}={value!r} is not supported; choose one of: {', '.join(map(str, allowed))}", name)
+
+
+def normalize_quantize_query(value, name: str = "quantize_query") -> str:
+    """The canonical ``quantize_query`` mode: ``True`` -> ``"both"``, ``False`` -> ``"none"``, a mode name
+    (any case) -> itself; anything else is a ``ConfigError`` naming ``name``."""
+    if value is True:
+        return "both"
+    if value is False:
+        return "none"
+    if isinstance(value, str) and value.strip().lower() in QUERY_QUANT_MODES:
+        return value.strip().lower()
+    raise ConfigError(
+        f"{name}={value!r} is not supported; choose one of: {', '.join(QUERY_QUANT_MODES)} (or true = both, false = none)",
+        name,
+    )
+
+
+def query_quant_phases(mode) -> tuple[bool, bool]:
+    """``(prefill, decode)``: whether each phase's queries go through fp8 under ``mode``."""
+    m = normalize_quantize_query(mode)
+    return m in ("prefill", "both"), m in ("decode", "both")
 
 
 # devices the runtime runs on: cpu, cuda, cuda:N (the kernels and CUDA graphs are CUDA-only; no mps)
@@ -83,7 +106,9 @@ class EngineConfig:
     prefill_backend: str = "torch"
     decode_backend: str = "torch"
     fused_append: bool = True
-    quantize_query: bool = False
+    # fp8 (e4m3) queries: "none" | "prefill" | "decode" | "both" (True/False accepted, stored as both/none);
+    # prefill = every prefill/extend chunk, decode = decode steps (scored continuations count as decode)
+    quantize_query: "bool | str" = "none"
     page_size: int = 16
     kv_layout: str = "HND"
     kv_budget_gb: Optional[float] = None
@@ -116,7 +141,8 @@ class EngineConfig:
             _choice("dtype", self.dtype, COMPUTE_DTYPES)
         if self.device is not None and (not isinstance(self.device, str) or not _DEVICE_RE.fullmatch(self.device)):
             raise ConfigError(f"device={self.device!r} is not supported; choose cpu, cuda or cuda:N", "device")
-        for name in ("kv_scales_per_head", "fused_append", "quantize_query", "enforce_eager"):
+        self.quantize_query = normalize_quantize_query(self.quantize_query)
+        for name in ("kv_scales_per_head", "fused_append", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}", name)
         for name, optional in (("page_size", False), ("max_running", False), ("max_num_batched_tokens", False),

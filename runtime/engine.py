@@ -354,6 +354,7 @@ class Engine:
             "decode_backend": c.decode_backend,
             "fused_append": c.fused_append,
             "quantize_query": c.quantize_query,
+            "q_scale": self.parts.q_scales.summary() if self.parts.q_scales is not None else None,
             "device": str(self.device),
             "dtype": str(self.parts.dtype).replace("torch.", ""),
             "cuda_graphs": self.runner.graphs is not None,

@@ -53,16 +53,18 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self._tok.convert_ids_to_tokens(list(ids))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> str:
+        """``template_vars`` (e.g. ``reasoning_effort``) are variables of the checkpoint's template."""
         if not self.chat_template:
             # no template in the checkpoint: a plain "role: content" transcript
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_vars)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> list[int]:
         # the template already holds the special tokens it wants
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_vars), add_special_tokens=False)
 
 
 _KEEPING_SPLITS = ("Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous")

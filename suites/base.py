@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from kvbench.harness.client import GenRequest, GenResult, SamplingParams
+from kvbench.harness.request_options import REQUEST_KEYS, apply_request, describe_request, effective_options
 
 
 class SuiteError(RuntimeError):
@@ -35,6 +36,9 @@ class SuiteOptions:
     temperature: Optional[float] = None  # override the protocol's temperature
     progress: bool = True
     extra: dict = field(default_factory=dict)  # suite-specific knobs (e.g. fidelity reference)
+    # request options (harness/request_options.py: reasoning_effort, top_p, top_k, extra_body; a max_tokens or
+    # temperature given here moves to the fields above), applied over the protocol's defaults
+    request: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.limit is not None and self.limit <= 0:
@@ -43,6 +47,17 @@ class SuiteOptions:
             raise SuiteError(f"--repeats must be positive, got {self.repeats}")
         if self.concurrency <= 0:
             raise SuiteError(f"--concurrency must be positive, got {self.concurrency}")
+        self.request = dict(self.request or {})
+        for key in ("max_tokens", "temperature"):
+            value = self.request.pop(key, None)
+            if value is None:
+                continue
+            if getattr(self, key) is not None and getattr(self, key) != value:
+                raise SuiteError(f"{key} given twice ({getattr(self, key)} and request {key} {value})")
+            setattr(self, key, value)
+        unknown = [k for k in self.request if k not in REQUEST_KEYS]
+        if unknown:
+            raise SuiteError(f"unknown request option {unknown[0]!r}; allowed: {', '.join(REQUEST_KEYS)}")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise SuiteError(f"max_tokens must be positive, got {self.max_tokens}")
 
@@ -113,13 +128,18 @@ class GenerationTask(ABC):
     def protocol(self, opts: SuiteOptions) -> str:
         """The pinned protocol string stored in every record."""
 
+    def base_params(self, opts: SuiteOptions) -> SamplingParams:
+        """The protocol's default sampling (a suite whose ``prompt_style`` changes them overrides this)."""
+        return self.default_params
+
     def params(self, opts: SuiteOptions, seed: int) -> SamplingParams:
-        p = replace(self.default_params, seed=seed)
+        """The protocol's defaults, then ``max_tokens`` / ``temperature`` and the request options of ``opts``."""
+        p = replace(self.base_params(opts), seed=seed)
         if opts.max_tokens is not None:
             p = replace(p, max_tokens=opts.max_tokens)
         if opts.temperature is not None:
             p = replace(p, temperature=opts.temperature)
-        return p
+        return apply_request(p, opts.request)
 
     def record_fields(self, item: Item) -> dict:
         """Suite-specific top-level fields added to each record of ``item`` (the prepared item)."""
@@ -132,7 +152,7 @@ class GenerationTask(ABC):
     def describe_params(self, opts: SuiteOptions) -> str:
         p = self.params(opts, 0)
         samp = "greedy" if p.temperature == 0 else f"t{p.temperature:g}-p{p.top_p:g}" + (f"-k{p.top_k}" if p.top_k else "")
-        return f"{samp}:max{p.max_tokens}"
+        return f"{samp}:max{p.max_tokens}{describe_request(p)}"
 
 
 def is_error_record(rec: dict) -> bool:
@@ -153,10 +173,14 @@ def make_record(
     prompt_hash_fn,
     error: Optional[str] = None,
     error_kind: Optional[str] = None,
+    retries: Optional[int] = None,
 ) -> dict:
     """One item record.  A failed request (``error`` set, or ``result`` None or with finish_reason ``error``)
     is no answer: ``correct`` and ``invalid`` are None, ``scores`` is empty, finish_reason is ``error`` and
-    ``error`` / ``error_kind`` say what happened; an answered record has ``error`` and ``error_kind`` None."""
+    ``error`` / ``error_kind`` say what happened; an answered record has ``error`` and ``error_kind`` None.
+    ``request_options`` is what the request was sent with (harness/request_options.py), ``reasoning`` the
+    reasoning text the server returned apart from the answer (never scored; None when none), ``retries`` the
+    connection retries made (``retries`` given, else the result's)."""
     r = result
     failed = error is not None or r is None or r.finish_reason == "error"
     if failed:
@@ -183,6 +207,9 @@ def make_record(
         "protocol": protocol,
         "error": error if failed else None,
         "error_kind": error_kind if failed else None,
+        "request_options": effective_options(req),
+        "reasoning": (getattr(r, "reasoning", None) or None) if r is not None else None,
+        "retries": int(retries if retries is not None else (getattr(r, "retries", 0) or 0) if r is not None else 0),
     }
 
 

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from kvbench.harness.client import Client, GenRequest, SamplingParams, ScoreRequest, classify_error
+from kvbench.harness.request_options import effective_options
 from kvbench.harness.store import prompt_hash
 from kvbench.suites.base import SuiteError, SuiteOptions, SuiteResult, summarize_records
 from kvbench.suites.extract import INVALID
@@ -44,9 +45,9 @@ def _make_lm_class():
             with self._lock:
                 self.meta[(req.task_name, req.doc_id)].append(m)
 
-        def _failed(self, req, error: str, kind: str, latency_s: float = 0.0) -> None:
+        def _failed(self, req, error: str, kind: str, latency_s: float = 0.0, retries: int = 0) -> None:
             self._note(req, finish_reason="error", prompt_tokens=0, output_tokens=0, latency_s=latency_s,
-                       error=error, error_kind=kind)
+                       error=error, error_kind=kind, retries=retries)
 
         def _map(self, fn, requests):
             if not requests:
@@ -68,16 +69,18 @@ def _make_lm_class():
                     top_p=float(kw.get("top_p", 1.0)) if sample else 1.0,
                     stop=tuple(until),
                 )
+                gen = GenRequest(prompt=context, params=params)
                 try:
-                    res = self.client.generate(GenRequest(prompt=context, params=params))
+                    res = self.client.generate(gen)
                 except Exception as e:  # a failed request: recorded as an error, no answer
-                    self._failed(req, f"{type(e).__name__}: {e}", classify_error(e))
+                    self._failed(req, f"{type(e).__name__}: {e}", classify_error(e), retries=getattr(e, "retries", 0))
                     return ""
                 if res.finish_reason == "error":
-                    self._failed(req, res.error or "request failed", res.error_kind or "other", res.latency_s)
+                    self._failed(req, res.error or "request failed", res.error_kind or "other", res.latency_s, res.retries)
                     return ""
                 self._note(req, finish_reason=res.finish_reason, prompt_tokens=res.prompt_tokens,
-                           output_tokens=res.output_tokens, latency_s=res.latency_s)
+                           output_tokens=res.output_tokens, latency_s=res.latency_s, retries=res.retries,
+                           reasoning=res.reasoning, request_options=effective_options(gen))
                 return res.text
 
             return self._map(one, requests)
@@ -182,6 +185,9 @@ def samples_to_records(task: str, samples: list[dict], meta: dict, protocol: str
             "protocol": protocol,
             "error": failed[0]["error"] if failed else None,
             "error_kind": failed[0].get("error_kind") or "other" if failed else None,
+            "request_options": next((m["request_options"] for m in ms if m.get("request_options")), None),
+            "reasoning": "\n".join(m["reasoning"] for m in ms if m.get("reasoning")) or None,
+            "retries": int(sum(m.get("retries") or 0 for m in ms)),
         })
     return records
 

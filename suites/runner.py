@@ -5,7 +5,10 @@ embedded engine batches concurrent calls; an HTTP client keeps that many request
 back in dataset order whatever the completion order, and a failed request (it raises, or returns
 finish_reason ``error``) becomes a record with ``finish_reason = "error"``, ``error`` (the message) and
 ``error_kind`` (``harness.client.ERROR_KINDS``), no ``correct`` and no scores: counted apart from wrong
-answers, and items are never dropped.  When every request fails the suite raises.
+answers, and items are never dropped.  When every request fails the suite raises.  Each record also carries
+``request_options`` (what it was sent with), ``reasoning`` (text the server returned apart from the answer;
+never scored) and ``retries`` (connection retries).  A client with a ``check_request(request)`` method (the
+embedded engine) vets the first request before any is sent: options it cannot honour fail the suite at once.
 """
 
 from __future__ import annotations
@@ -62,18 +65,30 @@ def run_generation(task: GenerationTask, client: Client, opts: SuiteOptions) -> 
     records: list[Optional[dict]] = [None] * len(units)
     errors: list[str] = []
 
-    def one(idx: int) -> dict:
+    def built(idx: int):
         i, k = units[idx]
         seed = item_seed(opts.seed, task.name, items[i].item_id, k)
         item = task.prepare(items[i], k, seed)
-        req = task.build(item, k, task.params(opts, seed))
+        return i, k, seed, item, task.build(item, k, task.params(opts, seed))
+
+    check = getattr(client, "check_request", None)
+    if callable(check):
+        try:
+            check(built(0)[-1])
+        except ValueError as e:
+            raise SuiteError(f"{task.name}: {e}") from None
+
+    def one(idx: int) -> dict:
+        i, k, seed, item, req = built(idx)
         result: Optional[GenResult] = None
         error: Optional[str] = None
         kind: Optional[str] = None
+        retries: Optional[int] = None
         try:
             result = client.generate(req)
         except Exception as e:  # a failed request is recorded, never dropped
             error, kind = f"{type(e).__name__}: {e}", classify_error(e)
+            retries = int(getattr(e, "retries", 0) or 0)
         if error is None and (result is None or result.finish_reason == "error"):
             error = (result.error if result is not None else None) or "request failed"
             kind = (result.error_kind if result is not None else None) or "other"
@@ -82,7 +97,7 @@ def run_generation(task: GenerationTask, client: Client, opts: SuiteOptions) -> 
             scored = None
         else:
             scored = task.score(item, result.text)
-        record = make_record(task.name, item, k, seed, req, result, scored, protocol, prompt_hash, error, kind)
+        record = make_record(task.name, item, k, seed, req, result, scored, protocol, prompt_hash, error, kind, retries)
         for key, value in task.record_fields(item).items():
             record.setdefault(key, value)  # never overrides a make_record field
         return record

@@ -39,7 +39,7 @@ def test_eval_gsm8k_writes_records(tmp_path, fake):
     assert r.exit_code == 0, r.output
     items = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines()]
     # every record also holds "error" / "error_kind" (None when the request was answered)
-    assert len(items) == 3 and all(set(i) == set(ITEM_FIELDS) | {"error", "error_kind"} and i["error"] is None for i in items)
+    assert len(items) == 3 and all(set(i) == set(ITEM_FIELDS) | {"error", "error_kind", "request_options", "reasoning", "retries"} and i["error"] is None for i in items)
     assert all(i["output_tokens"] <= 8 and "max8" in i["protocol"] for i in items)
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) >= {"suites", "load", "capacity", "error"} and summary["error"] is None

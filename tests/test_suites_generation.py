@@ -43,7 +43,7 @@ def test_gsm8k_records_order_and_fewshot():
         assert not (set(shots[:5]) & test_q), "few-shot example taken from the test split"
         assert shots[5] in test_q and p.endswith("\nAnswer:")
     for r in res.records:
-        assert set(r) == set(ITEM_FIELDS) | {"error", "error_kind"}  # error fields: None on answered records
+        assert set(r) == set(ITEM_FIELDS) | {"error", "error_kind", "request_options", "reasoning", "retries"}  # error fields: None on answered records
         assert r["error"] is None and r["error_kind"] is None
         assert r["extracted"] == "1" and r["correct"] == (r["target"] == "1")
         assert r["seed"] is not None and r["protocol"].startswith("lm-eval:gsm8k:")

@@ -69,7 +69,7 @@ def test_bridge_matches_native_gsm8k(local_task):
 
     assert len(lm.records) == len(native.records) == LIMIT
     for a, b in zip(lm.records, native.records):
-        assert set(a) == set(ITEM_FIELDS) | {"error", "error_kind"} == set(b)  # error fields: None when answered
+        assert set(a) == set(ITEM_FIELDS) | {"error", "error_kind", "request_options", "reasoning", "retries"} == set(b)  # error fields: None when answered
         assert a["error"] is None and b["error"] is None
         assert a["suite"] == "lm_eval:gsm8k_localcopy" and b["suite"] == "gsm8k"
         assert a["item_id"] == b["item_id"].removeprefix("test-")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.harness.sweep_config import parse_config
+from kvbench.harness.sweep_config import SweepConfigError, TargetSpec, parse_config
 from kvbench.harness.targets import TargetError, _start_time, kill_group, open_server, reap_stale, render_launch
 
 CELL = {"model": "default", "target": "srv", "prefill_backend": "torch", "decode_backend": "torch",
@@ -56,8 +56,10 @@ def test_render_launch_maps_and_quotes():
                        kv_dtype_map={"fp8_e4m3": "fp8"}, backend_map={"torch": "TORCH_SDPA"})
     cmd = render_launch(spec, {**CELL, "model": "/models/my model"}, 8123)
     assert cmd == "serve --m '/models/my model' --kv fp8 --p TORCH_SDPA --d TORCH_SDPA --s calibrate 127.0.0.1:8123"
+    with pytest.raises(SweepConfigError, match=r"targets\[0\].launch: unknown placeholder \{gpu\}.*\{kv_dtype\}"):
+        server_spec("serve {gpu} {port}")  # the config refuses it (harness/launch_options.py)
     with pytest.raises(TargetError, match=r"unknown placeholder 'gpu'.*\{kv_dtype\}"):
-        render_launch(server_spec("serve {gpu} {port}"), CELL, 1)
+        render_launch(TargetSpec(name="srv", type="server", launch="serve {gpu} {port}"), CELL, 1)
 
 
 def test_server_that_exits_fails_fast_with_its_log(tmp_path):
@@ -68,6 +70,17 @@ def test_server_that_exits_fails_fast_with_its_log(tmp_path):
             pass
     assert time.monotonic() - t0 < 10
     assert "booting" in (tmp_path / "s.log").read_text()
+
+
+def test_first_line_of_a_failed_start_names_the_cause(tmp_path):
+    """The sweep prints one line per failed cell: that line must say why, not only 'exited with code 1'."""
+    spec = server_spec("echo 'loading weights'; echo 'OSError: /no/such/model is not a local folder' >&2; "
+                       "echo 'shutting down'; exit 1 # {port}", health_timeout_s=30)
+    with pytest.raises(TargetError) as e:
+        with open_server(spec, CELL, tmp_path / "s.log"):
+            pass
+    first = str(e.value).splitlines()[0]
+    assert "exited with code 1" in first and "OSError: /no/such/model is not a local folder" in first
 
 
 def test_health_timeout_kills_the_group(tmp_path):

@@ -4,11 +4,14 @@
     kvbench eval --suite fidelity --kv-dtype fp8_e4m3 --kv-scales calibrate --limit 16 --data-dir DIR
     kvbench eval --lm-eval hellaswag --limit 100 --endpoint http://127.0.0.1:8000
     kvbench eval --suite ruler --context-lengths 1024,4096 --depths 3 --ruler-tasks niah_single,vt --limit 4
+    kvbench eval --suite gpqa_diamond,aime25 --endpoint URL --prompt-style gpt_oss --reasoning-effort high --repeats 8
 
 ``--out DIR`` receives ``items.jsonl`` (one record per item and repeat) and ``summary.json`` (docs/accuracy.md),
-both written atomically.  ``--out`` and ``--data-dir`` are checked before the model loads; a directory that
-already holds results is refused unless ``--overwrite`` is given, and a run that fails before producing any
-record writes nothing (earlier results stay as they were).  The fidelity reference is the same engine
+both written atomically.  Request flags (--reasoning-effort, --top-p, --top-k, --extra-body, --request-timeout,
+--max-retries, --api-key) are those of a sweep's ``request`` and target keys (harness/request_options.py).
+``--out`` and ``--data-dir`` are checked before the model loads; a directory that already holds results is
+refused unless ``--overwrite`` is given, and a run that fails before producing any record writes nothing
+(earlier results stay as they were).  The fidelity reference is the same engine
 configuration with bf16 KV, unit scales and torch backends; its top-k figures are cached per (model,
 reference, texts) in ``--fidelity-cache`` (default ``$KVBENCH_CACHE/fidelity``, ``~/.cache/kvbench/fidelity``).
 """
@@ -52,19 +55,84 @@ class _Borrowed:
         pass
 
 
-def _open_client(engine, endpoint: Optional[str]):
+def _open_client(engine, endpoint: Optional[str], http: Optional[dict] = None):
+    """The embedded engine, or (``--endpoint``) an ``OpenAIClient`` with ``http``'s api_key / timeout /
+    max_retries."""
     if endpoint:
         try:
             from kvbench.harness.openai_client import OpenAIClient
         except ImportError as e:
             raise typer.BadParameter(f"--endpoint needs kvbench.harness.openai_client ({e})") from None
-        return OpenAIClient(endpoint, model=engine.model)
+        return OpenAIClient(endpoint, model=engine.model, **(http or {}))
     from kvbench.harness.engine_client import EngineClient
 
     return EngineClient(engine)
 
 
 RESULT_FILES = ("items.jsonl", "summary.json")
+_REQUEST_FLAGS = {"reasoning_effort": "--reasoning-effort", "top_p": "--top-p", "top_k": "--top-k",
+                  "extra_body": "--extra-body"}
+EVAL_TIMEOUT_S = 600.0  # --request-timeout default (sweep targets default to 3600 s)
+_STYLE_SUITES = ("gpqa_diamond", "aime24", "aime25")
+
+
+def _request_options(endpoint: Optional[str], values: dict, extra_body: Optional[str]) -> dict:
+    """The request options of the request flags (harness/request_options.py); a bad value raises
+    ``SuiteError`` naming its flag."""
+    import json
+
+    from kvbench.harness.config_checks import SweepConfigError
+    from kvbench.harness.request_options import parse_request
+    from kvbench.suites.base import SuiteError
+
+    raw = {k: v for k, v in values.items() if v is not None}
+    if extra_body is not None:
+        if not endpoint:
+            raise SuiteError("--extra-body applies to --endpoint only (the embedded engine has no HTTP request body)")
+        try:
+            raw["extra_body"] = json.loads(extra_body)
+        except ValueError as e:
+            raise SuiteError(f"--extra-body must be a JSON object: {e}") from None
+    try:
+        return parse_request(raw, "request")
+    except SweepConfigError as e:
+        key, _, msg = str(e)[len("request."):].partition(": ")
+        flag = _REQUEST_FLAGS.get(key.split(".")[0], key)
+        raise SuiteError(f"{flag}{key[len(key.split('.')[0]):]}: {msg}") from None
+
+
+def _http_options(endpoint: Optional[str], api_key: Optional[str], timeout: Optional[float], retries: Optional[int]) -> dict:
+    from kvbench.harness.request_options import DEFAULT_MAX_RETRIES
+    from kvbench.suites.base import SuiteError
+
+    given = {"--api-key": api_key, "--request-timeout": timeout, "--max-retries": retries}
+    if not endpoint:
+        flag = next((f for f, v in given.items() if v is not None), None)
+        if flag:
+            raise SuiteError(f"{flag} applies to --endpoint only")
+        return {}
+    if timeout is not None and timeout <= 0:
+        raise SuiteError(f"--request-timeout must be positive, got {timeout}")
+    if retries is not None and retries < 0:
+        raise SuiteError(f"--max-retries must be >= 0, got {retries}")
+    return {"api_key": api_key, "timeout": EVAL_TIMEOUT_S if timeout is None else timeout,
+            "max_retries": DEFAULT_MAX_RETRIES if retries is None else retries}
+
+
+def _style_extra(names: list[str], style: Optional[str]) -> dict:
+    """``--prompt-style`` for gpqa_diamond / aime (kvbench, gpt_oss, simple_evals) as those suites' params."""
+    from kvbench.harness.request_options import prompt_styles
+    from kvbench.suites.base import SuiteError
+
+    if style is None:
+        return {}
+    chosen = [n for n in names if n in _STYLE_SUITES]
+    if not chosen:
+        raise SuiteError(f"--prompt-style {style} applies to --suite {', '.join(_STYLE_SUITES)} (and chat/completion to ruler)")
+    for n in chosen:
+        if style not in prompt_styles(n):
+            raise SuiteError(f"--prompt-style {style!r} is not a style of {n}; choose one of: {', '.join(prompt_styles(n))}")
+    return {"prompt_style": style}
 _RULER = "Long context (--suite ruler)"
 
 
@@ -147,6 +215,13 @@ def register(app: typer.Typer) -> None:
         protocol: Optional[str] = typer.Option(None, "--protocol", help="Suite variant, e.g. gsm8k: lm-eval (5-shot), cot (8-shot), chat (0-shot)"),
         max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Override the protocol's generation budget"),
         temperature: Optional[float] = typer.Option(None, "--temperature", help="Override the protocol's temperature"),
+        reasoning_effort: Optional[str] = typer.Option(None, "--reasoning-effort", help="low, medium or high: sent with chat requests (embedded engine: a chat-template variable where the template has one)"),
+        top_p: Optional[float] = typer.Option(None, "--top-p", help="Override the protocol's top-p"),
+        top_k: Optional[int] = typer.Option(None, "--top-k", help="Override the protocol's top-k (0 = off)"),
+        extra_body: Optional[str] = typer.Option(None, "--extra-body", help="JSON object merged into every request body (--endpoint only), e.g. '{\"chat_template_kwargs\": {\"enable_thinking\": true}}'"),
+        api_key: Optional[str] = typer.Option(None, "--api-key", help="Bearer token for --endpoint"),
+        request_timeout: Optional[float] = typer.Option(None, "--request-timeout", help="Seconds to wait for each response with --endpoint (default 600)"),
+        max_retries: Optional[int] = typer.Option(None, "--max-retries", help="Retries of a request that got no response (refused, reset) with --endpoint, with backoff (default 3)"),
         sample_seed: int = typer.Option(0, "--sample-seed", help="Base of the per-(item, repeat) sampling seeds"),
         fidelity_exact: bool = typer.Option(False, "--fidelity-exact", help="Fidelity: run the reference live and compute exact full-vocabulary KL"),
         fidelity_cache: Optional[str] = typer.Option(None, "--fidelity-cache", help="Fidelity reference cache directory"),
@@ -160,7 +235,7 @@ def register(app: typer.Typer) -> None:
         ruler_tasks: Optional[str] = typer.Option(None, "--ruler-tasks", help="ruler: tasks, comma-separated: niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe (default all)", rich_help_panel=_RULER),
         haystack: Optional[str] = typer.Option(None, "--haystack", help="ruler: built-in haystack: auto (RULER's per task), noise, essay", rich_help_panel=_RULER),
         haystack_file: Optional[str] = typer.Option(None, "--haystack-file", help="ruler: natural-text haystack from this UTF-8 file (never fetched)", rich_help_panel=_RULER),
-        prompt_style: Optional[str] = typer.Option(None, "--prompt-style", help="ruler: chat or completion (default chat when the tokenizer has a chat template)", rich_help_panel=_RULER),
+        prompt_style: Optional[str] = typer.Option(None, "--prompt-style", help="ruler: chat or completion (default chat when the tokenizer has a chat template); gpqa_diamond / aime24 / aime25: kvbench (default), gpt_oss (the gpt-oss evals' prompt and grader), simple_evals (gpqa_diamond)", rich_help_panel=_RULER),
         tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="ruler with --endpoint: tokenizer.json, HF directory, .gguf or hub name (default: the server's /tokenize)", rich_help_panel=_RULER),
     ) -> None:
         """Run accuracy and fidelity suites; per-item records and a summary (docs/accuracy.md)."""
@@ -179,8 +254,9 @@ def register(app: typer.Typer) -> None:
         if lm_eval:
             names.append(f"lm_eval:{lm_eval}")
         names = names or ["gsm8k"]
+        gen_style = prompt_style if prompt_style in ("kvbench", "gpt_oss", "simple_evals") else None  # gpqa / aime's
         ruler_flags = {"context_lengths": context_lengths, "depths": depths, "tasks": ruler_tasks, "haystack": haystack,
-                       "haystack_file": haystack_file, "prompt_style": prompt_style, "tokenizer": tokenizer}
+                       "haystack_file": haystack_file, "prompt_style": None if gen_style else prompt_style, "tokenizer": tokenizer}
         extra = {k: v for k, v in ruler_flags.items() if v is not None}
         fidelity_flags = {"text_tokens": fidelity_text_tokens, "position_buckets": position_buckets}
         fid_extra: dict = {"haystack_file": haystack_file} if haystack_file is not None and fidelity_text_tokens is not None else {}
@@ -205,13 +281,17 @@ def register(app: typer.Typer) -> None:
                 from kvbench.suites.ruler_params import parse_params
 
                 parse_params(extra)
-            opts = SuiteOptions(limit=limit, repeats=repeats, data_dir=data_dir, concurrency=concurrency, seed=sample_seed,
+            style_extra = _style_extra(names, gen_style)
+            request = _request_options(endpoint, {"reasoning_effort": reasoning_effort, "top_p": top_p, "top_k": top_k},
+                                       extra_body)
+            http = _http_options(endpoint, api_key, request_timeout, max_retries)
+            opts = SuiteOptions(limit=limit, repeats=repeats, data_dir=data_dir, concurrency=concurrency, seed=sample_seed, request=request,
                                 max_tokens=max_tokens, temperature=temperature, progress=progress, extra=extra)
         except SuiteError as e:
             raise typer.BadParameter(str(e)) from None
         out_dir = _check_paths(data_dir, out, overwrite)
 
-        client = _open_client(engine, endpoint)
+        client = _open_client(engine, endpoint, http) if http else _open_client(engine, endpoint)
         ref_cfg = _reference_config(engine)
         label = f"{client.model_id}:ref-bf16-torch:{canonical_key(ref_cfg.to_dict())}"
 
@@ -234,7 +314,10 @@ def register(app: typer.Typer) -> None:
         try:
             info = client.info()
             for name in names:
-                res = run_suite(name, client, replace(opts, extra=fid_extra) if name == "fidelity" else opts, ctx)
+                suite_opts = replace(opts, extra=fid_extra) if name == "fidelity" else opts
+                if name in _STYLE_SUITES:
+                    suite_opts = replace(opts, extra=style_extra)
+                res = run_suite(name, client, suite_opts, ctx)
                 records += res.records
                 for k, s in res.summaries().items():
                     summaries[k] = {**s, "source": res.source}

@@ -22,6 +22,57 @@ def _check_run_dir(run_dir: Path) -> None:
         raise SweepConfigError(str(e)) from None
 
 
+def _device_plans(cfg, cells, parallel: int, devices: Optional[str]):
+    """``--devices`` parsed and the cell groups' device plans (``harness/parallel.py``); a
+    ``SweepConfigError`` for a bad ``--parallel`` / ``--devices`` or a server that can never get its devices."""
+    from kvbench.harness.matrix import groups
+    from kvbench.harness.parallel import parse_devices, plan_groups
+
+    device_ids = parse_devices(devices) if devices is not None else None
+    return device_ids, plan_groups(cfg, groups(cells), parallel, device_ids)
+
+
+def _echo_device_plan(plans, parallel: int) -> None:
+    """Which devices each cell group would get if every group took equally long (``--dry-run``)."""
+    from kvbench.harness.parallel import simulate
+
+    typer.echo(f"device plan (--parallel {parallel}; groups taking equally long):")
+    for p, (wave, devs) in zip(plans, simulate(plans, parallel)):
+        where = f"devices {','.join(map(str, devs))}" if devs is not None else "no devices assigned"
+        typer.echo(f"  wave {wave + 1}: {p.cells[0].label} ({p.kind} {p.target}, tp_size {p.tp_size}, "
+                   f"{len(p.cells)} cells): {where}")
+
+
+def _launch_listing(cfg, plans, parallel: int) -> list[str]:
+    """The exact launch command of every server cell group (``--dry-run``; rendered before a real sweep too,
+    so a template that cannot carry a cell stops it).  The port is the target's ``port`` or ``<port>`` (a
+    free one is picked per launch); devices are those the device plan gives the group, if any."""
+    from kvbench.harness.launch_options import PORT_STAND_IN
+    from kvbench.harness.parallel import simulate
+    from kvbench.harness.sweep_config import SweepConfigError
+    from kvbench.harness.targets import TargetError, render_launch
+
+    lines: list[str] = []
+    for p, (_, devs) in zip(plans, simulate(plans, parallel)):
+        spec = cfg.target(p.target)
+        if spec.type != "server":
+            continue
+        first = p.cells[0]
+        try:
+            cmd = render_launch(spec, first.config, spec.port or PORT_STAND_IN, devices=devs)
+        except TargetError as e:
+            raise SweepConfigError(f"target {spec.name!r}, cells {first.label}: {e}") from None
+        env = dict(spec.env)
+        if devs is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devs))
+        lines.append(f"launch for {first.label} ({len(p.cells)} cell{'s' if len(p.cells) != 1 else ''}, "
+                     f"target {spec.name}):")
+        if env:
+            lines.append("  env " + " ".join(f"{k}={v}" for k, v in env.items()))
+        lines.append(f"  $ {cmd}")
+    return lines
+
+
 def register(app: typer.Typer) -> None:
     @app.command("sweep")
     def sweep(
@@ -32,6 +83,10 @@ def register(app: typer.Typer) -> None:
         data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local dataset directory (overrides the config's data_dir)"),
         dry_run: bool = typer.Option(False, "--dry-run", help="List the cells and exit"),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar (off: one plain line per cell)"),
+        parallel: int = typer.Option(1, "--parallel", help="Run up to N server cell groups at once, each server on its "
+                                     "own devices and port (load generators share this host's CPU)"),
+        devices: Optional[str] = typer.Option(None, "--devices", help="GPU ids the servers may use, e.g. 0,1,2,3 "
+                                              "(default: each target's devices, else the visible GPUs)"),
     ) -> None:
         """Run the matrix of a sweep config: accuracy suites, fidelity, load tests and capacity per cell."""
         import logging
@@ -52,19 +107,27 @@ def register(app: typer.Typer) -> None:
             cells = select(expand(cfg), only)
             run_dir = Path(out or Path("runs") / cfg.name)
             _check_run_dir(run_dir)
+            device_ids, plans = _device_plans(cfg, cells, parallel, devices)
+            launches = _launch_listing(cfg, plans, parallel)
         except SweepConfigError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)
         if dry_run:
+            if parallel > 1 or device_ids is not None or any(p.allowed is not None for p in plans):
+                _echo_device_plan(plans, parallel)
             for c in cells:
-                typer.echo(f"{c.key}  {c.label}{'  [accuracy]' if c.run_accuracy else ''}")
+                tags = ("  [accuracy]" if c.run_accuracy else "") + ("" if c.run_load else "  [no load test]")
+                typer.echo(f"{c.key}  {c.label}{tags}")
+            for line in launches:
+                typer.echo(line)
             typer.echo(f"{len(cells)} cells -> {run_dir}")
             return
 
         from kvbench.harness.runner import run_sweep
 
         try:
-            outcome = run_sweep(cfg, run_dir, resume=resume, only=only, progress=True if progress else None)
+            outcome = run_sweep(cfg, run_dir, resume=resume, only=only, progress=True if progress else None,
+                                parallel=parallel, devices=device_ids)
         except SweepConfigError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)

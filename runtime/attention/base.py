@@ -21,7 +21,11 @@ Semantics shared by every backend (so they agree on numbers):
 * RoPE is applied before quantization.  Sliding window ``W``: a query at position ``p`` sees keys at
   positions ``j`` with ``p - W < j <= p``.  Sinks: one learned logit per query head that joins the
   softmax denominator only (GPT-OSS).
-* ``quantize_query``: q is rounded through float8_e4m3fn (scale ``layer.q_scale``) after RoPE.
+* ``quantize_query`` (``BackendOptions``; ``"none" | "prefill" | "decode" | "both"``): q is rounded through
+  float8_e4m3fn (dequant multiplier ``layer.q_scale``) after RoPE, in the phases the mode names.  Prefill
+  covers every prefill / chunked-prefill / prefix-cache extend row; decode covers decode steps **and the
+  rows of round-trip sequences** (a scored continuation behaves as decode would, so its queries follow the
+  decode setting).  ``query_fp8(opts, meta)`` says, per step, which rows are quantized.
 
 Token layout of a step: the new tokens of sequence ``b`` are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
 of ``q``/``k``/``v``; their positions are ``seq_lens[b] - q_len_b ... seq_lens[b] - 1``.  Rows past
@@ -48,6 +52,8 @@ __all__ = [
     "UnsupportedBackend",
     "apply_rope",
     "build_rope_cache",
+    "query_fp8",
+    "query_fp8_rows",
 ]
 
 PHASES = ("prefill", "decode")
@@ -146,11 +152,41 @@ class BackendOptions:
 
     kv_dtype: str = "bf16"
     fused_append: bool = True
-    quantize_query: bool = False
+    quantize_query: "bool | str" = "none"  # none | prefill | decode | both (True/False = both/none)
     device: str = "cpu"
     dtype: str = "float32"  # compute dtype name (torch attribute)
     max_batch_size: int = 64  # for backends that pre-allocate workspaces
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from kvbench.runtime.config import normalize_quantize_query, query_quant_phases
+
+        self.quantize_query = normalize_quantize_query(self.quantize_query)
+        self.query_fp8_prefill, self.query_fp8_decode = query_quant_phases(self.quantize_query)
+
+
+def query_fp8(opts: BackendOptions, meta: AttentionMetadata) -> "bool | list[bool]":
+    """Which queries of this step go through fp8: ``True``/``False`` for every row, or one flag per
+    sequence when a prefill step mixes plain rows (prefill setting) with round-trip rows (decode setting)
+    and the two settings differ."""
+    if meta.phase == "decode":
+        return opts.query_fp8_decode
+    pre, dec = opts.query_fp8_prefill, opts.query_fp8_decode
+    if pre == dec or not meta.has_roundtrip:
+        return pre
+    flags = [dec if rt else pre for rt in meta.roundtrip_seqs_cpu]
+    return flags[0] if len(set(flags)) == 1 else flags
+
+
+def query_fp8_rows(flags: list[bool], meta: AttentionMetadata, num_rows: int) -> "torch.Tensor":
+    """Bool ``[num_rows]`` on the step's device: the rows whose queries go through fp8 for per-sequence
+    ``flags`` (from ``query_fp8``); padding rows past ``cu_seqlens_q[-1]`` are False."""
+    import torch
+
+    q_lens = list(meta.q_lens_cpu) if meta.q_lens_cpu else torch.diff(meta.cu_seqlens_q).tolist()
+    rows = [bool(f) for f, q in zip(flags, q_lens) for _ in range(int(q))]
+    rows += [False] * (num_rows - len(rows))
+    return torch.tensor(rows, dtype=torch.bool, device=meta.positions.device)
 
 
 @runtime_checkable

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, apply_rope
-from kvbench.runtime.attention.torch_backend import quantize_query_fp8
+from kvbench.runtime.attention.torch_backend import quantize_step_query
 
 __all__ = ["FlashInferBackend"]
 
@@ -112,8 +112,7 @@ class FlashInferBackend:
         qr = apply_rope(q, meta.positions, meta.rope)
         kr = apply_rope(k, meta.positions, meta.rope)
         cache.write(li, meta.slot_mapping, kr, v)
-        if self.opts.quantize_query:
-            qr = quantize_query_fp8(qr, layer.q_scale)
+        qr = quantize_step_query(qr, layer.q_scale, self.opts, meta)
         G = H // layer.num_kv_heads
         ks, vs = cache.k_scale[li], cache.v_scale[li]
         quantized = cache.fmt.is_quantized

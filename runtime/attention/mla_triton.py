@@ -4,14 +4,16 @@ or ``mla_prefill`` (new tokens over the quantized prefix plus their own latent i
 round-trip sequences pass their latent as stored instead, read back after the append).
 
 No host syncs (the decode split count follows ``meta.max_seqlen_k``), so decode can be captured in a
-CUDA graph.  With ``quantize_query`` the append kernel emits the fp8 absorbed query that both kernels
-take (``q_scale`` per layer)."""
+CUDA graph.  With ``quantize_query`` (in the phases it names, ``base.query_fp8``) the append kernel emits
+the fp8 absorbed query that both kernels take (``q_scale`` per layer); a prefill step that mixes quantized
+round-trip rows with plain rows rounds the quantized rows' absorbed query through e4m3 in torch and runs
+the kernels on compute-dtype queries (``q_scale=None``)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvbench.runtime.attention.base import AttentionMetadata
+from kvbench.runtime.attention.base import AttentionMetadata, query_fp8, query_fp8_rows
 from kvbench.runtime.attention.mla_base import MLAAttentionLayer, absorb, unabsorb
 
 __all__ = ["triton_forward_mla", "latent_cache_view"]
@@ -37,7 +39,8 @@ def triton_forward_mla(backend, q_nope, q_pe, c_kv, k_pe, layer: MLAAttentionLay
     c_kv = c_kv.contiguous()
     k_pe = k_pe.contiguous()
     q_lat = absorb(q_nope, layer.w_uk)
-    q_scale = backend._q_scale(layer.q_scale, q_nope.device) if backend.opts.quantize_query else None
+    which = query_fp8(backend.opts, meta)
+    q_scale = backend._q_scale(layer.q_scale, q_nope.device) if which is True else None
     append = mla_append if backend.opts.fused_append else mla_append_unfused
     q_rot, k_rot, q8 = append(
         c_kv, k_pe, q_pe, meta.positions, backend._cos_sin_cache(meta.rope), meta.slot_mapping, lc,
@@ -47,6 +50,13 @@ def triton_forward_mla(backend, q_nope, q_pe, c_kv, k_pe, layer: MLAAttentionLay
         ql, qp = q8[..., :r], q8[..., r:]
     else:
         ql, qp = q_lat.contiguous(), q_rot
+        if which is not False:  # mixed step: the quantized rows' absorbed query rounded in torch
+            from kvbench.runtime.attention.torch_backend import quantize_query_fp8
+
+            rows = query_fp8_rows(which, meta, T)[:, None, None]
+            qa = torch.cat((ql, qp.to(ql.dtype)), dim=-1)
+            qa = torch.where(rows, quantize_query_fp8(qa, layer.q_scale), qa)
+            ql, qp = qa[..., :r].contiguous(), qa[..., r:].to(qp.dtype).contiguous()
     if meta.phase == "decode":
         from kvbench.kernels.mla_decode import mla_decode
 

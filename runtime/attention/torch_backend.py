@@ -31,10 +31,12 @@ from kvbench.runtime.attention.base import (
     AttentionMetadata,
     BackendOptions,
     apply_rope,
+    query_fp8,
+    query_fp8_rows,
 )
 from kvbench.runtime.kv_cache import PagedKVCache
 
-__all__ = ["TorchBackend", "TorchPlan", "quantize_query_fp8", "attend_chunked", "SCORE_TILE_BYTES"]
+__all__ = ["TorchBackend", "TorchPlan", "quantize_query_fp8", "quantize_step_query", "attend_chunked", "SCORE_TILE_BYTES"]
 
 _E4M3_MAX = 448.0
 
@@ -48,6 +50,18 @@ def quantize_query_fp8(q: torch.Tensor, q_scale: float) -> torch.Tensor:
     """Round q through float8_e4m3fn with a dequant multiplier ``q_scale`` (returns q's dtype)."""
     y = (q.float() / q_scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
     return (y.float() * q_scale).to(q.dtype)
+
+
+def quantize_step_query(q: torch.Tensor, q_scale: float, opts: BackendOptions, meta: AttentionMetadata) -> torch.Tensor:
+    """``q`` ``[T, H, D]`` (after RoPE) with the rows this step quantizes (``base.query_fp8``: the phase's
+    setting; round-trip rows of a prefill step follow the decode setting) rounded through fp8."""
+    which = query_fp8(opts, meta)
+    if which is False:
+        return q
+    if which is True:
+        return quantize_query_fp8(q, q_scale)
+    rows = query_fp8_rows(which, meta, q.shape[0])[:, None, None]
+    return torch.where(rows, quantize_query_fp8(q, q_scale), q)
 
 
 def query_chunk(num_heads: int, num_keys: int, fixed: Optional[int] = None) -> int:
@@ -255,8 +269,7 @@ class TorchBackend:
         qr = apply_rope(q, meta.positions, meta.rope)
         kr = apply_rope(k, meta.positions, meta.rope)
         cache.write(layer.layer_idx, meta.slot_mapping, kr, v)
-        if self.opts.quantize_query:
-            qr = quantize_query_fp8(qr, layer.q_scale)
+        qr = quantize_step_query(qr, layer.q_scale, self.opts, meta)
 
         slots, offs, los, ns = st.reads(layer.sliding_window)
         kc, vc = cache.read_slots(layer.layer_idx, slots, torch.float32)

@@ -7,6 +7,13 @@ same operation order), same quantizer (``kernels/formats.py``, bit for bit on th
 semantics (``base.py``).  Round-trip sequences (scoring with decode semantics): after the append, their new
 rows' K/V are read back from the pages (``stored_new_kv``) and passed to the prefill kernel as the new
 tokens' K/V, so they see exactly the bytes decode would read.
+
+fp8 queries (``quantize_query``, per phase: ``base.query_fp8``): when every row of a step is quantized the
+append kernel emits the e4m3 query and the attention kernel gets ``q_scale``; a phase that is not quantized
+passes ``q_scale=None``.  A prefill step that mixes the two (round-trip rows under the decode setting next
+to plain rows under the prefill one) rounds the quantized rows through e4m3 in torch and hands the kernel a
+compute-dtype query with ``q_scale=None`` (the same values up to the compute dtype's rounding of
+``e4m3 * q_scale``).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, RopeCache
+from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, RopeCache, query_fp8, query_fp8_rows
 
 __all__ = ["TritonBackend", "stored_new_kv"]
 
@@ -110,13 +117,19 @@ class TritonBackend:
             k_scale=cache.k_scale[li], v_scale=cache.v_scale[li],
         )
         bs = dict(k_block_scale=cache.k_block_scale[li], v_block_scale=cache.v_block_scale[li])
-        q_scale = self._q_scale(layer.q_scale, q.device) if self.opts.quantize_query else None
+        which = query_fp8(self.opts, meta)
+        q_scale = self._q_scale(layer.q_scale, q.device) if which is True else None
         append = fused_rope_quant_append if self.opts.fused_append else unfused_rope_quant_append
         app = append(
             q, k, v, meta.positions, meta.slot_mapping, self._cos_sin_cache(meta.rope), kv_format=fmt,
             rotary_dim=meta.rope.rotary_dim, rope_style=meta.rope.style, q_scale=q_scale, **kc, **bs,
         )
         qq = app.q_fp8 if q_scale is not None else app.q
+        if which is not True and which is not False:  # mixed step: the quantized rows rounded in torch
+            from kvbench.runtime.attention.torch_backend import quantize_query_fp8
+
+            rows = query_fp8_rows(which, meta, T)[:, None, None]
+            qq = torch.where(rows, quantize_query_fp8(app.q, layer.q_scale), app.q)
         attn = dict(
             kv_format=fmt, sm_scale=layer.softmax_scale, sliding_window=layer.sliding_window,
             sinks=layer.sinks, q_scale=q_scale, out_dtype=q.dtype, **kc, **bs,

@@ -36,6 +36,7 @@ class EngineParts:
     capacity: CapacityReport
     max_model_len: int
     backend: Any
+    q_scales: Any = None  # QueryScales (the fp8 query's dequant multiplier per layer and its source)
 
 
 def _device(cfg: EngineConfig) -> torch.device:
@@ -92,6 +93,40 @@ def _scales(cfg: EngineConfig, loaded: LoadedModel, rope, device: torch.device) 
     )
 
 
+@dataclass
+class QueryScales:
+    """Dequant multiplier of the fp8 query per layer (``quantize_query``) and where it came from:
+    ``checkpoint`` (every layer has ``...self_attn[.attn].q_scale`` or ``q_proj.output_scale``),
+    ``checkpoint+unit`` (some layers; the rest 1.0) or ``unit`` (none: 1.0, what vLLM and SGLang use
+    when a checkpoint gives no query scale)."""
+
+    values: list[float]
+    source: str
+
+    def summary(self) -> dict:
+        return {"source": self.source, "min": min(self.values, default=1.0), "max": max(self.values, default=1.0)}
+
+
+def query_scales(loaded: LoadedModel) -> QueryScales:
+    """The query scales of a loaded model (``loaded.scales.q``; per-tensor: a vector keeps its maximum)."""
+    import math
+
+    L = loaded.config.num_layers
+    found = list(getattr(loaded.scales, "q", None) or [None] * L)
+    vals = []
+    for i in range(L):
+        t = found[i] if i < len(found) else None
+        if t is None:
+            vals.append(1.0)
+            continue
+        v = float(torch.as_tensor(t, dtype=torch.float32).max())
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"the checkpoint's q_scale of layer {i} must be finite and positive, got {v}")
+        vals.append(v)
+    n = sum(t is not None for t in found[:L])
+    return QueryScales(vals, "unit" if n == 0 else "checkpoint" if n == L else "checkpoint+unit")
+
+
 def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     """``loaded``: reuse an already loaded model (tests, sweeps over KV formats) instead of loading ``cfg.model``."""
     device = _device(cfg)
@@ -122,6 +157,9 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> 
         device=str(device), dtype=str(dtype).replace("torch.", ""), max_batch_size=cfg.max_running, extra=dict(cfg.extra),
     )
     backend = create_backend(cfg.prefill_backend, cfg.decode_backend, opts, mla=spec.mla)
+    q_scales = query_scales(loaded)
+    for layer, qs in zip(loaded.model.attention_layers, q_scales.values):
+        layer.q_scale = qs  # set every time: a shared loaded model gets the same values
     runner = ModelRunner(loaded.model, cache, backend, rope, device)
     if device.type == "cuda" and not cfg.enforce_eager:
         from kvbench.runtime.graphs import DecodeGraphs, graph_safe
@@ -134,6 +172,7 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> 
         kv_dtype=cfg.kv_dtype, page_size=cfg.page_size, num_pages=plan.num_pages, tokens=plan.tokens,
         bytes_per_token=plan.bytes_per_token, kv_bytes=plan.kv_bytes, context_len=max_len,
         max_concurrency=plan.max_concurrency,
-        extra={"kv_budget_bytes": int(budget), "kv_scales": scales.source, "model": loaded.model_id},
+        extra={"kv_budget_bytes": int(budget), "kv_scales": scales.source, "model": loaded.model_id,
+               "quantize_query": cfg.quantize_query, "q_scale_source": q_scales.source},
     )
-    return EngineParts(device, dtype, loaded, cache, runner, scales, capacity, max_len, backend)
+    return EngineParts(device, dtype, loaded, cache, runner, scales, capacity, max_len, backend, q_scales)

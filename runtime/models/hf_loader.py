@@ -1,8 +1,11 @@
 """Local Hugging Face directory (config.json + *.safetensors, sharded or not) -> config and tensors.
 
-Only safetensors are read (never pickle / ``.bin``), and no code from the directory is run.  KV scales
-stored in the checkpoint (``...self_attn.k_scale`` / ``v_scale``, or ``...k_proj.output_scale`` style
-``kv_scale``) are returned separately, per layer.
+Only safetensors are read (never pickle / ``.bin``), and no code from the directory is run.  Attention
+scales stored in the checkpoint are returned separately, per layer, under the names vLLM and SGLang load:
+``...self_attn[.attn].k_scale`` / ``v_scale`` / ``kv_scale`` (one scale for both), the modelopt style
+``...self_attn.k_proj.k_scale`` / ``v_proj.v_scale``, the compressed-tensors / quark style
+``...self_attn.{q,k,v}_proj.output_scale``, and the query scale ``...self_attn[.attn].q_scale`` (the dequant
+multiplier of fp8 queries; ``quantize_query``).
 """
 
 from __future__ import annotations
@@ -18,15 +21,30 @@ from kvbench.runtime.models.config import ModelConfig, from_hf_config
 
 __all__ = ["load_hf_dir", "CheckpointScales"]
 
-_SCALE_RE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(k_scale|v_scale|kv_scale)$")
+_SCALE_RE = re.compile(
+    r"model\.layers\.(\d+)\.self_attn\."
+    r"(?:(?:attn\.|mla_attn\.)?(?P<plain>q_scale|k_scale|v_scale|kv_scale)|k_proj\.(?P<mo_k>k_scale)|v_proj\.(?P<mo_v>v_scale)"
+    r"|(?P<ct>[qkv])_proj\.output_scale)$"
+)
+
+
+def scale_kind(name: str) -> Optional[tuple[int, str]]:
+    """``(layer, kind)`` of a checkpoint attention-scale tensor name (kind in q_scale, k_scale, v_scale,
+    kv_scale), or None for any other tensor."""
+    m = _SCALE_RE.fullmatch(name)
+    if m is None:
+        return None
+    kind = m.group("plain") or m.group("mo_k") or m.group("mo_v") or f"{m.group('ct')}_scale"
+    return int(m.group(1)), kind
 
 
 class CheckpointScales:
-    """Per-layer K/V dequant scales found in a checkpoint (``None`` where absent)."""
+    """Per-layer K/V (and query) dequant scales found in a checkpoint (``None`` where absent)."""
 
     def __init__(self, num_layers: int):
         self.k: list[Optional[torch.Tensor]] = [None] * num_layers
         self.v: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.q: list[Optional[torch.Tensor]] = [None] * num_layers
 
     @property
     def complete(self) -> bool:
@@ -60,14 +78,18 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[M
         with safe_open(str(path / fn), framework="pt", device="cpu") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
-                m = _SCALE_RE.fullmatch(name)
-                if m:
-                    layer, kind = int(m.group(1)), m.group(2)
+                hit = scale_kind(name)
+                if hit is not None:
+                    layer, kind = hit
                     t = t.float().reshape(-1)
+                    if layer >= cfg.num_layers:
+                        continue
                     if kind in ("k_scale", "kv_scale"):
                         scales.k[layer] = t
                     if kind in ("v_scale", "kv_scale"):
                         scales.v[layer] = t
+                    if kind == "q_scale":
+                        scales.q[layer] = t
                     continue
                 state[name] = t.to(dtype) if t.is_floating_point() else t
     if "lm_head.weight" not in state and not cfg.tie_word_embeddings:

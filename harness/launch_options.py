@@ -1,0 +1,379 @@
+"""How the options of a cell reach an external server's launch command, and the check that they do.
+
+A ``server`` target's ``launch`` template is a shell command with placeholders:
+
+    {model} {host} {port} {python} {tp_size} {devices} {extra_args}
+    {kv_dtype} {kv_scales} {scales_file} {prefill_backend} {decode_backend} {attention_backend} {quantize_query}
+
+``{attention_backend}`` is the one backend of a cell whose prefill and decode backends are the same (a cell
+with two different ones cannot be rendered into it).  Values are shell-quoted; ``{kv_dtype}`` and the backend
+placeholders go through the target's ``kv_dtype_map`` / ``backend_map`` first.
+
+``option_flags`` turns a cell option into launch arguments where a bare placeholder does not fit:
+
+    option_flags:
+      kv_scales: {calibrate: --calculate-kv-scales, unit: ""}   # value-keyed: the arguments for each value
+      scales_file: "--quantization-param-path {value}"          # a template: {value} is the option's value
+
+A template entry is rendered for every value but the option's default (the default passes nothing); a
+value-keyed entry renders the text given for the cell's value ("" = nothing), the default value may be left
+out (it passes nothing), and any other value missing from it is refused.  Everything kvbench adds to the
+template (option_flags output, then the target's ``extra_args``, the backend entry's and the KV entry's) goes
+where ``{extra_args}`` stands, or at the end of the command.
+
+**The rule** (``check_cell``): an option is *expressed* on a target when its placeholder is in the template or
+it has an ``option_flags`` entry.  A cell whose value of an unexpressed option is not that option's default
+is a config error naming the key that set the value and what to add — never a label the server ignores.
+Defaults (what passes nothing): ``kv_dtype: auto``, backends ``default``, ``kv_scales: unit``, no
+``scales_file``, ``quantize_query: false``, ``kv_scales_per_head: false``, ``fused_append: true``.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import string
+import sys
+from typing import Any, Optional
+
+from kvbench.harness.config_checks import _check_keys, _choice, _fail, _int, _list, _mapping
+from kvbench.harness.sweep_specs import KV_DTYPES, KV_SCALE_POLICIES
+
+ENGINE_KINDS = ("sglang", "vllm", "kvbench", "generic")
+AUTO_KV = "auto"  # the KV dtype that passes nothing: the engine's own default cache dtype
+DEFAULT_BACKEND = "default"  # the backend name that passes nothing: the engine's own choice
+# the cell options a server launch may carry, with the value that passes nothing
+OPTION_DEFAULTS = {
+    "kv_dtype": AUTO_KV, "kv_scales": "unit", "scales_file": None, "prefill_backend": DEFAULT_BACKEND,
+    "decode_backend": DEFAULT_BACKEND, "attention_backend": DEFAULT_BACKEND, "quantize_query": "none",
+    "kv_scales_per_head": "false", "fused_append": "true",
+}
+OPTIONS = tuple(OPTION_DEFAULTS)
+OPTION_PLACEHOLDERS = OPTIONS[:7]  # kv_scales_per_head / fused_append: option_flags only
+PLACEHOLDERS = ("model", "host", "port", "python", "tp_size", "devices", "extra_args", *OPTION_PLACEHOLDERS)
+QUERY_QUANT_MODES = ("none", "prefill", "decode", "both")
+PORT_STAND_IN = "<port>"  # what --dry-run shows for a port picked per launch
+
+# what to add to a template, per engine (shown in errors; docs/external-engines.md cites the sources)
+_HINTS = {
+    "sglang": {
+        "kv_dtype": "--kv-cache-dtype {kv_dtype}",
+        "prefill_backend": "--prefill-attention-backend {prefill_backend}",
+        "decode_backend": "--decode-attention-backend {decode_backend}",
+        "attention_backend": "--attention-backend {attention_backend}",
+        "scales_file": 'option_flags: {scales_file: "--quantization-param-path {value}"}',
+    },
+    "vllm": {
+        "kv_dtype": "--kv-cache-dtype {kv_dtype}",
+        "attention_backend": "--attention-backend {attention_backend}",
+        "kv_scales": 'option_flags: {kv_scales: {calibrate: "--calculate-kv-scales"}}',
+    },
+    "kvbench": {
+        "kv_dtype": "--kv-dtype {kv_dtype}", "kv_scales": "--kv-scales {kv_scales}",
+        "prefill_backend": "--prefill-backend {prefill_backend}", "decode_backend": "--decode-backend {decode_backend}",
+        "quantize_query": "--quantize-query {quantize_query}",
+    },
+}
+
+
+class LaunchError(ValueError):
+    """A launch template cannot be rendered for a cell (``targets.render_launch`` turns it into a
+    ``TargetError``); config validation reports the same problems as ``SweepConfigError`` first."""
+
+
+# ------------------------------------------------------------------------------ values
+def query_quant_mode(value: Any) -> str:
+    """``quantize_query`` canonical mode: True -> both, False -> none, a mode name (any case) -> itself."""
+    if value is True:
+        return "both"
+    if value is False or value is None:
+        return "none"
+    if isinstance(value, str) and value.strip().lower() in QUERY_QUANT_MODES:
+        return value.strip().lower()
+    raise ValueError(f"{value!r} is not a quantize_query mode; choose one of: false, true, prefill, decode, both")
+
+
+def _bool_text(value: Any) -> str:
+    return "true" if value else "false"
+
+
+def option_values(cell: dict) -> dict[str, Optional[str]]:
+    """The cell's value of every option, as text (None: no value, e.g. no scales file, or no single
+    ``attention_backend`` when prefill and decode differ)."""
+    opts = cell.get("options") or {}
+    pre, dec = cell["prefill_backend"], cell["decode_backend"]
+    return {
+        "kv_dtype": cell["kv_dtype"], "kv_scales": cell["kv_scales"], "scales_file": cell.get("scales_file"),
+        "prefill_backend": pre, "decode_backend": dec, "attention_backend": pre if pre == dec else None,
+        "quantize_query": query_quant_mode(opts.get("quantize_query", False)),
+        "kv_scales_per_head": _bool_text(opts.get("kv_scales_per_head", False)),
+        "fused_append": _bool_text(opts.get("fused_append", True)),
+    }
+
+
+def _mapped(spec, option: str, value: str) -> str:
+    if option == "kv_dtype":
+        return spec.kv_dtype_map.get(value, value)
+    if option in ("prefill_backend", "decode_backend", "attention_backend"):
+        return spec.backend_map.get(value, value)
+    return value
+
+
+def _flag_key(option: str, key: Any) -> str:
+    """A value-keyed option_flags key as the cell's value text (YAML true/false -> true/false; quantize_query's
+    true/false/both/none -> both/none)."""
+    if option == "quantize_query":
+        return query_quant_mode(key)
+    return _bool_text(key) if isinstance(key, bool) else str(key)
+
+
+# ------------------------------------------------------------------------------ templates
+def template_fields(text: str) -> list[str]:
+    """The placeholder names of a ``str.format`` template (ValueError when its braces are malformed)."""
+    return [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+
+
+def sniff_engine_kind(launch: Optional[str], ttype: str) -> str:
+    """``engine_kind`` when the config gives none: from the launch text for server targets."""
+    if ttype == "embedded":
+        return "kvbench"
+    text = (launch or "").lower() if ttype == "server" else ""
+    if "sglang" in text:
+        return "sglang"
+    if "vllm" in text:
+        return "vllm"
+    if re.search(r"kvbench(\.harness)?\s+serve\b", text):
+        return "kvbench"
+    return "generic"
+
+
+def parse_target_options(t, d: dict, path: str) -> None:
+    """The launch keys of a target mapping ``d`` onto TargetSpec ``t``: ``engine_kind``, ``option_flags``,
+    ``extra_args``, ``tp_size``, ``devices``; and the launch template's placeholders."""
+    server = t.type == "server"
+    for key in ("option_flags", "extra_args", "tp_size", "devices"):
+        if d.get(key) is not None and not server:
+            _fail(f"{path}.{key}", f"applies to server targets only (this target is {t.type})")
+    if server:
+        try:
+            fields = template_fields(t.launch)
+        except ValueError as e:
+            _fail(f"{path}.launch", f"not a valid template ({e}); write literal braces as {{{{ and }}}}")
+        for f in fields:
+            if f not in PLACEHOLDERS:
+                _fail(f"{path}.launch", f"unknown placeholder {{{f}}}; allowed: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
+    kind = d.get("engine_kind")
+    t.engine_kind = sniff_engine_kind(t.launch, t.type) if kind is None else _choice(kind, ENGINE_KINDS, f"{path}.engine_kind")
+    if d.get("extra_args") is not None:
+        t.extra_args = shell_args(d["extra_args"], f"{path}.extra_args")
+    if d.get("tp_size") is not None:
+        t.tp_size = _int(d["tp_size"], f"{path}.tp_size", 1)
+    if d.get("devices") is not None:
+        devs = [_int(x, f"{path}.devices[{i}]", 0) for i, x in enumerate(_list(d["devices"], f"{path}.devices"))]
+        if len(set(devs)) != len(devs):
+            _fail(f"{path}.devices", f"a device is listed twice in {devs}")
+        t.devices = devs
+    t.option_flags = _option_flags(d.get("option_flags"), f"{path}.option_flags")
+
+
+def shell_args(value: Any, path: str) -> str:
+    """Extra launch arguments: shell text that splits cleanly (balanced quotes); '' allowed."""
+    if not isinstance(value, str):
+        _fail(path, f"expected a string of launch arguments, got {type(value).__name__} {value!r}")
+    try:
+        shlex.split(value)
+    except ValueError as e:
+        _fail(path, f"{value!r} is not valid shell text ({e})")
+    return value.strip()
+
+
+_KEY_CHOICES = {"kv_dtype": (*KV_DTYPES, AUTO_KV), "kv_scales": KV_SCALE_POLICIES, "kv_scales_per_head": ("true", "false"),
+                "fused_append": ("true", "false")}
+
+
+def _option_flags(value: Any, path: str) -> dict:
+    flags = dict(_mapping(value, path))
+    _check_keys(flags, OPTIONS, path)
+    out: dict = {}
+    for option, spec in flags.items():
+        p = f"{path}.{option}"
+        if isinstance(spec, str):
+            try:
+                names = template_fields(spec)
+            except ValueError as e:
+                _fail(p, f"not a valid template ({e}); write literal braces as {{{{ and }}}}")
+            if any(n != "value" for n in names):
+                _fail(p, f"the only placeholder here is {{value}} (the option's value), got {spec!r}")
+            out[option] = shell_args(spec, p)
+        elif isinstance(spec, dict):
+            if option == "scales_file":
+                _fail(p, 'a file path cannot key a mapping; use a template such as "--quantization-param-path {value}"')
+            m = {}
+            for key, args in spec.items():
+                try:
+                    k = _flag_key(option, key)
+                except ValueError as e:
+                    _fail(f"{p}.{key}", str(e))
+                if option in _KEY_CHOICES and k not in _KEY_CHOICES[option]:
+                    _fail(f"{p}.{key}", f"{key!r} is not a value of {option}; choose from: {', '.join(_KEY_CHOICES[option])}")
+                if args is None:
+                    args = ""
+                m[k] = shell_args(args, f"{p}.{key}")
+            out[option] = m
+        else:
+            _fail(p, f"expected a string with {{value}} or a mapping value -> arguments, got {type(spec).__name__} {spec!r}")
+    return out
+
+
+# ------------------------------------------------------------------------------ the check
+def expressed(spec, option: str, fields: Optional[set] = None) -> bool:
+    """Whether ``option`` has a placeholder in the target's template or an ``option_flags`` entry."""
+    fields = set(template_fields(spec.launch)) if fields is None else fields
+    return option in fields or option in spec.option_flags
+
+
+def check_cell(spec, tpath: str, cell: dict, where: dict[str, str]) -> None:
+    """Refuse (``SweepConfigError``) a cell of server target ``spec`` whose options the launch cannot carry.
+
+    ``where`` maps each option to the key path that set it (``axes.kv[1].scales``); the message names that
+    path, the target, and what to add."""
+    fields = set(template_fields(spec.launch))
+    vals = option_values(cell)
+    name = f"target {spec.name!r} ({tpath})"
+    pre, dec = vals["prefill_backend"], vals["decode_backend"]
+    one = expressed(spec, "attention_backend", fields)
+    if pre != dec and "attention_backend" in fields:
+        _fail(where["prefill_backend"],
+              f"prefill {pre!r} and decode {dec!r} differ, but {name} passes one backend for both phases "
+              f"({{attention_backend}} in its launch template); use {{prefill_backend}} and {{decode_backend}} "
+              f"instead{_hint(spec, 'prefill_backend', ' (for {kind}: {hint} ...)')}, or leave this entry out for this target")
+    for option in _CHECK_ORDER:
+        value = vals[option]
+        if option in ("prefill_backend", "decode_backend"):
+            ok = expressed(spec, option, fields) or (pre == dec and one)
+        elif option == "kv_scales" and value == "checkpoint" and vals["scales_file"] is not None:
+            ok = True  # the scales come from the file, which reached the launch (checked just before)
+        else:
+            ok = expressed(spec, option, fields)
+        path = where.get(option, tpath)
+        if not ok:
+            if value != OPTION_DEFAULTS[option]:
+                _fail(path, _unexpressed(spec, name, option, value, pre == dec))
+            continue
+        if option in fields and value is None:
+            _fail(path, f"{name} passes {{{option}}} in its launch template, but this entry sets no {option}; "
+                        f"give it one, or pass it through option_flags: {{{option}: '--flag {{value}}'}}, "
+                        "which is rendered only when a value is set")
+        _mapping_value(spec, tpath, name, option, value, path)
+    if one and pre == dec:
+        _mapping_value(spec, tpath, name, "attention_backend", pre, where.get("prefill_backend", tpath))
+
+
+_CHECK_ORDER = ("kv_dtype", "prefill_backend", "decode_backend", "scales_file", "kv_scales", "quantize_query",
+                "kv_scales_per_head", "fused_append")
+
+
+def _mapping_value(spec, tpath: str, name: str, option: str, value: Optional[str], path: str) -> None:
+    m = spec.option_flags.get(option)
+    if not isinstance(m, dict) or value is None or value in m or value == OPTION_DEFAULTS[option]:
+        return
+    _fail(path, f"{option} {value!r} is not in {tpath}.option_flags.{option} of {name} (it maps "
+                f"{', '.join(map(repr, m)) or 'nothing'}); add {value}: '<launch arguments>' ('' when the server "
+                "needs no flag for it)")
+
+
+def _hint(spec, option: str, fmt: str) -> str:
+    hint = _HINTS.get(spec.engine_kind, {}).get(option)
+    return fmt.format(kind=spec.engine_kind, hint=hint) if hint else ""
+
+
+def _unexpressed(spec, name: str, option: str, value: Optional[str], same: bool) -> str:
+    what = f"{option} {value!r}"
+    if option in ("prefill_backend", "decode_backend"):
+        place = ("{prefill_backend}/{decode_backend} (or {attention_backend} when both phases use one backend)"
+                 if same else "{prefill_backend} and {decode_backend}")
+        fix = f"add {place} to the launch template{_hint(spec, option, ' (for {kind}: {hint})')}, or use the backend " \
+              f"name {DEFAULT_BACKEND!r} (the engine's own choice, passes nothing)"
+    elif option == "kv_dtype":
+        fix = f"add {{kv_dtype}} to the launch template{_hint(spec, option, ' (for {kind}: {hint})')}, or use the KV " \
+              f"dtype {AUTO_KV!r} (the engine's default cache dtype, passes nothing)"
+    elif option == "scales_file":
+        fix = "pass it with option_flags: {scales_file: '--flag {value}'} (rendered only when an entry sets a file)" \
+              + _hint(spec, option, "; for {kind}: {hint}")
+    elif option in OPTION_PLACEHOLDERS:
+        fix = f"add {{{option}}} to the launch template or an option_flags entry " \
+              f"({option}: '--flag {{value}}', or {{{value}: '--flag'}})" + _hint(spec, option, "; for {kind}: {hint}")
+    else:
+        fix = f"add an option_flags entry ({option}: {{{value}: '--flag'}})"
+    if option == "kv_scales":
+        fix += ("; when the server gets these scales without any flag (e.g. scales it loads from the checkpoint on "
+                f"its own), say so: option_flags: {{kv_scales: {{{value}: ''}}}}")
+    where = "has no " + (f"{{{option}}} and its option_flags no {option!r} entry" if option in OPTION_PLACEHOLDERS
+                         else f"{option!r} entry in its option_flags")
+    return (f"{what} does not reach {name}: its launch {where}, so the server would run without it while the "
+            f"cell says {value!r}; {fix}")
+
+
+# ------------------------------------------------------------------------------ rendering
+def _devices_text(spec, devices: Optional[list[int]]) -> str:
+    devs = devices if devices is not None else spec.devices
+    if devs is None:
+        devs = list(range(spec.tp_size))
+    return ",".join(str(d) for d in devs)
+
+
+def option_flag_args(spec, cell: dict) -> list[str]:
+    """The launch arguments the target's ``option_flags`` give this cell, in the order of the entries."""
+    vals = option_values(cell)
+    out = []
+    for option, flag in spec.option_flags.items():
+        value = vals[option]
+        if value is None:
+            continue
+        if isinstance(flag, dict):
+            if value in flag:
+                args = flag[value]
+            elif value == OPTION_DEFAULTS[option]:
+                args = ""
+            else:
+                raise LaunchError(f"{option} {value!r} is not in the option_flags of target {spec.name!r} "
+                                  f"(it maps {', '.join(map(repr, flag))})")
+        elif value == OPTION_DEFAULTS[option]:
+            args = ""
+        else:
+            args = flag.format(value=shlex.quote(_mapped(spec, option, value)))
+        if args:
+            out.append(args)
+    return out
+
+
+def render_command(spec, cell: dict, port: Any, devices: Optional[list[int]] = None) -> str:
+    """The launch command of ``cell`` on server target ``spec`` (values shell-quoted; ``port`` a number or
+    ``PORT_STAND_IN``).  ``LaunchError`` when the template cannot carry the cell (see ``check_cell``)."""
+    try:
+        fields = set(template_fields(spec.launch))
+    except ValueError as e:
+        raise LaunchError(f"launch template of target {spec.name!r} is not a valid template ({e})") from None
+    unknown = sorted(fields - set(PLACEHOLDERS))
+    if unknown:
+        raise LaunchError(f"launch template of target {spec.name!r} has an unknown placeholder {unknown[0]!r}; "
+                          f"allowed: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
+    vals = option_values(cell)
+    subs = {"model": shlex.quote(str(cell["model"])), "host": shlex.quote(spec.host),
+            "port": port if port == PORT_STAND_IN else shlex.quote(str(port)), "python": shlex.quote(sys.executable),
+            "tp_size": str(spec.tp_size), "devices": shlex.quote(_devices_text(spec, devices))}
+    for option in OPTION_PLACEHOLDERS:
+        if option not in fields:
+            continue
+        if vals[option] is None:
+            why = ("its prefill and decode backends differ" if option == "attention_backend"
+                   else f"the cell has no {option}")
+            raise LaunchError(f"launch template of target {spec.name!r} passes {{{option}}}, but {why}")
+        subs[option] = shlex.quote(_mapped(spec, option, vals[option]))
+    extra = " ".join(a for a in (*option_flag_args(spec, cell), spec.extra_args, cell.get("extra_args") or "") if a)
+    subs["extra_args"] = extra
+    cmd = spec.launch.format(**subs).rstrip()
+    if extra and "extra_args" not in fields:
+        cmd = f"{cmd} {extra}"
+    return cmd

@@ -1,0 +1,236 @@
+"""The axes of a sweep: backend entries, KV entries, explicit combinations, and which of them each target runs.
+
+* A **backend entry** is ``NAME``, ``PREFILL+DECODE``, or a mapping ``{backend: NAME | PREFILL+DECODE}`` /
+  ``{prefill: NAME, decode: NAME}`` with optional ``extra_args`` (launch arguments for server targets).
+  Names are free strings, passed verbatim to server targets (``trtllm_mha``, ``fa3``, ``FLASHINFER``, ...);
+  embedded targets accept only the embedded engine's registry (``BACKENDS``).  ``default`` is the engine's
+  own choice (passes nothing).
+* A **KV entry** is ``DTYPE`` or ``{dtype, scales, scales_file, extra_args, kv_scales_per_head,
+  quantize_query, fused_append}``; ``dtype: auto`` keeps a server's default cache dtype (passes nothing);
+  ``scales_file`` (a quantization-param file) implies ``scales: checkpoint``; ``quantize_query`` is
+  false | true (= both) | prefill | decode | both.
+* ``axes.combos: [{backends: ENTRY, kv: ENTRY}, ...]`` replaces the product backends x kv with explicit pairs.
+* A target's own ``backends:`` list replaces ``axes.backends`` for that target.  Without ``axes.backends`` /
+  ``axes.kv`` a server target runs ``default`` / ``auto`` (nothing passed) and other targets ``torch`` / ``bf16``.
+
+``check_targets`` validates every (target, backend entry, KV entry) a sweep can run: registry names and
+engine options on embedded targets, launch arguments on endpoint targets (none can reach them), and for
+server targets that every option reaches the launch (``launch_options.check_cell``).  No torch here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, NamedTuple
+
+from kvbench.harness.config_checks import _bool, _check_keys, _choice, _fail, _list, _mapping, _str
+from kvbench.harness.launch_options import AUTO_KV, DEFAULT_BACKEND, check_cell, query_quant_mode, shell_args
+from kvbench.harness.sweep_specs import (BACKENDS, KV_DTYPES, KV_ENTRY_OPTIONS, KV_SCALE_POLICIES, KVSpec,
+                                         TargetSpec)
+
+KV_DTYPE_CHOICES = (*KV_DTYPES, AUTO_KV)
+_KV_KEYS = ("dtype", "scales", "scales_file", "extra_args", *KV_ENTRY_OPTIONS)
+
+
+class BackendPair(tuple):
+    """A backend entry: ``(prefill, decode)`` (it compares, hashes and unpacks as that 2-tuple) plus the
+    ``extra_args`` it adds to a server's launch."""
+
+    extra_args: str
+
+    def __new__(cls, prefill, decode=None, extra_args: str = ""):
+        if decode is None and not isinstance(prefill, str):  # BackendPair(iterable), as copy/asdict call it
+            prefill, decode = tuple(prefill)[:2]
+        self = super().__new__(cls, (prefill, decode))
+        self.extra_args = extra_args
+        return self
+
+    def __getnewargs__(self):
+        return (self[0], self[1], self.extra_args)
+
+    def ident(self) -> tuple:
+        return (self[0], self[1], self.extra_args)
+
+    def to_json(self) -> list:
+        return [self[0], self[1], *([self.extra_args] if self.extra_args else [])]
+
+    def with_args(self, extra_args: str) -> "BackendPair":
+        return BackendPair(self[0], self[1], extra_args)
+
+
+class Entry(NamedTuple):
+    """One (backend entry, KV entry) a target runs, with the key paths that set them (for errors)."""
+
+    backends: BackendPair
+    kv: KVSpec
+    bpath: str
+    kpath: str
+
+
+# ------------------------------------------------------------------------------ parsing
+def _name(value: Any, path: str) -> str:
+    name = _str(value, path)
+    if any(c.isspace() for c in name) or "+" in name or "{" in name or "}" in name:
+        _fail(path, f"{name!r} is not a backend name (no spaces, '+' or braces)")
+    return name
+
+
+def parse_backend_entry(d: Any, path: str) -> BackendPair:
+    """``NAME`` | ``PREFILL+DECODE`` | ``{backend: ..., extra_args}`` | ``{prefill, decode, extra_args}``."""
+    extra = ""
+    if isinstance(d, dict):
+        _check_keys(d, ("backend", "prefill", "decode", "extra_args"), path)
+        if d.get("extra_args") is not None:
+            extra = shell_args(d["extra_args"], f"{path}.extra_args")
+        if "backend" in d:
+            if "prefill" in d or "decode" in d:
+                _fail(path, "give either backend or prefill and decode, not both")
+            return parse_backend_entry(_str(d["backend"], f"{path}.backend"), f"{path}.backend").with_args(extra)
+        return BackendPair(_name(d.get("prefill"), f"{path}.prefill"), _name(d.get("decode"), f"{path}.decode"), extra)
+    if not isinstance(d, str):
+        _fail(path, f"expected BACKEND or PREFILL+DECODE, got {type(d).__name__} {d!r}")
+    parts = d.split("+")
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2:
+        _fail(path, f"expected BACKEND or PREFILL+DECODE, got {d!r}")
+    return BackendPair(_name(parts[0], path), _name(parts[1], path))
+
+
+def parse_kv_entry(d: Any, path: str) -> KVSpec:
+    if isinstance(d, str):
+        d = {"dtype": d}
+    d = _mapping(d, path)
+    _check_keys(d, _KV_KEYS, path)
+    dtype = _choice(d.get("dtype"), KV_DTYPE_CHOICES, f"{path}.dtype")
+    scales_file = None
+    if d.get("scales_file") is not None:
+        scales_file = _str(d["scales_file"], f"{path}.scales_file")
+    scales = _choice(d.get("scales", "checkpoint" if scales_file else "unit"), KV_SCALE_POLICIES, f"{path}.scales")
+    if scales_file and scales != "checkpoint":
+        _fail(f"{path}.scales", f"a scales_file gives the scales: use scales: checkpoint (or leave scales out), got {scales!r}")
+    options = {}
+    for k in KV_ENTRY_OPTIONS:
+        if k not in d:
+            continue
+        if k == "quantize_query":
+            options[k] = _query_quant(d[k], f"{path}.{k}")
+        else:
+            options[k] = _bool(d[k], f"{path}.{k}")
+    extra = shell_args(d["extra_args"], f"{path}.extra_args") if d.get("extra_args") is not None else ""
+    return KVSpec(dtype, scales, options, scales_file=scales_file, extra_args=extra)
+
+
+def _query_quant(value: Any, path: str):
+    """``quantize_query`` as the cell records it: false / true (``both``) / "prefill" / "decode"."""
+    if not isinstance(value, (bool, str)):
+        _fail(path, f"expected false, true, prefill, decode or both, got {value!r}")
+    try:
+        mode = query_quant_mode(value)
+    except ValueError as e:
+        _fail(path, str(e))
+    return {"none": False, "both": True}.get(mode, mode)
+
+
+def kv_ident(k: KVSpec) -> str:
+    return str((k.dtype, k.scales, sorted(k.options.items()), k.scales_file, k.extra_args))
+
+
+def parse_combos(value: Any, path: str) -> list[tuple[BackendPair, KVSpec]]:
+    out = []
+    for i, c in enumerate(_list(value, path)):
+        p = f"{path}[{i}]"
+        c = _mapping(c, p)
+        _check_keys(c, ("backends", "kv"), p)
+        for k in ("backends", "kv"):
+            if c.get(k) is None:
+                _fail(f"{p}.{k}", "missing: a combination names a backend entry and a KV entry")
+        out.append((parse_backend_entry(c["backends"], f"{p}.backends"), parse_kv_entry(c["kv"], f"{p}.kv")))
+    seen = [(b.ident(), kv_ident(k)) for b, k in out]
+    if len(set(map(str, seen))) != len(seen):
+        _fail(path, "duplicate entries")
+    return out
+
+
+# ------------------------------------------------------------------------------ entries per target
+def default_entries(ttype: str) -> tuple[BackendPair, KVSpec]:
+    """What a target runs when the config gives no backend / KV axis."""
+    if ttype == "server":
+        return BackendPair(DEFAULT_BACKEND, DEFAULT_BACKEND), KVSpec(AUTO_KV)
+    return BackendPair("torch", "torch"), KVSpec("bf16")
+
+
+def entries(sweep, target: TargetSpec, tindex: int = 0) -> Iterator[Entry]:
+    """The (backend entry, KV entry) pairs ``target`` runs, in matrix order (backends outer, kv inner)."""
+    implicit = getattr(sweep, "implicit_axes", ())
+    if getattr(sweep, "combos", None):
+        for i, (b, k) in enumerate(sweep.combos):
+            yield Entry(b, k, f"axes.combos[{i}].backends", f"axes.combos[{i}].kv")
+        return
+    dflt_b, dflt_k = default_entries(target.type)
+    if target.backends is not None:
+        bs = [(b, f"targets[{tindex}].backends[{i}]") for i, b in enumerate(target.backends)]
+    elif "backends" in implicit:
+        bs = [(dflt_b, "axes.backends")]
+    else:
+        bs = [(b, f"axes.backends[{i}]") for i, b in enumerate(sweep.backends)]
+    ks = [(dflt_k, "axes.kv")] if "kv" in implicit else [(k, f"axes.kv[{i}]") for i, k in enumerate(sweep.kv)]
+    for b, bp in bs:
+        for k, kp in ks:
+            yield Entry(b, k, bp, kp)
+
+
+def cell_fields(b: BackendPair, k: KVSpec) -> dict:
+    """The cell config keys an entry sets (besides model, target, concurrency)."""
+    out = {"prefill_backend": b[0], "decode_backend": b[1], "kv_dtype": k.dtype, "kv_scales": k.scales}
+    if k.options:
+        out["options"] = dict(sorted(k.options.items()))
+    if k.scales_file:
+        out["scales_file"] = k.scales_file
+    extra = " ".join(a for a in (b.extra_args, k.extra_args) if a)
+    if extra:
+        out["extra_args"] = extra
+    return out
+
+
+# ------------------------------------------------------------------------------ checks
+def check_targets(sweep) -> None:
+    """Every entry of every target can run as its cell says (``SweepConfigError`` otherwise)."""
+    for ti, t in enumerate(sweep.targets):
+        for e in entries(sweep, t, ti):
+            if t.type == "embedded":
+                _check_embedded(t, ti, e)
+            elif t.type == "endpoint":
+                _check_endpoint(t, ti, e)
+            else:
+                fields = cell_fields(e.backends, e.kv)
+                cell = {"model": "m", **fields}
+                where = {"kv_dtype": f"{e.kpath}.dtype", "kv_scales": f"{e.kpath}.scales",
+                         "scales_file": f"{e.kpath}.scales_file", "prefill_backend": e.bpath, "decode_backend": e.bpath}
+                where.update({o: f"{e.kpath}.{o}" for o in KV_ENTRY_OPTIONS})
+                check_cell(t, f"targets[{ti}]", cell, where)
+
+
+def _check_embedded(t: TargetSpec, ti: int, e: Entry) -> None:
+    name = f"embedded target {t.name!r} (targets[{ti}])"
+    for n in e.backends[:2]:
+        if n not in BACKENDS:
+            _fail(e.bpath, f"{n!r} is not a backend of the embedded engine ({name}); choose one of: "
+                           f"{', '.join(BACKENDS)} (engine names such as trtllm_mha belong to server targets: give "
+                           "those their own backends: list)")
+    if e.kv.dtype == AUTO_KV:
+        _fail(f"{e.kpath}.dtype", f"{AUTO_KV!r} (a server's default cache dtype) does not apply to {name}; "
+                                  f"choose one of: {', '.join(KV_DTYPES)}")
+    for what, path in ((e.backends.extra_args, f"{e.bpath}.extra_args"), (e.kv.extra_args, f"{e.kpath}.extra_args")):
+        if what:
+            _fail(path, f"{name} launches no server, so launch arguments cannot reach it")
+    if e.kv.scales_file:
+        _fail(f"{e.kpath}.scales_file", f"the embedded engine takes no scales file ({name}); its scales are "
+                                        f"{', '.join(KV_SCALE_POLICIES)}")
+
+
+def _check_endpoint(t: TargetSpec, ti: int, e: Entry) -> None:
+    name = f"endpoint target {t.name!r} (targets[{ti}])"
+    for what, path in ((e.backends.extra_args, f"{e.bpath}.extra_args"), (e.kv.extra_args, f"{e.kpath}.extra_args"),
+                       (e.kv.scales_file, f"{e.kpath}.scales_file")):
+        if what:
+            _fail(path, f"nothing is launched for {name}, so this cannot reach it")
