@@ -393,8 +393,11 @@ def open_endpoint(spec: TargetSpec) -> Iterator[TargetSession]:
     model_id = spec.model_id or served_model_id(url)
     client = http_client(url, model_id, spec.api_key, spec)
     try:
+        # no start-up log to read: what the server exports on /metrics (sglang, vLLM), else None
+        capacity = lambda: server_capacity(None, url, engine_kind=getattr(spec, "engine_kind", None),  # noqa: E731
+                                           api_key=spec.api_key)
         yield TargetSession(client, model_id, url=url, flush=lambda: flush_cache(url, spec.flush_cache, spec.api_key),
-                            info={"type": "endpoint", "url": url})
+                            capacity=capacity, info={"type": "endpoint", "url": url})
     finally:
         client.close()
 

@@ -212,3 +212,26 @@ def test_bad_flags_and_bad_model_path_fail_fast_and_resume_finishes(tmp_path):
     assert outcome.ok and outcome.skipped == [cells[(str(good), "vllm")].key] and len(outcome.done) == 5
     assert {p.name: p.stat().st_mtime_ns for p in done_dir.iterdir()} == before
     assert all(c.status == "done" and c.capacity["tokens"] == expected_tokens(1) for c in read_cells(tmp_path / "run"))
+
+
+def test_an_endpoint_target_gets_capacity_from_metrics(tmp_path):
+    """An already-running vLLM (an endpoint target: no start-up log of ours) still gets capacity.json from its
+    /metrics (vllm:cache_config_info: blocks x block size), like a server target."""
+    import subprocess
+
+    from kvbench.harness.sweep_specs import TargetSpec
+    from kvbench.harness.targets import free_port, kill_group, open_endpoint
+
+    model = make_model(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen([PYTHON, str(FAKE_VLLM), "serve", str(model), "--kv-cache-dtype", "fp8_e4m3",
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        spec = TargetSpec(name="running", type="endpoint", base_url=f"http://127.0.0.1:{port}", health_timeout_s=20)
+        with open_endpoint(spec) as session:
+            cap = session.capacity()
+        assert cap is not None and cap["tokens"] == expected_tokens(1), cap
+        assert cap["source"] == "server metrics" and cap["page_size"] > 0
+    finally:
+        kill_group(proc)
