@@ -2,6 +2,7 @@
 
 Each command lives in ``harness/commands/<name>.py`` with a ``register(app)`` function; heavy imports
 (torch, the engine, pandas) happen inside the command bodies so ``kvbench --help`` stays instant.
+Modules named in ``$KVBENCH_PLUGINS`` are imported first (``kvbench.core.plugins``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import importlib
 
 import typer
 
+from kvbench.core.plugins import PluginError, load_plugins
 from kvbench.harness import __version__
 
 COMMANDS = ("serve", "eval", "load", "sweep", "report", "compare", "gate", "bench", "capacity", "formats")
@@ -35,6 +37,13 @@ def _root(
 ) -> None:
     """kvbench: accuracy-and-throughput harness for KV-cache precision."""
 
+
+# plugins ($KVBENCH_PLUGINS: extra KV formats and the like) register before any command reads the tables
+try:
+    load_plugins()
+except PluginError as _e:
+    typer.echo(f"error: {_e}", err=True)
+    raise SystemExit(2) from None
 
 for _name in COMMANDS:
     importlib.import_module(f"kvbench.harness.commands.{_name}").register(app)

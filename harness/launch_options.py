@@ -37,8 +37,9 @@ import string
 import sys
 from typing import Any, Optional
 
+from kvbench.core.formats import KV_SCALE_POLICIES, format_names
 from kvbench.harness.config_checks import _check_keys, _choice, _fail, _int, _list, _mapping
-from kvbench.harness.sweep_specs import KV_DTYPES, KV_SCALE_POLICIES
+from kvbench.runtime.config import QUERY_QUANT_MODES
 
 ENGINE_KINDS = ("sglang", "vllm", "kvbench", "generic")
 AUTO_KV = "auto"  # the KV dtype that passes nothing: the engine's own default cache dtype
@@ -52,7 +53,6 @@ OPTION_DEFAULTS = {
 OPTIONS = tuple(OPTION_DEFAULTS)
 OPTION_PLACEHOLDERS = OPTIONS[:7]  # kv_scales_per_head / fused_append: option_flags only
 PLACEHOLDERS = ("model", "host", "port", "python", "tp_size", "devices", "extra_args", *OPTION_PLACEHOLDERS)
-QUERY_QUANT_MODES = ("none", "prefill", "decode", "both")
 PORT_STAND_IN = "<port>"  # what --dry-run shows for a port picked per launch
 
 # what to add to a template, per engine (shown in errors; docs/external-engines.md cites the sources)
@@ -188,14 +188,17 @@ def shell_args(value: Any, path: str) -> str:
     return value.strip()
 
 
-_KEY_CHOICES = {"kv_dtype": (*KV_DTYPES, AUTO_KV), "kv_scales": KV_SCALE_POLICIES, "kv_scales_per_head": ("true", "false"),
-                "fused_append": ("true", "false")}
+def _key_choices() -> dict[str, tuple[str, ...]]:
+    """The values an ``option_flags`` mapping may key (the format table is read at parse time)."""
+    return {"kv_dtype": (*format_names(), AUTO_KV), "kv_scales": KV_SCALE_POLICIES, "kv_scales_per_head": ("true", "false"),
+            "fused_append": ("true", "false")}
 
 
 def _option_flags(value: Any, path: str) -> dict:
     flags = dict(_mapping(value, path))
     _check_keys(flags, OPTIONS, path)
     out: dict = {}
+    choices = _key_choices()
     for option, spec in flags.items():
         p = f"{path}.{option}"
         if isinstance(spec, str):
@@ -215,8 +218,8 @@ def _option_flags(value: Any, path: str) -> dict:
                     k = _flag_key(option, key)
                 except ValueError as e:
                     _fail(f"{p}.{key}", str(e))
-                if option in _KEY_CHOICES and k not in _KEY_CHOICES[option]:
-                    _fail(f"{p}.{key}", f"{key!r} is not a value of {option}; choose from: {', '.join(_KEY_CHOICES[option])}")
+                if option in choices and k not in choices[option]:
+                    _fail(f"{p}.{key}", f"{key!r} is not a value of {option}; choose from: {', '.join(choices[option])}")
                 if args is None:
                     args = ""
                 m[k] = shell_args(args, f"{p}.{key}")

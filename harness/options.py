@@ -13,6 +13,8 @@ from typing import Callable, Optional
 
 import typer
 
+from kvbench.core.backends import PHASES, assert_supported, backend_names
+from kvbench.core.formats import KV_SCALE_POLICIES, format_names
 from kvbench.runtime.config import ConfigError, EngineConfig
 
 _PANEL = "Engine"
@@ -25,10 +27,10 @@ def _opt(default, *names, help: str, **kw):
 # name -> (annotation, typer.Option)
 ENGINE_PARAMS: dict[str, tuple[object, object]] = {
     "model": (Optional[str], _opt(None, "--model", help="HF directory, GGUF file, preset or synthetic:<shape>; default: SmolLM2-135M-Instruct")),
-    "kv_dtype": (str, _opt("bf16", "--kv-dtype", help="KV format: bf16, fp16, fp8_e4m3, fp8_e5m2, nvfp4")),
-    "kv_scales": (str, _opt("unit", "--kv-scales", help="KV scale source: unit, checkpoint, calibrate")),
+    "kv_dtype": (str, _opt("bf16", "--kv-dtype", help=f"KV format: {', '.join(format_names())}")),
+    "kv_scales": (str, _opt("unit", "--kv-scales", help=f"KV scale source: {', '.join(KV_SCALE_POLICIES)}")),
     "kv_scales_per_head": (bool, _opt(False, "--kv-scales-per-head", help="Calibrate one scale per kv-head instead of per layer")),
-    "backend": (Optional[str], _opt(None, "--backend", help="Attention backend for both phases: torch, triton, flashinfer")),
+    "backend": (Optional[str], _opt(None, "--backend", help=f"Attention backend for both phases: {', '.join(backend_names())}")),
     "prefill_backend": (Optional[str], _opt(None, "--prefill-backend", help="Prefill attention backend (overrides --backend)")),
     "decode_backend": (Optional[str], _opt(None, "--decode-backend", help="Decode attention backend (overrides --backend)")),
     "fused_append": (bool, _opt(True, "--fused-append/--no-fused-append", help="Fused RoPE+quantize+append kernel")),
@@ -53,13 +55,22 @@ ENGINE_PARAMS: dict[str, tuple[object, object]] = {
 
 def build_engine_config(values: dict) -> EngineConfig:
     v = dict(values)
+    given = {p: bool(v.get(f"{p}_backend")) for p in PHASES}  # set by its own flag (else --backend / default)
     backend = v.pop("backend", None)
     v["prefill_backend"] = v.get("prefill_backend") or backend or "torch"
     v["decode_backend"] = v.get("decode_backend") or backend or "torch"
     try:
-        return EngineConfig(**v)
+        cfg = EngineConfig(**v)
     except ConfigError as e:  # a usage error naming the flag (exit 2), not a traceback
         raise typer.BadParameter(str(e), param_hint=_flag(e.field)) from None
+    for phase in PHASES:  # the backend table says which formats each backend runs (kvbench.core.backends)
+        name = getattr(cfg, f"{phase}_backend")
+        try:
+            assert_supported(name, cfg.kv_dtype, phase)
+        except ValueError as e:
+            flag = f"--{phase}-backend" if given[phase] else "--backend"
+            raise typer.BadParameter(str(e), param_hint=f"'{flag}'") from None
+    return cfg
 
 
 def _flag(field: Optional[str]) -> Optional[str]:

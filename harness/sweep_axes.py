@@ -3,7 +3,7 @@
 * A **backend entry** is ``NAME``, ``PREFILL+DECODE``, or a mapping ``{backend: NAME | PREFILL+DECODE}`` /
   ``{prefill: NAME, decode: NAME}`` with optional ``extra_args`` (launch arguments for server targets).
   Names are free strings, passed verbatim to server targets (``trtllm_mha``, ``fa3``, ``FLASHINFER``, ...);
-  embedded targets accept only the embedded engine's registry (``BACKENDS``).  ``default`` is the engine's
+  embedded targets accept only the embedded engine's backends (``kvbench.core.backends``).  ``default`` is the engine's
   own choice (passes nothing).
 * A **KV entry** is ``DTYPE`` or ``{dtype, scales, scales_file, extra_args, kv_scales_per_head,
   quantize_query, fused_append}``; ``dtype: auto`` keeps a server's default cache dtype (passes nothing);
@@ -22,12 +22,17 @@ from __future__ import annotations
 
 from typing import Any, Iterator, NamedTuple
 
+from kvbench.core.backends import backend_names
+from kvbench.core.formats import KV_SCALE_POLICIES, format_names
 from kvbench.harness.config_checks import _bool, _check_keys, _choice, _fail, _list, _mapping, _str
 from kvbench.harness.launch_options import AUTO_KV, DEFAULT_BACKEND, check_cell, query_quant_mode, shell_args
-from kvbench.harness.sweep_specs import (BACKENDS, KV_DTYPES, KV_ENTRY_OPTIONS, KV_SCALE_POLICIES, KVSpec,
-                                         TargetSpec)
+from kvbench.harness.sweep_specs import KV_ENTRY_OPTIONS, KVSpec, TargetSpec
 
-KV_DTYPE_CHOICES = (*KV_DTYPES, AUTO_KV)
+
+def kv_dtype_choices() -> tuple[str, ...]:
+    """A KV entry's dtype: a registered format, or ``auto`` (a server's default)."""
+    return (*format_names(), AUTO_KV)
+
 _KV_KEYS = ("dtype", "scales", "scales_file", "extra_args", *KV_ENTRY_OPTIONS)
 
 
@@ -101,7 +106,7 @@ def parse_kv_entry(d: Any, path: str) -> KVSpec:
         d = {"dtype": d}
     d = _mapping(d, path)
     _check_keys(d, _KV_KEYS, path)
-    dtype = _choice(d.get("dtype"), KV_DTYPE_CHOICES, f"{path}.dtype")
+    dtype = _choice(d.get("dtype"), kv_dtype_choices(), f"{path}.dtype")
     scales_file = None
     if d.get("scales_file") is not None:
         scales_file = _str(d["scales_file"], f"{path}.scales_file")
@@ -213,13 +218,13 @@ def check_targets(sweep) -> None:
 def _check_embedded(t: TargetSpec, ti: int, e: Entry) -> None:
     name = f"embedded target {t.name!r} (targets[{ti}])"
     for n in e.backends[:2]:
-        if n not in BACKENDS:
+        if n not in backend_names():
             _fail(e.bpath, f"{n!r} is not a backend of the embedded engine ({name}); choose one of: "
-                           f"{', '.join(BACKENDS)} (engine names such as trtllm_mha belong to server targets: give "
+                           f"{', '.join(backend_names())} (engine names such as trtllm_mha belong to server targets: give "
                            "those their own backends: list)")
     if e.kv.dtype == AUTO_KV:
         _fail(f"{e.kpath}.dtype", f"{AUTO_KV!r} (a server's default cache dtype) does not apply to {name}; "
-                                  f"choose one of: {', '.join(KV_DTYPES)}")
+                                  f"choose one of: {', '.join(format_names())}")
     for what, path in ((e.backends.extra_args, f"{e.bpath}.extra_args"), (e.kv.extra_args, f"{e.kpath}.extra_args")):
         if what:
             _fail(path, f"{name} launches no server, so launch arguments cannot reach it")

@@ -12,12 +12,11 @@ from kvbench.harness.config_checks import (_bool, _check_keys, _choice, _fail, _
                                            _str)
 from kvbench.harness.request_options import (DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, check_suite_params,
                                              check_target_request, parse_request, suite_request)
+from kvbench.suites.registry import is_suite_name, suite_names
 
-KV_DTYPES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
-KV_SCALE_POLICIES = ("unit", "checkpoint", "calibrate")
-BACKENDS = ("torch", "triton", "flashinfer")
+# KV formats, scale policies and backends: the tables of kvbench.core (format_names(), KV_SCALE_POLICIES,
+# backend_names()); suites: kvbench.suites.registry (suite_names())
 TARGET_TYPES = ("embedded", "server", "endpoint")
-SUITES = ("gsm8k", "gsm8k_cot", "gsm8k_chat", "aime24", "aime25", "gpqa_diamond", "fidelity", "ruler")
 LOAD_DATASETS = ("random", "fixed", "sharegpt")
 LOAD_APIS = ("completions", "chat")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
@@ -152,8 +151,8 @@ def _suite(d: Any, path: str) -> SuiteSpec:
     d = _mapping(d, path)
     _check_keys(d, _SUITE_KEYS, path)
     name = _str(d.get("name"), f"{path}.name")
-    if not (name in SUITES or (name.startswith("lm_eval:") and len(name) > len("lm_eval:"))):
-        _fail(f"{path}.name", f"{name!r} is not a known suite; choose one of: {', '.join(SUITES)}, lm_eval:<task>")
+    if not is_suite_name(name):
+        _fail(f"{path}.name", f"{name!r} is not a known suite; choose one of: {', '.join(suite_names())}")
     s = SuiteSpec(name=name)
     if d.get("limit") is not None:
         s.limit = _int(d["limit"], f"{path}.limit", 1)

@@ -2,6 +2,11 @@
 
 Every kernel that stores or reads the cache must agree bit for bit with this file (DESIGN §4).
 
+A format's name and layout are declared once, in ``kvbench.core.formats`` (the table); this module
+attaches its numerics (``register_numerics(name, quantize, dequantize)``) and builds the ``KVFormat``
+objects the kernels use from the two.  A table entry without numerics is refused with a clear error
+when it is used (``get_format``); every built-in format has them when this module is imported.
+
 Scales are *dequantization multipliers*: ``x ≈ q · scale``.  ``scale`` is an fp32 tensor broadcastable
 to ``x[..., 0]`` (one value per layer, or per kv-head).  Quantizing never mutates the caller's tensor.
 
@@ -15,10 +20,13 @@ to ``x[..., 0]`` (one value per layer, or per kv-head).  Quantizing never mutate
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
+
+from kvbench.core.formats import BUILTIN_FORMATS, FORMAT_SPECS, FormatSpec, get_spec
 
 __all__ = [
     "QuantizedKV",
@@ -26,6 +34,9 @@ __all__ = [
     "FORMATS",
     "FORMAT_NAMES",
     "get_format",
+    "register_numerics",
+    "unregister_numerics",
+    "has_numerics",
     "E2M1_VALUES",
     "NVFP4_BLOCK",
     "quantize_e2m1",
@@ -51,10 +62,13 @@ class QuantizedKV:
 
     ``data`` has the storage dtype (bf16/fp16/fp8) with the input's shape, or uint8 ``[..., D/2]`` for
     nvfp4.  ``block_scale`` is float8_e4m3fn ``[..., D/16]`` for nvfp4 and ``None`` otherwise.
+    ``token_scale`` is ``[...]`` (one value per head vector) for formats with a per-token scale
+    (``FormatSpec.token_scale``) and ``None`` otherwise.
     """
 
     data: torch.Tensor
     block_scale: Optional[torch.Tensor] = None
+    token_scale: Optional[torch.Tensor] = None
 
 
 # ----------------------------------------------------------------------------------------- e2m1
@@ -131,13 +145,18 @@ class KVFormat:
     def has_block_scales(self) -> bool:
         return self.block_size is not None
 
+    @property
+    def spec(self) -> FormatSpec:
+        """The format's entry in the table (``kvbench.core.formats``)."""
+        return get_spec(self.name)
+
+    @property
+    def has_token_scales(self) -> bool:
+        return self.spec.token_scale
+
     def packed_dim(self, head_dim: int) -> int:
         """Number of storage elements per head vector (bytes for nvfp4)."""
-        if self.name == "nvfp4":
-            if head_dim % NVFP4_BLOCK:
-                raise ValueError(f"nvfp4 needs head_dim divisible by {NVFP4_BLOCK}, got {head_dim}")
-            return head_dim // 2
-        return head_dim
+        return self.spec.packed_dim(head_dim)
 
     def quantize(self, x: torch.Tensor, scale: torch.Tensor | float = 1.0) -> QuantizedKV:
         return self._quant(self, x, scale)
@@ -192,45 +211,112 @@ def _nvfp4_dequant(fmt: KVFormat, q: QuantizedKV, scale, dtype) -> torch.Tensor:
     return out.reshape(*codes.shape[:-1], d).to(dtype)
 
 
-FORMATS: dict[str, KVFormat] = {
-    "bf16": KVFormat("bf16", torch.bfloat16, 16, 2.0, "none", None, _quant=_plain_quant, _dequant=_plain_dequant),
-    "fp16": KVFormat("fp16", torch.float16, 16, 2.0, "none", None, _quant=_plain_quant, _dequant=_plain_dequant),
-    "fp8_e4m3": KVFormat(
-        "fp8_e4m3", torch.float8_e4m3fn, 8, 1.0, "fp32 per layer or kv-head", E4M3_MAX,
-        _quant=_fp8_quant, _dequant=_fp8_dequant,
-    ),
-    "fp8_e5m2": KVFormat(
-        "fp8_e5m2", torch.float8_e5m2, 8, 1.0, "fp32 per layer or kv-head", E5M2_MAX,
-        _quant=_fp8_quant, _dequant=_fp8_dequant,
-    ),
-    "nvfp4": KVFormat(
-        "nvfp4", torch.uint8, 4, 0.5 + 1.0 / NVFP4_BLOCK,
-        "e4m3 per 16 elems x fp32 global", E2M1_MAX,
-        block_size=NVFP4_BLOCK, block_scale_dtype=torch.float8_e4m3fn,
-        _quant=_nvfp4_quant, _dequant=_nvfp4_dequant,
-    ),
-}
-FORMAT_NAMES = tuple(FORMATS)
+# ------------------------------------------------------------------------------ the registry
+@dataclass(frozen=True)
+class _Numerics:
+    quantize: Callable
+    dequantize: Callable
+
+
+_NUMERICS: dict[str, _Numerics] = {}
+_BUILT: dict[str, KVFormat] = {}
+
+
+def register_numerics(name: str, quantize: Callable, dequantize: Callable) -> None:
+    """Attach the torch reference numerics to the table entry ``name`` (declared first with
+    ``kvbench.core.formats.register_format``).  ``quantize(fmt, x, scale) -> QuantizedKV`` and
+    ``dequantize(fmt, q, scale, dtype) -> Tensor``; ``scale`` is the per-layer / per-head fp32 tensor scale
+    (1.0 for formats without one)."""
+    get_spec(name)  # the layout must be declared first
+    if name in _NUMERICS:
+        raise ValueError(f"KV format {name!r} already has numerics")
+    _NUMERICS[name] = _Numerics(quantize, dequantize)
+    _BUILT.pop(name, None)
+
+
+def unregister_numerics(name: str) -> None:
+    """Remove a format's numerics (tests that register a temporary format undo it with this)."""
+    _NUMERICS.pop(name, None)
+    _BUILT.pop(name, None)
+
+
+def has_numerics(name: str) -> bool:
+    return name in _NUMERICS
+
+
+def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    return None if name is None else getattr(torch, name)
+
+
+def _build(spec: FormatSpec) -> KVFormat:
+    num = _NUMERICS.get(spec.name)
+    if num is None:
+        raise ValueError(
+            f"KV format {spec.name!r} is in the format table but has no numerics; register them with "
+            "kvbench.kernels.formats.register_numerics"
+        )
+    return KVFormat(
+        spec.name, _dtype(spec.storage), spec.element_bits, spec.bytes_per_element, spec.scale_text,
+        spec.max_value, block_size=spec.block_size or None, block_scale_dtype=_dtype(spec.block_scale),
+        _quant=num.quantize, _dequant=num.dequantize,
+    )
+
+
+class _FormatTable(Mapping):
+    """``name -> KVFormat`` for every format of the table that has numerics (read-only, live: a format
+    registered later appears here)."""
+
+    def __getitem__(self, name: str) -> KVFormat:
+        spec = FORMAT_SPECS[name]
+        fmt = _BUILT.get(name)
+        if fmt is None or fmt.spec is not spec:
+            fmt = _BUILT[name] = _build(spec)
+        return fmt
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n in FORMAT_SPECS if n in _NUMERICS)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+FORMATS: Mapping[str, KVFormat] = _FormatTable()
 
 
 def get_format(name: str) -> KVFormat:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown KV format {name!r}; supported: {', '.join(FORMAT_NAMES)}") from None
+    get_spec(name)  # unknown names: the table's error, naming the known formats
+    return FORMATS[name]
+
+
+for _name, _q, _d in (
+    ("bf16", _plain_quant, _plain_dequant),
+    ("fp16", _plain_quant, _plain_dequant),
+    ("fp8_e4m3", _fp8_quant, _fp8_dequant),
+    ("fp8_e5m2", _fp8_quant, _fp8_dequant),
+    ("nvfp4", _nvfp4_quant, _nvfp4_dequant),
+):
+    register_numerics(_name, _q, _d)
+_missing = [n for n in BUILTIN_FORMATS if n not in _NUMERICS]
+if _missing:  # a built-in table entry without numerics is a bug in this file
+    raise ImportError(f"KV format(s) {', '.join(_missing)} have no numerics in kvbench.kernels.formats")
+# the built-in formats (tests parametrize over them); the live list is kvbench.core.formats.format_names()
+FORMAT_NAMES = tuple(FORMATS)
 
 
 def scale_from_amax(fmt: KVFormat | str, amax: torch.Tensor) -> torch.Tensor:
     """Calibrated dequant scale for an observed absolute maximum.
 
-    fp8: ``amax / max``.  nvfp4 global: ``amax / (6 · 448)`` so the largest block scale fits e4m3.
-    Plain formats: 1.  Zero or non-finite amax gives 1 (nothing observed, nothing to scale).
+    fp8: ``amax / max``.  nvfp4 global: ``amax / (6 · 448)`` so the largest block scale fits e4m3
+    (block-scaled formats: element max times the block scale's largest value).  Formats without a tensor
+    scale: 1.  Zero or non-finite amax gives 1 (nothing observed, nothing to scale).
     """
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     amax = torch.as_tensor(amax, dtype=torch.float32)
-    if not fmt.is_quantized:
+    if not fmt.spec.tensor_scale:  # plain formats, and formats whose scales are all stored per token
         return torch.ones_like(amax)
-    denom = E2M1_MAX * E4M3_MAX if fmt.name == "nvfp4" else fmt.max_value
+    denom = fmt.max_value
+    if fmt.block_scale_dtype is not None:  # the global scale leaves room for the largest block scale
+        denom = denom * torch.finfo(fmt.block_scale_dtype).max
     s = amax / denom
     ok = torch.isfinite(s) & (s > 0)
     return torch.where(ok, s, torch.ones_like(s))

@@ -288,7 +288,7 @@ def _prefill_kernel(
 
 _LAUNCH = ("block_m", "block_n", "block_n_prefix", "num_warps", "num_stages")
 # (block_m, block_n, block_n_prefix, num_warps, num_stages) on a GPU, from the sweeps of
-# ``kernels/bench_prefill.py`` and of the TMA comparison on an H200 (docs/kernels.md), by head dim and case:
+# ``tools/prefill_bench.py`` and of the TMA comparison on an H200 (docs/kernels.md), by head dim and case:
 # "prefix" (a cached prefix, or unknown; "prefix_tma" with the new tokens read through tensor descriptors),
 # "tma" (prompts read through tensor descriptors; "tma_short" below ``_SHORT`` tokens, where smaller query
 # blocks waste less of the causal triangle) and "plain" (prompts without descriptors: nvfp4 caches, odd

@@ -63,7 +63,7 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from kvbench.harness.store import atomic_write_text
+from kvbench.core.io import atomic_write_text
 from kvbench.reports import stats
 from kvbench.reports.analysis import Analysis
 from kvbench.reports.load import CellData, primary_metric

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from kvbench.harness.store import atomic_write_text
+from kvbench.core.io import atomic_write_text
 from kvbench.reports.plots import write_plots
 from kvbench.reports.analysis import Analysis
 from kvbench.reports.export import SCHEMA_VERSION, write_exports

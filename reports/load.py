@@ -1,4 +1,4 @@
-"""Read a run directory (through ``harness/store.py``) into plain objects for reports and the gate.
+"""Read a run directory (through ``core/store.py``) into plain objects for reports and the gate.
 
 Nothing here runs a model: a ``CellData`` is the records a sweep left in ``RUN/cells/<key>/``.
 """
@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from kvbench.harness.store import RunStore, StoreError, matches, parse_selector
+from kvbench.core.formats import format_names, plain_names
+from kvbench.core.store import RunStore, StoreError, matches, parse_selector
 
 __all__ = [
     "RunLoadError",
@@ -168,18 +169,16 @@ def load_run(path: Path | str, name: Optional[str] = None) -> RunData:
     return RunData(path=path, name=run_name, manifest=manifest, cells=cells)
 
 
-_FORMAT_ORDER = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
-
-
 def _order_key(manifest_order: list):
     """Cells in the manifest's matrix order; cells it does not list follow, ordered by config."""
     pos = {k: i for i, k in enumerate(manifest_order)}
+    fmt_order = format_names()  # the format table's order (kvbench.core.formats)
 
     def key(c: CellData):
         cfg = c.config
         kv = cfg.get("kv_dtype")
         return (pos.get(c.key, len(pos)), str(cfg.get("model")), str(cfg.get("target")), str(cfg.get("prefill_backend")),
-                str(cfg.get("decode_backend")), _FORMAT_ORDER.index(kv) if kv in _FORMAT_ORDER else len(_FORMAT_ORDER),
+                str(cfg.get("decode_backend")), fmt_order.index(kv) if kv in fmt_order else len(fmt_order),
                 str(kv), str(cfg.get("kv_scales")), c.aa_control, int(cfg.get("concurrency") or 0), c.key)
 
     return key
@@ -352,7 +351,7 @@ def resolve_baseline(run: RunData, selector: Optional[str | dict] = None) -> Opt
             raise RunLoadError(f"baseline {selector_text(sel)!r} matches no done cell with item records")
         raise RunLoadError(f"baseline {selector_text(sel)!r} matches {len(found)} cells "
                            f"({'; '.join(c.short for c in found)}); add keys to make it unique")
-    for dtype in ("bf16", "fp16"):
+    for dtype in plain_names():  # the first unquantized format of the table that has items
         for c in with_items:
             if c.config.get("kv_dtype") == dtype:
                 return c

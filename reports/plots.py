@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from kvbench.harness.store import atomic_write_bytes
+from kvbench.core.io import atomic_write_bytes
 from kvbench.reports.analysis import Analysis
 from kvbench.reports.load import primary_metric
 

@@ -2,7 +2,7 @@
 
 ``serving_summary(cell)`` is one flat dict per cell:
 
-- recomputed from the cell's ``requests.jsonl`` (``loadgen_metrics.summarize``), so the numbers match the
+- recomputed from the cell's ``requests.jsonl`` (``core.serving_metrics.summarize``), so the numbers match the
   records: completed/failed, throughputs, peak output throughput, peak concurrency (most requests the client
   had in flight at once), TTFT/TPOT/ITL/E2E statistics, and goodput at the SLO the load test recorded
   (``summary.json`` ``load.slo``);
@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from kvbench.harness.loadgen_metrics import summarize
+from kvbench.core.serving_metrics import summarize
 from kvbench.reports.analysis import Analysis
 from kvbench.reports.load import CellData
 from kvbench.reports.tables import Table, _series, fmt_num, fmt_pct

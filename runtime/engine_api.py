@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Protocol, Sequence
 
-from kvbench.harness.client import SamplingParams  # re-exported: one definition of sampling params
+from kvbench.core.client import SamplingParams  # re-exported: one definition of sampling params
 
 __all__ = [
     "SamplingParams",
@@ -132,7 +132,7 @@ class EngineProtocol(Protocol):
     def score(
         self, context_ids: list[int], continuation_ids: list[int], top_k: int = 0, full_distribution: bool = False
     ):
-        """Teacher-forced scoring -> kvbench.harness.client.ScoreResult (continuation logprobs, greedy flags,
+        """Teacher-forced scoring -> kvbench.core.client.ScoreResult (continuation logprobs, greedy flags,
         optional top-k and full log-softmax rows), computed through the paged cache in the configured format."""
 
     def stats(self) -> EngineStats: ...

@@ -2,9 +2,11 @@
 
 Invariants (every backend and kernel relies on them):
 - Per layer and plane (K, V; MLA has only the latent plane K): ``data[num_pages + 1, page_size, H_kv, Dp]``
-  in the format's storage dtype (uint8 with Dp = D/2 for nvfp4) and, for nvfp4, ``block_scale`` of shape
-  ``[num_pages + 1, page_size, H_kv, D/16]`` float8_e4m3fn.  Page ``num_pages`` is the scratch page: it is
-  never handed out, so padded work may point at it.
+  in the format's storage dtype (uint8 with Dp = D/2 for nvfp4); for block-scaled formats (nvfp4)
+  ``block_scale`` of shape ``[num_pages + 1, page_size, H_kv, D/block]`` in the block scale's dtype
+  (float8_e4m3fn); for formats with a per-token scale ``token_scale`` of shape ``[num_pages + 1, page_size,
+  H_kv]`` beside the pages.  The layout comes from the format table (``kvbench.core.formats``).  Page
+  ``num_pages`` is the scratch page: it is never handed out, so padded work may point at it.
 - Per-tensor scales: fp32 ``k_scale[layer]``, ``v_scale[layer]`` of shape ``[H_kv]`` on the cache device
   (a per-layer scale is repeated over heads), updated in place so pointers stay valid.
 - ``slot = page_table[pos // page_size] * page_size + pos % page_size``; slot −1 writes nothing.
@@ -19,7 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvbench.kernels.formats import KVFormat, NVFP4_BLOCK, QuantizedKV, get_format
+from kvbench.core.formats import get_spec
+from kvbench.kernels.formats import KVFormat, QuantizedKV, get_format
 from kvbench.runtime.config import KVCacheSpec
 
 __all__ = [
@@ -92,9 +95,8 @@ def slots_for_positions(page_table: Sequence[int], positions: Sequence[int] | to
 
 # ------------------------------------------------------------------------------------- capacity
 def bytes_per_token(spec: KVCacheSpec) -> float:
-    """KV bytes one token occupies across all layers, scales included."""
-    fmt = get_format(spec.kv_dtype)
-    return spec.planes * spec.num_layers * spec.num_kv_heads * spec.head_dim * fmt.bytes_per_element
+    """KV bytes one token occupies across all layers, scales included (block and per-token scales)."""
+    return spec.planes * spec.num_layers * spec.num_kv_heads * get_spec(spec.kv_dtype).bytes_per_token(spec.head_dim)
 
 
 @dataclass
@@ -156,8 +158,10 @@ class PagedKVCache:
         self.scratch_page = num_pages
         self.allocator = PageAllocator(num_pages)
         L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        fs = get_spec(spec.kv_dtype)
         shape = (num_pages + 1, spec.page_size, H, self.fmt.packed_dim(D))
-        bs_shape = (num_pages + 1, spec.page_size, H, D // NVFP4_BLOCK)
+        bs_shape = (num_pages + 1, spec.page_size, H, fs.blocks(D))
+        ts_shape = (num_pages + 1, spec.page_size, H, 1)
         hnd = spec.layout == "HND"
 
         def alloc(shp, make) -> torch.Tensor:
@@ -166,22 +170,28 @@ class PagedKVCache:
                 return make(shp)
             return make((shp[0], shp[2], shp[1], shp[3])).permute(0, 2, 1, 3)
 
-        def plane() -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+        def scales(on: bool, shp, dtype: Optional[torch.dtype]) -> list[Optional[torch.Tensor]]:
+            if not on:
+                return [None] * L
+            # the smallest normal of the scale's dtype (2^-6 for e4m3) keeps never-written entries finite
+            # and non-zero
+            fill = torch.finfo(dtype).smallest_normal
+            return [alloc(shp, lambda s: torch.full(s, fill, device=self.device).to(dtype)) for _ in range(L)]
+
+        def plane() -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]], list[Optional[torch.Tensor]]]:
             data = [alloc(shape, lambda s: torch.zeros(s, dtype=self.fmt.storage_dtype, device=self.device))
                     for _ in range(L)]
-            if self.fmt.has_block_scales:
-                # 2^-6 (the smallest normal e4m3) keeps never-written entries finite and non-zero
-                bs = [alloc(bs_shape, lambda s: torch.full(s, 2.0**-6, device=self.device).to(torch.float8_e4m3fn))
-                      for _ in range(L)]
-            else:
-                bs = [None] * L
-            return data, bs
+            bs = scales(fs.has_block_scales, bs_shape, self.fmt.block_scale_dtype)
+            # per-token scales: [P+1, page, H] views of a trailing unit dim (same page layout as the data)
+            ts = [None if t is None else t[..., 0]
+                  for t in scales(fs.token_scale, ts_shape, getattr(torch, fs.token_scale_storage))]
+            return data, bs, ts
 
-        self.k_data, self.k_block_scale = plane()
+        self.k_data, self.k_block_scale, self.k_token_scale = plane()
         if spec.mla:
-            self.v_data, self.v_block_scale = self.k_data, self.k_block_scale
+            self.v_data, self.v_block_scale, self.v_token_scale = self.k_data, self.k_block_scale, self.k_token_scale
         else:
-            self.v_data, self.v_block_scale = plane()
+            self.v_data, self.v_block_scale, self.v_token_scale = plane()
         self.k_scale = torch.ones(L, H, dtype=torch.float32, device=self.device)
         self.v_scale = self.k_scale if spec.mla else torch.ones_like(self.k_scale)
         if k_scale is not None or v_scale is not None:
@@ -206,7 +216,9 @@ class PagedKVCache:
 
     @property
     def total_bytes(self) -> int:
-        planes = [self.k_data, self.k_block_scale] + ([] if self.spec.mla else [self.v_data, self.v_block_scale])
+        planes = [self.k_data, self.k_block_scale, self.k_token_scale]
+        if not self.spec.mla:
+            planes += [self.v_data, self.v_block_scale, self.v_token_scale]
         return sum(t.numel() * t.element_size() for ts in planes for t in ts if t is not None)
 
     # -- write / read (torch reference path; Triton kernels write the same bytes)
@@ -217,15 +229,25 @@ class PagedKVCache:
         slots = torch.as_tensor(slots, device=self.device, dtype=torch.int64)
         # padded tokens (slot −1) land in the scratch page: no host sync, so CUDA graphs can capture this
         slots = torch.where(slots >= 0, slots, torch.full_like(slots, self.scratch_page * self.page_size))
-        self._store(self.k_data[layer], self.k_block_scale[layer], slots, self.fmt.quantize(k, self.k_scale[layer]))
+        self._store("k", layer, slots, self.fmt.quantize(k, self.k_scale[layer]))
         if v is not None and not self.spec.mla:
-            self._store(self.v_data[layer], self.v_block_scale[layer], slots, self.fmt.quantize(v, self.v_scale[layer]))
+            self._store("v", layer, slots, self.fmt.quantize(v, self.v_scale[layer]))
 
-    def _store(self, data: torch.Tensor, bs: Optional[torch.Tensor], slots: torch.Tensor, q: QuantizedKV) -> None:
+    def planes_of(self, which: str, layer: int) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(data, block_scale, token_scale)`` of plane ``which`` ("k" or "v") of ``layer`` (None where the
+        format has no such scale)."""
+        if which == "k":
+            return self.k_data[layer], self.k_block_scale[layer], self.k_token_scale[layer]
+        return self.v_data[layer], self.v_block_scale[layer], self.v_token_scale[layer]
+
+    def _store(self, which: str, layer: int, slots: torch.Tensor, q: QuantizedKV) -> None:
+        data, bs, ts = self.planes_of(which, layer)
         page, off = slots // self.page_size, slots % self.page_size  # (page, offset): any page layout
         data[page, off] = q.data
         if bs is not None:
             bs[page, off] = q.block_scale
+        if ts is not None:
+            ts[page, off] = q.token_scale.to(ts.dtype)
 
     def read_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V ``[n, H_kv, D]`` at the given slots."""
@@ -233,11 +255,10 @@ class PagedKVCache:
         return self._load(layer, "k", slots, dtype), self._load(layer, "v", slots, dtype)
 
     def _load(self, layer: int, which: str, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        data = (self.k_data if which == "k" else self.v_data)[layer]
-        bs = (self.k_block_scale if which == "k" else self.v_block_scale)[layer]
+        data, bs, ts = self.planes_of(which, layer)
         scale = (self.k_scale if which == "k" else self.v_scale)[layer]
         page, off = slots // self.page_size, slots % self.page_size
-        q = QuantizedKV(data[page, off], None if bs is None else bs[page, off])
+        q = QuantizedKV(data[page, off], None if bs is None else bs[page, off], None if ts is None else ts[page, off])
         return self.fmt.dequantize(q, scale, dtype)
 
     def gather(self, layer: int, page_table: Sequence[int] | torch.Tensor, length: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

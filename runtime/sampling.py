@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvbench.harness.client import SamplingParams
+from kvbench.core.client import SamplingParams
 
 __all__ = ["SampleRow", "SampleOutput", "sample", "validate_params"]
 

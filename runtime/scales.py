@@ -13,6 +13,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from kvbench.core.formats import get_spec
 from kvbench.kernels.formats import get_format, scale_from_amax
 
 log = logging.getLogger("kvbench.scales")
@@ -46,7 +47,7 @@ class KVScales:
 
 
 def unit_scales(kv_dtype: str, num_layers: int) -> KVScales:
-    if get_format(kv_dtype).is_quantized:
+    if get_spec(kv_dtype).tensor_scale:  # a format whose scales are all stored per token needs none
         msg = (
             f"KV format {kv_dtype} with unit scales: values outside the format's range saturate and small "
             "ones lose precision; use --kv-scales calibrate (or checkpoint) for a fair accuracy comparison"

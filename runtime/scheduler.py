@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from kvbench.harness.client import SamplingParams
+from kvbench.core.client import SamplingParams
 from kvbench.runtime.kv_cache import PageAllocator, pages_needed
 
 __all__ = ["Sequence", "ScheduledBatch", "Scheduler"]

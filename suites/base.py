@@ -13,8 +13,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from kvbench.harness.client import GenRequest, GenResult, SamplingParams
-from kvbench.harness.request_options import REQUEST_KEYS, apply_request, describe_request, effective_options
+from kvbench.core.client import GenRequest, GenResult, SamplingParams
+from kvbench.core.records import check_record
+from kvbench.core.request_options import REQUEST_KEYS, apply_request, describe_request, effective_options
 
 
 class SuiteError(RuntimeError):
@@ -36,7 +37,7 @@ class SuiteOptions:
     temperature: Optional[float] = None  # override the protocol's temperature
     progress: bool = True
     extra: dict = field(default_factory=dict)  # suite-specific knobs (e.g. fidelity reference)
-    # request options (harness/request_options.py: reasoning_effort, top_p, top_k, extra_body; a max_tokens or
+    # request options (core/request_options.py: reasoning_effort, top_p, top_k, extra_body; a max_tokens or
     # temperature given here moves to the fields above), applied over the protocol's defaults
     request: dict = field(default_factory=dict)
 
@@ -178,7 +179,7 @@ def make_record(
     """One item record.  A failed request (``error`` set, or ``result`` None or with finish_reason ``error``)
     is no answer: ``correct`` and ``invalid`` are None, ``scores`` is empty, finish_reason is ``error`` and
     ``error`` / ``error_kind`` say what happened; an answered record has ``error`` and ``error_kind`` None.
-    ``request_options`` is what the request was sent with (harness/request_options.py), ``reasoning`` the
+    ``request_options`` is what the request was sent with (core/request_options.py), ``reasoning`` the
     reasoning text the server returned apart from the answer (never scored; None when none), ``retries`` the
     connection retries made (``retries`` given, else the result's)."""
     r = result
@@ -188,7 +189,7 @@ def make_record(
         error_kind = error_kind or (getattr(r, "error_kind", None) if r is not None else None) or "other"
     elif scored is None:
         raise ValueError("make_record needs the scored answer of a successful request")
-    return {
+    return check_record({
         "suite": suite,
         "item_id": item.item_id,
         "repeat": repeat,
@@ -210,7 +211,7 @@ def make_record(
         "request_options": effective_options(req),
         "reasoning": (getattr(r, "reasoning", None) or None) if r is not None else None,
         "retries": int(retries if retries is not None else (getattr(r, "retries", 0) or 0) if r is not None else 0),
-    }
+    })
 
 
 def _mean(values: list) -> Optional[float]:

@@ -29,8 +29,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from kvbench.harness.client import Client, ScoreRequest
-from kvbench.harness.store import prompt_hash
+from kvbench.core.client import Client, ScoreRequest
+from kvbench.core.io import prompt_hash
 from kvbench.suites.base import SuiteError, SuiteOptions, SuiteResult, summarize_records
 from kvbench.suites.fidelity_metrics import (
     argmax_ids,

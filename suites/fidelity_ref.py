@@ -19,8 +19,8 @@ from typing import Optional
 
 import numpy as np
 
-from kvbench.harness.client import Client, GenRequest, SamplingParams, ScoreRequest
-from kvbench.harness.store import atomic_write_bytes, atomic_write_json
+from kvbench.core.client import Client, GenRequest, SamplingParams, ScoreRequest
+from kvbench.core.io import atomic_write_bytes, atomic_write_json
 
 CACHE_VERSION = 1
 API_TOP_K = 20  # most top log-probs an OpenAI-style API (and the engine's sampler) returns per position

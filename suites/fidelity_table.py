@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from kvbench.core.formats import plain_names
+
 COLUMNS = (
     ("kl_mean", "KL mean", "{:.2e}"),
     ("kl_p99", "KL p99", "{:.2e}"),
@@ -39,7 +41,7 @@ def _config(s: dict) -> list[str]:
     eng = s.get("engine") or {}
     target = s.get("target") or {}
     scales = eng.get("kv_scales", "?")
-    if eng.get("kv_dtype") in ("bf16", "fp16"):
+    if eng.get("kv_dtype") in plain_names():  # stored as is: no scales to show
         scales = "-"
     backend = eng.get("prefill_backend", "?") if eng.get("prefill_backend") == eng.get("decode_backend") else f"{eng.get('prefill_backend')}+{eng.get('decode_backend')}"
     return [str(eng.get("kv_dtype", target.get("kv_dtype", "?"))), scales, backend]

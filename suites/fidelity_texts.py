@@ -86,7 +86,7 @@ def token_counter(client, tokenizer: Optional[str] = None) -> Counter:
     ``--tokenizer`` takes it), else the client's (``client.tokenizer()``: a server's /tokenize route)."""
     info = client.info() if hasattr(client, "info") else {}
     if tokenizer and (info or {}).get("type") != "embedded":
-        from kvbench.harness.prompt_tokenizer import PromptTokenizerError, load_prompt_tokenizer
+        from kvbench.suites.prompt_tokenizer import PromptTokenizerError, load_prompt_tokenizer
 
         try:
             return _count_with(load_prompt_tokenizer(str(tokenizer)))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvbench.harness.client import Client
+from kvbench.core.client import Client
 from kvbench.suites.base import GenerationTask, SuiteError, SuiteOptions, SuiteResult
 
 
@@ -68,7 +68,30 @@ SPECIAL = ("fidelity", "lm_eval:<task>")
 
 
 def suite_names() -> list[str]:
+    """Every suite name the CLI and the sweep configuration take (``lm_eval:<task>`` stands for any task)."""
     return [*GENERATION_SUITES, *CLIENT_SUITES, *SPECIAL]
+
+
+def is_suite_name(name: str) -> bool:
+    """A concrete suite of this registry, or ``lm_eval:<task>`` with a task."""
+    if name.startswith("lm_eval:"):
+        return len(name) > len("lm_eval:")
+    return name in GENERATION_SUITES or name in CLIENT_SUITES or name in SPECIAL
+
+
+# suites whose prompt can be phrased several ways (``prompt_style``) -> the module holding PROMPT_STYLES
+_PROMPT_STYLE_MODULES = {"gpqa_diamond": "gpqa", "aime24": "aime", "aime25": "aime"}
+PROMPT_STYLE_SUITES = tuple(_PROMPT_STYLE_MODULES)
+
+
+def prompt_styles(name: str) -> tuple[str, ...]:
+    """The ``prompt_style`` values suite ``name`` takes (empty when it has none)."""
+    mod = _PROMPT_STYLE_MODULES.get(name)
+    if mod is None:
+        return ()
+    import importlib
+
+    return tuple(importlib.import_module(f"kvbench.suites.{mod}").PROMPT_STYLES)
 
 
 def resolve(name: str, protocol: Optional[str] = None) -> str:
@@ -77,7 +100,7 @@ def resolve(name: str, protocol: Optional[str] = None) -> str:
         if not name[len("lm_eval:") :]:
             raise SuiteError("lm_eval:<task> needs a task name, e.g. lm_eval:gsm8k")
         return name
-    if name not in GENERATION_SUITES and name not in CLIENT_SUITES and name != "fidelity":
+    if not is_suite_name(name):
         raise SuiteError(f"unknown suite {name!r}; choose one of: {', '.join(suite_names())}")
     if protocol is None:
         return name

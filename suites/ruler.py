@@ -28,7 +28,7 @@ import threading
 from dataclasses import replace
 from typing import Optional
 
-from kvbench.harness.client import GenRequest, SamplingParams
+from kvbench.core.client import GenRequest, SamplingParams
 from kvbench.suites.base import GenerationTask, Item, Scored, SuiteError, SuiteInputError, SuiteOptions, item_seed
 from kvbench.suites.ruler_fit import BelowMinimum, TooShort, fit_length
 from kvbench.suites.ruler_haystack import Haystack, TokenIndex, essay_haystack, file_haystack, noise_haystack
@@ -52,7 +52,7 @@ class RulerTask(GenerationTask):
 
     def __init__(self, tokenizer, params: RulerParams, max_model_len: Optional[int] = None,
                  kv_tokens: Optional[int] = None):
-        """``tokenizer``: a harness.prompt_tokenizer.PromptTokenizer of the target; ``max_model_len`` its
+        """``tokenizer``: a suites.prompt_tokenizer.PromptTokenizer of the target; ``max_model_len`` its
         context and ``kv_tokens`` its KV cache size in tokens, where known (checked against the lengths)."""
         self.tok = tokenizer
         self.p = params
@@ -214,7 +214,7 @@ class RulerTask(GenerationTask):
 
 def make_ruler(client, opts: SuiteOptions) -> RulerTask:
     """The suite for ``client``: its tokenizer (or ``params.tokenizer`` for an HTTP target) and context."""
-    from kvbench.harness.prompt_tokenizer import PromptTokenizerError, load_prompt_tokenizer
+    from kvbench.suites.prompt_tokenizer import PromptTokenizerError, load_prompt_tokenizer
 
     params = parse_params(opts.extra)
     info = client.info() if hasattr(client, "info") else {}

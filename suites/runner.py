@@ -4,7 +4,7 @@ Work units are (item, repeat) pairs submitted to a thread pool of ``opts.concurr
 embedded engine batches concurrent calls; an HTTP client keeps that many requests in flight).  Records come
 back in dataset order whatever the completion order, and a failed request (it raises, or returns
 finish_reason ``error``) becomes a record with ``finish_reason = "error"``, ``error`` (the message) and
-``error_kind`` (``harness.client.ERROR_KINDS``), no ``correct`` and no scores: counted apart from wrong
+``error_kind`` (``core.client.ERROR_KINDS``), no ``correct`` and no scores: counted apart from wrong
 answers, and items are never dropped.  When every request fails the suite raises.  Each record also carries
 ``request_options`` (what it was sent with), ``reasoning`` (text the server returned apart from the answer;
 never scored) and ``retries`` (connection retries).  A client with a ``check_request(request)`` method (the
@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
-from kvbench.harness.client import Client, GenResult, classify_error
-from kvbench.harness.store import prompt_hash
+from kvbench.core.client import Client, GenResult, classify_error
+from kvbench.core.io import prompt_hash
 from kvbench.suites.base import (GenerationTask, SuiteError, SuiteOptions, SuiteResult, is_error_record, item_seed,
                                  make_record, summarize_records)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -13,18 +13,21 @@ import pytest
 from scipy import stats as sps
 from typer.testing import CliRunner
 
+from kvbench.harness.cell_work import DefaultWork
 from kvbench.harness.cli import app
+from kvbench.harness.runner import run_sweep
 from kvbench.harness.store import RunStore, read_jsonl
+from kvbench.harness.sweep_config import parse_config
+from kvbench.harness.targets import TargetSession
 from kvbench.reports import stats
 from kvbench.reports.analysis import _fidelity, analyze
 from kvbench.reports.gate import GateError, GateThresholds, gate_one, run_gate
 from kvbench.reports.load import CellData, load_run
 from kvbench.suites import fidelity_metrics as fm
+from kvbench.suites.fake import FakeClient
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reports_load import make_run  # noqa: E402
-
-AUDIT_RUN = Path("/tmp/audit_cli/run1")
 
 
 def gate(*args):
@@ -296,20 +299,64 @@ def test_weighted_mean_upper():
     assert stats.weighted_mean_upper([0.2], [7])[1] == math.inf
 
 
-@pytest.mark.skipif(not AUDIT_RUN.is_dir(), reason="audit run not on this machine")
-def test_audit_run_kl_numbers_agree(tmp_path):
-    run = tmp_path / "run1"
-    shutil.copytree(AUDIT_RUN, run)
+class _FidelityWork(DefaultWork):
+    """The real fidelity suite (through ``DefaultWork``) on the fake bigram model; a fake load."""
+
+    def load(self, base_url, model_id, cell):
+        return {"duration_s": 1.0}, []
+
+
+@contextmanager
+def _fake_opener(spec, cell_config, engine_kwargs, log_path, **_):
+    noise = {"bf16": 0.0, "fp8_e4m3": 0.4}[cell_config["kv_dtype"]]  # the "quantized" cache perturbs the logits
+    client = FakeClient(seed=0, noise=noise, responder=lambda req: "#### 7")  # same answers in both cells
+    yield TargetSession(client, "fake-bigram", url="http://fake",
+                        capacity=lambda: None, flush=lambda: None, log_path=None)
+
+
+def test_sweep_written_kl_numbers_agree(tmp_path):
+    """KL mean / p99 as the sweep writes them to summary.json, the report's fidelity row and the gate's JSON
+    are one number each (a run written by the real runner and fidelity suite on a fake model)."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    rows = [{"question": f"Tom has {i} apples and buys {i + 3} more. How many apples does he have?",
+             "answer": f"He has {i} + {i + 3} = {2 * i + 3} apples.\n#### {2 * i + 3}"} for i in range(5)]
+    (data_dir / "gsm8k_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sweep = parse_config({
+        "name": "kl", "axes": {"kv": [{"dtype": "bf16", "scales": "unit"}, {"dtype": "fp8_e4m3", "scales": "unit"}],
+                               "concurrency": [1]},
+        "suites": [{"name": "gsm8k_chat", "limit": 5}, {"name": "fidelity", "limit": 5, "params": {"top_k": 16, "greedy_tokens": 4}}],
+        "load": {"num_prompts": 1}, "baseline": {"kv_dtype": "bf16"}, "aa_control": False,
+        "data_dir": str(data_dir),
+    })
+    run = tmp_path / "run"
+    outcome = run_sweep(sweep, run, work=_FidelityWork(sweep), progress=False, opener=_fake_opener)
+    assert outcome.ok, outcome
+
     data = load_run(run)
     cand = [c for c in data.cells if c.config["kv_dtype"] == "fp8_e4m3" and c.items][0]
-    summary = cand.summary["suites"]["fidelity"]
+    summary = json.loads((run / "cells" / cand.key / "summary.json").read_text())["suites"]["fidelity"]
+    recs = [r for r in read_jsonl(run / "cells" / cand.key / "items.jsonl") if r["suite"] == "fidelity"]
+    assert len(recs) == 5 and summary["n"] == 5
+    # the pooled (token-weighted) mean differs from the plain mean over texts: the check can tell them apart
+    per_text = np.mean([r["scores"]["kl_mean"] for r in recs])
+    assert summary["kl_mean"] > 0.01 and abs(per_text - summary["kl_mean"]) > 1e-6 * summary["kl_mean"]
+    n_tok = np.array([r["scores"]["n_tokens"] for r in recs])
+    weighted = float(np.sum(n_tok * [r["scores"]["kl_mean"] for r in recs]) / n_tok.sum())
+    assert summary["kl_mean"] == pytest.approx(weighted, rel=1e-9)
+
     row = _fidelity(cand)
     assert row.kl_mean == pytest.approx(summary["kl_mean"], rel=1e-9)
     assert row.kl_p99 == pytest.approx(summary["kl_p99"], rel=1e-12)
+    assert summary["kl_p99"] > summary["kl_mean"]
+
     js = tmp_path / "gate.json"
-    gate(run, "--candidate", "kv_dtype=fp8_e4m3", "--json", js)
-    kl = [c for c in json.loads(js.read_text())["checks"] if c["kind"] == "fidelity KL"][0]
-    assert kl["candidate_value"] == pytest.approx(summary["kl_mean"], rel=1e-9)
+    for max_kl, passed in ((10.0, True), (summary["kl_mean"] / 2, False)):  # a maximum below the mean fails
+        code, out = gate(run, "--candidate", "kv_dtype=fp8_e4m3", "--max-kl", max_kl, "--json", js)
+        assert code != 2, out  # the accuracy checks of 5 items decide nothing; the KL check below does
+        kl = [c for c in json.loads(js.read_text())["checks"] if c["kind"] == "fidelity KL"]
+        assert len(kl) == 1 and kl[0]["passed"] is passed, kl
+        assert kl[0]["candidate_value"] == pytest.approx(summary["kl_mean"], rel=1e-9)
 
 
 # ------------------------------------------------------------------------------ 4. thresholds

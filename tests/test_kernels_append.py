@@ -1,7 +1,7 @@
 """Fused and unfused RoPE + quantize + append kernels (Triton, CPU interpreter) against the reference,
 bit for bit.  The interpreter's own float32→bf16/fp8 casts do not round to nearest even (DESIGN §12),
 so under the interpreter the kernels round in float32 arithmetic before casting (``EXACT``); the GPU
-uses the hardware casts, and ``python -m kvbench.kernels.check`` compares those bit for bit there."""
+uses the hardware casts, and ``python -m kvbench.tools.kernel_check`` compares those bit for bit there."""
 
 import os
 
@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kvbench.kernels import check as C
+from kvbench.tools import kernel_check as C
 from kvbench.kernels import reference as R
 from kvbench.kernels.append import fused_rope_quant_append, quantize_store, rope, unfused_rope_quant_append
 from kvbench.kernels.formats import FORMAT_NAMES, get_format

@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kvbench.kernels import check as C
+from kvbench.tools import kernel_check as C
 from kvbench.kernels.decode import default_num_splits, paged_decode
 from kvbench.kernels.formats import FORMAT_NAMES
 from kvbench.kernels.prefill import paged_prefill

@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kvbench.kernels import check as C
+from kvbench.tools import kernel_check as C
 from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, build_rope_cache
 from kvbench.runtime.attention.registry import backend_class
 from kvbench.runtime.attention.torch_backend import TorchBackend

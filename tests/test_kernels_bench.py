@@ -1,8 +1,11 @@
 """Host-side logic of the kernel benchmarks (the timings themselves need a GPU): configuration choice in
 the prefill rows, and the issue-3 target table."""
 
-from kvbench.kernels import bench as B
-from kvbench.kernels import bench_prefill as BP
+from kvbench.tools import append_bench as A
+from kvbench.tools import common as CM
+from kvbench.tools import decode_bench as D
+from kvbench.tools import kernel_bench as B
+from kvbench.tools import prefill_bench as BP
 
 
 def test_best_config_skips_failures_and_reports_the_defaults(monkeypatch):
@@ -44,12 +47,12 @@ def test_append_bytes_counts_the_unfused_k_round_trip():
     # 512 bf16 tokens, 32 q / 8 kv heads of 128: q read + rotated q written (4 MiB each), k read + rotated
     # k written (1 MiB each), v read (1 MiB), cache rows written; the unfused path reads the rotated k again.
     mib = 1 << 20
-    fused, unfused = B.append_bytes(512, 32, 8, 128, 256)
+    fused, unfused = A.append_bytes(512, 32, 8, 128, 256)
     assert fused == 4 * mib * 2 + mib * 2 + mib + 2 * mib
     assert unfused == fused + mib
-    fused8, unfused8 = B.append_bytes(512, 32, 8, 128, 128)  # fp8 rows: half the cache bytes
+    fused8, unfused8 = A.append_bytes(512, 32, 8, 128, 128)  # fp8 rows: half the cache bytes
     assert fused - fused8 == mib and unfused - unfused8 == mib
-    assert B.append_bytes(0, 32, 8, 128, 256) == (0, 0)
+    assert A.append_bytes(0, 32, 8, 128, 256) == (0, 0)
 
 
 def test_decode_targets_read_the_chosen_layout_rows():
@@ -65,13 +68,13 @@ def test_decode_targets_read_the_chosen_layout_rows():
 def test_flashinfer_gets_hnd_memory_as_its_own_shape():
     import torch
 
-    from kvbench.kernels.check import as_layout
+    from kvbench.tools.kernel_check import as_layout
 
     x = torch.randn(5, 16, 8, 32)
-    k, v = B.fi_kv(as_layout(x, "HND"), as_layout(2 * x, "HND"), "HND")
+    k, v = CM.fi_kv(as_layout(x, "HND"), as_layout(2 * x, "HND"), "HND")
     assert k.shape == (5, 8, 16, 32) and k.is_contiguous() and v.is_contiguous()
     assert torch.equal(k, x.permute(0, 2, 1, 3))
-    kn, _ = B.fi_kv(x, x, "NHD")
+    kn, _ = CM.fi_kv(x, x, "NHD")
     assert kn is x
 
 
@@ -95,10 +98,10 @@ def test_decode_sweep_builds_its_caches_in_the_chosen_layout(monkeypatch):
         seen.append(a[-1])
         raise RuntimeError("stop")
 
-    monkeypatch.setattr(B, "_decode_case", case)
+    monkeypatch.setattr(D, "decode_case", case)
     for layout in ("HND", "NHD"):
         with pytest.raises(RuntimeError, match="stop"):
-            B.sweep_decode(1.0, formats=("bf16",), layout=layout)
+            D.sweep_decode(1.0, formats=("bf16",), layout=layout)
     assert seen == ["HND", "NHD"]
 
 
@@ -113,12 +116,12 @@ def test_bench_cli_rejects_an_unknown_part():
 
 
 def test_mla_part_runs_the_mla_benchmarks(monkeypatch, tmp_path):
-    """``--parts mla`` hands over to ``kvbench.kernels.mla_check`` (its own checks only with ``--check``, the
+    """``--parts mla`` hands over to ``kvbench.tools.mla_check`` (its own checks only with ``--check``, the
     small grid with ``--quick``, its tables next to ``--out``) and returns its exit status; nothing of the GQA
     benchmark runs (host side: CUDA reported present, the MLA entry point recorded)."""
     import torch
 
-    from kvbench.kernels import mla_check
+    from kvbench.tools import mla_check
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -139,12 +142,12 @@ def test_graph_timings_wait_for_pending_writes_before_the_side_stream(monkeypatc
     import torch
     import triton.testing
 
-    from kvbench.kernels import mla_check
+    from kvbench.tools import mla_common
 
     seen = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append("sync"))
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **k: seen.append("graph") or 1.0)
-    for timed in (lambda f: B._bench(f, graph=True), mla_check._bench_graph):
+    for timed in (lambda f: CM.bench_us(f, graph=True), mla_common.graph_time_us):
         seen.clear()
         assert timed(lambda: seen.append("call")) == 1e3
         assert seen == ["call", "sync", "graph"], seen

@@ -1,6 +1,6 @@
 """The kernels compile for a Hopper GPU (sm_90) with the installed Triton, without a GPU: this catches
 what the CPU interpreter accepts but the compiler rejects (type mismatches across branches, shapes).
-Numbers are checked by the other tests (interpreter) and by ``python -m kvbench.kernels.check`` (GPU).
+Numbers are checked by the other tests (interpreter) and by ``python -m kvbench.tools.kernel_check`` (GPU).
 
 The compilation runs in a subprocess with ``TRITON_INTERPRET=0``: the other kernel tests put this
 process's kernels into interpreter mode."""

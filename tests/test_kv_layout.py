@@ -10,8 +10,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kvbench.kernels import check as C
-from kvbench.kernels.check import as_layout
+from kvbench.tools import kernel_check as C
+from kvbench.tools.kernel_check import as_layout
 from kvbench.runtime.config import ConfigError, EngineConfig, KVCacheSpec
 from kvbench.runtime.kv_cache import PagedKVCache
 

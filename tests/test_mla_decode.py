@@ -84,7 +84,7 @@ def test_decode_deepseek_latent_dims():
 
 def test_decode_half_compute():
     # fp16 queries and probabilities, fp16-level agreement.  (bf16 compute is checked on the GPU by
-    # kvbench.kernels.mla_check: the triton 3.9 interpreter's tl.dot multiplies bf16 operands' raw bits.)
+    # kvbench.tools.mla_check: the triton 3.9 interpreter's tl.dot multiplies bf16 operands' raw bits.)
     assert _run("fp8_e4m3", [45, 12], seed=11, dtype=torch.float16) < 5e-3
     assert _run("nvfp4", [20], seed=13, dtype=torch.float16) < 5e-3
 
@@ -241,7 +241,8 @@ def test_decode_fp8_query_other_formats(kv_dtype):
 def test_latent_space_reference_and_fp8_query_table():
     """The GPU check's float64 latent-space decode (``ref_decode_latent``) equals the non-absorbed reference
     with identity up-projections; the report renders the e4m3-query rows against bf16."""
-    from kvbench.kernels import mla_check as MC
+    from kvbench.tools import mla_check as MC
+    from kvbench.tools.mla_report import report_md
     from kvbench.kernels.mla_reference import quantize_absorbed_query, ref_decode_latent
 
     gen = torch.Generator().manual_seed(47)
@@ -260,13 +261,13 @@ def test_latent_space_reference_and_fp8_query_table():
     rep = {"device": "d", "torch": "t", "triton": "tr", "date": "x", "copy_GBps": 2000.0, "checks": {}, "tuning": {},
            "append": [], "decode": [dict(row, format="bf16", us=610.0, graph_us=600.0, query="bf16"),
                                     dict(row, format="fp8_e4m3", us=490.0, graph_us=480.0, query="e4m3")]}
-    md = MC._md(rep)
+    md = report_md(rep)
     assert "| bf16 | 128 | 64 | 8192 | 610.0 | 600.0 | 1000 | 50% | 100 |" in md, md
     assert "| fp8_e4m3 | 128 | 64 | 8192 | 490.0 | 480.0 | 1000 | 50% | 100 | 1.25x |" in md, md
     assert md.count("| fp8_e4m3 | 128 |") == 1  # not in the bf16-query table
     rep["prefill"] = [dict(format="nvfp4", query="e4m3", heads=16, batch=2, prefix=8192, new=256, us=1000.0, graph_us=900.0,
                            TFLOPs=150.0, prefix_read="workspace")]
-    assert "| nvfp4 | e4m3 | workspace | 16 | 2 | 8192 | 256 | 1000.0 | 900.0 | 150 |" in MC._md(rep)
+    assert "| nvfp4 | e4m3 | workspace | 16 | 2 | 8192 | 256 | 1000.0 | 900.0 | 150 |" in report_md(rep)
 
 
 def test_decode_pipeline_depth_defaults(monkeypatch):
@@ -309,13 +310,13 @@ def test_stages_table_and_command():
     from typer.testing import CliRunner
 
     from kvbench.harness.cli import app
-    from kvbench.kernels.mla_check import _stages_md
+    from kvbench.tools.mla_report import stages_md
 
     rows = [{"format": "fp8_e4m3", "query": "bf16", "heads": 16, "stages": "default", "graph_us": 112.04, "diff": 0.0},
             {"format": "fp8_e4m3", "query": "bf16", "heads": 16, "stages": 3, "graph_us": 123.2, "diff": 2e-2},
             {"format": "bf16", "query": "bf16", "heads": 128, "stages": 3,
              "error": "OutOfResources: out of resource: shared memory"}]
-    md = _stages_md(rows).splitlines()
+    md = stages_md(rows).splitlines()
     assert md[0] == "| heads | format | query | default | 3 stages |"
     assert md[2] == "| 16 | fp8_e4m3 | bf16 | 112.0 | 123.2 (diff 2e-02) |"
     assert md[3] == "| 128 | bf16 | bf16 |  | OutOfResources |"
@@ -326,9 +327,9 @@ def test_stages_table_and_command():
 def test_sweep_stages_plumbing_on_cpu(monkeypatch):
     """``mla_check --stages`` end to end at a tiny shape under the interpreter (graph timing stubbed: no CUDA
     here): a row per case and depth, each output compared with the defaults', failures recorded as rows."""
-    from kvbench.kernels import mla_check as M
+    from kvbench.tools import mla_bench as M
 
-    monkeypatch.setattr(M, "_bench_graph", lambda fn, ms=100: 2.0)
+    monkeypatch.setattr(M, "graph_time_us", lambda fn, ms=100: 2.0)
     rows = M.sweep_stages(torch.device("cpu"), torch.Generator().manual_seed(0), heads=(16,), stages=(3,), batch=1, ctx=32)
     assert [(r["format"], r["query"], r["stages"]) for r in rows] == [
         (f, "e4m3" if q8 else "bf16", s) for f, q8 in M.STAGE_CASES for s in ("default", 3)]

@@ -96,7 +96,7 @@ def _assert_same_or_near_tie(ref, out, max_gap=0.1):
 
 def test_16_concurrent_requests(loaded):
     """16 requests at once with the default model (256 tokens each in the documented check,
-    ``python -m kvbench.runtime.models.perf``; 64 here to keep the suite fast on 2 cores)."""
+    ``python -m kvbench.tools.engine_perf``; 64 here to keep the suite fast on 2 cores)."""
     n_tok = 64
     e = _engine(loaded, kv_budget_gb=0.2, max_running=16)
     try:

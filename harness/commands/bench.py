@@ -16,14 +16,16 @@ def register(app: typer.Typer) -> None:
         check: bool = typer.Option(False, "--check", help="Run the correctness check against float64 references first."),
         quick: bool = typer.Option(False, "--quick", help="Smaller grid, no tile tuning."),
         out: Optional[str] = typer.Option(None, "--out", help="Write the results as JSON to this file."),
-        flashinfer: bool = typer.Option(True, "--flashinfer/--no-flashinfer", help="Time flashinfer's decode as an anchor when importable."),
+        flashinfer: bool = typer.Option(True, "--flashinfer/--no-flashinfer", help="Time flashinfer's decode and prefill as anchors when importable (torch SDPA rows are always there)."),
         parts: str = typer.Option("decode,prefill,append,mla", "--parts",
                                   help="Comma list of decode, prefill, append, mla (the MLA latent-cache kernels; "
                                        "`kvbench bench mla` has their own options)."),
         layout: str = typer.Option("HND", "--layout", help="Page layout of the caches: HND (the runtime's default) or NHD."),
     ) -> None:
-        """Paged decode / prefill / fused append vs copy bandwidth, flashinfer and SDPA anchors; MLA kernels."""
-        from kvbench.kernels.bench import main, parse_parts
+        """Paged decode / prefill / fused append vs copy bandwidth, flashinfer and SDPA anchors; MLA kernels.
+
+        Rows are printed as they are measured (progress on stderr); the targets table and --out follow."""
+        from kvbench.tools.kernel_bench import main, parse_parts
 
         if layout not in ("HND", "NHD"):
             raise typer.BadParameter(f"--layout must be HND or NHD, got {layout!r}")
@@ -43,7 +45,7 @@ def register(app: typer.Typer) -> None:
         stages: bool = typer.Option(False, "--stages", help="Only the decode's pipeline-depth table at 64 x 8192."),
     ) -> None:
         """MLA latent-cache kernels: checks at DeepSeek-V3 shapes and decode/append timings."""
-        from kvbench.kernels.mla_check import main
+        from kvbench.tools.mla_check import main
 
         argv = (["--out", out] if out else []) + (["--quick"] if quick else []) + (["--skip-checks"] if skip_checks else [])
         argv += ["--heads", heads] + (["--no-sweep"] if no_sweep else []) + (["--stages"] if stages else [])

@@ -9,7 +9,7 @@ import typer
 
 
 def capacity_rows(model_shape: str, kv_budget_gb: float, context: int, page_size: int = 16, formats: Optional[list[str]] = None) -> list[dict]:
-    from kvbench.kernels.formats import FORMAT_NAMES
+    from kvbench.core.formats import format_names
     from kvbench.runtime.kv_cache import plan_capacity
     from kvbench.runtime.model_shapes import get_shape
 
@@ -22,7 +22,7 @@ def capacity_rows(model_shape: str, kv_budget_gb: float, context: int, page_size
         raise ValueError(f"--page-size must be a positive power of two (as the engine requires), got {page_size}")
     shape = get_shape(model_shape)
     rows = []
-    for name in formats or FORMAT_NAMES:
+    for name in formats or format_names():
         plan = plan_capacity(shape.kv_spec(name, page_size), kv_budget_gb * 2**30, context)
         rows.append(plan.to_dict())
     base = rows[0]["bytes_per_token"]

@@ -25,6 +25,7 @@ from typing import Optional
 import typer
 
 from kvbench.harness.options import engine_options
+from kvbench.suites.registry import PROMPT_STYLE_SUITES, suite_names
 
 
 def _cache_dir(opt: Optional[str]) -> Path:
@@ -73,7 +74,6 @@ RESULT_FILES = ("items.jsonl", "summary.json")
 _REQUEST_FLAGS = {"reasoning_effort": "--reasoning-effort", "top_p": "--top-p", "top_k": "--top-k",
                   "extra_body": "--extra-body"}
 EVAL_TIMEOUT_S = 600.0  # --request-timeout default (sweep targets default to 3600 s)
-_STYLE_SUITES = ("gpqa_diamond", "aime24", "aime25")
 
 
 def _request_options(endpoint: Optional[str], values: dict, extra_body: Optional[str]) -> dict:
@@ -126,9 +126,9 @@ def _style_extra(names: list[str], style: Optional[str]) -> dict:
 
     if style is None:
         return {}
-    chosen = [n for n in names if n in _STYLE_SUITES]
+    chosen = [n for n in names if n in PROMPT_STYLE_SUITES]
     if not chosen:
-        raise SuiteError(f"--prompt-style {style} applies to --suite {', '.join(_STYLE_SUITES)} (and chat/completion to ruler)")
+        raise SuiteError(f"--prompt-style {style} applies to --suite {', '.join(PROMPT_STYLE_SUITES)} (and chat/completion to ruler)")
     for n in chosen:
         if style not in prompt_styles(n):
             raise SuiteError(f"--prompt-style {style!r} is not a style of {n}; choose one of: {', '.join(prompt_styles(n))}")
@@ -202,7 +202,7 @@ def register(app: typer.Typer) -> None:
     @engine_options
     def eval_cmd(
         engine,
-        suite: Optional[str] = typer.Option(None, "--suite", help="Suite(s), comma-separated: gsm8k, gsm8k_cot, gsm8k_chat, aime24, aime25, gpqa_diamond, ruler, fidelity, lm_eval:<task> (default gsm8k)"),
+        suite: Optional[str] = typer.Option(None, "--suite", help=f"Suite(s), comma-separated: {', '.join(suite_names())} (default gsm8k)"),
         limit: Optional[int] = typer.Option(None, "--limit", help="First N items of each suite (fidelity: N texts, default 32; ruler: N items per task, length and depth, default 5)"),
         repeats: int = typer.Option(1, "--repeats", help="K samples per item (avg@K, pass@K)"),
         data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local JSONL/CSV/parquet files (else the dataset hub; env KVBENCH_DATA_DIR)"),
@@ -315,7 +315,7 @@ def register(app: typer.Typer) -> None:
             info = client.info()
             for name in names:
                 suite_opts = replace(opts, extra=fid_extra) if name == "fidelity" else opts
-                if name in _STYLE_SUITES:
+                if name in PROMPT_STYLE_SUITES:
                     suite_opts = replace(opts, extra=style_extra)
                 res = run_suite(name, client, suite_opts, ctx)
                 records += res.records

@@ -1,27 +1,42 @@
-"""`kvbench formats`: the KV formats and their storage cost."""
+"""`kvbench formats`: the KV formats of the format table, their storage cost and the backends that run them."""
 
 from __future__ import annotations
 
 import typer
 
 
+def format_rows() -> list[dict]:
+    """One row per registered format (``kvbench.core.formats``), in table order."""
+    from kvbench.core.backends import PHASES, backend_names, supported_formats
+    from kvbench.core.formats import FORMAT_SPECS
+
+    rows = []
+    for f in FORMAT_SPECS.values():
+        runs = {b: [p for p in PHASES if f.name in supported_formats(b, p)] for b in backend_names()}
+        rows.append({
+            "name": f.name,
+            "storage": f.storage,
+            "element_bits": f.element_bits,
+            "scale": f.scale_text,
+            "bytes_per_element": f.bytes_per_element,
+            "token_scale_bytes": f.token_scale_bytes,  # per token and kv head, beside the elements
+            "max": f.max_value,
+            "backends": {b: ps for b, ps in runs.items() if ps},
+        })
+    return rows
+
+
+def _backends_text(backends: dict) -> str:
+    from kvbench.core.backends import PHASES
+
+    return ", ".join(b if len(ps) == len(PHASES) else f"{b} ({'/'.join(ps)})" for b, ps in backends.items()) or "-"
+
+
 def register(app: typer.Typer) -> None:
     @app.command("formats")
     def formats(json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
-        """List KV formats: element bits, scale layout, bytes per element (scales included)."""
-        from kvbench.kernels.formats import FORMATS
-
-        rows = [
-            {
-                "name": f.name,
-                "storage": str(f.storage_dtype).replace("torch.", ""),
-                "element_bits": f.element_bits,
-                "scale": f.scale_layout,
-                "bytes_per_element": f.bytes_per_element,
-                "max": f.max_value,
-            }
-            for f in FORMATS.values()
-        ]
+        """List KV formats: element bits, scale layout, bytes per element (scales included), backends."""
+        rows = format_rows()
         if json_out:
             import json
 
@@ -31,11 +46,12 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         t = Table(title="KV formats")
-        for col in ("name", "storage", "bits", "scale layout", "bytes/elem", "vs bf16", "max |x/scale|"):
+        for col in ("name", "storage", "bits", "scale layout", "bytes/elem", "vs bf16", "max |x/scale|", "backends"):
             t.add_column(col)
         for r in rows:
             t.add_row(
                 r["name"], r["storage"], str(r["element_bits"]), r["scale"], f"{r['bytes_per_element']:.4f}",
                 f"{r['bytes_per_element'] / 2:.4f}", "-" if r["max"] is None else f"{r['max']:g}",
+                _backends_text(r["backends"]),
             )
         Console().print(t)

@@ -37,6 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol, runtime_checkable
 
+from kvbench.core.backends import PHASES  # re-exported: the phases of the backend table
+
 if TYPE_CHECKING:  # torch is imported lazily by the modules that run kernels
     import torch
 
@@ -56,7 +58,6 @@ __all__ = [
     "query_fp8_rows",
 ]
 
-PHASES = ("prefill", "decode")
 
 
 class UnsupportedBackend(ValueError):

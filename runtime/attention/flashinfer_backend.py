@@ -21,13 +21,12 @@ from typing import ClassVar
 
 import torch
 
+from kvbench.core.backends import is_supported
 from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, apply_rope
 from kvbench.runtime.attention.torch_backend import quantize_step_query
 
 __all__ = ["FlashInferBackend"]
 
-_DECODE = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
-_PREFILL = ("bf16", "fp16")
 _WORKSPACE = 256 * 2**20
 
 
@@ -44,13 +43,14 @@ class FlashInferBackend:
         self._wrappers: dict = {}
 
     @classmethod
-    def supports(cls, kv_dtype: str, phase: str) -> bool:
-        return kv_dtype in (_DECODE if phase == "decode" else _PREFILL)
+    def supports(cls, kv_dtype: str, phase: str) -> bool:  # the backend table (core/backends.py)
+        return is_supported(cls.name, kv_dtype, phase)
 
     @classmethod
     def supports_mla(cls, kv_dtype: str, phase: str) -> bool:
-        """FlashInfer's MLA kernels expect another latent layout; MLA models run on torch or triton."""
-        return False
+        """FlashInfer's MLA kernels expect another latent layout; MLA models run on torch or triton (the
+        table says ``mla=False``)."""
+        return is_supported(cls.name, kv_dtype, phase, mla=True)
 
     @classmethod
     def available(cls) -> tuple[bool, str]:

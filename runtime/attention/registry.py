@@ -1,7 +1,9 @@
 """Backend registry: name -> implementation, and the (backend, kv format, phase) support check.
 
-The table is static (no runtime registration, no global mutable state); implementations are imported
-only when asked for, so looking at the registry costs nothing.
+Which backend runs which format in which phase is declared in ``kvbench.core.backends`` (the table the
+config, the CLI and ``kvbench formats`` read too); this module attaches an implementation to each of its
+names and checks engines against it.  Implementations are imported only when asked for, so looking at the
+registry costs nothing.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from kvbench.core.backends import backend_names
+from kvbench.core.formats import format_names
 from kvbench.runtime.attention.base import PHASES, BackendOptions, UnsupportedBackend
 
 if TYPE_CHECKING:
@@ -16,18 +20,24 @@ if TYPE_CHECKING:
 
 __all__ = ["BACKEND_PATHS", "backend_class", "supports", "support_table", "check_supported", "create_backend"]
 
+# the implementation of each backend of the table (kvbench.core.backends)
 BACKEND_PATHS: dict[str, str] = {
     "torch": "kvbench.runtime.attention.torch_backend:TorchBackend",
     "triton": "kvbench.runtime.attention.triton_backend:TritonBackend",
     "flashinfer": "kvbench.runtime.attention.flashinfer_backend:FlashInferBackend",
 }
+_undeclared = set(BACKEND_PATHS) - set(backend_names())
+if _undeclared:  # every implementation has its entry in the table
+    raise ImportError(f"attention backends missing from kvbench.core.backends: {sorted(_undeclared)}")
 
 
 def backend_class(name: str) -> type:
-    try:
-        path = BACKEND_PATHS[name]
-    except KeyError:
-        raise UnsupportedBackend(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_PATHS)}") from None
+    path = BACKEND_PATHS.get(name)
+    if path is None:
+        if name in backend_names():
+            raise UnsupportedBackend(f"attention backend {name!r} is in the backend table (kvbench.core.backends) but has "
+                                     "no implementation in runtime/attention/registry.py BACKEND_PATHS")
+        raise UnsupportedBackend(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_PATHS)}")
     mod, _, attr = path.partition(":")
     try:
         return getattr(importlib.import_module(mod), attr)
@@ -49,9 +59,7 @@ def supports(name: str, kv_dtype: str, phase: str, mla: bool = False) -> bool:
 
 def support_table(kv_dtypes=None, mla: bool = False) -> dict[str, dict[str, list[str]]]:
     """``{backend: {phase: [kv formats]}}`` of the supported combinations (of MLA models with ``mla``)."""
-    from kvbench.runtime.config import KV_DTYPES
-
-    kv_dtypes = kv_dtypes or KV_DTYPES
+    kv_dtypes = kv_dtypes or format_names()
     return {b: {p: [f for f in kv_dtypes if supports(b, f, p, mla)] for p in PHASES} for b in BACKEND_PATHS}
 
 

@@ -26,6 +26,7 @@ from typing import ClassVar, Optional
 import torch
 import torch.nn.functional as F
 
+from kvbench.core.backends import is_supported
 from kvbench.runtime.attention.base import (
     AttentionLayer,
     AttentionMetadata,
@@ -225,12 +226,12 @@ class TorchBackend:
         self.query_chunk: Optional[int] = chunk
 
     @classmethod
-    def supports(cls, kv_dtype: str, phase: str) -> bool:
-        return kv_dtype in ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4") and phase in ("prefill", "decode")
+    def supports(cls, kv_dtype: str, phase: str) -> bool:  # the backend table (core/backends.py): every format
+        return is_supported(cls.name, kv_dtype, phase)
 
     @classmethod
     def supports_mla(cls, kv_dtype: str, phase: str) -> bool:
-        return cls.supports(kv_dtype, phase)
+        return is_supported(cls.name, kv_dtype, phase, mla=True)
 
     @classmethod
     def available(cls) -> tuple[bool, str]:

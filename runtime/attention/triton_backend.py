@@ -23,11 +23,11 @@ from typing import ClassVar
 
 import torch
 
+from kvbench.core.backends import is_supported
 from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, RopeCache, query_fp8, query_fp8_rows
 
 __all__ = ["TritonBackend", "stored_new_kv"]
 
-_FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
 
 
 def stored_new_kv(cache, layer_idx: int, meta: AttentionMetadata, k_new: torch.Tensor, v_new: torch.Tensor):
@@ -51,12 +51,12 @@ class TritonBackend:
         self._q_scales: dict[tuple[float, str], torch.Tensor] = {}
 
     @classmethod
-    def supports(cls, kv_dtype: str, phase: str) -> bool:
-        return kv_dtype in _FORMATS and phase in ("prefill", "decode")
+    def supports(cls, kv_dtype: str, phase: str) -> bool:  # the backend table (core/backends.py)
+        return is_supported(cls.name, kv_dtype, phase)
 
     @classmethod
     def supports_mla(cls, kv_dtype: str, phase: str) -> bool:
-        return cls.supports(kv_dtype, phase)
+        return is_supported(cls.name, kv_dtype, phase, mla=True)
 
     def forward_mla(self, q_nope, q_pe, c_kv, k_pe, layer, cache, meta) -> torch.Tensor:
         """MLA layer (``mla_base.py``): fused latent append + absorbed decode/prefill kernels."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvbench.core.formats import get_spec
 from kvbench.runtime.attention.base import BackendOptions, build_rope_cache
 from kvbench.runtime.attention.registry import check_supported, create_backend
 from kvbench.runtime.config import EngineConfig, KVCacheSpec
@@ -70,7 +71,7 @@ def _kv_budget_bytes(cfg: EngineConfig, device: torch.device, loaded: LoadedMode
     # activations of one chunked-prefill step plus sampling rows (generous, in bytes)
     act = cfg.max_num_batched_tokens * (3 * m.intermediate_size + 6 * m.hidden_size) * 4
     act += cfg.max_running * m.vocab_size * 4 * 3 + 512 * 2**20
-    if m.is_mla and cfg.kv_dtype not in ("bf16", "fp16"):  # the MLA prefill's prefix workspace (kernels/mla_prefill.py)
+    if m.is_mla and get_spec(cfg.kv_dtype).quantized:  # the MLA prefill's prefix workspace (kernels/mla_prefill.py)
         from kvbench.kernels.mla_prefill import WORKSPACE_BYTES
 
         act += WORKSPACE_BYTES

@@ -1,6 +1,6 @@
 """Engine performance checks behind docs/performance.md (run on a GPU; parts run on CPU too).
 
-    python -m kvbench.runtime.models.perf --out perf.json [--model synthetic:llama-3-8b] [--skip-default]
+    python -m kvbench.tools.engine_perf --out perf.json [--model synthetic:llama-3-8b] [--skip ...]
 
 1. copy bandwidth of the device (read + write bytes of a large tensor copy / time);
 2. decode step (forward + logits) of a model at batch B x context L, eager and with CUDA graphs,
@@ -10,6 +10,9 @@
 3. max concurrent sequences without queueing per KV format at a fixed KV budget (measured from the
    scheduler's running count while requests of a fixed length are served);
 4. every KV format x backend pair generates (tokens/s, greedy agreement with bf16 on torch).
+
+Each row is printed (one JSON object after its section's name) as soon as it is measured, with a progress
+line on stderr (``streaming.py``); ``--out`` is rewritten after every row.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import time
 
 import torch
 
-from kvbench.harness.client import SamplingParams
+from kvbench.core.client import SamplingParams
+from kvbench.core.formats import format_names
 from kvbench.runtime.config import EngineConfig
 from kvbench.runtime.scheduler import ScheduledBatch, Sequence
-
-FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+from kvbench.tools.common import bench_formats
+from kvbench.tools.streaming import Step, stream_rows
 
 
 def _sync(dev):
@@ -121,29 +125,32 @@ def generate_check(loaded, fmt: str, pre: str, dec: str, prompts, n_tok: int, de
     return _with_engine(cfg, run, loaded=loaded)
 
 
-def format_matrix(model_name, device, prompts_text, n_tok, budget_gb, pairs) -> list[dict]:
+def iter_format_matrix(model_name, device, prompts_text, n_tok, budget_gb, pairs):
+    """Every registered format × (prefill, decode) backend pair: a row each as it is measured (an unsupported
+    pair is reported, not hidden)."""
     from kvbench.runtime.models.loader import load_model
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     loaded = load_model(model_name, device=device, dtype=dtype)
     prompts = [loaded.tokenizer.encode(t) for t in prompts_text]
     ref = generate_check(loaded, "bf16", "torch", "torch", prompts, n_tok, device, budget_gb)["tokens"]
-    rows = []
-    for fmt in FORMATS:
+    for fmt in format_names():
         for pre, dec in pairs:
             try:
                 r = generate_check(loaded, fmt, pre, dec, prompts, n_tok, device, budget_gb)
             except Exception as e:  # an unsupported pair is reported, not hidden
-                rows.append({"model": loaded.model_id, "kv": fmt, "backend": f"{pre}+{dec}", "error": f"{type(e).__name__}: {e}"[:200]})
+                yield {"model": loaded.model_id, "kv": fmt, "backend": f"{pre}+{dec}", "error": f"{type(e).__name__}: {e}"[:200]}
                 continue
             same = sum(a == b for a, b in zip(r["tokens"], ref))
             first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n_tok) for a, b in zip(r["tokens"], ref)]
-            rows.append({"model": loaded.model_id, "kv": fmt, "backend": f"{pre}+{dec}", "ok": r["ok"], "tok_s": round(r["tok_s"], 1),
-                         "identical_to_bf16_torch": f"{same}/{len(prompts)}", "mean_first_divergence": round(sum(first) / len(first), 1),
-                         "cuda_graphs": r["graphs"]})
-            print(json.dumps(rows[-1]), flush=True)
+            yield {"model": loaded.model_id, "kv": fmt, "backend": f"{pre}+{dec}", "ok": r["ok"], "tok_s": round(r["tok_s"], 1),
+                   "identical_to_bf16_torch": f"{same}/{len(prompts)}", "mean_first_divergence": round(sum(first) / len(first), 1),
+                   "cuda_graphs": r["graphs"]}
     del loaded
-    return rows
+
+
+def format_matrix(*a, **k) -> list[dict]:
+    return list(iter_format_matrix(*a, **k))
 
 
 def concurrent_check(device: str, n: int = 16, n_tok: int = 256) -> dict:
@@ -175,8 +182,8 @@ PROMPTS = [
 ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m kvbench.tools.engine_perf")
     ap.add_argument("--out", default="perf.json")
     ap.add_argument("--model", default="synthetic:llama-3-8b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -184,8 +191,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--decode-backend", default="triton")
     ap.add_argument("--capacity-budget-gb", type=float, default=2.0)
-    ap.add_argument("--skip", default="", help="comma list of: bandwidth,decode,capacity,matrix,default")
-    args = ap.parse_args()
+    ap.add_argument("--skip", default="", help="comma list of: bandwidth,decode,capacity,matrix,default,concurrent")
+    args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
 
     res: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
@@ -197,57 +204,61 @@ def main() -> None:
             json.dump(res, f, indent=1)
         os.replace(tmp, args.out)
 
-    if "bandwidth" not in skip:
+    def bandwidth():
         res["copy_bandwidth_GBs"] = copy_bandwidth(args.device) / 1e9
-        print("copy bandwidth GB/s", res["copy_bandwidth_GBs"], flush=True)
-        save()
-    if "decode" not in skip:
-        res["decode"] = []
-        for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
-            for eager in (True, False):
-                cfg = EngineConfig(model=args.model, kv_dtype=fmt, prefill_backend="torch", decode_backend=args.decode_backend,
-                                   device=args.device, max_running=args.batch, max_model_len=args.ctx + 16,
-                                   kv_budget_gb=args.batch * (args.ctx + 16) * 1.05 * _bpt(args.model, fmt) / 2**30,
-                                   enforce_eager=eager)
+        return ("bandwidth", {"copy_bandwidth_GBs": res["copy_bandwidth_GBs"]})
 
-                def step_row(e, fmt=fmt) -> dict:
-                    t = decode_step(e, args.batch, args.ctx)
-                    wb = weight_bytes_read_per_step(e.runner.model)
-                    kvb = args.batch * args.ctx * e.cache.bytes_per_token
-                    row = {"kv": fmt, "cuda_graphs": e.runner.graphs is not None, "step_ms": t * 1e3,
-                           "weight_GB": wb / 1e9, "kv_GB": kvb / 1e9, "mla": e.cache.spec.mla}
-                    if "copy_bandwidth_GBs" in res:
-                        roof = (wb + kvb) / (res["copy_bandwidth_GBs"] * 1e9)
-                        row.update(roofline_ms=roof * 1e3, ratio=t / roof)
-                    return row
+    def decode(fmt, eager):
+        cfg = EngineConfig(model=args.model, kv_dtype=fmt, prefill_backend="torch", decode_backend=args.decode_backend,
+                           device=args.device, max_running=args.batch, max_model_len=args.ctx + 16,
+                           kv_budget_gb=args.batch * (args.ctx + 16) * 1.05 * _bpt(args.model, fmt) / 2**30,
+                           enforce_eager=eager)
 
-                try:
-                    row = _with_engine(cfg, step_row)
-                except Exception as ex:
-                    row = {"kv": fmt, "eager": eager, "error": f"{type(ex).__name__}: {ex}"[:300]}
-                res["decode"].append(row)
-                print(json.dumps(row), flush=True)
-                save()
-    if "capacity" not in skip:
-        res["capacity"] = []
-        for fmt in FORMATS:
-            cfg = EngineConfig(model=args.model, kv_dtype=fmt, device=args.device, prefill_backend="torch",
-                               decode_backend=args.decode_backend, kv_budget_gb=args.capacity_budget_gb, max_running=256,
-                               max_model_len=2048, enforce_eager=True)
+        def step_row(e) -> dict:
+            t = decode_step(e, args.batch, args.ctx)
+            wb = weight_bytes_read_per_step(e.runner.model)
+            kvb = args.batch * args.ctx * e.cache.bytes_per_token
+            row = {"kv": fmt, "cuda_graphs": e.runner.graphs is not None, "step_ms": t * 1e3,
+                   "weight_GB": wb / 1e9, "kv_GB": kvb / 1e9, "mla": e.cache.spec.mla}
+            if "copy_bandwidth_GBs" in res:
+                roof = (wb + kvb) / (res["copy_bandwidth_GBs"] * 1e9)
+                row.update(roofline_ms=roof * 1e3, ratio=t / roof)
+            return row
 
-            def capacity_row(e, fmt=fmt) -> dict:
-                plan = e.cache.capacity(1024)
-                try:
-                    r = peak_concurrency(e, n_requests=min(4 * plan.max_concurrency + 4, 256), prompt_len=1000, gen_len=24)
-                except Exception as ex:
-                    r = {"error": f"{type(ex).__name__}: {ex}"[:300]}
-                return {"kv": fmt, "budget_GiB": args.capacity_budget_gb, "bytes_per_token": e.cache.bytes_per_token,
-                        "planned_at_1024": plan.max_concurrency, **r}
+        try:
+            row = _with_engine(cfg, step_row)
+        except Exception as ex:
+            row = {"kv": fmt, "eager": eager, "error": f"{type(ex).__name__}: {ex}"[:300]}
+        res.setdefault("decode", []).append(row)
+        return ("decode", row)
 
-            row = _with_engine(cfg, capacity_row)
-            res["capacity"].append(row)
-            print(json.dumps(row), flush=True)
-            save()
+    def capacity(fmt):
+        cfg = EngineConfig(model=args.model, kv_dtype=fmt, device=args.device, prefill_backend="torch",
+                           decode_backend=args.decode_backend, kv_budget_gb=args.capacity_budget_gb, max_running=256,
+                           max_model_len=2048, enforce_eager=True)
+
+        def capacity_row(e) -> dict:
+            plan = e.cache.capacity(1024)
+            try:
+                r = peak_concurrency(e, n_requests=min(4 * plan.max_concurrency + 4, 256), prompt_len=1000, gen_len=24)
+            except Exception as ex:
+                r = {"error": f"{type(ex).__name__}: {ex}"[:300]}
+            return {"kv": fmt, "budget_GiB": args.capacity_budget_gb, "bytes_per_token": e.cache.bytes_per_token,
+                    "planned_at_1024": plan.max_concurrency, **r}
+
+        row = _with_engine(cfg, capacity_row)
+        res.setdefault("capacity", []).append(row)
+        return ("capacity", row)
+
+    def matrix(key, model, budget):
+        for row in iter_format_matrix(model, args.device, PROMPTS, 32, budget, pairs):
+            res.setdefault(key, []).append(row)
+            yield (key, row)
+
+    def concurrent():
+        res["concurrent"] = concurrent_check(args.device)
+        return ("concurrent", res["concurrent"])
+
     pairs = [("triton", "triton"), ("torch", "triton"), ("triton", "torch")]
     from kvbench.runtime.attention.registry import backend_class
 
@@ -255,16 +266,24 @@ def main() -> None:
         if backend_class("flashinfer").available()[0]:
             pairs += [("flashinfer", "flashinfer"), ("triton", "flashinfer")]
     except Exception as e:
-        print("flashinfer not used:", e)
+        print("flashinfer not used:", e, flush=True)
+    steps = []
+    if "bandwidth" not in skip:
+        steps.append(Step("copy bandwidth", bandwidth))
+    if "decode" not in skip:
+        steps += [Step(f"decode step {fmt} B={args.batch} L={args.ctx} {'eager' if eager else 'CUDA graphs'}",
+                       lambda fmt=fmt, eager=eager: decode(fmt, eager))
+                  for fmt in bench_formats() for eager in (True, False)]
+    if "capacity" not in skip:
+        steps += [Step(f"capacity {fmt} {args.capacity_budget_gb} GiB", lambda fmt=fmt: capacity(fmt)) for fmt in format_names()]
     if "matrix" not in skip:
-        res["matrix"] = format_matrix(args.model, args.device, PROMPTS, 32, 8.0, pairs)
-        save()
+        steps.append(Step(f"format x backend matrix {args.model}", lambda: matrix("matrix", args.model, 8.0)))
     if "default" not in skip:
-        res["matrix_default"] = format_matrix(None, args.device, PROMPTS, 32, 1.0, pairs)
-        save()
+        steps.append(Step("format x backend matrix, default model", lambda: matrix("matrix_default", None, 1.0)))
     if "concurrent" not in skip:
-        res["concurrent"] = concurrent_check(args.device)
-        print(json.dumps(res["concurrent"]), flush=True)
+        steps.append(Step("16 concurrent requests, default model", concurrent))
+    for _ in stream_rows(steps, fmt=lambda kr: f"{kr[0]:<14} {json.dumps(kr[1])}",
+                         header=f"{'section':<14} row (JSON)"):
         save()
 
 

@@ -1,9 +1,11 @@
 """Correctness check of the Triton KV kernels against ``reference.py`` on fresh random inputs.
 
-``python -m kvbench.kernels.check`` runs every kernel × format × feature at real shapes on the GPU
+``python -m kvbench.tools.kernel_check`` runs every kernel × format × feature at real shapes on the GPU
 (head_dim 64/128, H_q/H_kv 32/8 and 64/8, pages of 16 and 64, contexts up to 32k, batch up to 256,
 ragged lengths) and exits non-zero on any failure.  The CPU tests use the same case builders at small
-shapes under ``TRITON_INTERPRET=1``.
+shapes under ``TRITON_INTERPRET=1``, and ``tests/gpu`` runs a sample of them on a CUDA device
+(``pytest -m gpu``).  The grid of the GPU run is in ``kernel_check_grid.py``; each case's line is printed
+as soon as it has run, with a progress line on stderr.
 
 Rules: inputs are random with outliers and drawn anew for every case; outputs are poisoned (NaN, or
 random bytes for the caches) before each run; errors are ``‖out − ref‖ / ‖ref‖`` against float64 and
@@ -25,10 +27,10 @@ from typing import Optional
 import torch
 
 from kvbench.kernels import reference as R
-from kvbench.kernels.formats import FORMAT_NAMES, get_format, quantize_e2m1, scale_from_amax, unpack_nibbles
+from kvbench.kernels.formats import get_format, quantize_e2m1, scale_from_amax, unpack_nibbles
 
 __all__ = ["Case", "rel_err", "fp8_mismatch", "nvfp4_mismatch", "check_append", "check_decode", "check_prefill",
-           "check_prefill_q_split", "main"]
+           "check_prefill_q_split", "CASE_HEADER", "main"]
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-3}
 
@@ -47,6 +49,9 @@ class Case:
 
     def line(self) -> str:
         return f"{'PASS' if self.ok else 'FAIL'}  {self.kernel:<8} {self.label:<58} err {self.err:.2e} (tol {self.tol:.0e}) {self.detail}"
+
+
+CASE_HEADER = f"{'check':<6}{'kernel':<9}{'case':<58} error (tolerance)"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -303,75 +308,37 @@ def check_prefill_q_split(q_lens, prefixes, hq, hk, d, page, *, window=None, sin
 
 
 # -------------------------------------------------------------------------------------- GPU run
-def gpu_cases(quick: bool = False):
-    """Every kernel × format × feature at real shapes (a generator of thunks)."""
-    gen = torch.Generator().manual_seed(1234)
-    shapes = [(32, 8, 128, 16), (64, 8, 64, 64)]
-    fmts = FORMAT_NAMES
-    for fmt in fmts:
-        for hq, hk, d, page in shapes:
-            for style, rot in (("neox", d), ("interleaved", d), ("neox", d // 2)):
-                for t in ((1, 512) if not quick else (37,)):
-                    for fused in (True, False):
-                        yield lambda f=fmt, t=t, a=(hq, hk, d, page), s=style, r=rot, fu=fused: check_append(
-                            f, t, *a, rot=r, style=s, fused=fu, q_fp8=(t == 512), seed=int(torch.randint(1 << 30, (1,), generator=gen)))
-    for fmt in fmts:
-        ragged = [int(x) for x in torch.randint(1, 4097, (64,), generator=gen)]
-        many = [int(x) for x in torch.randint(1, 1025, (256,), generator=gen)]
-        for lens, (hq, hk, d, page) in ((ragged, shapes[0]), (many, shapes[1]), ([32768, 17, 20000, 1], shapes[0])):
-            for window, sinks, q8 in ((None, False, False), (1000, True, False), (None, False, True)):
-                yield lambda f=fmt, l=lens, a=(hq, hk, d, page), w=window, s=sinks, q=q8: check_decode(
-                    f, l, *a, window=w, sinks=s, q_fp8=q, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
-        for (ql, pre), (hq, hk, d, page) in (
-            (([512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31]), shapes[0]),
-            (([200, 1, 640], [4000, 64, 0]), shapes[1]),
-            (([128, 2048], [32768 - 128, 0]), shapes[0]),
-        ):
-            for window, sinks, q8 in ((None, False, False), (700, True, False), (None, False, True), (700, True, True)):
-                yield lambda f=fmt, ql=ql, pre=pre, a=(hq, hk, d, page), w=window, s=sinks, q=q8: check_prefill(
-                    f, ql, pre, *a, window=w, sinks=s, q_fp8=q, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
-        # a bf16 q over an e4m3 prefix runs the prefix's scores as two fp8 dots of an exact split of q by
-        # default: against the converted-K path it replaces (which keeps its own coverage here)
-        if fmt == "fp8_e4m3":
-            for (ql, pre), a in ((([512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31]), shapes[0]),
-                                 (([200, 1, 640], [4000, 64, 0]), shapes[1]),
-                                 (([128, 2048], [32768 - 128, 0]), shapes[0])):
-                for window, sinks in ((None, False), (700, True)):
-                    yield lambda ql=ql, pre=pre, a=a, w=window, s=sinks: check_prefill_q_split(
-                        ql, pre, *a, window=w, sinks=s, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
-            yield lambda: check_prefill("fp8_e4m3", [512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31], *shapes[0],
-                                        window=700, sinks=True, fp8_qk=False,
-                                        seed=int(torch.randint(1 << 30, (1,), generator=gen)))
-        # the GPU reads q and the new tokens through tensor descriptors by default (TMA; not for nvfp4): the
-        # pointer loads it replaces, on the same features
-        if fmt != "nvfp4":
-            for window, sinks, q8 in ((None, False, False), (700, True, True)):
-                yield lambda f=fmt, w=window, s=sinks, q=q8: check_prefill(
-                    f, [512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31], *shapes[0], window=w, sinks=s, q_fp8=q,
-                    tma=False, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+def run_cases(cases, out=None, progress=None) -> list[Case]:
+    """Run ``(label, thunk)`` cases in order, printing each case's line as soon as it has run (a crash is a
+    failed case, reported with the others) → the cases."""
+    from kvbench.tools.streaming import Step, run_steps
+
+    def step(label, thunk):
+        def run():
+            case = thunk()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return case
+        return Step(label, run)
+
+    def crashed(st, e):
+        return Case("error", f"{st.label}: {e!r}"[:120], float("inf"), 0.0)
+
+    return run_steps([step(*c) for c in cases], fmt=Case.line, header=CASE_HEADER, out=out, progress=progress,
+                     on_error=crashed)
 
 
-    # the head-major page layout (HND): every kernel and feature once more on the first shape
-    for fmt in fmts:
-        hq, hk, d, page = shapes[0]
-        for t, fused in ((512, True), (512, False), (1, True)):
-            yield lambda f=fmt, t=t, fu=fused: check_append(
-                f, t, hq, hk, d, page, fused=fu, q_fp8=(t == 512), layout="HND",
-                seed=int(torch.randint(1 << 30, (1,), generator=gen)))
-        ragged = [int(x) for x in torch.randint(1, 4097, (64,), generator=gen)]
-        for lens, w, s, q8 in ((ragged, None, False, False), ([32768, 17, 20000, 1], 1000, True, False),
-                               (ragged, None, False, True)):
-            yield lambda f=fmt, l=lens, w=w, s=s, q=q8: check_decode(
-                f, l, hq, hk, d, page, window=w, sinks=s, q_fp8=q, layout="HND",
-                seed=int(torch.randint(1 << 30, (1,), generator=gen)))
-        for w, s, q8 in ((None, False, False), (700, True, True)):
-            yield lambda f=fmt, w=w, s=s, q=q8: check_prefill(
-                f, [512, 300, 1024, 1, 77], [0, 1000, 3000, 5, 31], hq, hk, d, page, window=w, sinks=s, q_fp8=q,
-                layout="HND", seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+def markdown(results: list[Case], summary: str) -> str:
+    rows = ["| result | kernel | case | error | tol |", "|---|---|---|---|---|"]
+    rows += [f"| {'PASS' if c.ok else 'FAIL'} | {c.kernel} | {c.label} | {c.err:.2e} {c.detail} | {c.tol:.0e} |" for c in results]
+    return summary + "\n\n" + "\n".join(rows) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvbench.kernels.check", description=__doc__.split("\n\n")[0])
+    from kvbench.core.io import atomic_write_text
+    from kvbench.tools.kernel_check_grid import gpu_cases
+
+    ap = argparse.ArgumentParser(prog="python -m kvbench.tools.kernel_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer append sizes")
     ap.add_argument("--out", help="also write the results as a Markdown table to this file")
     args = ap.parse_args(argv)
@@ -379,27 +346,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("no CUDA device: the GPU check needs one (the CPU tests run the same checks at small shapes)")
         return 2
     t0 = time.time()
-    results = []
-    for thunk in gpu_cases(args.quick):
-        try:
-            case = thunk()
-        except Exception as e:  # a crash is a failure, reported with the others
-            case = Case("error", repr(e)[:120], float("inf"), 0.0)
-        results.append(case)
-        print(case.line(), flush=True)
-        torch.cuda.empty_cache()
+    results = run_cases(list(gpu_cases(args.quick)))
     failed = [c for c in results if not c.ok]
-    dev = torch.cuda.get_device_name()
-    summary = f"{len(results) - len(failed)}/{len(results)} passed on {dev} in {time.time() - t0:.0f} s"
-    print(summary)
+    summary = f"{len(results) - len(failed)}/{len(results)} passed on {torch.cuda.get_device_name()} in {time.time() - t0:.0f} s"
+    print(summary, flush=True)
     if args.out:
-        rows = ["| result | kernel | case | error | tol |", "|---|---|---|---|---|"]
-        rows += [f"| {'PASS' if c.ok else 'FAIL'} | {c.kernel} | {c.label} | {c.err:.2e} {c.detail} | {c.tol:.0e} |" for c in results]
-        with open(args.out + ".tmp", "w") as f:
-            f.write(summary + "\n\n" + "\n".join(rows) + "\n")
-        import os
-
-        os.replace(args.out + ".tmp", args.out)
+        atomic_write_text(args.out, markdown(results, summary))
     return 1 if failed else 0
 
 

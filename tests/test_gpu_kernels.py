@@ -1,0 +1,109 @@
+"""GPU: the Triton kernels against float64 references at small and medium shapes, with the check functions
+of ``kvbench.tools.kernel_check`` / ``mla_check`` (outputs poisoned with NaN first, ‖out−ref‖/‖ref‖ within
+the checks' tolerances, NaN never passes; the append kernels bit for bit).  Run with ``pytest -m gpu`` on a
+CUDA device; skipped elsewhere (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbench.tools.common import kernel_formats, mla_formats
+from kvbench.tools.kernel_check import TOL, Case, check_append, check_decode, check_prefill, check_prefill_q_split
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = kernel_formats()
+G32 = (32, 8, 128, 16)  # H_q, H_kv, head_dim, page
+G64 = (64, 8, 64, 64)
+RAGGED = [1, 17, 300, 1000, 2049, 4097, 63, 512]
+
+
+@pytest.fixture(autouse=True)
+def _free_memory():
+    yield
+    torch.cuda.empty_cache()
+
+
+def _ok(case: Case) -> None:
+    assert math.isfinite(case.err) and case.ok, case.line()
+
+
+def test_a_nan_output_never_passes():
+    assert not Case("decode", "nan", float("nan"), 1.0).ok and not Case("decode", "inf", float("inf"), 1.0).ok
+    from kvbench.tools.kernel_check import rel_err
+
+    ref = torch.ones(4, device="cuda")
+    assert rel_err(torch.tensor([1.0, float("nan"), 1.0, 1.0], device="cuda"), ref) == float("inf")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode(fmt):
+    _ok(check_decode(fmt, RAGGED, *G32, layout="HND", seed=1))
+    _ok(check_decode(fmt, [4097, 17, 2000, 1], *G32, window=1000, sinks=True, layout="HND", seed=2))
+    _ok(check_decode(fmt, RAGGED, *G32, q_fp8=True, layout="HND", seed=3))
+    _ok(check_decode(fmt, [700, 1, 1500], *G64, layout="NHD", seed=4))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill(fmt):
+    _ok(check_prefill(fmt, [256, 1, 77, 300], [0, 500, 1000, 31], *G32, layout="HND", seed=5))
+    _ok(check_prefill(fmt, [200, 1, 64], [1000, 64, 0], *G32, window=300, sinks=True, q_fp8=True, layout="HND", seed=6))
+
+
+def test_prefill_fp8_query_split_and_pointer_loads():
+    """A bf16 q over an e4m3 prefix (q split into two e4m3 terms) against converted K tiles, and the prefill's
+    pointer loads (``tma=False``) against the reference."""
+    _ok(check_prefill_q_split([256, 1, 300], [0, 1000, 31], *G32, window=300, sinks=True, seed=7))
+    _ok(check_prefill("bf16", [256, 1, 300], [0, 1000, 31], *G32, tma=False, layout="HND", seed=8))
+    assert TOL[torch.bfloat16] == 2e-2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_append_bit_exact(fmt):
+    """Fused and unfused RoPE + quantize + store, bit for bit against the reference (``exact=True``)."""
+    _ok(check_append(fmt, 100, 32, 8, 128, 16, fused=True, q_fp8=True, layout="HND", seed=9))
+    _ok(check_append(fmt, 100, 32, 8, 128, 16, fused=False, q_fp8=True, layout="HND", seed=10))
+    _ok(check_append(fmt, 33, 64, 8, 64, 64, rot=32, style="interleaved", fused=True, seed=11))
+
+
+# ------------------------------------------------------------------------------------------------ MLA
+@pytest.fixture(scope="module")
+def mla_gen():
+    return torch.Generator().manual_seed(25)
+
+
+def _mla_ok(res: dict) -> None:
+    assert res.get("pass") is True, res
+    if "rel_err" in res:
+        assert math.isfinite(res["rel_err"]) and res["rel_err"] < 2e-2, res
+
+
+@pytest.mark.parametrize("fmt", mla_formats())
+def test_mla_append(fmt, mla_gen):
+    from kvbench.tools.mla_check import check_append as mla_append_check
+
+    res = mla_append_check(fmt, torch.device("cuda"), mla_gen)
+    assert res["latent_bit_exact"] and res["skipped_slots_untouched"], res
+    _mla_ok(res)
+
+
+@pytest.mark.parametrize("fmt", mla_formats())
+def test_mla_decode(fmt, mla_gen):
+    from kvbench.tools.mla_check import check_decode as mla_decode_check, check_decode_fp8_query
+
+    dev = torch.device("cuda")
+    _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097)))
+    _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097), heads=16, units16=False))
+    _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097), heads=16))
+
+
+@pytest.mark.parametrize("fmt", mla_formats())
+def test_mla_prefill(fmt, mla_gen):
+    from kvbench.tools.mla_check import check_prefill as mla_prefill_check
+
+    dev = torch.device("cuda")
+    _mla_ok(mla_prefill_check(fmt, dev, mla_gen))
+    _mla_ok(mla_prefill_check(fmt, dev, mla_gen, fp8_query=True))

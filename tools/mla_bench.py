@@ -1,0 +1,164 @@
+"""Benchmarks of the MLA kernels (``mla_check.py`` runs them): a launch-configuration sweep of the decode,
+decode µs / GB/s at batch × context, the pipeline-depth table, prefill / extend, fused vs unfused append.
+Each ``iter_*`` is a generator of row dicts (the row is printed the moment it is measured); the
+``bench_*`` / ``tune_decode`` / ``sweep_stages`` wrappers return the whole list."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from kvbench.core.formats import is_quantized
+from kvbench.kernels.mla import LatentCache, LatentLayout, rope_cos_sin_cache
+from kvbench.kernels.mla_append import mla_append, mla_append_unfused
+from kvbench.kernels.mla_decode import mla_decode
+from kvbench.kernels.mla_prefill import mla_prefill
+from kvbench.kernels.mla_reference import quantize_absorbed_query
+from kvbench.tools.mla_common import (H, PAGE, RANK, ROPE, SM, cache_for, decode_setup, fill_cache, graph_time_us,
+                                      rel_err, time_us)
+
+__all__ = ["DECODE_CONFIGS", "PREFILL_CASES", "STAGE_CASES", "iter_tune_decode", "tune_decode", "iter_decode",
+           "bench_decode", "iter_prefill", "bench_prefill", "iter_stages", "sweep_stages", "iter_append",
+           "bench_append"]
+
+DECODE_CONFIGS = {  # heads regime -> (block_h, block_n, num_warps, num_stages, num_splits or None = default)
+    "many": [(64, 32, 4, 2, None), (64, 32, 8, 2, None), (64, 64, 8, 2, None), (64, 16, 4, 3, None),
+             (32, 32, 4, 2, None), (32, 64, 4, 2, None), (16, 64, 4, 2, None)],
+    "few": [(16, 32, 4, 2, None), (16, 32, 8, 2, None), (16, 64, 4, 2, None), (16, 64, 8, 2, None),
+            (16, 64, 8, 3, None), (16, 128, 8, 2, None), (16, 64, 8, 2, 8), (16, 64, 8, 2, 16)],
+}
+# (batch, cached prefix, new tokens): extends of a few to many tokens over a long prefix, and a fresh prefill
+PREFILL_CASES = ((2, 8192, 4), (2, 8192, 16), (2, 8192, 256), (16, 4096, 64), (1, 0, 2048))
+STAGE_CASES = (("bf16", False), ("fp8_e4m3", False), ("fp8_e4m3", True), ("nvfp4", False))
+
+
+def iter_tune_decode(kv_dtype, dev, gen, batch=64, ctx=8192, heads=H) -> Iterator[dict]:
+    """Every launch configuration of ``DECODE_CONFIGS`` (and the defaults, ``{}``) at ``batch`` × ``ctx``: a
+    row per configuration, ``error`` where it does not compile."""
+    cache, pt, ql, qp, sl, nbytes = decode_setup(kv_dtype, batch, ctx, dev, gen, heads)
+    configs = [dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, **({"num_splits": sp} if sp else {}))
+               for bh, bn, nw, ns, sp in DECODE_CONFIGS["many" if heads > 32 else "few"]]
+    configs = [{}] + configs  # {} = mla_decode's own defaults for this format and head count
+    if is_quantized(kv_dtype):
+        configs += [dict(c, units16=u) for c in configs for u in (True, False)]
+    for cfg in configs:
+        kw = dict(cfg, max_seq_len=ctx)
+        try:
+            us = time_us(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw))
+        except Exception as e:  # out of shared memory / registers for this tile: record and go on
+            yield {"format": kv_dtype, "config": kw, "heads": heads, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+            continue
+        yield {"format": kv_dtype, "config": kw, "heads": heads, "us": us, "GBps": nbytes / (us * 1e-6) / 1e9}
+    del cache
+
+
+def tune_decode(kv_dtype, dev, gen, batch=64, ctx=8192, heads=H) -> tuple[dict, list]:
+    """→ (the fastest configuration, every row)."""
+    rows = list(iter_tune_decode(kv_dtype, dev, gen, batch, ctx, heads))
+    timed = [r for r in rows if "us" in r]
+    best = min(timed, key=lambda r: r["us"])["config"] if timed else dict(max_seq_len=ctx)
+    return best, rows
+
+
+def iter_decode(kv_dtype, cfg, dev, gen, batches, ctxs, heads=H, fp8_query=False) -> Iterator[dict]:
+    """Decode at every batch × context (``cfg``: launch options, ``{}`` = the defaults); ``fp8_query``: e4m3
+    queries with ``q_scale`` (``quantize_query``) instead of bf16."""
+    for b in batches:
+        for ctx in ctxs:
+            cache, pt, ql, qp, sl, nbytes = decode_setup(kv_dtype, b, ctx, dev, gen, heads)
+            kw = dict(cfg, max_seq_len=ctx)
+            if fp8_query:
+                ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
+            us = time_us(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw), ms=100)
+            g_us = graph_time_us(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw))
+            flops = 2 * b * heads * ctx * (2 * RANK + ROPE)
+            del cache
+            yield {"format": kv_dtype, "heads": heads, "batch": b, "ctx": ctx, "us": us, "graph_us": g_us,
+                   "GBps": nbytes / (g_us * 1e-6) / 1e9, "TFLOPs": flops / (g_us * 1e-6) / 1e12,
+                   "query": "e4m3" if fp8_query else "bf16"}
+
+
+def bench_decode(*a, **k) -> list:
+    return list(iter_decode(*a, **k))
+
+
+def iter_prefill(kv_dtype, dev, gen, heads=H, cases=((2, 8192, 256), (1, 0, 2048)), fp8_query=False,
+                 prefix_workspace=None) -> Iterator[dict]:
+    """Prefill/extend at mla_prefill's defaults: ``(batch, cached prefix, new tokens)`` per case; ``prefix_workspace``
+    as in ``mla_prefill`` (None: its default)."""
+    for b, prefix, new in cases:
+        lens = [prefix + new] * b
+        cache, pt = cache_for(kv_dtype, lens, gen, dev)
+        fill_cache(cache, pt, [prefix] * b, gen, dev)
+        t = b * new
+        cu = torch.arange(0, t + 1, new, dtype=torch.int32, device=dev)
+        ql = torch.randn(t, heads, RANK, device=dev, dtype=torch.bfloat16)
+        qp = torch.randn(t, heads, ROPE, device=dev, dtype=torch.bfloat16)
+        cn = torch.randn(t, RANK, device=dev, dtype=torch.bfloat16)
+        kn = torch.randn(t, ROPE, device=dev, dtype=torch.bfloat16)
+        sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+        kw = {}
+        if fp8_query:
+            ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
+        fn = lambda: mla_prefill(ql, qp, cn, kn, cache, pt, sl, cu, SM, max_q_len=new, prefix_workspace=prefix_workspace, **kw)  # noqa: E731
+        us = time_us(fn, ms=100)
+        graph = graph_time_us(fn)
+        flops = 2 * heads * (2 * RANK + ROPE) * b * (new * prefix + new * (new + 1) // 2)  # visible keys per new token
+        read = "as stored" if not is_quantized(kv_dtype) else "registers" if prefix_workspace is False else "workspace"
+        del cache
+        yield {"format": kv_dtype, "heads": heads, "batch": b, "prefix": prefix, "new": new, "us": us, "graph_us": graph,
+               "TFLOPs": flops / (graph * 1e-6) / 1e12, "query": "e4m3" if fp8_query else "bf16", "prefix_read": read}
+
+
+def bench_prefill(*a, **k) -> list:
+    return list(iter_prefill(*a, **k))
+
+
+def iter_stages(dev, gen, heads=(16, 128), stages=(2, 3, 4, 5, 6), batch=64, ctx=8192) -> Iterator[dict]:
+    """Decode at the defaults' tiles with only the pipeline depth varied (CUDA-graph replays), e4m3 queries
+    included: below five stages Triton gives the tile loads one shared-memory buffer (docs/mla.md, "Pipeline
+    depth").  Each row's ``diff`` is its output against the defaults' on the same inputs."""
+    for nh in heads:
+        for fmt, q8 in STAGE_CASES:
+            cache, pt, ql, qp, sl, nbytes = decode_setup(fmt, batch, ctx, dev, gen, nh)
+            kw = dict(max_seq_len=ctx)
+            if q8:
+                ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
+            ref = mla_decode(ql, qp, cache, pt, sl, SM, **kw).double()
+            for ns in (None,) + tuple(stages):
+                row = {"format": fmt, "query": "e4m3" if q8 else "bf16", "heads": nh, "stages": ns or "default"}
+                try:
+                    fn = lambda: mla_decode(ql, qp, cache, pt, sl, SM, num_stages=ns, **kw)  # noqa: E731
+                    row["diff"] = rel_err(fn(), ref)
+                    row["graph_us"] = graph_time_us(fn)
+                    row["GBps"] = nbytes / (row["graph_us"] * 1e-6) / 1e9
+                except Exception as e:  # out of shared memory at this depth: recorded, not fatal
+                    row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
+                yield row
+            del cache
+            torch.cuda.empty_cache()
+
+
+def sweep_stages(*a, **k) -> list:
+    return list(iter_stages(*a, **k))
+
+
+def iter_append(kv_dtype, dev, gen, tokens=(64, 4096)) -> Iterator[dict]:
+    """Fused Triton append against the unfused torch path (RoPE, formats.quantize, indexed store)."""
+    lay = LatentLayout(RANK, ROPE, kv_dtype)
+    cs = rope_cos_sin_cache(32768, ROPE, device=dev)
+    for t in tokens:
+        c = torch.randn(t, RANK, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(t, ROPE, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(t, H, ROPE, device=dev, dtype=torch.bfloat16)
+        pos = torch.randint(0, 30000, (t,), device=dev)
+        slots = torch.randperm(t, device=dev)
+        cache = LatentCache.allocate(lay, t // PAGE + 2, PAGE, device=dev, k_scale=0.01)
+        fu = time_us(lambda: mla_append(c, k, q, pos, cs, slots, cache), ms=100)
+        un = time_us(lambda: mla_append_unfused(c, k, q, pos, cs, slots, cache), ms=100)
+        yield {"format": kv_dtype, "tokens": t, "fused_us": fu, "unfused_us": un, "ratio": fu / un}
+
+
+def bench_append(*a, **k) -> list:
+    return list(iter_append(*a, **k))

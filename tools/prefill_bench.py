@@ -1,0 +1,281 @@
+"""Prefill / extend rows of ``kvbench bench kernels`` (``kernel_bench.py``): the Triton paged prefill against
+torch SDPA on the dense problem and flashinfer's paged prefill (bf16 and fp8 KV, when importable), at the
+same shapes, in the same run, each anchor's row with kvbench's speed-up over it; the 8k prompt also with
+pointer loads instead of tensor descriptors (``tma=False``).
+
+Problems: a causal 8k prefill (no prefix), and an extend over a cached prefix (batch 4 × (7168 cached +
+1024 new)) for bf16, fp8 (bf16 queries split into e4m3 terms, over converted K tiles, and fp8 queries)
+and nvfp4 KV.  Each Triton row is the fastest of ``CONFIGS``.  ``PrefillBench(res, ...).steps()`` gives
+the measurements as ``streaming.Step``: each row is printed as soon as it is measured."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from kvbench.tools.common import Row, bench_formats, bench_us as _bench, fi_kv, speedup
+from kvbench.tools.decode_bench import BenchResults
+from kvbench.tools.streaming import Step
+
+__all__ = ["CONFIGS", "PrefillBench", "bench_prefill"]
+
+# Launch configurations (block_m, block_n, block_n_prefix, num_warps, num_stages) timed for every prefill
+# row; ``None`` stands for ``paged_prefill``'s own defaults (``prefill.launch_defaults``).
+CONFIGS = (None, (128, 64, 64, 8, 3), (128, 128, 128, 8, 2), (128, 128, 128, 8, 3), (128, 64, 128, 8, 3),
+           (128, 64, 128, 8, 2), (64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (128, 64, 128, 4, 3))
+_KEYS = ("block_m", "block_n", "block_n_prefix", "num_warps", "num_stages")
+
+
+def _best(run, label):
+    """Time ``run(cfg)`` for every configuration → (best µs, its config, the defaults' µs or None)."""
+    timed = []
+    for cfg in CONFIGS:
+        kw = {} if cfg is None else dict(zip(_KEYS, cfg))
+        try:
+            timed.append((_bench(lambda: run(kw)), cfg))
+        except Exception:  # noqa: BLE001 - a config that does not compile is skipped
+            pass
+    if not timed:
+        return float("nan"), None, None
+    t, cfg = min(timed, key=lambda x: x[0])
+    dflt = [x for x, c in timed if c is None]
+    return t, cfg, (dflt[0] if dflt else None)
+
+
+def _note(n, cfg, dflt):
+    return f"best of {n}: {cfg or 'defaults'}" + (f"; defaults {dflt:.1f} us" if dflt is not None else "")
+
+
+def _tflops(flops, us):
+    return flops / (us * 1e-6) / 1e12
+
+
+class PrefillBench:
+    """The prefill / extend measurements on shared inputs (built on first use).  Results go to ``res.pre``:
+    ``triton`` / ``sdpa`` TFLOP/s of the causal prefill, ``extend_<fmt>[_<tag>]`` µs of the extends."""
+
+    def __init__(self, res: BenchResults, seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True, layout="HND",
+                 formats=None, batch=4, new=1024):
+        self.res, self.seq, self.hq, self.hk, self.d, self.page = res, seq, hq, hk, d, page
+        self.flashinfer, self.layout = flashinfer, layout
+        self.formats = formats or bench_formats()
+        self.b, self.new, self.pre = batch, new, seq - new
+        self.flops = 4 * hq * d * seq * seq / 2
+        self.fl = batch * (4 * hq * d * new * self.pre + 4 * hq * d * new * new / 2)
+        self._causal: dict = {}
+        self._extend: dict = {}
+
+    # ------------------------------------------------------------------------------ inputs
+    def causal_inputs(self) -> dict:
+        import torch
+
+        from kvbench.tools.kernel_check import make_cache, random_page_table
+
+        if not self._causal:
+            seq, hq, hk, d, page = self.seq, self.hq, self.hk, self.d, self.page
+            gen = torch.Generator().manual_seed(2)
+            npg = seq // page + 2
+            kc, _, ks, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen, self.layout)
+            vc, _, vs, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen, self.layout)
+            self._causal = dict(
+                q=torch.randn(seq, hq, d, device="cuda", dtype=torch.bfloat16),
+                kn=torch.randn(seq, hk, d, device="cuda", dtype=torch.bfloat16),
+                vn=torch.randn(seq, hk, d, device="cuda", dtype=torch.bfloat16),
+                cu=torch.tensor([0, seq], dtype=torch.int32, device="cuda"),
+                lens=torch.tensor([seq], dtype=torch.int32, device="cuda"),
+                kc=kc, vc=vc, ks=ks, vs=vs, table=random_page_table([seq], page, npg, gen, "cuda"))
+        return self._causal
+
+    def extend_inputs(self, fmt: str) -> dict:
+        """The queries and new tokens (shared by every format) and ``fmt``'s cache (built once)."""
+        import torch
+
+        from kvbench.tools.kernel_check import make_cache, random_page_table
+
+        b, new, seq, hq, hk, d, page = self.b, self.new, self.seq, self.hq, self.hk, self.d, self.page
+        if "qx" not in self._extend:
+            qx = torch.randn(b * new, hq, d, device="cuda", dtype=torch.bfloat16)
+            qsc = (qx.float().abs().amax() / 448).reshape(1)
+            self._extend.update(
+                qx=qx, qsc=qsc, q8=(qx.float() / qsc).to(torch.float8_e4m3fn),
+                knx=torch.randn(b * new, hk, d, device="cuda", dtype=torch.bfloat16),
+                vnx=torch.randn(b * new, hk, d, device="cuda", dtype=torch.bfloat16),
+                cux=torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * new,
+                lx=torch.full((b,), seq, dtype=torch.int32, device="cuda"))
+        if fmt not in self._extend:
+            for other in [k for k in self._extend if k in self.formats]:  # one format's caches at a time
+                del self._extend[other]
+            torch.cuda.empty_cache()
+            gen = torch.Generator().manual_seed(20 + self.formats.index(fmt))
+            npg = b * (seq // page) + 2
+            kc, kbs, ks, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen, self.layout)
+            vc, vbs, vs, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen, self.layout)
+            self._extend[fmt] = dict(kc=kc, vc=vc, ks=ks, vs=vs, kbs=kbs, vbs=vbs,
+                                     table=random_page_table([seq] * b, page, npg, gen, "cuda"))
+        return {**self._extend, **self._extend[fmt]}
+
+    # ------------------------------------------------------------------------------ rows
+    def _causal_row(self, tma: bool) -> Iterator[Row]:
+        import torch
+
+        from kvbench.kernels.prefill import paged_prefill
+
+        x = self.causal_inputs()
+        out = torch.empty_like(x["q"])
+        opt = {} if tma else dict(tma=False)
+        t, cfg, dflt = _best(lambda kw: paged_prefill(x["q"], x["kn"], x["vn"], x["cu"], self.seq, x["kc"], x["vc"],
+                                                      x["table"], x["lens"], kv_format="bf16", out=out,
+                                                      max_prefix_len=0, **opt, **kw), "prefill")
+        name = f"prefill triton causal {self.seq} {self.hq}/{self.hk} D{self.d} (new tokens only)"
+        if tma:
+            self.res.pre["triton"] = _tflops(self.flops, t)
+            self.res.pre["triton_us"] = t
+        yield Row(name + ("" if tma else ", pointer loads"), t, tflops=_tflops(self.flops, t),
+                  note=_note(len(CONFIGS), cfg, dflt))
+
+    def _sdpa_causal_row(self) -> Iterator[Row]:
+        import torch
+        import torch.nn.functional as F
+
+        seq, hq, d = self.seq, self.hq, self.d
+        qd, kd, vd = (torch.randn(1, hq, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        t = _bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True))
+        del qd, kd, vd
+        self.res.pre["sdpa"] = _tflops(self.flops, t)
+        yield Row(f"prefill torch SDPA causal {seq} {hq} heads D{d} (dense)", t, tflops=self.res.pre["sdpa"],
+                  kvbench_x=speedup(t, self.res.pre.get("triton_us")))
+
+    def _fi_causal_row(self, be: str) -> Iterator[Row]:
+        x = self.causal_inputs()
+        yield _fi_row(f"prefill flashinfer {be} bf16 causal {self.seq} (paged)", self.flops,
+                      self.res.pre.get("triton_us"), be, x["q"], None, x["kc"], x["vc"], x["ks"], x["vs"], x["table"],
+                      1, self.seq, self.seq, self.page, self.hq, self.hk, self.d, self.layout)
+
+    def _extend_name(self, who: str, fmt: str, tag: str = "") -> str:
+        return f"extend {who} {fmt} prefix B{self.b}x({self.pre}+{self.new}){tag}"
+
+    def _extend_row(self, fmt: str, tag: str, fp8_q: bool, opt: dict) -> Iterator[Row]:
+        from kvbench.kernels.prefill import paged_prefill
+
+        x = self.extend_inputs(fmt)
+        qq, qs = (x["q8"], x["qsc"]) if fp8_q else (x["qx"], None)
+        kv = dict(k_scale=x["ks"], v_scale=x["vs"], k_block_scale=x["kbs"], v_block_scale=x["vbs"], out=x["qx"].clone())
+        t, cfg, dflt = _best(lambda kw: paged_prefill(qq, x["knx"], x["vnx"], x["cux"], self.new, x["kc"], x["vc"],
+                                                      x["table"], x["lx"], kv_format=fmt, q_scale=qs,
+                                                      max_prefix_len=self.pre, **kv, **kw, **opt), f"extend {fmt}{tag}")
+        self.res.pre[f"extend_{fmt}{tag.replace(' ', '_')}"] = t
+        yield Row(self._extend_name("triton", fmt, tag), t, tflops=_tflops(self.fl, t), note=_note(len(CONFIGS), cfg, dflt))
+
+    def _sdpa_extend_row(self) -> Iterator[Row]:
+        """torch SDPA on the dense bf16 extend: ``new`` queries per sequence over ``pre + new`` keys, causal
+        aligned to the bottom right (``causal_lower_right``, else an explicit mask), GQA through
+        ``enable_gqa`` (else K/V repeated to the query heads)."""
+        import torch
+        import torch.nn.functional as F
+
+        b, new, seq, hq, hk, d = self.b, self.new, self.seq, self.hq, self.hk, self.d
+        q = torch.randn(b, hq, new, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, hk, seq, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        mask = torch.ones(new, seq, dtype=torch.bool, device="cuda").tril(diagonal=seq - new)
+        rep: dict = {}  # K/V repeated to the query heads, made only when the GQA variants are refused
+        variants = []
+        try:
+            from torch.nn.attention.bias import causal_lower_right
+
+            variants.append(("causal_lower_right, enable_gqa", lambda: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=causal_lower_right(new, seq), enable_gqa=True)))
+        except ImportError:
+            pass
+        variants.append(("bool mask, enable_gqa", lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=True)))
+        variants.append((f"bool mask, K/V repeated to {hq} heads", lambda: F.scaled_dot_product_attention(
+            q, rep["k"], rep["v"], attn_mask=mask)))
+        err = ""
+        for how, fn in variants:
+            try:
+                if "repeated" in how:
+                    rep.update(k=k.repeat_interleave(hq // hk, 1), v=v.repeat_interleave(hq // hk, 1))
+                t = _bench(fn)
+            except (TypeError, RuntimeError) as e:
+                err = f"{type(e).__name__}: {str(e)[:80]}"
+                continue
+            yield Row(f"{self._extend_name('torch SDPA', 'bf16')} (dense)", t, tflops=_tflops(self.fl, t), note=how,
+                      kvbench_x=speedup(t, self.res.pre.get("extend_bf16")))
+            break
+        else:
+            yield Row(f"{self._extend_name('torch SDPA', 'bf16')} (dense, failed)", float("nan"), note=err)
+        del q, k, v, rep
+        torch.cuda.empty_cache()
+
+    def _fi_extend_row(self, fmt: str, be: str, fp8_q: bool, tag: str) -> Iterator[Row]:
+        x = self.extend_inputs(fmt)
+        qq, qs = (x["q8"], x["qsc"]) if fp8_q else (x["qx"], None)
+        ours = self.res.pre.get(f"extend_{fmt}{tag.replace(' ', '_')}")
+        yield _fi_row(f"{self._extend_name(f'flashinfer {be}', fmt, tag)} (paged)", self.fl, ours, be, qq, qs,
+                      x["kc"], x["vc"], x["ks"], x["vs"], x["table"], self.b, self.new, self.seq, self.page, self.hq,
+                      self.hk, self.d, self.layout)
+
+    def steps(self) -> list[Step]:
+        """Every measurement in order: kvbench's row of a problem before its anchors (their speed-up needs it)."""
+        s = [Step(f"prefill triton causal {self.seq}", lambda: self._causal_row(True)),
+             Step(f"prefill triton causal {self.seq} pointer loads", lambda: self._causal_row(False)),
+             Step(f"prefill torch SDPA causal {self.seq}", self._sdpa_causal_row)]
+        if self.flashinfer:
+            s += [Step(f"prefill flashinfer {be} causal {self.seq}", lambda be=be: self._fi_causal_row(be))
+                  for be in ("fa2", "fa3")]
+        for fmt in self.formats:
+            # an e4m3 prefix with bf16 queries: by default q is split exactly into two e4m3 terms and the scores
+            # run as fp8 dots on the stored K; "converted K" is the path that converts every K tile instead
+            queries = [("", False, {})] + ([(" converted K", False, dict(fp8_qk=False)), (" fp8 q", True, {})]
+                                           if fmt == "fp8_e4m3" else [])
+            s += [Step(f"extend triton {fmt}{tag} B={self.b} L={self.seq}",
+                       lambda fmt=fmt, tag=tag, q8=q8, opt=opt: self._extend_row(fmt, tag, q8, opt))
+                  for tag, q8, opt in queries]
+            if fmt == "bf16":
+                s.append(Step(f"extend torch SDPA bf16 B={self.b} L={self.seq}", self._sdpa_extend_row))
+            # flashinfer's fa3 backend runs fp8 KV with fp8 queries only; its fa2 backend takes bf16 queries
+            anchors = {"bf16": [("fa2", False, ""), ("fa3", False, "")],
+                       "fp8_e4m3": [("fa2", False, ""), ("fa3", True, " fp8 q")]}.get(fmt, []) if self.flashinfer else []
+            s += [Step(f"extend flashinfer {be} {fmt}{tag}", lambda fmt=fmt, be=be, q8=q8, tag=tag:
+                       self._fi_extend_row(fmt, be, q8, tag)) for be, q8, tag in anchors]
+        return s
+
+
+def bench_prefill(res: BenchResults, **kw) -> list[Row]:
+    """Every prefill row (``PrefillBench.steps`` run to the end, printed as measured)."""
+    from kvbench.tools.streaming import run_steps
+
+    return run_steps(PrefillBench(res, **kw).steps(), fmt=Row.line)
+
+
+def _flashinfer_prefill(backend, q, qs, kc, vc, ks, vs, table, b, qlen, seq, page, hq, hk, d, layout="NHD"):
+    """flashinfer's paged prefill (causal, bottom-right aligned) over all ``seq`` tokens of each sequence
+    in the pages, with one of its backends (``fa2``, ``fa3``) → µs."""
+    import flashinfer
+    import torch
+
+    npg = seq // page
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, layout, backend=backend)
+    kc, vc = fi_kv(kc, vc, layout)
+    qo = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * qlen
+    indptr = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * npg
+    indices = table[:, :npg].reshape(-1).contiguous()
+    last = torch.full((b,), page, dtype=torch.int32, device="cuda")
+    w.plan(qo, indptr, indices, last, hq, hk, d, page, causal=True, q_data_type=q.dtype, kv_data_type=kc.dtype)
+    if kc.dtype == torch.bfloat16:
+        return _bench(lambda: w.run(q, (kc, vc)))
+    sc = dict(k_scale=float(ks[0]), v_scale=float(vs[0]))
+    if qs is not None:
+        sc["q_scale"] = float(qs[0])
+    return _bench(lambda: w.run(q, (kc, vc), **sc))
+
+
+def _fi_row(name, flops, ours_us, *args):
+    """A flashinfer anchor row with kvbench's speed-up over it (or why it is missing)."""
+    try:
+        t = _flashinfer_prefill(*args)
+    except Exception as e:  # noqa: BLE001 - no anchor: flashinfer missing, or no kernel for these dtypes
+        msg = " ".join(str(e).split())
+        return Row(f"{name} (failed)", float("nan"), note=f"{type(e).__name__}: {msg[:60]} ... {msg[-200:]}")
+    return Row(name, t, tflops=_tflops(flops, t), kvbench_x=speedup(t, ours_us))
