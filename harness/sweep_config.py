@@ -272,16 +272,32 @@ def _check_engine(sweep: SweepConfig) -> None:
         except TypeError as e:  # not a keyword EngineConfig takes (keys are checked before; defensive)
             _fail("engine", str(e))
 
+    from kvbench.core.backends import BACKEND_SPECS, is_supported, supported_formats
+
     engine = sweep.engine
     check(dict(engine), None)
     for i, t in enumerate(sweep.targets):
         if t.type != "embedded":
             continue
+        unsupported: list[str] = []
         for model in sweep.models:
             for e in entries(sweep, t, i):
                 check({**engine, **t.engine, "model": None if model == DEFAULT_MODEL else model,
                        "kv_dtype": e.kv.dtype, "kv_scales": e.kv.scales, "prefill_backend": e.backends[0],
                        "decode_backend": e.backends[1], **e.kv.options}, (i, t))
+                # the backend table (core/backends.py) says which formats each backend runs per phase: a pair
+                # it refuses would only fail when its cell starts (MLA support is checked there, per model)
+                for phase, backend in (("prefill", e.backends[0]), ("decode", e.backends[1])):
+                    if backend in BACKEND_SPECS and not is_supported(backend, e.kv.dtype, phase):
+                        what = (f"{e.backends[0]}+{e.backends[1]} x {e.kv.dtype}: the {backend} backend does not run "
+                                f"{e.kv.dtype} for {phase} (it runs {', '.join(supported_formats(backend, phase))})")
+                        if what not in unsupported:
+                            unsupported.append(what)
+        if unsupported:
+            where = "axes.combos" if sweep.combos else "axes"
+            _fail(where, f"target {t.name!r} (embedded) cannot run {len(unsupported)} backend x KV pair"
+                         f"{'s' if len(unsupported) != 1 else ''} of the matrix: {'; '.join(unsupported)}; list the pairs "
+                         "that run under axes.combos (or drop those backends / formats)")
 
 
 def load_config(path: str | Path) -> SweepConfig:

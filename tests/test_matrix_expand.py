@@ -17,7 +17,7 @@ def sweep(**over):
     raw = {
         "engine": {"device": "cpu", "max_running": 8},
         "axes": {
-            "backends": ["torch", "triton+flashinfer", {"prefill": "triton", "decode": "torch"}],
+            "backends": ["torch", "torch+triton", {"prefill": "triton", "decode": "torch"}],
             "kv": ["bf16", {"dtype": "nvfp4", "scales": "calibrate"}, {"dtype": "fp8_e4m3", "scales": "unit", "quantize_query": True}],
             "concurrency": [1, 4, 16],
         },
@@ -37,9 +37,9 @@ def test_cell_count_order_and_keys():
     assert len({c.key for c in cells}) == 27
     # axes order: backends, then kv, then concurrency (innermost)
     assert [c.concurrency for c in cells[:3]] == [1, 4, 16]
-    assert cells[0].config["prefill_backend"] == "torch" and cells[9].config["prefill_backend"] == "triton"
-    assert (cells[9].config["decode_backend"], cells[18].config["decode_backend"]) == ("flashinfer", "torch")
-    assert cells[9].label == "bf16/unit triton+flashinfer c=1"
+    assert cells[0].config["prefill_backend"] == "torch" and cells[9].config["prefill_backend"] == "torch"
+    assert (cells[9].config["decode_backend"], cells[18].config["decode_backend"]) == ("triton", "torch")
+    assert cells[9].label == "bf16/unit torch+triton c=1"
     q = [c for c in cells if c.config.get("options")]
     assert len(q) == 9 and all(c.config["options"] == {"quantize_query": True} for c in q)
     assert "+quantize_query" in q[0].label
@@ -127,3 +127,17 @@ def test_aa_control_adds_one_copy_of_the_baseline_accuracy_cell():
 
     with pytest.raises(SweepConfigError, match="aa_control"):
         parse_config({**raw, "aa_control": "yes"})
+
+
+def test_a_pair_the_engine_cannot_run_is_refused_at_load():
+    """The backend table says flashinfer decodes no nvfp4: a product that contains that pair is a config error
+    naming the pair and pointing at axes.combos (before, its cells failed one by one when they started)."""
+    with pytest.raises(SweepConfigError, match=r"(?s)axes: .*triton\+flashinfer x nvfp4: the flashinfer backend does "
+                                                r"not run nvfp4 for decode.*axes\.combos"):
+        sweep(axes={"backends": ["torch", "triton+flashinfer"], "kv": ["bf16", {"dtype": "nvfp4", "scales": "calibrate"}],
+                    "concurrency": [4]})
+    # the same matrix as explicit combinations without the pair loads, and its cells keep their keys
+    ok = sweep(axes={"combos": [{"backends": "torch", "kv": "bf16"}, {"backends": "torch", "kv": {"dtype": "nvfp4", "scales": "calibrate"}},
+                                {"backends": "triton+flashinfer", "kv": "bf16"}], "concurrency": [4]})
+    product = sweep(axes={"backends": ["torch", "triton+flashinfer"], "kv": ["bf16"], "concurrency": [4]})
+    assert {c.key for c in expand(product)} <= {c.key for c in expand(ok)}

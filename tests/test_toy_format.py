@@ -178,6 +178,11 @@ def test_sweep_config_and_unit_scales(toy, recwarn):
     assert [k.dtype for k in cfg.kv] == ["bf16", TOY]
     unit_scales(TOY, 2)  # no tensor scale: unit scales are exact, no warning
     assert not [w for w in recwarn if "unit scales" in str(w.message)]
+    # on the triton backend the sweep config is refused when it loads, naming the backend and what it runs
+    from kvbench.harness.sweep_config import SweepConfigError
+
+    with pytest.raises(SweepConfigError, match=rf"the triton backend does not run {TOY} for prefill \(it runs bf16, "):
+        parse_config({"axes": {"kv": ["bf16", TOY], "backends": ["torch", "triton"]}})
 
 
 # --------------------------------------------------------------------------------- the CLI

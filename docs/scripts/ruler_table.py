@@ -4,7 +4,6 @@ directories named <kv>-<scales> under one folder.   python docs/scripts/ruler_ta
 from __future__ import annotations
 
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,4 +38,8 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("root", help="folder of eval output directories named <kv>-<scales>")
+    main(ap.parse_args().root)
