@@ -30,6 +30,9 @@ __all__ = [
     "names_text",
     "BUILTIN_FORMATS",
     "KV_SCALE_POLICIES",
+    "ENGINE_ALIASES",
+    "AUTO_FORMAT",
+    "canonical_format",
 ]
 
 # bits of one stored value, by torch dtype name (elements, block scales, token scales)
@@ -193,6 +196,32 @@ def get_spec(name: str) -> FormatSpec:
 
 def is_quantized(name: str) -> bool:
     return get_spec(name).quantized
+
+
+# the KV cache dtype names of vLLM / SGLang (``--kv-cache-dtype``) -> the kvbench format that stores the same
+# thing (their "fp8" is e4m3).  ``AUTO_FORMAT`` ("auto": the model's compute dtype) is resolved by
+# ``canonical_format`` from the compute dtype.  The one table of engine spellings of KV formats.
+ENGINE_ALIASES: dict[str, str] = {
+    "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "fp4_e2m1": "nvfp4", "fp4": "nvfp4",
+    "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+}
+AUTO_FORMAT = "auto"
+
+
+def canonical_format(name: str, compute_dtype: Optional[str] = None) -> str:
+    """The registered format a KV dtype name means: a kvbench name or an engine spelling (``ENGINE_ALIASES``),
+    any case; ``auto`` is the plain format stored in the compute dtype (``float16`` -> fp16, else bf16, as the
+    engine stores a float32 model's KV).  ValueError for anything else."""
+    n = str(name).strip().lower()
+    if n in FORMAT_SPECS:
+        return n
+    if n == AUTO_FORMAT:
+        plain = [f for f, s in FORMAT_SPECS.items() if not s.quantized and s.storage == compute_dtype]
+        return plain[0] if plain else "bf16"
+    if n in ENGINE_ALIASES and ENGINE_ALIASES[n] in FORMAT_SPECS:
+        return ENGINE_ALIASES[n]
+    raise ValueError(f"unknown KV format {name!r}; supported: {names_text()} "
+                     f"(engine spellings: {AUTO_FORMAT}, {', '.join(ENGINE_ALIASES)})")
 
 
 def names_text(sep: str = ", ") -> str:

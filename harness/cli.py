@@ -13,6 +13,7 @@ import typer
 
 from kvbench.core.plugins import PluginError, load_plugins
 from kvbench.harness import __version__
+from kvbench.harness.cli_errors import KvbenchGroup, report_error
 
 COMMANDS = ("serve", "eval", "load", "sweep", "report", "compare", "gate", "bench", "capacity", "formats")
 
@@ -22,6 +23,7 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode="rich",
     pretty_exceptions_show_locals=False,
+    cls=KvbenchGroup,  # user errors: one line `kvbench <command>: error: ...`, exit 2 (harness/cli_errors.py)
 )
 
 
@@ -42,7 +44,7 @@ def _root(
 try:
     load_plugins()
 except PluginError as _e:
-    typer.echo(f"error: {_e}", err=True)
+    report_error("kvbench", str(_e))
     raise SystemExit(2) from None
 
 for _name in COMMANDS:

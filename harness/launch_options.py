@@ -77,6 +77,26 @@ _HINTS = {
 }
 
 
+# attention backend names of the external engines (lower-case; vLLM writes them upper-case), so the embedded
+# engine can say which engine runs a name it does not have: the one table of them
+_SGLANG_BACKENDS = ("triton", "torch_native", "flashinfer", "fa3", "fa4", "flashmla", "cutlass_mla", "trtllm_mla",
+                    "trtllm_mha", "aiter", "wave", "flex_attention", "dual_chunk_flash_attn", "ascend", "intel_amx",
+                    "nsa", "hybrid_linear_attn")
+_VLLM_BACKENDS = ("flash_attn", "flashinfer", "triton_attn", "flex_attention", "flashmla", "cutlass_mla", "torch_sdpa",
+                  "xformers", "rocm_attn", "rocm_aiter_fa", "tree_attn", "triton_mla", "flashattn_mla",
+                  "flashinfer_mla", "pallas")
+EXTERNAL_BACKENDS: dict[str, tuple[str, ...]] = {}
+for _kind, _names in (("sglang", _SGLANG_BACKENDS), ("vllm", _VLLM_BACKENDS)):
+    for _n in _names:
+        EXTERNAL_BACKENDS.setdefault(_n, ())
+        EXTERNAL_BACKENDS[_n] += (_kind,)
+
+
+def external_backend_engines(name: str) -> tuple[str, ...]:
+    """The external engines (``sglang``, ``vllm``) that have an attention backend of this name (any case)."""
+    return EXTERNAL_BACKENDS.get(str(name).strip().lower(), ())
+
+
 class LaunchError(ValueError):
     """A launch template cannot be rendered for a cell (``targets.render_launch`` turns it into a
     ``TargetError``); config validation reports the same problems as ``SweepConfigError`` first."""

@@ -14,7 +14,8 @@ from typing import Callable, Optional
 import typer
 
 from kvbench.core.backends import PHASES, assert_supported, backend_names
-from kvbench.core.formats import KV_SCALE_POLICIES, format_names
+from kvbench.core.formats import AUTO_FORMAT, ENGINE_ALIASES, KV_SCALE_POLICIES, canonical_format, format_names
+from kvbench.harness.launch_options import external_backend_engines
 from kvbench.runtime.config import ConfigError, EngineConfig
 
 _PANEL = "Engine"
@@ -53,8 +54,90 @@ ENGINE_PARAMS: dict[str, tuple[object, object]] = {
 }
 
 
-def build_engine_config(values: dict) -> EngineConfig:
+# vLLM / SGLang spellings of the flags above: alias parameter -> (EngineConfig field, annotation, option).
+# None = not given; a given alias sets the field (the value spelled as the engines spell it is accepted too).
+_ALIAS_PANEL = "Engine (vLLM / SGLang spellings)"
+
+
+def _alias(flag: str, canonical: str, note: str = ""):
+    return typer.Option(None, flag, help=f"Same as {canonical}{note}", rich_help_panel=_ALIAS_PANEL, show_default=False)
+
+
+ENGINE_ALIAS_PARAMS: dict[str, tuple[str, object, object]] = {
+    "alias_kv_cache_dtype": ("kv_dtype", Optional[str], _alias(
+        "--kv-cache-dtype", "--kv-dtype", f"; also {AUTO_FORMAT} (the compute dtype: bf16, or fp16 with --dtype float16), "
+        + ", ".join(f"{k} ({v})" for k, v in ENGINE_ALIASES.items()))),
+    "alias_attention_backend": ("backend", Optional[str], _alias("--attention-backend", "--backend (both phases)")),
+    "alias_prefill_attention_backend": ("prefill_backend", Optional[str], _alias("--prefill-attention-backend", "--prefill-backend")),
+    "alias_decode_attention_backend": ("decode_backend", Optional[str], _alias("--decode-attention-backend", "--decode-backend")),
+    "alias_max_num_seqs": ("max_running", Optional[int], _alias("--max-num-seqs", "--max-running")),
+    "alias_gpu_memory_utilization": ("mem_fraction", Optional[float], _alias(
+        "--gpu-memory-utilization", "--mem-fraction", " (here: the fraction of free memory given to the KV cache)")),
+    "alias_mem_fraction_static": ("mem_fraction", Optional[float], _alias(
+        "--mem-fraction-static", "--mem-fraction", " (here: the fraction of free memory given to the KV cache)")),
+    "alias_block_size": ("page_size", Optional[int], _alias("--block-size", "--page-size")),
+    "alias_context_length": ("max_model_len", Optional[int], _alias("--context-length", "--max-model-len")),
+}
+
+
+def canonical_flag(field: str) -> str:
+    """The kvbench spelling of an engine field's flag (``'--kv-dtype'``)."""
+    return ENGINE_PARAMS[field][1].param_decls[0].split("/")[0]
+
+
+def merge_aliases(values: dict, aliases: dict, given: Optional[set] = None) -> tuple[dict, dict[str, str]]:
+    """Fold the alias flags' values (``ENGINE_ALIAS_PARAMS`` name -> value or None) into the canonical
+    ``values``; returns them with the flag that set each field.  ``given``: the canonical fields the user set
+    on the command line; an alias that disagrees with one of them (or with another alias) is a usage error."""
+    values, flags = dict(values), {}
+    for name, (field, _, opt) in ENGINE_ALIAS_PARAMS.items():
+        value = aliases.get(name)
+        if value is None:
+            continue
+        flag = opt.param_decls[0]
+        other = flags.get(field) or (canonical_flag(field) if field in (given or ()) else None)
+        if other and values[field] != value:
+            raise typer.BadParameter(f"{other} {values[field]} and {flag} {value} set the same thing; give one of them",
+                                     param_hint=f"'{flag}'")
+        values[field], flags[field] = value, flag
+    return values, flags
+
+
+def _kv_dtype(value: str, compute_dtype: Optional[str], flag: str) -> str:
+    try:
+        return canonical_format(value, compute_dtype)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint=f"'{flag}'") from None
+
+
+def _backend(value: Optional[str], flag: str) -> Optional[str]:
+    """Our backend names in any case; an external engine's backend name is a usage error saying which engine
+    runs it."""
+    if not value:
+        return value
+    name = value.strip().lower()
+    if name in backend_names():
+        return name
+    engines = external_backend_engines(name)
+    if engines:
+        which = " and ".join(engines)
+        raise typer.BadParameter(
+            f"{value}: {'an' if which[0] in 'aeiosx' else 'a'} {which} attention backend; the embedded engine runs "
+            f"{', '.join(backend_names())}; to run {which}, use a server target (docs/external-engines.md)",
+            param_hint=f"'{flag}'")
+    return value  # EngineConfig names the field and lists the backends
+
+
+def build_engine_config(values: dict, flags: Optional[dict[str, str]] = None) -> EngineConfig:
+    """The EngineConfig of the engine flags' values (``ENGINE_PARAMS`` names; aliases already merged).
+    ``flags``: the flag that set a field where it was not the kvbench spelling (messages name it)."""
+    flags = dict(flags or {})
+    flag = lambda f: flags.get(f) or canonical_flag(f)  # noqa: E731
     v = dict(values)
+    if v.get("kv_dtype") is not None:
+        v["kv_dtype"] = _kv_dtype(v["kv_dtype"], v.get("dtype"), flag("kv_dtype"))
+    for key in ("backend", "prefill_backend", "decode_backend"):
+        v[key] = _backend(v.get(key), flag(key))
     given = {p: bool(v.get(f"{p}_backend")) for p in PHASES}  # set by its own flag (else --backend / default)
     backend = v.pop("backend", None)
     v["prefill_backend"] = v.get("prefill_backend") or backend or "torch"
@@ -62,22 +145,36 @@ def build_engine_config(values: dict) -> EngineConfig:
     try:
         cfg = EngineConfig(**v)
     except ConfigError as e:  # a usage error naming the flag (exit 2), not a traceback
-        raise typer.BadParameter(str(e), param_hint=_flag(e.field)) from None
+        field = e.field
+        if field in ("prefill_backend", "decode_backend") and not given[field.split("_")[0]]:
+            field = "backend"  # the value came from --backend
+        hint = f"'{flags[field]}'" if field in flags else _flag(field)
+        raise typer.BadParameter(str(e), param_hint=hint) from None
     for phase in PHASES:  # the backend table says which formats each backend runs (kvbench.core.backends)
         name = getattr(cfg, f"{phase}_backend")
         try:
             assert_supported(name, cfg.kv_dtype, phase)
         except ValueError as e:
-            flag = f"--{phase}-backend" if given[phase] else "--backend"
-            raise typer.BadParameter(str(e), param_hint=f"'{flag}'") from None
+            raise typer.BadParameter(str(e), param_hint=f"'{flag(f'{phase}_backend') if given[phase] else flag('backend')}'") from None
     return cfg
 
 
 def _flag(field: Optional[str]) -> Optional[str]:
-    """The command-line flag of an EngineConfig field (``'--device'``), or None."""
+    """The command-line flag of an engine field (``'--device'``), or None."""
     entry = ENGINE_PARAMS.get(field or "")
     decls = getattr(entry[1], "param_decls", None) if entry else None
     return f"'{decls[0].split('/')[0]}'" if decls else None
+
+
+_CTX = "engine_options_ctx"  # the typer.Context the wrapper asks for (which flags the user gave)
+
+
+def _given_on_command_line(ctx, names) -> set:
+    """The parameters of the running click command that the user set (command line or environment)."""
+    if ctx is None:
+        return set()
+    # by name: typer may carry its own copy of click's ParameterSource enum
+    return {n for n in names if getattr(ctx.get_parameter_source(n), "name", None) in ("COMMANDLINE", "ENVIRONMENT", "PROMPT")}
 
 
 def engine_options(func: Callable) -> Callable:
@@ -87,14 +184,20 @@ def engine_options(func: Callable) -> Callable:
     extra = [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=ann)
         for name, (ann, opt) in ENGINE_PARAMS.items()
-    ]
+    ] + [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=ann)
+        for name, (_, ann, opt) in ENGINE_ALIAS_PARAMS.items()
+    ] + [inspect.Parameter(_CTX, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
     # keyword-only params must come after positional ones
     params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind != p.VAR_KEYWORD else p for p in params]
 
     @functools.wraps(func)
     def wrapper(**kwargs):
+        ctx = kwargs.pop(_CTX, None)
         engine_values = {name: kwargs.pop(name) for name in ENGINE_PARAMS}
-        engine = build_engine_config(engine_values)
+        aliases = {name: kwargs.pop(name) for name in ENGINE_ALIAS_PARAMS}
+        engine_values, flags = merge_aliases(engine_values, aliases, _given_on_command_line(ctx, ENGINE_PARAMS))
+        engine = build_engine_config(engine_values, flags)
         try:
             return func(engine=engine, **kwargs)
         except (ValueError, FileNotFoundError) as e:
@@ -102,8 +205,9 @@ def engine_options(func: Callable) -> Callable:
             # the message says what to do; the traceback only helps when debugging kvbench itself
             if os.environ.get("KVBENCH_DEBUG"):
                 raise
-            typer.echo(f"error: {e}\n(set KVBENCH_DEBUG=1 for the traceback)", err=True)
-            raise typer.Exit(2) from None
+            from kvbench.harness.errors import UserError
+
+            raise UserError(f"{e} (KVBENCH_DEBUG=1 shows the traceback)") from None
 
     wrapper.__signature__ = sig.replace(parameters=params + extra)  # type: ignore[attr-defined]
     return wrapper

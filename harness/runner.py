@@ -114,7 +114,7 @@ def _run_locked(sweep: SweepConfig, store: RunStore, all_cells: list[Cell], cell
         work = FidelityGuardedWork(work, refs)  # one computation per fidelity reference
     if parallel > 1 or devices is not None:
         manifest["runs"][-1].update(parallel=parallel, devices=devices)
-    with _Display(len(todo), progress if todo else False) as display:
+    with _Display(len(todo), progress if todo else False, parallel=parallel) as display:
         _run_groups(sweep, store, plans, work, refs, opener, display, outcome, parallel)
     if parallel > 1 or any(p.allowed is not None for p in plans):
         manifest["runs"][-1]["cell_devices"] = _cell_devices(store, todo)
@@ -186,17 +186,20 @@ def _run_group(sweep, store, group, work, refs, opener, display, outcome, device
     log_path = store.root / "logs" / f"{first.key}.log"
     on = f" on devices {','.join(map(str, devices))}" if devices is not None else ""
     display.phase(f"{first.label}: starting target{on}")
+    t_start = time.monotonic()  # the group's first cell's time includes the target's start-up
     try:
         extra = {"devices": list(devices)} if pass_devices and devices is not None else {}
         ctx = opener(spec, first.config, engine_options(sweep, first), log_path, **extra)
         session = ctx.__enter__()
     except Exception as e:  # the target did not come up: every cell of the group fails with that error
         err = f"target {spec.name!r} failed to start: {type(e).__name__}: {e}"
+        startup = {"startup_s": round(time.monotonic() - t_start, 3)}
         for cell in group:
-            _record_failure(store, cell, err, traceback.format_exc(), {})
+            _record_failure(store, cell, err, traceback.format_exc(), startup if cell is first else {})
             outcome.failed.append(cell.key)
             display.finished(f"[red]failed[/] {cell.label}: {err.splitlines()[0]}")
         return
+    startup_s = round(time.monotonic() - t_start, 3)
     if devices is not None:
         session.info.setdefault("devices", list(devices))
     if parallel > 1:
@@ -205,20 +208,27 @@ def _run_group(sweep, store, group, work, refs, opener, display, outcome, device
         for cell in group:
             if stop is not None and stop.is_set():
                 break
-            ok = _run_cell(sweep, store, cell, session, work, refs, display, stop=stop)
+            ok = _run_cell(sweep, store, cell, session, work, refs, display, stop=stop,
+                           startup_s=startup_s if cell is first else None)
             (outcome.done if ok else outcome.failed).append(cell.key)
     finally:
         ctx.__exit__(None, None, None)
 
 
 def _run_cell(sweep: SweepConfig, store: RunStore, cell: Cell, session: TargetSession, work: CellWork,
-              refs: FidelityRefs, display: _Display, stop: Optional[threading.Event] = None) -> bool:
+              refs: FidelityRefs, display: _Display, stop: Optional[threading.Event] = None,
+              startup_s: Optional[float] = None) -> bool:
+    """One cell on an open target; ``startup_s``: the seconds its target took to start (the group's first
+    cell; None for the others), recorded in its summary and counted in the time it prints."""
     d = store.cell_dir(cell.key)
     for name in _RESULT_FILES:  # a redone cell starts clean
         (d / name).unlink(missing_ok=True)
     store.init_cell(cell.key, cell.config, cell.label)
     t0 = time.monotonic()
     summary: dict = {"suites": {}, "load": None, "capacity": None, "error": None, "target": session.info}
+    if startup_s is not None:
+        summary["startup_s"] = startup_s
+    startup_s = startup_s or 0.0
     try:
         session.flush()
         if cell.run_accuracy and sweep.suites:
@@ -249,13 +259,14 @@ def _run_cell(sweep: SweepConfig, store: RunStore, cell: Cell, session: TargetSe
             raise SweepInterrupted("the sweep was stopped while this cell ran; --resume redoes it")
         store.write_json(cell.key, "summary", summary)
         store.set_status(cell.key, STATUS_DONE)
-        display.finished(f"[green]done[/]   {cell.label} ({summary['elapsed_s']:.1f} s){_brief(summary)}")
+        took = summary["elapsed_s"] + startup_s
+        display.finished(f"[green]done[/]   {cell.label} ({_took(took, startup_s)}){_brief(summary)}", took)
         return True
     except Exception as e:
         summary["elapsed_s"] = round(time.monotonic() - t0, 3)
         err = f"{type(e).__name__}: {e}"
         _record_failure(store, cell, err, traceback.format_exc(), summary)
-        display.finished(f"[red]failed[/] {cell.label}: {err.splitlines()[0][:200]}")
+        display.finished(f"[red]failed[/] {cell.label}: {err.splitlines()[0][:200]}", summary["elapsed_s"] + startup_s)
         log.warning("cell %s (%s) failed: %s", cell.key, cell.label, err)
         return False
     finally:
@@ -284,6 +295,11 @@ def _copy_log_slice(log_path: Optional[Path], offset: int, dest: Path) -> int:
         data = f.read()
     atomic_write_text(dest, data.decode("utf-8", errors="replace"))
     return offset + len(data)
+
+
+def _took(seconds: float, startup_s: float) -> str:
+    """``"12.3 s"``, or ``"12.3 s incl. 8.1 s target start-up"`` for a group's first cell."""
+    return f"{seconds:.1f} s" + (f" incl. {startup_s:.1f} s target start-up" if startup_s >= 0.05 else "")
 
 
 def _brief(summary: dict) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Iterator, NamedTuple
 
 from kvbench.core.backends import backend_names
-from kvbench.core.formats import KV_SCALE_POLICIES, format_names
+from kvbench.core.formats import KV_SCALE_POLICIES, canonical_format, format_names
 from kvbench.harness.config_checks import _bool, _check_keys, _choice, _fail, _list, _mapping, _str
 from kvbench.harness.launch_options import AUTO_KV, DEFAULT_BACKEND, check_cell, query_quant_mode, shell_args
 from kvbench.harness.sweep_specs import KV_ENTRY_OPTIONS, KVSpec, TargetSpec
@@ -32,6 +32,17 @@ from kvbench.harness.sweep_specs import KV_ENTRY_OPTIONS, KVSpec, TargetSpec
 def kv_dtype_choices() -> tuple[str, ...]:
     """A KV entry's dtype: a registered format, or ``auto`` (a server's default)."""
     return (*format_names(), AUTO_KV)
+
+def _engine_spelling(dtype: Any) -> Any:
+    """A KV dtype as vLLM / SGLang spell it (fp8, bfloat16, FP8_E4M3, ...) -> the format's name, so the cell
+    (and its key) is the same as with our spelling; ``auto`` stays the server's default."""
+    if isinstance(dtype, str) and dtype.strip().lower() != AUTO_KV:
+        try:
+            return canonical_format(dtype)
+        except ValueError:
+            pass  # _choice names the key and the choices
+    return dtype
+
 
 _KV_KEYS = ("dtype", "scales", "scales_file", "extra_args", *KV_ENTRY_OPTIONS)
 
@@ -106,7 +117,7 @@ def parse_kv_entry(d: Any, path: str) -> KVSpec:
         d = {"dtype": d}
     d = _mapping(d, path)
     _check_keys(d, _KV_KEYS, path)
-    dtype = _choice(d.get("dtype"), kv_dtype_choices(), f"{path}.dtype")
+    dtype = _choice(_engine_spelling(d.get("dtype")), kv_dtype_choices(), f"{path}.dtype")
     scales_file = None
     if d.get("scales_file") is not None:
         scales_file = _str(d["scales_file"], f"{path}.scales_file")

@@ -42,12 +42,17 @@ def compare_analysis(runs: list[RunData], confidence: float = 0.95, n_boot: int 
     cells = [c for r in runs for c in r.cells]
     assign_short_labels(cells, with_run=True)
     first = runs[0]
-    reference = {_config_id(c.config): c for c in first.done_cells if c.items}
+    # matched on the config keys that vary inside a run (reports/run_diff.py): a model path or target name
+    # that differs between the runs does not keep a cell from its partner
+    from kvbench.reports.run_diff import match_id, match_keys
+
+    keys = match_keys(runs)
+    reference = {match_id(c, keys): c for c in first.done_cells if c.items}
 
     def baseline_for(cell):
         if cell.run == first.name:
             return None
-        return reference.get(_config_id(cell.config))
+        return reference.get(match_id(cell, keys))
 
     base = resolve_baseline(first)
     return analyze(cells, baseline_for, baseline=base, confidence=confidence, n_boot=n_boot, seed=seed)

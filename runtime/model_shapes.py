@@ -45,7 +45,90 @@ SHAPES: dict[str, AttentionShape] = {
 
 
 def get_shape(name: str) -> AttentionShape:
+    """A built-in shape by name, any case (``Llama-3-8B`` is ``llama-3-8b``)."""
     try:
-        return SHAPES[name]
+        return SHAPES[name.strip().lower()]
     except KeyError:
-        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}") from None
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)} (or pass a config.json or "
+                         "model directory with --model-config)") from None
+
+
+def _int(cfg: dict, *keys: str, default: Optional[int] = None) -> Optional[int]:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return int(cfg[k])
+    return default
+
+
+def shape_from_hf_config(cfg: dict, name: str = "config.json") -> AttentionShape:
+    """The attention shape of a Hugging Face ``config.json`` dict (any decoder that names its heads the usual
+    way; multimodal configs: their ``text_config``; DeepSeek MLA: the latent width).  ValueError naming the
+    missing key."""
+    if cfg.get("num_hidden_layers") is None and isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg["text_config"]}
+    try:
+        layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers")
+        heads = _int(cfg, "num_attention_heads", "n_head")
+        hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
+        if layers is None or heads is None or hidden is None:
+            missing = [k for k, v in (("num_hidden_layers", layers), ("num_attention_heads", heads), ("hidden_size", hidden)) if v is None]
+            raise ValueError(f"{name}: no {', '.join(missing)}; not a decoder model config")
+        kv_heads = _int(cfg, "num_key_value_heads", "num_kv_heads", "multi_query_group_num", default=heads)
+        head_dim = _int(cfg, "head_dim", default=hidden // heads)
+        ctx = _int(cfg, "max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", default=0)
+        rank = _int(cfg, "kv_lora_rank", default=0)
+        if rank:  # MLA: one latent vector (kv_lora_rank + rope dims) per token and layer
+            rope = _int(cfg, "qk_rope_head_dim", default=0)
+            nope = _int(cfg, "qk_nope_head_dim", default=0)
+            return AttentionShape(name, layers, heads, 1, nope + rope, hidden, ctx, mla_latent_dim=rank + rope)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ValueError) and str(e).startswith(name):
+            raise
+        raise ValueError(f"{name}: a head count or size is not an integer ({e})") from None
+    if min(layers, heads, kv_heads, head_dim, hidden) <= 0:
+        raise ValueError(f"{name}: layers, heads, kv heads and head_dim must be positive")
+    return AttentionShape(name, layers, heads, kv_heads, head_dim, hidden, ctx)
+
+
+def load_shape(path: str) -> AttentionShape:
+    """The attention shape of a ``config.json`` file or a model directory holding one."""
+    import json
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        raise ValueError(f"--model-config {path}: " + ("the directory has no config.json" if p.is_dir() else "no such file"))
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model-config {path}: not a JSON config ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--model-config {path}: not a JSON object")
+    name = p.name if p.is_dir() else (p.parent.name or p.name) if f.name == "config.json" else p.stem
+    return shape_from_hf_config(cfg, name or str(f))
+
+
+def shard_shape(shape: AttentionShape, tp: int) -> tuple[AttentionShape, str]:
+    """The per-GPU KV shape under tensor parallelism ``tp``, with a note of how the kv heads are split.
+
+    KV heads are split over the GPUs (``num_kv_heads / tp`` each); with fewer kv heads than GPUs they are
+    replicated (each GPU stores one, as vLLM and SGLang do) when ``tp`` is a multiple of them.  An MLA latent
+    is stored whole on every GPU.  Anything else is a ValueError."""
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    if tp == 1:
+        return shape, "tp 1"
+    from dataclasses import replace
+
+    kv = shape.num_kv_heads
+    if shape.mla_latent_dim:
+        return shape, f"tp {tp}: the MLA latent is stored whole on each GPU"
+    if kv % tp == 0:
+        return replace(shape, num_kv_heads=kv // tp, num_heads=max(1, shape.num_heads // tp)), \
+            f"tp {tp}: {kv} kv heads split, {kv // tp} per GPU"
+    if tp % kv == 0:
+        return replace(shape, num_kv_heads=1, num_heads=max(1, shape.num_heads // tp)), \
+            f"tp {tp}: {kv} kv heads replicated, 1 per GPU ({tp // kv} copies of each)"
+    raise ValueError(f"--tp {tp} does not divide the {kv} kv heads of {shape.name} (nor do they divide it); "
+                     f"use a tp that divides {kv} or a multiple of it")

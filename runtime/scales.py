@@ -101,6 +101,21 @@ class AmaxObserver:
         if layer == 0:
             self.tokens += k.shape[0]
 
+    def describe(self, max_groups: int = 4) -> str:
+        """The amax found, per group of consecutive layers (at most ``max_groups`` groups):
+        ``"layers 0–7 amax K 12.3 V 4.5, layers 8–15 amax K 9.1 V 3.2"``."""
+        n = self.k_amax.shape[0]
+        if n == 0:
+            return "no layers"
+        size = -(-n // max(1, max_groups))
+        parts = []
+        for lo in range(0, n, size):
+            hi = min(lo + size, n) - 1
+            k, v = float(self.k_amax[lo : hi + 1].max()), float(self.v_amax[lo : hi + 1].max())
+            which = f"layer {lo}" if lo == hi else f"layers {lo}\u2013{hi}"
+            parts.append(f"{which} amax K {_short(k)} V {_short(v)}")
+        return ", ".join(parts)
+
     def scales(self, kv_dtype: str, per_head: bool = False) -> KVScales:
         if self.tokens == 0:
             raise RuntimeError("calibration observed no tokens; give calibration prompts")
@@ -111,3 +126,8 @@ class AmaxObserver:
             scale_from_amax(fmt, k_amax), scale_from_amax(fmt, v_amax), "calibrate", per_head,
             {"calibration_tokens": self.tokens, "k_amax_max": float(self.k_amax.max()), "v_amax_max": float(self.v_amax.max())},
         )
+
+
+def _short(x: float) -> str:
+    """A magnitude in about three significant digits (``12.3``, ``0.0412``, ``1.2e+04``)."""
+    return f"{x:.3g}" if x >= 1e-3 or x == 0 else f"{x:.2e}"

@@ -35,7 +35,7 @@ def test_capacity_rejects_bad_input(argv, needle):
     code, text = invoke("capacity", *argv)
     assert code == 2, text
     lines = [line for line in text.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], text
+    assert len(lines) == 1 and lines[0].startswith("kvbench capacity: error: ") and needle in lines[0], text
 
 
 @pytest.mark.parametrize("page", [1, 16, 32, 256])

@@ -12,7 +12,7 @@ KVBENCH = str(Path(sys.executable).parent / "kvbench")
 @pytest.mark.parametrize("argv,needle", [
     (["eval", "--suite", "gsm8k", "--limit", "1", "--model", "/nonexistent/model"], "cannot resolve model"),
     (["serve", "--model", "/nonexistent/model", "--port", "1"], "cannot resolve model"),
-    (["eval", "--suite", "gsm8k", "--limit", "1", "--kv-dtype", "int4"], "kv_dtype"),
+    (["eval", "--suite", "gsm8k", "--limit", "1", "--kv-dtype", "int4"], "--kv-dtype"),
 ])
 def test_bad_engine_input_is_one_clear_error(tmp_path, argv, needle):
     out = subprocess.run([KVBENCH, *argv, *(["--out", str(tmp_path / "o")] if argv[0] == "eval" else [])],
@@ -20,6 +20,8 @@ def test_bad_engine_input_is_one_clear_error(tmp_path, argv, needle):
     assert out.returncode == 2, out.stderr[-2000:]
     assert needle in out.stderr
     assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvbench {argv[0]}: error: "), out.stderr
 
 
 def test_debug_env_shows_the_traceback(tmp_path):

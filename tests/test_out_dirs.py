@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ def invoke(*args):
 
 
 def error_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith("error:")]
+    return [line for line in text.splitlines() if re.match(r"^kvbench [a-z ]+: error: ", line)]
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ def test_eval_out_is_a_file(tmp_path, no_model):
     f.write_text("keep me")
     code, text, _ = invoke("eval", "--suite", "gsm8k", "--limit", "1", "--out", f)
     assert code == 2, text
-    assert error_lines(text) == [f"error: --out {f} is not a directory"]
+    assert error_lines(text) == [f"kvbench eval: error: --out {f} is not a directory"]
     code, text, _ = invoke("eval", "--suite", "gsm8k", "--limit", "1", "--out", f / "sub")
     assert code == 2 and len(error_lines(text)) == 1 and "is not a directory" in text, text
     assert f.read_text() == "keep me"
@@ -174,10 +175,10 @@ def test_eval_bad_out_via_subprocess_is_fast(tmp_path):
     r = subprocess.run([kvbench, "eval", "--suite", "gsm8k", "--limit", "1", "--data-dir", "/nonexistent/kvbench-data",
                         "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().splitlines() == ["error: --data-dir /nonexistent/kvbench-data does not exist"]
+    assert r.stderr.strip().splitlines() == ["kvbench eval: error: --data-dir /nonexistent/kvbench-data does not exist"]
     r = subprocess.run([kvbench, "eval", "--suite", "gsm8k", "--limit", "1", "--out", str(f)], capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: --out {f} is not a directory"], r.stderr
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"kvbench eval: error: --out {f} is not a directory"], r.stderr
     assert time.monotonic() - t0 < 6
     assert not (tmp_path / "o").exists()
 
@@ -196,7 +197,7 @@ def test_report_out_is_a_file(tmp_path, monkeypatch):
     f.write_text("")
     code, text, _ = invoke("report", run, "--out", f)
     assert code == 2, text
-    assert error_lines(text) == [f"error: --out {f} is not a directory"]
+    assert error_lines(text) == [f"kvbench report: error: --out {f} is not a directory"]
     # the default RUN/report, when that is a file
     (run / "report").write_text("")
     code, text, _ = invoke("report", run)
@@ -214,7 +215,7 @@ def test_compare_out_is_a_file(tmp_path, monkeypatch):
     f.write_text("")
     code, text, _ = invoke("compare", tmp_path / "a", tmp_path / "b", "--out", f)
     assert code == 2, text
-    assert error_lines(text) == [f"error: --out {f} is not a directory"]
+    assert error_lines(text) == [f"kvbench compare: error: --out {f} is not a directory"]
 
 
 # ------------------------------------------------------------------------------------ store helpers

@@ -20,11 +20,13 @@ def test_dry_run_lists_the_matrix(tmp_path):
     assert r.exit_code == 0, r.output
     lines = r.output.strip().splitlines()
     assert len(lines) == 14 and lines[-1] == f"13 cells -> {tmp_path / 'run'}"
-    assert sum("[accuracy]" in line for line in lines) == 5  # one per format + the A/A control
+    acc = "[accuracy: ruler, gsm8k_chat, fidelity]"
+    assert sum(acc in line for line in lines) == 5  # one per format + the A/A control
+    assert sum(line.endswith(" [load]") for line in lines) == 12 and lines[-2].endswith(f"{acc} [A/A]")
     assert "bf16/unit torch c=8 A/A" in lines[-2]
     assert not (tmp_path / "run").exists()
     r = invoke(str(CONFIGS / "default.yaml"), "--dry-run", "--only", "kv_dtype=nvfp4,concurrency=4")
-    assert r.exit_code == 0 and r.output.strip().splitlines()[0].endswith("nvfp4/calibrate torch c=4")
+    assert r.exit_code == 0 and r.output.strip().splitlines()[0].endswith("nvfp4/calibrate torch c=4  [load]")
 
 
 def test_usage_errors_exit_2(tmp_path):

@@ -62,7 +62,7 @@ def test_engine_errors_stop_the_dry_run(tmp_path):
     cfg.write_text(yaml.safe_dump(raw))
     r = CliRunner().invoke(app, ["sweep", str(cfg), "--dry-run", "--out", str(tmp_path / "run")])
     assert r.exit_code == 2, r.output
-    assert "error: bad.yaml: engine.kv_budget_gb: kv_budget_gb must be a positive number (GiB), got 'abc'" in r.output
+    assert "kvbench sweep: error: bad.yaml: engine.kv_budget_gb: kv_budget_gb must be a positive number (GiB), got 'abc'" in r.output
     assert not (tmp_path / "run").exists()
 
 

@@ -302,7 +302,7 @@ SRV = {"name": "srv", "type": "server", "launch": "serve {port} --kv {kv_dtype}"
 
 
 def _strip(d):
-    return {k: v for k, v in d.items() if k != "elapsed_s"}
+    return {k: v for k, v in d.items() if k not in ("elapsed_s", "startup_s")}
 
 
 def test_parallel_1_is_the_sweep_as_before(tmp_path):
@@ -340,7 +340,8 @@ def test_without_gpus_servers_run_side_by_side_on_ports_alone(tmp_path, monkeypa
     assert out.ok and r.max_live == 3 and {d for _, _, d in r.opened} == {None}
     assert out.done == [c.key for c in expand(cfg)]
     lines = capsys.readouterr().err.splitlines()  # plain progress lines from several threads, one per cell, whole
-    pattern = re.compile(r"done   (.+) \(\d+\.\d s\): (\d)\.0 out tok/s")
+    pattern = re.compile(r"done   (.+) \(\d+\.\d s(?: incl\. \d+\.\d s target start-up)?\): (\d)\.0 out tok/s"
+                         r"  \[\d+/\d+(?:, ETA \S+(?: \S+)?)?\]")
     assert sorted(pattern.fullmatch(line).groups() for line in lines) == sorted(
         (c.label, str(c.concurrency)) for c in expand(cfg))
 

@@ -170,7 +170,7 @@ def test_corrupt_manifest_is_one_error_line(tmp_path):
     c.write_text(yaml.safe_dump(RAW))
     r = CliRunner().invoke(app, ["sweep", str(c), "--out", str(out), "--resume"])
     assert r.exit_code == 2, r.output
-    assert f"error: {out}/manifest.json is not valid JSON (" in r.output and "Traceback" not in r.output
+    assert f"kvbench sweep: error: {out}/manifest.json is not valid JSON (" in r.output and "Traceback" not in r.output
     (out / "manifest.json").write_text("[1, 2]")
     with pytest.raises(SweepConfigError, match="not a kvbench sweep manifest"):
         sweep(cfg(), out, resume=True)

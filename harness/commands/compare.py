@@ -1,5 +1,10 @@
-"""`kvbench compare RUN RUN... --out DIR`: one report across runs; each cell is compared with the cell of
-the same config in the first run (paired on items when both hold item records)."""
+"""`kvbench compare RUN_A RUN_B... --out DIR`: the runs side by side.
+
+Cells are matched by configuration (reports/run_diff.py: the config keys that vary inside a run; what is
+constant per run, such as a model path, goes to the configuration diff).  Prints, and writes to
+``DIR/compare.md``, per later run against the first: the configuration differences as paths, accuracy
+and serving deltas per matched cell, and the cells with no partner; ``report.md`` / ``report.html`` hold
+the full report with paired deltas against the first run's matching cell."""
 
 from __future__ import annotations
 
@@ -9,14 +14,15 @@ from typing import List
 
 import typer
 
+from kvbench.harness.errors import UserError
+
 
 def _fail(msg: str) -> None:
-    typer.echo(f"kvbench compare: {msg}", err=True)
-    raise typer.Exit(2)
+    raise UserError(msg)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("compare", help="Compare runs: report.md + report.html with each cell against the same cell of the first run.")
+    @app.command("compare", help="Compare runs: configuration diff, accuracy and serving deltas per matched cell (printed and compare.md), plus report.md + report.html.")
     def compare(
         runs: List[Path] = typer.Argument(..., help="Two or more run directories; the first is the reference."),
         out: Path = typer.Option(..., "--out", help="Output directory."),
@@ -36,8 +42,7 @@ def register(app: typer.Typer) -> None:
         try:
             check_out_dir(out, "--out")
         except OutDirError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
+            raise UserError(str(e)) from None
         try:
             data = load_runs(list(runs))
             analysis = compare_analysis(data, confidence=confidence, n_boot=n_boot, seed=seed)
@@ -51,6 +56,11 @@ def register(app: typer.Typer) -> None:
         cmd = ["kvbench", "compare", *map(str, runs), "--out", str(out)]
         meta = ReportMeta(title=f"kvbench compare: {' vs '.join(r.name for r in data)}", command=shlex.join(cmd), rows=rows)
         written = write_report(analysis, out, meta)
-        typer.echo(f"wrote {len(written)} files to {out}")
+        from kvbench.reports.run_diff import diff_runs, format_diff
+
+        text = "\n".join(format_diff(diff_runs(data[0], r)) for r in data[1:])
+        (out / "compare.md").write_text(text)
+        typer.echo(text)
+        typer.echo(f"wrote {len(written) + 1} files to {out}")
         typer.echo(f"markdown: {written['markdown']}")
         typer.echo(f"html:     {written['html'].resolve()}")

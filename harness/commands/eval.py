@@ -137,8 +137,9 @@ _RULER = "Long context (--suite ruler)"
 
 
 def _usage_error(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
+    from kvbench.harness.errors import UserError
+
+    raise UserError(msg)
 
 
 def _check_paths(data_dir: Optional[str], out: Optional[str], overwrite: bool) -> Optional[Path]:
@@ -165,12 +166,9 @@ def _check_paths(data_dir: Optional[str], out: Optional[str], overwrite: bool) -
 
 
 def _print_summary(summaries: dict[str, dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from kvbench.harness.term import console, table
 
-    t = Table(title="kvbench eval")
-    for col in ("suite", "n", "metrics", "invalid", "truncated", "empty", "errors"):
-        t.add_column(col)
+    t = table("kvbench eval", ("suite", "n", "metrics", "invalid", "truncated", "empty", "errors"))
     skip = {"n", "answered", "errors", "invalid_rate", "truncation_rate", "empty_rate", "error_rate", "source", "subtasks"}
     for name, s in summaries.items():
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in s.items()
@@ -178,9 +176,9 @@ def _print_summary(summaries: dict[str, dict]) -> None:
         rate = lambda k: "-" if s.get(k) is None else f"{s[k]:.1%}"  # noqa: E731
         t.add_row(name, str(s.get("n", "")), metrics, rate("invalid_rate"), rate("truncation_rate"), rate("empty_rate"),
                   _errors_text(s))
-    Console(stderr=True).print(t)
+    console(stderr=True).print(t)
     if any(s.get("errors") for s in summaries.values()):
-        Console(stderr=True).print("metrics, invalid, truncated and empty are over answered requests; "
+        console(stderr=True).print("metrics, invalid, truncated and empty are over answered requests; "
                                    "failed requests (errors) are counted apart, not as wrong answers")
 
 
@@ -209,7 +207,7 @@ def register(app: typer.Typer) -> None:
         out: Optional[str] = typer.Option(None, "--out", help="Write items.jsonl and summary.json here (a directory; refused when it already holds them, see --overwrite)"),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace the items.jsonl / summary.json that --out already holds"),
         endpoint: Optional[str] = typer.Option(None, "--endpoint", help="External OpenAI-compatible server URL instead of the embedded engine"),
-        concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight"),
+        concurrency: int = typer.Option(8, "--concurrency", "--max-concurrency", help="Requests in flight (--max-concurrency: the vLLM / SGLang benchmarks' spelling)"),
         lm_eval: Optional[str] = typer.Option(None, "--lm-eval", help="Run an lm-eval task by name (same as --suite lm_eval:TASK)"),
         lm_eval_include: Optional[str] = typer.Option(None, "--lm-eval-include", help="Extra lm-eval task directory"),
         protocol: Optional[str] = typer.Option(None, "--protocol", help="Suite variant, e.g. gsm8k: lm-eval (5-shot), cot (8-shot), chat (0-shot)"),
@@ -342,5 +340,9 @@ def register(app: typer.Typer) -> None:
             _print_summary(summaries)
         typer.echo(json.dumps({"suites": summaries, "error": error, "out": out}, indent=2, default=str))
         if error:
-            typer.echo(f"error: {error}", err=True)
-            raise typer.Exit(2 if usage_error else 1)
+            from kvbench.harness.errors import UserError
+
+            if usage_error:
+                raise UserError(error)
+            typer.echo(f"kvbench eval: error: {error}", err=True)  # an engine/server failure: exit 1
+            raise typer.Exit(1)

@@ -42,16 +42,14 @@ def register(app: typer.Typer) -> None:
 
             typer.echo(json.dumps(rows, indent=2))
             return
-        from rich.console import Console
-        from rich.table import Table
+        from kvbench.harness.term import console, table
 
-        t = Table(title="KV formats")
-        for col in ("name", "storage", "bits", "scale layout", "bytes/elem", "vs bf16", "max |x/scale|", "backends"):
-            t.add_column(col)
+        t = table("KV formats", ("name", "storage", "bits", "scale layout", "bytes/elem", "vs bf16", "max |x/scale|",
+                                 "backends"))
         for r in rows:
             t.add_row(
                 r["name"], r["storage"], str(r["element_bits"]), r["scale"], f"{r['bytes_per_element']:.4f}",
                 f"{r['bytes_per_element'] / 2:.4f}", "-" if r["max"] is None else f"{r['max']:g}",
                 _backends_text(r["backends"]),
             )
-        Console().print(t)
+        console().print(t)

@@ -23,9 +23,12 @@ _HELP = ("Non-inferiority gate: pass when the one-sided lower confidence bound o
 
 
 def _error(msg: str) -> None:
-    typer.echo(f"kvbench gate: {msg}", err=True)
+    from kvbench.harness.errors import UserError
+
     typer.echo(f"::error title=kvbench gate::missing data or usage error: {msg}")
-    raise typer.Exit(2)
+    err = UserError(msg)
+    err.annotated = True  # the line above is its workflow annotation (harness/cli_errors.py adds none)
+    raise err
 
 
 def _apply_flags(t, max_drop, metric, max_invalid_increase, max_truncation_increase, max_kl, confidence, method,

@@ -79,14 +79,15 @@ def register(app: typer.Typer) -> None:
         try:
             model = model or discover_model(base_url, api_key)
         except Exception as e:  # noqa: BLE001 - unreachable server, bad URL
-            typer.echo(f"cannot reach {server_root(base_url)}/v1/models: {e}", err=True)
-            raise typer.Exit(2) from None
+            from kvbench.harness.errors import UserError
+
+            raise UserError(f"cannot reach {server_root(base_url)}/v1/models: {e}") from None
         summaries = []
         for cfg in configs:
             try:
                 summary, records = run_load(base_url, model, cfg)
             except (RuntimeError, ValueError) as e:
-                typer.echo(f"load test failed: {e}", err=True)
+                typer.echo(f"kvbench load: error: load test failed: {e}", err=True)  # a run failure: exit 1
                 raise typer.Exit(1) from None
             typer.echo(format_block(summary))
             if out:

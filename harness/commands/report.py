@@ -8,10 +8,11 @@ from typing import Optional
 
 import typer
 
+from kvbench.harness.errors import UserError
+
 
 def _fail(msg: str) -> None:
-    typer.echo(f"kvbench report: {msg}", err=True)
-    raise typer.Exit(2)
+    raise UserError(msg)
 
 
 def register(app: typer.Typer) -> None:
@@ -38,8 +39,7 @@ def register(app: typer.Typer) -> None:
             try:
                 check_out_dir(out_dir, "--out" if out is not None else "report directory")
             except OutDirError as e:
-                typer.echo(f"error: {e}", err=True)
-                raise typer.Exit(2) from None
+                raise UserError(str(e)) from None
         try:
             data = load_run(run)
             analysis = report_analysis(data, baseline, confidence=confidence, n_boot=n_boot, seed=seed)

@@ -8,6 +8,8 @@ from typing import Optional
 
 import typer
 
+from kvbench.harness.errors import UserError
+
 DATA_DIR_ENV = "KVBENCH_DATA_DIR"  # suites.data.DATA_DIR_ENV (not imported: --help stays light)
 
 
@@ -110,27 +112,40 @@ def register(app: typer.Typer) -> None:
             device_ids, plans = _device_plans(cfg, cells, parallel, devices)
             launches = _launch_listing(cfg, plans, parallel)
         except SweepConfigError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2)
+            raise UserError(str(e)) from None
         if dry_run:
             if parallel > 1 or device_ids is not None or any(p.allowed is not None for p in plans):
                 _echo_device_plan(plans, parallel)
+            from kvbench.harness.sweep_dry_run import cell_line, check_models
+
+            check_models(cfg, cells)
             for c in cells:
-                tags = ("  [accuracy]" if c.run_accuracy else "") + ("" if c.run_load else "  [no load test]")
-                typer.echo(f"{c.key}  {c.label}{tags}")
+                typer.echo(cell_line(cfg, c))
             for line in launches:
                 typer.echo(line)
             typer.echo(f"{len(cells)} cells -> {run_dir}")
             return
 
         from kvbench.harness.runner import run_sweep
+        from kvbench.harness.sweep_hints import (
+            SweepTerminated,
+            finished_commands,
+            interrupted_lines,
+            resume_command,
+            sigterm_as_interrupt,
+        )
 
+        again = resume_command(config, run_dir, only=only, data_dir=data_dir, parallel=parallel, devices=devices)
         try:
-            outcome = run_sweep(cfg, run_dir, resume=resume, only=only, progress=True if progress else None,
-                                parallel=parallel, devices=device_ids)
+            with sigterm_as_interrupt():
+                outcome = run_sweep(cfg, run_dir, resume=resume, only=only, progress=True if progress else None,
+                                    parallel=parallel, devices=device_ids)
         except SweepConfigError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2)
+            raise UserError(str(e)) from None
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: say exactly how to finish the run
+            for line in interrupted_lines(again):
+                typer.echo(line, err=True)
+            raise typer.Exit(143 if isinstance(e, SweepTerminated) else 130) from None
         typer.echo(
             f"{run_dir}: {len(outcome.done)} cells done, {len(outcome.failed)} failed, "
             f"{len(outcome.skipped)} already done (skipped)"
@@ -139,4 +154,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"failed cells (see {run_dir}/cells/<key>/summary.json and error.txt):", err=True)
             for key in outcome.failed:
                 typer.echo(f"  {key}", err=True)
+            typer.echo(f"redo the failed cells with:\n  {again}", err=True)
             raise typer.Exit(1)
+        report, gate = finished_commands(run_dir)
+        typer.echo(f"next: {report}   (tables and plots)\n      {gate}   (pass/fail against the config's gate)")

@@ -11,6 +11,7 @@ from kvbench.runtime.attention.torch_backend import TorchBackend
 from kvbench.runtime.config import KVCacheSpec
 from kvbench.runtime.kv_cache import PagedKVCache, pages_needed
 from kvbench.runtime.scales import AmaxObserver, KVScales
+from kvbench.runtime.step_notes import Step
 
 __all__ = ["CALIBRATION_TEXTS", "calibrate_scales"]
 
@@ -60,6 +61,21 @@ def calibrate_scales(model, tokenizer, rope, kv_dtype: str, num_prompts: int, pe
     texts = [CALIBRATION_TEXTS[i % len(CALIBRATION_TEXTS)] for i in range(max(num_prompts, 1))]
     prompts = [tokenizer.encode(t)[: rope.cos.shape[0]] for t in texts]
     obs = AmaxObserver(cfg.num_layers, cfg.num_kv_heads)
+    note = Step(f"calibrating {kv_dtype} KV scales on {sum(len(p) for p in prompts)} tokens "
+                f"({len(prompts)} prompt{'s' if len(prompts) != 1 else ''}, {cfg.num_layers} layers)")
+    try:
+        _observe(model, prompts, obs, cfg, rope, device, page_size)
+    except BaseException:
+        note.fail()
+        raise
+    note.done(obs.describe())
+    # the observer is indexed by layer; fold the per-layer amax for fp8/nvfp4
+    out = obs.scales(kv_dtype, per_head)
+    out.details["calibration_prompts"] = len(prompts)
+    return out
+
+
+def _observe(model, prompts: list, obs: AmaxObserver, cfg, rope, device, page_size: int) -> None:
     longest = max(len(p) for p in prompts)
     spec: KVCacheSpec = cfg.kv_spec("bf16", page_size)
     npages = pages_needed(longest, page_size)
@@ -80,7 +96,3 @@ def calibrate_scales(model, tokenizer, rope, kv_dtype: str, num_prompts: int, pe
         )
         backend.plan(meta, cache)
         model(torch.tensor(ids, device=device), backend, cache, meta)
-    # the observer is indexed by layer; fold the per-layer amax for fp8/nvfp4
-    out = obs.scales(kv_dtype, per_head)
-    out.details["calibration_prompts"] = len(prompts)
-    return out

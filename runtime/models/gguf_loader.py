@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -147,9 +148,12 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
     return cfg, state, meta
 
 
-def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32,
+                     on_part: Optional[Callable[[str], None]] = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """``load_gguf`` with the dequantized float32 tensors kept as safetensors in the cache directory
-    (keyed by the file's path, size and mtime), since parsing and dequantizing a GGUF is slow."""
+    (keyed by the file's path, size and mtime), since parsing and dequantizing a GGUF is slow.
+    ``on_part(text)``: told which of the two it does ("reading the dequantized cache" / "dequantizing")."""
+    on_part = on_part or (lambda _text: None)
     import dataclasses
     import hashlib
     import json
@@ -164,6 +168,7 @@ def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32) -> tu
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     d = cache_dir() / "weights" / key
     if (d / "config.json").is_file() and (d / "model.safetensors").is_file():
+        on_part("reading the dequantized cache")
         try:
             cfg = ModelConfig(**json.loads((d / "config.json").read_text()))
             state = load_file(str(d / "model.safetensors"))
@@ -171,6 +176,7 @@ def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32) -> tu
             return cfg, {k: v.to(dtype, copy=True) for k, v in state.items()}
         except Exception:  # damaged cache entry: rebuild below
             pass
+    on_part("dequantizing")
     cfg, state, _meta = load_gguf(path, torch.float32)
     try:
         d.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ import torch
 from kvbench.runtime.models.config import ModelConfig
 from kvbench.runtime.models.hf_loader import CheckpointScales
 from kvbench.runtime.models.llama import LlamaForCausalLM
+from kvbench.runtime.step_notes import Step
 
 __all__ = ["LoadedModel", "load_model", "resolve_model", "model_is_mla", "model_class", "MODEL_PRESETS"]
 
@@ -51,9 +52,13 @@ def resolve_model(name: Optional[str]) -> tuple[str, str]:
             return "hf", str(p)
         if len(ggufs) == 1:
             return "gguf", str(ggufs[0])
+    from kvbench.runtime.models.hub import hub_snapshot, is_hub_id
+
+    if is_hub_id(name):  # owner/name: the local hub cache, else a download
+        return "hf", hub_snapshot(name)
     raise ValueError(
         f"cannot resolve model {name!r}: expected a .gguf file, a Hugging Face directory with config.json, "
-        f"a preset ({', '.join(MODEL_PRESETS)}) or synthetic:<{'|'.join(_synthetic_names())}>"
+        f"a hub id (owner/name), a preset ({', '.join(MODEL_PRESETS)}) or synthetic:<{'|'.join(_synthetic_names())}>"
     )
 
 
@@ -109,10 +114,42 @@ def load_model(name: Optional[str], device: str | torch.device = "cpu", dtype: t
     t0 = time.perf_counter()
     device = torch.device(device)
     kind, loc = resolve_model(name)
+    note = Step(f"loading {_display_id(name, kind, loc)} ({_KIND_WORDS.get(kind, kind)})")
+    try:
+        loaded = _load(name, kind, loc, device, dtype, seed, note)
+    except BaseException:
+        note.fail()
+        raise
+    loaded.load_seconds = dt = time.perf_counter() - t0
+    cfg = loaded.config
+    note.done(f"{cfg.num_params() / 1e6:.1f}M params on {device}")
+    log.debug("loaded %s (%s, %.1fM params) in %.1fs", loaded.model_id, kind, cfg.num_params() / 1e6, dt)
+    return loaded
+
+
+_KIND_WORDS = {"gguf": "GGUF", "hf": "HF safetensors", "synthetic": "synthetic weights"}
+
+
+def _display_id(name: Optional[str], kind: str, loc: str) -> str:
+    """The model's id as ``load_model`` reports it (known before anything is read)."""
+    if kind == "synthetic":
+        return loc
+    p = Path(loc)
+    if kind == "gguf":
+        return p.stem.split(".")[0] if name in (None, *MODEL_PRESETS) else p.stem
+    from kvbench.runtime.models.hub import is_hub_id
+
+    if is_hub_id(name):
+        return name  # a hub id: its name, not the snapshot directory's hash
+    return p.name
+
+
+def _load(name: Optional[str], kind: str, loc: str, device: torch.device, dtype: torch.dtype, seed: int, note: Step) -> LoadedModel:
     if kind == "synthetic":
         from kvbench.runtime.models.synthetic import ByteTokenizer, parse_synthetic
 
         cfg = parse_synthetic(loc)
+        note.part(f"building {cfg.num_layers} layers")
         model = _build(cfg, device, dtype)
         g = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
@@ -135,24 +172,25 @@ def load_model(name: Optional[str], device: str | torch.device = "cpu", dtype: t
         from kvbench.runtime.models.gguf_loader import load_gguf_cached
         from kvbench.runtime.tokenizer import load_tokenizer
 
-        cfg, state = load_gguf_cached(loc)
+        cfg, state = load_gguf_cached(loc, on_part=note.part)
+        note.part(f"building {cfg.num_layers} layers")
         model = LlamaForCausalLM.from_state(cfg, state, device, dtype)
         del state
         p = Path(loc)
         tok = load_tokenizer(p.parent, gguf_file=p.name, extra_eos=cfg.eos_token_ids)
         scales = CheckpointScales(cfg.num_layers)
-        model_id = p.stem.split(".")[0] if name in (None, *MODEL_PRESETS) else p.stem
+        model_id = _display_id(name, kind, loc)
     else:
         from kvbench.runtime.models.hf_loader import load_hf_dir
         from kvbench.runtime.tokenizer import load_tokenizer
 
+        note.part("reading safetensors")
         cfg, state, scales = load_hf_dir(loc)
+        note.part(f"building {cfg.num_layers} layers")
         model = model_class(cfg).from_state(cfg, state, device, dtype)
         del state
         tok = load_tokenizer(loc, extra_eos=cfg.eos_token_ids)
-        model_id = Path(loc).name
+        model_id = _display_id(name, kind, loc)
     model.eval()
     model.bind()
-    dt = time.perf_counter() - t0
-    log.info("loaded %s (%s, %.1fM params) in %.1fs", model_id, kind, cfg.num_params() / 1e6, dt)
-    return LoadedModel(model_id, cfg, model, tok, scales, kind, dt)
+    return LoadedModel(model_id, cfg, model, tok, scales, kind, 0.0)
