@@ -66,7 +66,7 @@ class GpqaDiamond(GenerationTask):
         try:
             rows, source = load_rows(opts.data_dir, ("gpqa_diamond", "gpqa"), HUB, required=COLUMNS)
         except DataError as e:
-            raise DataError(f"{e}\n{HOW_TO_GET}") from None
+            raise DataError(f"{e}. {HOW_TO_GET}") from None  # the CLI prints a user error as one line
         items = []
         for i, r in enumerate(rows):
             raw = [str(r[c]) for c in COLUMNS[1:]]

@@ -46,6 +46,7 @@ def test_missing_gated_data_says_how_to_provide_it(tmp_path, monkeypatch):
     for needle in ("gated dataset on the Hub", "Idavidrein/gpqa", "config gpqa_diamond", "HF_TOKEN", "huggingface-cli login",
                    "gpqa_diamond.csv in --data-dir", "KVBENCH_DATA_DIR", ", ".join(COLUMNS)):
         assert needle in msg, needle
+    assert "\n" not in msg  # the CLI prints a user error as one line
     assert COLUMNS == ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")
 
 

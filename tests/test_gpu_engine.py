@@ -130,3 +130,24 @@ def test_flashinfer_matches_torch(loaded, kv, pre, dec):
         _close(_reference(loaded, kv), _score(e))
     finally:
         e.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode", "both"])
+def test_query_quantization_per_phase_matches_torch(loaded, mode):
+    """fp8 queries limited to one phase: the Triton kernels (q_scale passed for that phase only, or rows rounded
+    in torch for mixed steps) against the torch backend in the same mode; and the mode must move the scores
+    (a backend that ignored it would match ``none``)."""
+    pre = "triton"
+    ref_e = _engine(loaded, "fp8_e4m3", quantize_query=mode)
+    tri_e = _engine(loaded, "fp8_e4m3", pre, "triton", quantize_query=mode)
+    plain_e = _engine(loaded, "fp8_e4m3", pre, "triton", quantize_query="none")
+    try:
+        ref, got, plain = _score(ref_e), _score(tri_e), _score(plain_e)
+    finally:
+        for e in (ref_e, tri_e, plain_e):
+            e.shutdown()
+    _close(ref, got)
+    # prefill-only rounds the context's queries: it moves the scores through the cache only where the
+    # context's own attention feeds later layers; decode / both round every scored token's query
+    moved = _kl_max(plain.full_logprobs, got.full_logprobs)
+    assert moved > 1e-7, (mode, moved)
