@@ -56,6 +56,17 @@ def _reasoning_text(obj: dict) -> Optional[str]:
     return None
 
 
+def _read_failed(url: str, e: Exception, retries: int, mid_stream: bool) -> RequestFailed:
+    """A response that broke off after its headers: ``timeout`` when httpx timed out, else ``stream``."""
+    import httpx
+
+    what = f"({type(e).__name__}: {e})"
+    if isinstance(e, httpx.TimeoutException):
+        return RequestFailed(f"{url}: timed out {'mid-stream' if mid_stream else 'reading the response'} {what}", "timeout",
+                             retries)
+    return RequestFailed(f"{url}: {'stream' if mid_stream else 'response'} cut off {what}", "stream", retries)
+
+
 class OpenAIClient:
     def __init__(self, base_url: str, model: Optional[str] = None, api_key: Optional[str] = None, timeout: float = 600.0,
                  max_retries: int = 0, max_connections: Optional[int] = None, retry_backoff_s: float = 0.5):
@@ -173,10 +184,8 @@ class OpenAIClient:
         r, retries, t0 = self._send(path, body)
         try:
             r.read()
-        except httpx.TimeoutException as e:
-            raise RequestFailed(f"{url}: timed out reading the response ({type(e).__name__}: {e})", "timeout", retries) from None
-        except httpx.TransportError as e:
-            raise RequestFailed(f"{url}: response cut off ({type(e).__name__}: {e})", "stream", retries) from None
+        except httpx.TransportError as e:  # timeouts included
+            raise _read_failed(url, e, retries, mid_stream=False) from None
         finally:
             r.close()
         return r, retries, t0
@@ -225,40 +234,36 @@ class OpenAIClient:
         finished = False
         r, retries, _ = self._send(path, body)
         try:
-            try:
-                if r.status_code != 200:
-                    r.read()
-                    raise RequestFailed(_error_text(r), "http", retries)
+            if r.status_code != 200:
                 try:
-                    for line in r.iter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            return
-                        try:
-                            obj = json.loads(data)
-                        except ValueError:
-                            raise RequestFailed(f"{url}: malformed stream event: {data[:200]}", "stream") from None
-                        if not isinstance(obj, dict):
-                            raise RequestFailed(f"{url}: malformed stream event: {data[:200]}", "stream")
-                        if obj.get("error"):
-                            raise RequestFailed(f"{url}: error event mid-stream: {obj['error']}", "stream")
-                        for choice in obj.get("choices") or ():
-                            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                            if piece:
-                                yield piece
-                            finished = finished or bool(choice.get("finish_reason"))
-                except httpx.TimeoutException as e:
-                    raise RequestFailed(f"{url}: timed out mid-stream ({type(e).__name__}: {e})", "timeout", retries) from None
-                except httpx.TransportError as e:
-                    raise RequestFailed(f"{url}: stream cut off ({type(e).__name__}: {e})", "stream", retries) from None
-            finally:
-                r.close()
-        except httpx.TimeoutException as e:
-            raise RequestFailed(f"{url}: timed out reading the response ({type(e).__name__}: {e})", "timeout", retries) from None
-        except httpx.TransportError as e:
-            raise RequestFailed(f"{url}: response cut off ({type(e).__name__}: {e})", "stream", retries) from None
+                    r.read()
+                except httpx.TransportError as e:  # timeouts included
+                    raise _read_failed(url, e, retries, mid_stream=False) from None
+                raise RequestFailed(_error_text(r), "http", retries)
+            try:
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        obj = json.loads(data)
+                    except ValueError:
+                        raise RequestFailed(f"{url}: malformed stream event: {data[:200]}", "stream") from None
+                    if not isinstance(obj, dict):
+                        raise RequestFailed(f"{url}: malformed stream event: {data[:200]}", "stream")
+                    if obj.get("error"):
+                        raise RequestFailed(f"{url}: error event mid-stream: {obj['error']}", "stream")
+                    for choice in obj.get("choices") or ():
+                        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                        if piece:
+                            yield piece
+                        finished = finished or bool(choice.get("finish_reason"))
+            except httpx.TransportError as e:  # timeouts included
+                raise _read_failed(url, e, retries, mid_stream=True) from None
+        finally:
+            r.close()
         if not finished:
             raise RequestFailed(f"{url}: stream ended without [DONE] or a finish reason", "stream", retries)
 
