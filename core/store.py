@@ -21,7 +21,7 @@ from kvbench.core.records import SCHEMA_VERSION
 
 __all__ = [
     "SCHEMA_VERSION", "STATUS_DONE", "STATUS_FAILED", "STATUS_RUNNING", "StoreError", "OutDirError",
-    "check_out_dir", "CellRef", "RunStore", "parse_selector", "matches", "select_cells",
+    "check_out_dir", "CellRef", "RunStore", "parse_selector", "matches", "select_cells", "OPTION_KEYS",
 ]
 
 STATUS_DONE = "done"
@@ -149,21 +149,62 @@ class RunStore:
 
 
 # ------------------------------------------------------------------------------- selectors
+# keys a selector may name inside a cell's ``options`` (its KV entry's engine options); values of the layer sets
+# hold commas (``kv_dtype_skip_layers=0,1,31``), so a bare selector part continues the previous value
+OPTION_KEYS = ("kv_scales_per_head", "quantize_query", "fused_append", "kv_dtype_skip_layers", "kv_layer_dtypes")
+_LIST_VALUED = ("kv_dtype_skip_layers", "kv_layer_dtypes")
+NONE_VALUES = ("none", "")  # a selector value that matches a cell without the option
+
+
 def parse_selector(text: str) -> dict[str, str]:
-    """``key=value[,key=value]`` → dict; raises ValueError with the offending part."""
+    """``key=value[,key=value]`` → dict; raises ValueError with the offending part.  After a layer-set key
+    (``kv_dtype_skip_layers=0,1,31``) parts without ``=`` belong to its value."""
     out: dict[str, str] = {}
+    last = None
     for part in filter(None, (p.strip() for p in text.split(","))):
         if "=" not in part:
+            if last in _LIST_VALUED:
+                out[last] += "," + part
+                continue
             raise ValueError(f"selector part {part!r} is not key=value (selector {text!r})")
         k, v = part.split("=", 1)
-        out[k.strip()] = v.strip()
+        last = k.strip()
+        out[last] = v.strip()
     if not out:
         raise ValueError("empty selector; use key=value[,key=value] over cell config keys")
     return out
 
 
+def _option_matches(config: dict, key: str, want: str) -> bool:
+    have = (config.get("options") or {}).get(key)
+    if want.strip().lower() in NONE_VALUES:
+        return have in (None, False, "none")
+    if have is None:
+        return False
+    if key in _LIST_VALUED:
+        from kvbench.core.layer_formats import canonical_layer_dtypes, canonical_skip_layers
+
+        canon = canonical_skip_layers if key == "kv_dtype_skip_layers" else canonical_layer_dtypes
+        try:
+            return canon(want) == canon(have)
+        except ValueError:
+            return False
+    return str(have).lower() == want.strip().lower()
+
+
 def matches(config: dict, selector: dict[str, str]) -> bool:
-    return all(k in config and str(config[k]) == v for k, v in selector.items())
+    """Every ``key=value`` holds for the cell config: top-level keys as strings, ``OPTION_KEYS`` in its
+    ``options`` (layer sets compared canonically; ``none`` = the option not set)."""
+    for k, v in selector.items():
+        if k in config:
+            if str(config[k]) != v:
+                return False
+        elif k in OPTION_KEYS:
+            if not _option_matches(config, k, str(v)):
+                return False
+        else:
+            return False
+    return True
 
 
 def select_cells(cells: list[CellRef], selector: dict[str, str]) -> list[CellRef]:

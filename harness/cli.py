@@ -15,7 +15,7 @@ from kvbench.core.plugins import PluginError, load_plugins
 from kvbench.harness import __version__
 from kvbench.harness.cli_errors import KvbenchGroup, report_error
 
-COMMANDS = ("serve", "eval", "load", "sweep", "report", "compare", "gate", "bench", "capacity", "formats")
+COMMANDS = ("serve", "eval", "load", "sweep", "report", "compare", "gate", "bench", "capacity", "formats", "diagnose")
 
 app = typer.Typer(
     name="kvbench",

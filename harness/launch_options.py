@@ -4,10 +4,13 @@ A ``server`` target's ``launch`` template is a shell command with placeholders:
 
     {model} {host} {port} {python} {tp_size} {devices} {extra_args}
     {kv_dtype} {kv_scales} {scales_file} {prefill_backend} {decode_backend} {attention_backend} {quantize_query}
+    {kv_skip_layers}
 
 ``{attention_backend}`` is the one backend of a cell whose prefill and decode backends are the same (a cell
 with two different ones cannot be rendered into it).  Values are shell-quoted; ``{kv_dtype}`` and the backend
-placeholders go through the target's ``kv_dtype_map`` / ``backend_map`` first.
+placeholders go through the target's ``kv_dtype_map`` / ``backend_map`` first.  ``{kv_skip_layers}`` is the
+KV entry's ``kv_dtype_skip_layers``: on a ``vllm`` target as vLLM's ``--kv-cache-dtype-skip-layers`` list
+(one word per layer index, then ``sliding_window``), elsewhere as one word (``0,1,31``).
 
 ``option_flags`` turns a cell option into launch arguments where a bare placeholder does not fit:
 
@@ -25,7 +28,8 @@ where ``{extra_args}`` stands, or at the end of the command.
 it has an ``option_flags`` entry.  A cell whose value of an unexpressed option is not that option's default
 is a config error naming the key that set the value and what to add — never a label the server ignores.
 Defaults (what passes nothing): ``kv_dtype: auto``, backends ``default``, ``kv_scales: unit``, no
-``scales_file``, ``quantize_query: false``, ``kv_scales_per_head: false``, ``fused_append: true``.
+``scales_file``, ``quantize_query: false``, ``kv_scales_per_head: false``, ``fused_append: true``, no
+``kv_skip_layers`` / ``kv_layer_dtypes`` (the per-layer formats; sglang has no flag for them).
 No torch here.
 """
 
@@ -39,6 +43,9 @@ from typing import Any, Optional
 
 from kvbench.core.formats import KV_SCALE_POLICIES, format_names
 from kvbench.harness.config_checks import _check_keys, _choice, _fail, _int, _list, _mapping
+from kvbench.harness.launch_hints import hint as _hint
+from kvbench.harness.launch_hints import unexpressed as _unexpressed
+from kvbench.harness.layer_options import vllm_skip_words
 from kvbench.runtime.config import QUERY_QUANT_MODES
 
 ENGINE_KINDS = ("sglang", "vllm", "kvbench", "generic")
@@ -48,34 +55,15 @@ DEFAULT_BACKEND = "default"  # the backend name that passes nothing: the engine'
 OPTION_DEFAULTS = {
     "kv_dtype": AUTO_KV, "kv_scales": "unit", "scales_file": None, "prefill_backend": DEFAULT_BACKEND,
     "decode_backend": DEFAULT_BACKEND, "attention_backend": DEFAULT_BACKEND, "quantize_query": "none",
-    "kv_scales_per_head": "false", "fused_append": "true",
+    "kv_scales_per_head": "false", "fused_append": "true", "kv_skip_layers": None, "kv_layer_dtypes": None,
 }
 OPTIONS = tuple(OPTION_DEFAULTS)
-OPTION_PLACEHOLDERS = OPTIONS[:7]  # kv_scales_per_head / fused_append: option_flags only
+# kv_scales_per_head / fused_append / kv_layer_dtypes: option_flags only
+OPTION_PLACEHOLDERS = (*OPTIONS[:7], "kv_skip_layers")
+# launch options that are a KV entry's option of another name (where errors point)
+ENTRY_KEYS = {"kv_skip_layers": "kv_dtype_skip_layers", "kv_layer_dtypes": "kv_layer_dtypes"}
 PLACEHOLDERS = ("model", "host", "port", "python", "tp_size", "devices", "extra_args", *OPTION_PLACEHOLDERS)
 PORT_STAND_IN = "<port>"  # what --dry-run shows for a port picked per launch
-
-# what to add to a template, per engine (shown in errors; docs/external-engines.md cites the sources)
-_HINTS = {
-    "sglang": {
-        "kv_dtype": "--kv-cache-dtype {kv_dtype}",
-        "prefill_backend": "--prefill-attention-backend {prefill_backend}",
-        "decode_backend": "--decode-attention-backend {decode_backend}",
-        "attention_backend": "--attention-backend {attention_backend}",
-        "scales_file": 'option_flags: {scales_file: "--quantization-param-path {value}"}',
-    },
-    "vllm": {
-        "kv_dtype": "--kv-cache-dtype {kv_dtype}",
-        "attention_backend": "--attention-backend {attention_backend}",
-        "kv_scales": 'option_flags: {kv_scales: {calibrate: "--calculate-kv-scales"}}',
-    },
-    "kvbench": {
-        "kv_dtype": "--kv-dtype {kv_dtype}", "kv_scales": "--kv-scales {kv_scales}",
-        "prefill_backend": "--prefill-backend {prefill_backend}", "decode_backend": "--decode-backend {decode_backend}",
-        "quantize_query": "--quantize-query {quantize_query}",
-    },
-}
-
 
 # attention backend names of the external engines (lower-case; vLLM writes them upper-case), so the embedded
 # engine can say which engine runs a name it does not have: the one table of them
@@ -129,7 +117,16 @@ def option_values(cell: dict) -> dict[str, Optional[str]]:
         "quantize_query": query_quant_mode(opts.get("quantize_query", False)),
         "kv_scales_per_head": _bool_text(opts.get("kv_scales_per_head", False)),
         "fused_append": _bool_text(opts.get("fused_append", True)),
+        "kv_skip_layers": opts.get("kv_dtype_skip_layers"), "kv_layer_dtypes": opts.get("kv_layer_dtypes"),
     }
+
+
+def _quoted(spec, option: str, value: str) -> str:
+    """An option's value as launch text: mapped, shell-quoted; a skip set on a vllm target as vLLM's list
+    (one word per layer).  ``ValueError`` when the engine cannot take the value."""
+    if option == "kv_skip_layers" and spec.engine_kind == "vllm":
+        return " ".join(shlex.quote(w) for w in vllm_skip_words(value))
+    return shlex.quote(_mapped(spec, option, value))
 
 
 def _mapped(spec, option: str, value: str) -> str:
@@ -230,8 +227,9 @@ def _option_flags(value: Any, path: str) -> dict:
                 _fail(p, f"the only placeholder here is {{value}} (the option's value), got {spec!r}")
             out[option] = shell_args(spec, p)
         elif isinstance(spec, dict):
-            if option == "scales_file":
-                _fail(p, 'a file path cannot key a mapping; use a template such as "--quantization-param-path {value}"')
+            if option == "scales_file" or option in ENTRY_KEYS:
+                _fail(p, f'{"a file path" if option == "scales_file" else "a layer list"} cannot key a mapping; use a '
+                         'template such as "--flag {value}"')
             m = {}
             for key, args in spec.items():
                 try:
@@ -284,6 +282,11 @@ def check_cell(spec, tpath: str, cell: dict, where: dict[str, str]) -> None:
             if value != OPTION_DEFAULTS[option]:
                 _fail(path, _unexpressed(spec, name, option, value, pre == dec))
             continue
+        if value is not None and option in ENTRY_KEYS:
+            try:
+                _quoted(spec, option, value)
+            except ValueError as e:
+                _fail(path, f"{name}: {e}")
         if option in fields and value is None:
             _fail(path, f"{name} passes {{{option}}} in its launch template, but this entry sets no {option}; "
                         f"give it one, or pass it through option_flags: {{{option}: '--flag {{value}}'}}, "
@@ -294,7 +297,7 @@ def check_cell(spec, tpath: str, cell: dict, where: dict[str, str]) -> None:
 
 
 _CHECK_ORDER = ("kv_dtype", "prefill_backend", "decode_backend", "scales_file", "kv_scales", "quantize_query",
-                "kv_scales_per_head", "fused_append")
+                "kv_scales_per_head", "fused_append", "kv_skip_layers", "kv_layer_dtypes")
 
 
 def _mapping_value(spec, tpath: str, name: str, option: str, value: Optional[str], path: str) -> None:
@@ -304,38 +307,6 @@ def _mapping_value(spec, tpath: str, name: str, option: str, value: Optional[str
     _fail(path, f"{option} {value!r} is not in {tpath}.option_flags.{option} of {name} (it maps "
                 f"{', '.join(map(repr, m)) or 'nothing'}); add {value}: '<launch arguments>' ('' when the server "
                 "needs no flag for it)")
-
-
-def _hint(spec, option: str, fmt: str) -> str:
-    hint = _HINTS.get(spec.engine_kind, {}).get(option)
-    return fmt.format(kind=spec.engine_kind, hint=hint) if hint else ""
-
-
-def _unexpressed(spec, name: str, option: str, value: Optional[str], same: bool) -> str:
-    what = f"{option} {value!r}"
-    if option in ("prefill_backend", "decode_backend"):
-        place = ("{prefill_backend}/{decode_backend} (or {attention_backend} when both phases use one backend)"
-                 if same else "{prefill_backend} and {decode_backend}")
-        fix = f"add {place} to the launch template{_hint(spec, option, ' (for {kind}: {hint})')}, or use the backend " \
-              f"name {DEFAULT_BACKEND!r} (the engine's own choice, passes nothing)"
-    elif option == "kv_dtype":
-        fix = f"add {{kv_dtype}} to the launch template{_hint(spec, option, ' (for {kind}: {hint})')}, or use the KV " \
-              f"dtype {AUTO_KV!r} (the engine's default cache dtype, passes nothing)"
-    elif option == "scales_file":
-        fix = "pass it with option_flags: {scales_file: '--flag {value}'} (rendered only when an entry sets a file)" \
-              + _hint(spec, option, "; for {kind}: {hint}")
-    elif option in OPTION_PLACEHOLDERS:
-        fix = f"add {{{option}}} to the launch template or an option_flags entry " \
-              f"({option}: '--flag {{value}}', or {{{value}: '--flag'}})" + _hint(spec, option, "; for {kind}: {hint}")
-    else:
-        fix = f"add an option_flags entry ({option}: {{{value}: '--flag'}})"
-    if option == "kv_scales":
-        fix += ("; when the server gets these scales without any flag (e.g. scales it loads from the checkpoint on "
-                f"its own), say so: option_flags: {{kv_scales: {{{value}: ''}}}}")
-    where = "has no " + (f"{{{option}}} and its option_flags no {option!r} entry" if option in OPTION_PLACEHOLDERS
-                         else f"{option!r} entry in its option_flags")
-    return (f"{what} does not reach {name}: its launch {where}, so the server would run without it while the "
-            f"cell says {value!r}; {fix}")
 
 
 # ------------------------------------------------------------------------------ rendering
@@ -365,7 +336,10 @@ def option_flag_args(spec, cell: dict) -> list[str]:
         elif value == OPTION_DEFAULTS[option]:
             args = ""
         else:
-            args = flag.format(value=shlex.quote(_mapped(spec, option, value)))
+            try:
+                args = flag.format(value=_quoted(spec, option, value))
+            except ValueError as e:
+                raise LaunchError(f"target {spec.name!r}: {e}") from None
         if args:
             out.append(args)
     return out
@@ -393,7 +367,10 @@ def render_command(spec, cell: dict, port: Any, devices: Optional[list[int]] = N
             why = ("its prefill and decode backends differ" if option == "attention_backend"
                    else f"the cell has no {option}")
             raise LaunchError(f"launch template of target {spec.name!r} passes {{{option}}}, but {why}")
-        subs[option] = shlex.quote(_mapped(spec, option, vals[option]))
+        try:
+            subs[option] = _quoted(spec, option, vals[option])
+        except ValueError as e:
+            raise LaunchError(f"target {spec.name!r}: {e}") from None
     extra = " ".join(a for a in (*option_flag_args(spec, cell), spec.extra_args, cell.get("extra_args") or "") if a)
     subs["extra_args"] = extra
     cmd = spec.launch.format(**subs).rstrip()

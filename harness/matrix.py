@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvbench.harness.store import canonical_key, matches, parse_selector
+from kvbench.harness.layer_options import LAYER_OPTIONS, layers_label
+from kvbench.harness.store import OPTION_KEYS, canonical_key, matches, parse_selector
 from kvbench.harness.sweep_axes import cell_fields, entries
 from kvbench.harness.sweep_config import CELL_KEYS, DEFAULT_MODEL, SweepConfig, SweepConfigError
 
@@ -63,10 +64,14 @@ def cell_config(model: str, target: str, prefill: str, decode: str, kv_dtype: st
 
 
 def _kv_label(cfg: dict) -> str:
-    """``fp8_e4m3/checkpoint@scales.json+quantize_query=decode``: dtype, scales (and file), options set."""
-    opts = "".join(f"+{k}" if v is True else f"+{k}={v}" for k, v in sorted(cfg.get("options", {}).items()) if v)
+    """``fp8_e4m3/checkpoint@scales.json+quantize_query=decode skip 0,1,31``: dtype, scales (and file), options
+    set, then the per-layer formats (``skip`` = layers kept in bf16; ``layers`` = other formats per layer)."""
+    options = cfg.get("options", {})
+    opts = "".join(f"+{k}" if v is True else f"+{k}={v}" for k, v in sorted(options.items())
+                   if v and k not in LAYER_OPTIONS)
     sf = cfg.get("scales_file")
-    return f"{cfg['kv_dtype']}/{cfg['kv_scales']}{'@' + sf.rstrip('/').rsplit('/', 1)[-1] if sf else ''}{opts}"
+    return (f"{cfg['kv_dtype']}/{cfg['kv_scales']}{'@' + sf.rstrip('/').rsplit('/', 1)[-1] if sf else ''}{opts}"
+            f"{layers_label(options)}")
 
 
 def _label(cfg: dict, show_model: bool, show_target: bool) -> str:
@@ -147,8 +152,8 @@ def select(cells: list[Cell], selector: Optional[str]) -> list[Cell]:
     except ValueError as e:
         raise SweepConfigError(f"--only: {e}") from None
     for k in sel:
-        if k not in CELL_KEYS:
-            raise SweepConfigError(f"--only: unknown cell key {k!r}; allowed keys: {', '.join(CELL_KEYS)}")
+        if k not in CELL_KEYS and k not in OPTION_KEYS:
+            raise SweepConfigError(f"--only: unknown cell key {k!r}; allowed keys: {', '.join((*CELL_KEYS, *OPTION_KEYS))}")
     out = [c for c in cells if matches(c.config, sel)]
     if not out:
         seen = {k: sorted({str(c.config[k]) for c in cells}) for k in sel}

@@ -16,6 +16,7 @@ import typer
 from kvbench.core.backends import PHASES, assert_supported, backend_names
 from kvbench.core.formats import AUTO_FORMAT, ENGINE_ALIASES, KV_SCALE_POLICIES, canonical_format, format_names
 from kvbench.harness.launch_options import external_backend_engines
+from kvbench.harness.layer_options import LAYER_OPTIONS, check_model_layers, check_model_layers_overlap
 from kvbench.runtime.config import ConfigError, EngineConfig
 
 _PANEL = "Engine"
@@ -31,6 +32,13 @@ ENGINE_PARAMS: dict[str, tuple[object, object]] = {
     "kv_dtype": (str, _opt("bf16", "--kv-dtype", help=f"KV format: {', '.join(format_names())}")),
     "kv_scales": (str, _opt("unit", "--kv-scales", help=f"KV scale source: {', '.join(KV_SCALE_POLICIES)}")),
     "kv_scales_per_head": (bool, _opt(False, "--kv-scales-per-head", help="Calibrate one scale per kv-head instead of per layer")),
+    "kv_dtype_skip_layers": (Optional[str], _opt(None, "--kv-dtype-skip-layers", metavar="LAYERS",
+                                                 help="Layers whose KV stays bf16 (the rest in --kv-dtype): indices and "
+                                                      "ranges, or sliding_window, as one argument: 0,1,31 / 0-3 / "
+                                                      "sliding_window")),
+    "kv_layer_dtypes": (Optional[str], _opt(None, "--kv-layer-dtypes", metavar="LAYERS:FORMAT;...",
+                                            help="Other KV formats per layer group (the rest in --kv-dtype), e.g. "
+                                                 "'0-3:fp8_e4m3;31:bf16'")),
     "backend": (Optional[str], _opt(None, "--backend", help=f"Attention backend for both phases: {', '.join(backend_names())}")),
     "prefill_backend": (Optional[str], _opt(None, "--prefill-backend", help="Prefill attention backend (overrides --backend)")),
     "decode_backend": (Optional[str], _opt(None, "--decode-backend", help="Decode attention backend (overrides --backend)")),
@@ -67,6 +75,9 @@ ENGINE_ALIAS_PARAMS: dict[str, tuple[str, object, object]] = {
     "alias_kv_cache_dtype": ("kv_dtype", Optional[str], _alias(
         "--kv-cache-dtype", "--kv-dtype", f"; also {AUTO_FORMAT} (the compute dtype: bf16, or fp16 with --dtype float16), "
         + ", ".join(f"{k} ({v})" for k, v in ENGINE_ALIASES.items()))),
+    "alias_kv_cache_dtype_skip_layers": ("kv_dtype_skip_layers", Optional[str], _alias(
+        "--kv-cache-dtype-skip-layers", "--kv-dtype-skip-layers", " (vLLM's flag; give its list as one argument: "
+        "'0 1 31' or 0,1,31)")),
     "alias_attention_backend": ("backend", Optional[str], _alias("--attention-backend", "--backend (both phases)")),
     "alias_prefill_attention_backend": ("prefill_backend", Optional[str], _alias("--prefill-attention-backend", "--prefill-backend")),
     "alias_decode_attention_backend": ("decode_backend", Optional[str], _alias("--decode-attention-backend", "--decode-backend")),
@@ -149,7 +160,11 @@ def build_engine_config(values: dict, flags: Optional[dict[str, str]] = None) ->
         if field in ("prefill_backend", "decode_backend") and not given[field.split("_")[0]]:
             field = "backend"  # the value came from --backend
         hint = f"'{flags[field]}'" if field in flags else _flag(field)
-        raise typer.BadParameter(str(e), param_hint=hint) from None
+        msg = str(e)
+        if field in LAYER_OPTIONS and msg.startswith(f"{field}: "):
+            msg = msg[len(field) + 2:]  # the flag names the option already
+        raise typer.BadParameter(msg, param_hint=hint) from None
+    _check_layers(cfg, flag)
     for phase in PHASES:  # the backend table says which formats each backend runs (kvbench.core.backends)
         name = getattr(cfg, f"{phase}_backend")
         try:
@@ -157,6 +172,22 @@ def build_engine_config(values: dict, flags: Optional[dict[str, str]] = None) ->
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint=f"'{flag(f'{phase}_backend') if given[phase] else flag('backend')}'") from None
     return cfg
+
+
+def _check_layers(cfg: EngineConfig, flag: Callable[[str], str]) -> None:
+    """The per-layer formats against the model's layers when they are known before it loads (``synthetic:``
+    names, local directories): a layer the model does not have is a usage error now, not at start-up."""
+    try:
+        check_model_layers_overlap(cfg.kv_dtype_skip_layers, cfg.kv_layer_dtypes)
+        check_model_layers(cfg.model, cfg.kv_dtype, cfg.kv_dtype_skip_layers, cfg.kv_layer_dtypes)
+    except ValueError as e:
+        msg = str(e)
+        field = next((f for f in LAYER_OPTIONS if msg.startswith(f)), None)
+        if field is None or not getattr(cfg, field):
+            field = "kv_dtype_skip_layers" if cfg.kv_dtype_skip_layers else "kv_layer_dtypes"
+        else:
+            msg = msg[len(field):].lstrip(" :")
+        raise typer.BadParameter(msg, param_hint=f"'{flag(field)}'") from None
 
 
 def _flag(field: Optional[str]) -> Optional[str]:

@@ -242,6 +242,7 @@ def _run_cell(sweep: SweepConfig, store: RunStore, cell: Cell, session: TargetSe
                     summary["suites"][spec.name] = suite_summary
             finally:  # what finished is kept, also when a later suite fails
                 store.write_items(cell.key, items)
+            _diagnose_cell(sweep, store, cell, session, display, summary)
         if sweep.load.enabled and cell.run_load and not cell.config.get("aa_control"):  # accuracy-only cells: no load
             display.phase(f"{cell.label}: load test")
             session.flush()
@@ -273,7 +274,22 @@ def _run_cell(sweep: SweepConfig, store: RunStore, cell: Cell, session: TargetSe
         session.log_offset = _copy_log_slice(session.log_path, getattr(session, "log_offset", 0), d / "server.log")
 
 
-_RESULT_FILES = ("items.jsonl", "requests.jsonl", "capacity.json", "summary.json", "error.txt", "server.log")
+_RESULT_FILES = ("items.jsonl", "requests.jsonl", "capacity.json", "summary.json", "error.txt", "server.log",
+                 "diagnostics.json")
+
+
+def _diagnose_cell(sweep, store: RunStore, cell: Cell, session, display, summary: dict) -> None:
+    """The cell's per-layer diagnostics when the sweep asks for them (``diagnostics:``; embedded, quantized)."""
+    from kvbench.harness.cell_diagnostics import brief, run_cell_diagnostics, wants_diagnostics
+
+    spec = getattr(sweep, "diagnostics", None)
+    if not wants_diagnostics(spec, cell.config, session.client):
+        return
+    display.phase(f"{cell.label}: diagnostics")
+    diag = run_cell_diagnostics(spec, session.client, sweep.data_dir,
+                                progress=lambda s: display.phase(f"{cell.label}: diagnostics: {s}"))
+    store.write_json(cell.key, "diagnostics", diag)
+    summary["diagnostics"] = brief(diag)
 
 
 def _record_failure(store: RunStore, cell: Cell, err: str, tb: str, summary: dict) -> None:

@@ -24,6 +24,7 @@ from kvbench.core.io import (  # noqa: F401
 )
 from kvbench.core.records import ITEM_FIELDS, REQUEST_FIELDS, SCHEMA_VERSION  # noqa: F401
 from kvbench.core.store import (  # noqa: F401
+    OPTION_KEYS,
     STATUS_DONE,
     STATUS_FAILED,
     STATUS_RUNNING,

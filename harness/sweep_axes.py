@@ -6,9 +6,12 @@
   embedded targets accept only the embedded engine's backends (``kvbench.core.backends``).  ``default`` is the engine's
   own choice (passes nothing).
 * A **KV entry** is ``DTYPE`` or ``{dtype, scales, scales_file, extra_args, kv_scales_per_head,
-  quantize_query, fused_append}``; ``dtype: auto`` keeps a server's default cache dtype (passes nothing);
-  ``scales_file`` (a quantization-param file) implies ``scales: checkpoint``; ``quantize_query`` is
-  false | true (= both) | prefill | decode | both.
+  quantize_query, fused_append, kv_dtype_skip_layers, kv_layer_dtypes}``; ``dtype: auto`` keeps a server's
+  default cache dtype (passes nothing); ``scales_file`` (a quantization-param file) implies ``scales:
+  checkpoint``; ``quantize_query`` is false | true (= both) | prefill | decode | both; the per-layer formats
+  (layers kept in bf16: ``[0, 1, 31]``, ``"0-3,sliding_window"``; other formats per layer group:
+  ``"0-3:nvfp4;31:bf16"``) are stored canonical (``kvbench.core.layer_formats``), so spellings of one set
+  are one cell; empty ones are left out.
 * ``axes.combos: [{backends: ENTRY, kv: ENTRY}, ...]`` replaces the product backends x kv with explicit pairs.
 * A target's own ``backends:`` list replaces ``axes.backends`` for that target.  Without ``axes.backends`` /
   ``axes.kv`` a server target runs ``default`` / ``auto`` (nothing passed) and other targets ``torch`` / ``bf16``.
@@ -25,8 +28,11 @@ from typing import Any, Iterator, NamedTuple
 from kvbench.core.backends import backend_names
 from kvbench.core.formats import KV_SCALE_POLICIES, canonical_format, format_names
 from kvbench.harness.config_checks import _bool, _check_keys, _choice, _fail, _list, _mapping, _str
-from kvbench.harness.launch_options import AUTO_KV, DEFAULT_BACKEND, check_cell, query_quant_mode, shell_args
-from kvbench.harness.sweep_specs import KV_ENTRY_OPTIONS, KVSpec, TargetSpec
+from kvbench.harness.launch_options import (AUTO_KV, DEFAULT_BACKEND, ENTRY_KEYS, check_cell, query_quant_mode,
+                                           shell_args)
+from kvbench.harness.layer_options import (LAYER_OPTIONS, canonical_option, check_model_layers,
+                                           check_model_layers_overlap)
+from kvbench.harness.sweep_specs import DEFAULT_MODEL, KV_ENTRY_OPTIONS, KVSpec, TargetSpec
 
 
 def kv_dtype_choices() -> tuple[str, ...]:
@@ -130,8 +136,20 @@ def parse_kv_entry(d: Any, path: str) -> KVSpec:
             continue
         if k == "quantize_query":
             options[k] = _query_quant(d[k], f"{path}.{k}")
+        elif k in LAYER_OPTIONS:
+            try:
+                canon = canonical_option(k, d[k])
+            except ValueError as e:
+                _fail(f"{path}.{k}", str(e))
+            if canon is not None:  # nothing skipped = the uniform cell (same key as without the option)
+                options[k] = canon
         else:
             options[k] = _bool(d[k], f"{path}.{k}")
+    if all(k in options for k in LAYER_OPTIONS):
+        try:
+            check_model_layers_overlap(options["kv_dtype_skip_layers"], options["kv_layer_dtypes"])
+        except ValueError as e:
+            _fail(path, str(e))
     extra = shell_args(d["extra_args"], f"{path}.extra_args") if d.get("extra_args") is not None else ""
     return KVSpec(dtype, scales, options, scales_file=scales_file, extra_args=extra)
 
@@ -215,6 +233,7 @@ def check_targets(sweep) -> None:
         for e in entries(sweep, t, ti):
             if t.type == "embedded":
                 _check_embedded(t, ti, e)
+                _check_layers(sweep.models, e)
             elif t.type == "endpoint":
                 _check_endpoint(t, ti, e)
             else:
@@ -223,7 +242,26 @@ def check_targets(sweep) -> None:
                 where = {"kv_dtype": f"{e.kpath}.dtype", "kv_scales": f"{e.kpath}.scales",
                          "scales_file": f"{e.kpath}.scales_file", "prefill_backend": e.bpath, "decode_backend": e.bpath}
                 where.update({o: f"{e.kpath}.{o}" for o in KV_ENTRY_OPTIONS})
+                where.update({o: f"{e.kpath}.{k}" for o, k in ENTRY_KEYS.items()})
                 check_cell(t, f"targets[{ti}]", cell, where)
+
+
+def _check_layers(models: list, e: Entry) -> None:
+    """Per-layer formats against each model whose layers are known before it loads (``synthetic:`` names,
+    local directories with a config.json): a layer it does not have is refused now, not at engine start."""
+    opts = e.kv.options
+    skip, per_layer = opts.get("kv_dtype_skip_layers"), opts.get("kv_layer_dtypes")
+    if not skip and not per_layer:
+        return
+    for model in models:
+        try:
+            check_model_layers(None if model == DEFAULT_MODEL else model, e.kv.dtype, skip, per_layer)
+        except ValueError as err:
+            msg = str(err)
+            key = next((k for k in LAYER_OPTIONS if msg.startswith(k)), None)
+            if key is not None and (skip if key == "kv_dtype_skip_layers" else per_layer):
+                _fail(f"{e.kpath}.{key}", msg[len(key):].lstrip(" :"))
+            _fail(e.kpath, msg if model in msg else f"model {model}: {msg}")
 
 
 def _check_embedded(t: TargetSpec, ti: int, e: Entry) -> None:

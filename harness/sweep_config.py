@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from kvbench.harness.cell_diagnostics import parse_diagnostics
 from kvbench.harness.config_checks import (SweepConfigError, _bool, _check_keys, _choice, _fail, _int, _list,
                                            _mapping, _num, _str)
 from kvbench.harness.launch_options import parse_target_options, sniff_engine_kind
@@ -54,6 +55,8 @@ class SweepConfig:
     source: Optional[str] = None  # the file it came from (not part of to_dict)
     combos: Optional[list] = None  # axes.combos: [(BackendPair, KVSpec)] run instead of backends x kv
     implicit_axes: tuple = ()  # "backends" / "kv" when the config gives none (targets run their defaults)
+    # per-layer diagnostics in quantized embedded accuracy cells (harness/cell_diagnostics.py); None = off
+    diagnostics: Optional[Any] = None
 
     def to_dict(self) -> dict:
         """Plain, JSON-safe form (recorded in the manifest; compared on --resume).  Keys added to the schema
@@ -62,6 +65,8 @@ class SweepConfig:
         d = asdict(self)
         for k in ("source", "implicit_axes", "combos"):
             d.pop(k)
+        if d.get("diagnostics") is None:  # added later: absent while off, so earlier manifests compare equal
+            d.pop("diagnostics", None)
         d["backends"] = [p.to_json() if isinstance(p, BackendPair) else list(p) for p in self.backends]
         d["kv"] = [_kv_dict(k) for k in self.kv]
         if self.combos:
@@ -79,7 +84,7 @@ class SweepConfig:
 
 _TOP_KEYS = (
     "name", "description", "model", "engine", "targets", "axes", "accuracy_concurrency", "suites", "load",
-    "slo", "baseline", "gate", "data_dir", "seed", "aa_control", "aa_concurrency",
+    "slo", "baseline", "gate", "data_dir", "seed", "aa_control", "aa_concurrency", "diagnostics",
 )
 _AXES_KEYS = ("backends", "kv", "concurrency", "combos")
 # engine options the sweep controls per cell (set through the axes, not through `engine:`)
@@ -169,6 +174,7 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
         source=source,
         combos=combos,
         implicit_axes=implicit,
+        diagnostics=parse_diagnostics(raw.get("diagnostics")),
     )
     if "kv_dtype" in baseline:
         dtypes = tuple(dict.fromkeys(e.kv.dtype for i, t in enumerate(targets) for e in entries(cfg, t, i)))

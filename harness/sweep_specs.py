@@ -22,7 +22,8 @@ LOAD_APIS = ("completions", "chat")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 CELL_KEYS = ("model", "target", "prefill_backend", "decode_backend", "kv_dtype", "kv_scales", "concurrency")
 # engine options a KV axis entry may set besides dtype/scales (they become part of the cell's config)
-KV_ENTRY_OPTIONS = ("kv_scales_per_head", "quantize_query", "fused_append")
+# (kv_dtype_skip_layers / kv_layer_dtypes: the per-layer formats, canonical strings of kvbench.core.layer_formats)
+KV_ENTRY_OPTIONS = ("kv_scales_per_head", "quantize_query", "fused_append", "kv_dtype_skip_layers", "kv_layer_dtypes")
 DEFAULT_MODEL = "default"
 
 

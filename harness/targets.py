@@ -118,7 +118,10 @@ def _capacity_dict(report) -> Optional[dict]:
     if report is None:
         return None
     d = asdict(report) if is_dataclass(report) else dict(report)
-    d.pop("extra", None)
+    extra = d.pop("extra", None) or {}
+    # mixed per-layer formats: the record says which layers differ (bytes_per_token is already exact)
+    d.update({k: extra[k] for k in ("kv_dtype_skip_layers", "kv_layer_dtypes", "layer_formats", "kv_layers")
+              if extra.get(k) is not None})
     return d
 
 

@@ -117,7 +117,7 @@ def _sections(a: Analysis, plots: dict[str, Path]) -> list[tuple[str, list[Part]
     return out
 
 
-def _markdown(a: Analysis, meta: ReportMeta, plots: dict[str, Path], verdicts=None) -> str:
+def _markdown(a: Analysis, meta: ReportMeta, plots: dict[str, Path], verdicts=None, tail: str = "") -> str:
     out = [f"# {meta.title}", ""]
     out += [f"- **{k}**: {v}" for k, v in meta.rows]
     out += [f"- **regenerate**: `{meta.command}`", ""]
@@ -135,6 +135,8 @@ def _markdown(a: Analysis, meta: ReportMeta, plots: dict[str, Path], verdicts=No
                 out.append(part.to_markdown())
             elif part in plots:
                 out += [f"![{part}]({plots[part].name})", ""]
+    if tail:  # sections appended after the report's own (the cells' KV error diagnostics)
+        out.append(tail)
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -143,7 +145,7 @@ def _img(path: Path, alt: str) -> str:
     return f"<img alt='{html.escape(alt)}' src='data:image/png;base64,{data}'>"
 
 
-def _html(a: Analysis, meta: ReportMeta, plots: dict[str, Path], verdicts=None) -> str:
+def _html(a: Analysis, meta: ReportMeta, plots: dict[str, Path], verdicts=None, tail: str = "") -> str:
     out = ["<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
            "<meta name='viewport' content='width=device-width, initial-scale=1'>",
            f"<title>{html.escape(meta.title)}</title><style>{_CSS}{VERDICT_CSS}</style></head><body>",
@@ -166,6 +168,8 @@ def _html(a: Analysis, meta: ReportMeta, plots: dict[str, Path], verdicts=None) 
                 out.append(part.to_html())
             elif part in plots:
                 out.append(_img(plots[part], part))
+    if tail:
+        out.append(tail)
     out.append("</body></html>")
     return "\n".join(out) + "\n"
 
@@ -178,10 +182,13 @@ def write_report(a: Analysis, out_dir: Path | str, meta: ReportMeta, max_drop: O
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(a, out_dir, max_drop=max_drop)
+    from kvbench.reports.diagnostics_report import sweep_sections  # imports this module
+
+    diag_md, diag_html, diag_plots = sweep_sections(a.cells, out_dir)
     md, page = out_dir / "report.md", out_dir / "report.html"
     shown = ReportMeta(meta.title, meta.command, [*meta.rows, ("tables", f"report.json, tables/*.csv ({SCHEMA_VERSION})")])
-    atomic_write_text(md, _markdown(a, shown, plots, verdicts))
-    atomic_write_text(page, _html(a, shown, plots, verdicts))
+    atomic_write_text(md, _markdown(a, shown, plots, verdicts, tail=diag_md))
+    atomic_write_text(page, _html(a, shown, plots, verdicts, tail=diag_html))
     exports = write_exports(a, out_dir, extra=extra,
                             meta={"title": meta.title, "command": meta.command, "info": dict(meta.rows)})
-    return {"markdown": md, "html": page, **plots, **exports}
+    return {"markdown": md, "html": page, **plots, **diag_plots, **exports}

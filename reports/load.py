@@ -5,12 +5,13 @@ Nothing here runs a model: a ``CellData`` is the records a sweep left in ``RUN/c
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from kvbench.core.formats import format_names, plain_names
-from kvbench.core.store import RunStore, StoreError, matches, parse_selector
+from kvbench.core.store import OPTION_KEYS, RunStore, StoreError, matches, parse_selector
 
 __all__ = [
     "RunLoadError",
@@ -59,6 +60,7 @@ class CellData:
     summary: Optional[dict] = None
     run: str = ""  # name of the run this cell came from
     short: str = ""  # compact label over the config keys that vary in the run(s); set by the loader
+    diagnostics: Optional[dict] = None  # RUN/cells/<key>/diagnostics.json (KV error anatomy), when the cell has one
 
     @property
     def done(self) -> bool:
@@ -108,6 +110,29 @@ def _varying_keys(cells: list[CellData]) -> list[str]:
     return keys
 
 
+_LAYER_OPTIONS = {"kv_dtype_skip_layers": "skip", "kv_layer_dtypes": "layers"}  # per-layer KV formats
+
+
+def options_text(options: dict) -> str:
+    """A KV entry's engine options as labels show them: ``+quantize_query=decode skip 0,1,31`` (the per-layer
+    formats last: ``skip`` = layers kept in bf16, ``layers`` = other formats per layer group)."""
+    flags = "".join(f"+{o}" if val is True else f"+{o}={val}" for o, val in options.items()
+                    if val and o not in _LAYER_OPTIONS)
+    layers = " ".join(f"{word} {options[o]}" for o, word in _LAYER_OPTIONS.items() if options.get(o))
+    return " ".join(p for p in (flags, layers) if p)
+
+
+def kv_text(config: dict, capacity: Optional[dict] = None) -> str:
+    """The KV format of a cell with its per-layer formats: ``fp8_e4m3 skip 0,1,31``.  The capacity record
+    (the engine's, when it ran mixed) wins over the cell config."""
+    cap = capacity or {}
+    opts = config.get("options") or {}
+    layers = {o: cap.get(o) or opts.get(o) for o in _LAYER_OPTIONS}
+    text = options_text({o: v for o, v in layers.items() if v})
+    kv = cap.get("kv_dtype") or config.get("kv_dtype") or ""
+    return f"{kv} {text}" if text else str(kv)
+
+
 def short_label(cell: CellData, keys: list[str], with_run: bool = False) -> str:
     parts = []
     for k in keys:
@@ -117,7 +142,10 @@ def short_label(cell: CellData, keys: list[str], with_run: bool = False) -> str:
         if k == "concurrency":
             parts.append(f"c={v}")
         elif isinstance(v, dict):  # engine options of a KV entry, e.g. {"quantize_query": true}
-            parts.append("".join(f"+{o}" if val is True else f"+{o}={val}" for o, val in v.items() if val) or "-")
+            text = options_text(v) or "-"
+            if "kv_dtype" not in keys and any(v.get(o) for o in _LAYER_OPTIONS):  # "fp8_e4m3 skip 0,1", not "skip 0,1"
+                text = f"{cell.config.get('kv_dtype')} {text}"
+            parts.append(text)
         else:
             parts.append(str(v))
     label = " ".join(parts) or cell.config.get("kv_dtype") or cell.label
@@ -160,6 +188,7 @@ def load_run(path: Path | str, name: Optional[str] = None) -> RunData:
                     capacity=store.read_json(ref.key, "capacity"),
                     summary=store.read_json(ref.key, "summary"),
                     run=run_name,
+                    diagnostics=_read_diagnostics(store, ref.key),
                 )
             )
         except (StoreError, ValueError) as e:
@@ -167,6 +196,16 @@ def load_run(path: Path | str, name: Optional[str] = None) -> RunData:
     cells.sort(key=_order_key([c.get("key") for c in manifest.get("cells") or [] if isinstance(c, dict)]))
     assign_short_labels(cells)
     return RunData(path=path, name=run_name, manifest=manifest, cells=cells)
+
+
+def _read_diagnostics(store: RunStore, key: str) -> Optional[dict]:
+    """The cell's diagnostics.json; an unreadable one is left out with a warning (it only adds a report section)."""
+    try:
+        d = store.read_json(key, "diagnostics")
+    except (OSError, ValueError) as e:
+        logging.getLogger("kvbench.report").warning("cell %s: diagnostics.json not read: %s", key, e)
+        return None
+    return d if isinstance(d, dict) else None
 
 
 def _order_key(manifest_order: list):
@@ -195,7 +234,7 @@ def select(cells: list[CellData], selector: str | dict, *, need_items: bool = Fa
         raise RunLoadError(str(e)) from None
     if not cells:
         raise RunLoadError("the run has no cells yet: none has started (was the sweep killed before its first cell?)")
-    known = {k for c in cells for k in c.config} | {"aa_control"}
+    known = {k for c in cells for k in c.config} | {"aa_control"} | set(OPTION_KEYS)
     unknown = sorted(set(sel) - known)
     if unknown:
         raise RunLoadError(f"unknown selector key(s) {', '.join(unknown)}; cell config keys: {', '.join(sorted(known))}")

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from kvbench.reports.load import CellData, RunData, accuracy_suites, item_scores
+from kvbench.reports.load import CellData, RunData, accuracy_suites, item_scores, options_text
 
 __all__ = ["CellPair", "RunDiff", "match_keys", "match_id", "config_diff", "diff_runs", "format_diff",
            "SERVING_METRICS"]
@@ -70,6 +70,9 @@ def _label(cell: CellData, keys: list[str]) -> str:
     for k in sorted(keys, key=lambda k: (_ORDER.index(k) if k in _ORDER else len(_ORDER), k)):
         v = cell.config.get(k)
         if v is None or k == "aa_control":
+            continue
+        if k == "options" and isinstance(v, dict):  # a KV entry's engine options (per-layer formats as "skip 0,1")
+            parts.append(options_text(v) or "-")
             continue
         parts.append(f"c={v}" if k == "concurrency" else f"{k}={v}" if isinstance(v, (dict, list)) else str(v))
     label = " ".join(parts) or cell.config.get("kv_dtype") or cell.label

@@ -12,7 +12,7 @@ from typing import Optional
 
 from kvbench.reports.analysis import Analysis
 from kvbench.reports.discriminative import delta_blind
-from kvbench.reports.load import CellData, accuracy_suites, error_counts, primary_metric
+from kvbench.reports.load import CellData, accuracy_suites, error_counts, kv_text, primary_metric
 
 __all__ = ["Table", "fmt_pct", "fmt_pp", "fmt_p", "fmt_num", "fmt_errors", "all_tables"]
 
@@ -98,7 +98,7 @@ def cells_table(a: Analysis) -> Table:
     for c in a.cells:
         cfg = c.config
         rows.append([c.short, c.key, str(cfg.get("model", "")), str(cfg.get("target", "")),
-                     f"{cfg.get('prefill_backend', '')}/{cfg.get('decode_backend', '')}", str(cfg.get("kv_dtype", "")),
+                     f"{cfg.get('prefill_backend', '')}/{cfg.get('decode_backend', '')}", kv_text(cfg),
                      str(cfg.get("kv_scales", "")), str(cfg.get("concurrency", "")), str(c.status or "missing"),
                      fmt_num(len(c.items)), fmt_num(len(c.requests)), (c.error or "")[:120]])
     columns = ["cell", "key", "model", "target", "prefill/decode", "kv", "scales", "conc.", "status",
@@ -229,7 +229,7 @@ def capacity_table(a: Analysis) -> Table:
     rows = []
     for cell, cap, ratio in a.capacity:
         kv_bytes = cap.get("kv_bytes")
-        row = [_series(cell, False), str(cap.get("kv_dtype", "")), fmt_num(cap.get("bytes_per_token"), 0),
+        row = [_series(cell, False), kv_text(cell.config, cap), fmt_num(cap.get("bytes_per_token"), 0),
                fmt_num(cap.get("tokens")), f"{kv_bytes / 2**30:.3f}" if kv_bytes else "—",
                fmt_num(cap.get("context_len")), fmt_num(cap.get("max_concurrency")),
                f"{ratio:.2f}×" if ratio else "—"]
@@ -237,7 +237,8 @@ def capacity_table(a: Analysis) -> Table:
             row[7:7] = [fmt_num(_running_limit(cap)), str(cap.get("source") or "engine")]
         rows.append(row)
     header = ["series", "kv", "bytes/token", "tokens", "KV GiB", "context", "max concurrency", "tokens vs baseline"]
-    note = "Bytes per token include block and tensor scales."
+    note = ("Bytes per token include block and tensor scales; with per-layer formats (skip = layers kept in bf16) "
+            "they sum every layer in its own format.")
     if server:
         header[7:7] = ["running limit", "source"]
         note = ("Embedded cells: the engine's own plan; bytes per token include block and tensor scales. Server cells: "

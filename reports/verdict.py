@@ -152,20 +152,32 @@ class Verdicts:
     result: Optional[GateResult] = None
 
 
+def _selector_view(cfg: dict) -> dict:
+    """A cell config with its KV entry's options beside the top-level keys (``none`` where one is not set)."""
+    from kvbench.core.store import OPTION_KEYS
+
+    out = {k: v for k, v in cfg.items() if k != "options"}
+    opts = cfg.get("options") or {}
+    out.update({k: ("none" if opts.get(k) is None else str(opts[k]).lower() if isinstance(opts[k], bool) else opts[k])
+                for k in OPTION_KEYS})
+    return out
+
+
 def cell_selector(cell: CellData, cells: list[CellData]) -> str:
-    """A ``key=value,...`` selector that picks ``cell`` alone among ``cells`` (A/A controls aside)."""
+    """A ``key=value,...`` selector that picks ``cell`` alone among ``cells`` (A/A controls aside); the KV
+    entry's options (``kv_dtype_skip_layers=1,2``, ``quantize_query=decode``) where they tell cells apart."""
+    mine = _selector_view(cell.config)
     keys = [k for k in ("kv_dtype", "kv_scales", "prefill_backend", "decode_backend", "model", "target", "concurrency")
-            if k in cell.config]
-    keys += sorted(k for k in cell.config if k not in keys and not isinstance(cell.config[k], (dict, list)) and k != "aa_control")
-    others = [c for c in cells if c is not cell and not c.aa_control]
+            if k in mine]
+    keys += sorted(k for k in mine if k not in keys and not isinstance(mine[k], (dict, list)) and k != "aa_control")
+    others = [_selector_view(c.config) for c in cells if c is not cell and not c.aa_control]
     chosen: list[str] = []
     for k in keys:
-        if not any(all(str(o.config.get(j)) == str(cell.config.get(j)) for j in chosen) for o in others):
+        if not any(all(str(o.get(j)) == str(mine.get(j)) for j in chosen) for o in others):
             break
-        if any(str(o.config.get(k)) != str(cell.config.get(k)) for o in others
-               if all(str(o.config.get(j)) == str(cell.config.get(j)) for j in chosen)):
+        if any(str(o.get(k)) != str(mine.get(k)) for o in others if all(str(o.get(j)) == str(mine.get(j)) for j in chosen)):
             chosen.append(k)
-    return ",".join(f"{k}={cell.config[k]}" for k in chosen) or ",".join(f"{k}={cell.config[k]}" for k in keys[:1])
+    return ",".join(f"{k}={mine[k]}" for k in chosen) or ",".join(f"{k}={mine[k]}" for k in keys[:1])
 
 
 def _gate_command(run: RunData, baseline: Optional[str], candidate: Optional[str]) -> str:

@@ -9,6 +9,7 @@ from typing import Optional
 
 from kvbench.core.backends import backend_names
 from kvbench.core.formats import KV_SCALE_POLICIES, format_names, get_spec
+from kvbench.core.layer_formats import canonical_layer_dtypes, canonical_skip_layers
 
 # KV formats and attention backends are the tables' (kvbench.core.formats / core.backends): read them when
 # validating, so a format registered after this import is accepted too.
@@ -82,6 +83,9 @@ class KVCacheSpec:
     # measured faster for fp8 decode); NHD: [page, H_kv, D].  Planes are exposed as [P+1, page, H_kv, D]
     # either way.  One latent head (MLA) makes the two identical.
     layout: str = "HND"
+    # one format per layer when layers differ (``kvbench.core.layer_formats``); None = kv_dtype everywhere.
+    # ``kv_dtype`` stays the cache's main format (the one the run is named after).
+    layer_dtypes: Optional[tuple] = None
 
     def __post_init__(self) -> None:
         _choice("kv_dtype", self.kv_dtype, format_names())
@@ -89,9 +93,34 @@ class KVCacheSpec:
         for n in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
             if int(getattr(self, n)) <= 0:
                 raise ConfigError(f"{n} must be positive, got {getattr(self, n)}")
-        err = get_spec(self.kv_dtype).head_dim_error(self.head_dim)  # block size / packing of the format
-        if err:
-            raise ConfigError(err)
+        if self.layer_dtypes is not None:
+            self.layer_dtypes = tuple(self.layer_dtypes)
+            if len(self.layer_dtypes) != self.num_layers:
+                raise ConfigError(f"layer_dtypes has {len(self.layer_dtypes)} entries for {self.num_layers} layers")
+            for f in self.layer_dtypes:
+                _choice("layer_dtypes", f, format_names())
+            if self.mla and len(set(self.layer_dtypes)) > 1:
+                raise ConfigError("per-layer KV formats are not supported for MLA models (one latent format for every layer)")
+            if all(f == self.kv_dtype for f in self.layer_dtypes):
+                self.layer_dtypes = None
+        for f in self.formats_used:
+            err = get_spec(f).head_dim_error(self.head_dim)  # block size / packing of the format
+            if err:
+                raise ConfigError(err)
+
+    @property
+    def formats(self) -> tuple:
+        """The format of every layer."""
+        return self.layer_dtypes if self.layer_dtypes is not None else (self.kv_dtype,) * self.num_layers
+
+    @property
+    def formats_used(self) -> tuple:
+        """The distinct formats of the cache, the main one first."""
+        return tuple(dict.fromkeys((self.kv_dtype, *self.formats)))
+
+    @property
+    def mixed(self) -> bool:
+        return self.layer_dtypes is not None
 
     @property
     def planes(self) -> int:
@@ -107,6 +136,10 @@ class EngineConfig:
     kv_dtype: str = "bf16"
     kv_scales: str = "unit"
     kv_scales_per_head: bool = False
+    # layers kept in bf16 (``0,1,31``, ranges, ``sliding_window``) and other per-layer formats
+    # (``0-3:fp8_e4m3;31:bf16``); canonical strings (``kvbench.core.layer_formats``), resolved at start-up
+    kv_dtype_skip_layers: Optional[str] = None
+    kv_layer_dtypes: Optional[str] = None
     prefill_backend: str = "torch"
     decode_backend: str = "torch"
     fused_append: bool = True
@@ -147,6 +180,11 @@ class EngineConfig:
         if self.device is not None and (not isinstance(self.device, str) or not _DEVICE_RE.fullmatch(self.device)):
             raise ConfigError(f"device={self.device!r} is not supported; choose cpu, cuda or cuda:N", "device")
         self.quantize_query = normalize_quantize_query(self.quantize_query)
+        for name, canon in (("kv_dtype_skip_layers", canonical_skip_layers), ("kv_layer_dtypes", canonical_layer_dtypes)):
+            try:
+                setattr(self, name, canon(getattr(self, name)))
+            except ValueError as e:
+                raise ConfigError(f"{name}: {e}", name) from None
         for name in ("kv_scales_per_head", "fused_append", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}", name)

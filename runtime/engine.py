@@ -41,10 +41,11 @@ log = logging.getLogger("kvbench.runtime")
 
 
 class Engine:
-    def __init__(self, config: Optional[EngineConfig] = None, loaded=None):
-        """``loaded``: an already loaded ``LoadedModel`` to share between engines (else ``config.model`` loads)."""
+    def __init__(self, config: Optional[EngineConfig] = None, loaded=None, scales=None):
+        """``loaded``: an already loaded ``LoadedModel`` to share between engines (else ``config.model`` loads);
+        ``scales``: KV scales to use instead of the config's policy (``KVScales``, e.g. another engine's)."""
         self.config = config or EngineConfig()
-        parts = build_engine_parts(self.config, loaded)
+        parts = build_engine_parts(self.config, loaded, scales)
         self.parts = parts
         self.device = parts.device
         self.model_id = self.config.served_model_name or parts.loaded.model_id

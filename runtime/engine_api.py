@@ -83,7 +83,7 @@ class CapacityReport:
     def log_line(self) -> str:
         gib = self.kv_bytes / 2**30
         return (
-            f"KV cache: {self.tokens} tokens ({self.kv_dtype}, {gib:.3f} GiB), "
+            f"KV cache: {self.tokens} tokens ({self.extra.get('kv_layers') or self.kv_dtype}, {gib:.3f} GiB), "
             f"max concurrency {self.max_concurrency} at context {self.context_len}"
         )
 

@@ -11,6 +11,9 @@ Invariants (every backend and kernel relies on them):
   (a per-layer scale is repeated over heads), updated in place so pointers stay valid.
 - ``slot = page_table[pos // page_size] * page_size + pos % page_size``; slot −1 writes nothing.
 - A page is either free (in the allocator's free list) or owned by exactly one sequence.
+- Mixed per-layer formats (``KVCacheSpec.layer_dtypes``): each layer's planes are laid out in that layer's
+  format (``fmt_of(layer)``); pages, page ids and slots are shared by every layer, so one page holds a
+  token range in every layer whatever its format.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ def slots_for_positions(page_table: Sequence[int], positions: Sequence[int] | to
 # ------------------------------------------------------------------------------------- capacity
 def bytes_per_token(spec: KVCacheSpec) -> float:
     """KV bytes one token occupies across all layers, scales included (block and per-token scales)."""
+    if spec.mixed:  # each layer in its own format
+        return float(sum(spec.planes * spec.num_kv_heads * get_spec(f).bytes_per_token(spec.head_dim) for f in spec.formats))
     return spec.planes * spec.num_layers * spec.num_kv_heads * get_spec(spec.kv_dtype).bytes_per_token(spec.head_dim)
 
 
@@ -151,17 +156,14 @@ class PagedKVCache:
         v_scale: Optional[torch.Tensor] = None,
     ):
         self.spec = spec
-        self.fmt: KVFormat = get_format(spec.kv_dtype)
+        self.fmt: KVFormat = get_format(spec.kv_dtype)  # the main format (every layer's unless spec.mixed)
+        self.formats: list[KVFormat] = [get_format(f) for f in spec.formats]
         self.num_pages = num_pages
         self.page_size = spec.page_size
         self.device = torch.device(device)
         self.scratch_page = num_pages
         self.allocator = PageAllocator(num_pages)
         L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
-        fs = get_spec(spec.kv_dtype)
-        shape = (num_pages + 1, spec.page_size, H, self.fmt.packed_dim(D))
-        bs_shape = (num_pages + 1, spec.page_size, H, fs.blocks(D))
-        ts_shape = (num_pages + 1, spec.page_size, H, 1)
         hnd = spec.layout == "HND"
 
         def alloc(shp, make) -> torch.Tensor:
@@ -170,22 +172,26 @@ class PagedKVCache:
                 return make(shp)
             return make((shp[0], shp[2], shp[1], shp[3])).permute(0, 2, 1, 3)
 
-        def scales(on: bool, shp, dtype: Optional[torch.dtype]) -> list[Optional[torch.Tensor]]:
+        def scale_plane(on: bool, shp, dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
             if not on:
-                return [None] * L
+                return None
             # the smallest normal of the scale's dtype (2^-6 for e4m3) keeps never-written entries finite
             # and non-zero
             fill = torch.finfo(dtype).smallest_normal
-            return [alloc(shp, lambda s: torch.full(s, fill, device=self.device).to(dtype)) for _ in range(L)]
+            return alloc(shp, lambda s: torch.full(s, fill, device=self.device).to(dtype))
+
+        def layer_planes(fmt: KVFormat) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+            fs = get_spec(fmt.name)
+            data = alloc((num_pages + 1, spec.page_size, H, fmt.packed_dim(D)),
+                         lambda s: torch.zeros(s, dtype=fmt.storage_dtype, device=self.device))
+            bs = scale_plane(fs.has_block_scales, (num_pages + 1, spec.page_size, H, fs.blocks(D)), fmt.block_scale_dtype)
+            # per-token scales: a [P+1, page, H] view of a trailing unit dim (same page layout as the data)
+            ts = scale_plane(fs.token_scale, (num_pages + 1, spec.page_size, H, 1), getattr(torch, fs.token_scale_storage))
+            return data, bs, None if ts is None else ts[..., 0]
 
         def plane() -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]], list[Optional[torch.Tensor]]]:
-            data = [alloc(shape, lambda s: torch.zeros(s, dtype=self.fmt.storage_dtype, device=self.device))
-                    for _ in range(L)]
-            bs = scales(fs.has_block_scales, bs_shape, self.fmt.block_scale_dtype)
-            # per-token scales: [P+1, page, H] views of a trailing unit dim (same page layout as the data)
-            ts = [None if t is None else t[..., 0]
-                  for t in scales(fs.token_scale, ts_shape, getattr(torch, fs.token_scale_storage))]
-            return data, bs, ts
+            per_layer = [layer_planes(f) for f in self.formats]
+            return [p[0] for p in per_layer], [p[1] for p in per_layer], [p[2] for p in per_layer]
 
         self.k_data, self.k_block_scale, self.k_token_scale = plane()
         if spec.mla:
@@ -196,6 +202,10 @@ class PagedKVCache:
         self.v_scale = self.k_scale if spec.mla else torch.ones_like(self.k_scale)
         if k_scale is not None or v_scale is not None:
             self.set_scales(k_scale, v_scale)
+
+    def fmt_of(self, layer: int) -> KVFormat:
+        """The format of ``layer``'s planes (``fmt`` unless the cache mixes formats per layer)."""
+        return self.formats[layer]
 
     def set_scales(self, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor] = None) -> None:
         """Update scales in place (``[L]`` per layer or ``[L, H_kv]`` per head)."""
@@ -229,9 +239,10 @@ class PagedKVCache:
         slots = torch.as_tensor(slots, device=self.device, dtype=torch.int64)
         # padded tokens (slot −1) land in the scratch page: no host sync, so CUDA graphs can capture this
         slots = torch.where(slots >= 0, slots, torch.full_like(slots, self.scratch_page * self.page_size))
-        self._store("k", layer, slots, self.fmt.quantize(k, self.k_scale[layer]))
+        fmt = self.formats[layer]
+        self._store("k", layer, slots, fmt.quantize(k, self.k_scale[layer]))
         if v is not None and not self.spec.mla:
-            self._store("v", layer, slots, self.fmt.quantize(v, self.v_scale[layer]))
+            self._store("v", layer, slots, fmt.quantize(v, self.v_scale[layer]))
 
     def planes_of(self, which: str, layer: int) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(data, block_scale, token_scale)`` of plane ``which`` ("k" or "v") of ``layer`` (None where the
@@ -259,7 +270,7 @@ class PagedKVCache:
         scale = (self.k_scale if which == "k" else self.v_scale)[layer]
         page, off = slots // self.page_size, slots % self.page_size
         q = QuantizedKV(data[page, off], None if bs is None else bs[page, off], None if ts is None else ts[page, off])
-        return self.fmt.dequantize(q, scale, dtype)
+        return self.formats[layer].dequantize(q, scale, dtype)
 
     def gather(self, layer: int, page_table: Sequence[int] | torch.Tensor, length: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V ``[length, H_kv, D]`` of one sequence's first ``length`` tokens."""

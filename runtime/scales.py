@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -116,14 +116,23 @@ class AmaxObserver:
             parts.append(f"{which} amax K {_short(k)} V {_short(v)}")
         return ", ".join(parts)
 
-    def scales(self, kv_dtype: str, per_head: bool = False) -> KVScales:
+    def scales(self, kv_dtype: str, per_head: bool = False, layer_dtypes: Optional[Sequence[str]] = None) -> KVScales:
+        """Scales from the observed amax in ``kv_dtype``, or per layer in ``layer_dtypes[layer]`` (a cache whose
+        layers differ in format)."""
         if self.tokens == 0:
             raise RuntimeError("calibration observed no tokens; give calibration prompts")
         k_amax = self.k_amax if per_head else self.k_amax.amax(dim=1)
         v_amax = self.v_amax if per_head else self.v_amax.amax(dim=1)
-        fmt = get_format(kv_dtype)
+        if layer_dtypes is None:
+            fmt = get_format(kv_dtype)
+            k, v = scale_from_amax(fmt, k_amax), scale_from_amax(fmt, v_amax)
+        else:
+            if len(layer_dtypes) != k_amax.shape[0]:
+                raise ValueError(f"layer_dtypes has {len(layer_dtypes)} entries for {k_amax.shape[0]} layers")
+            k = torch.stack([scale_from_amax(get_format(f), k_amax[i]) for i, f in enumerate(layer_dtypes)])
+            v = torch.stack([scale_from_amax(get_format(f), v_amax[i]) for i, f in enumerate(layer_dtypes)])
         return KVScales(
-            scale_from_amax(fmt, k_amax), scale_from_amax(fmt, v_amax), "calibrate", per_head,
+            k, v, "calibrate", per_head,
             {"calibration_tokens": self.tokens, "k_amax_max": float(self.k_amax.max()), "v_amax_max": float(self.v_amax.max())},
         )
 

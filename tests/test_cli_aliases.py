@@ -63,6 +63,7 @@ PAIRS = [
     (["--mem-fraction-static", "0.5"], ["--mem-fraction", "0.5"]),
     (["--block-size", "32"], ["--page-size", "32"]),
     (["--context-length", "2048"], ["--max-model-len", "2048"]),
+    (["--kv-cache-dtype-skip-layers", "31 0 1"], ["--kv-dtype-skip-layers", "0,1,31"]),
 ]
 
 

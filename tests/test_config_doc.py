@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.core.request_options import REQUEST_KEYS
-from kvbench.harness import launch_options, sweep_axes, sweep_config, sweep_specs
+from kvbench.harness import cell_diagnostics, launch_options, sweep_axes, sweep_config, sweep_specs
 from kvbench.harness.sweep_config import SweepConfigError
 from kvbench.suites import ruler_params
 
@@ -48,6 +48,7 @@ def expected() -> dict[str, tuple[str, ...]]:
         "slo": sweep_specs.SLO_KEYS,
         "baseline": sweep_specs.CELL_KEYS,
         "gate": sweep_specs._GATE_KEYS,
+        "diagnostics": cell_diagnostics.DIAG_KEYS,
     }
 
 

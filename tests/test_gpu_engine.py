@@ -151,3 +151,30 @@ def test_query_quantization_per_phase_matches_torch(loaded, mode):
     # context's own attention feeds later layers; decode / both round every scored token's query
     moved = _kl_max(plain.full_logprobs, got.full_logprobs)
     assert moved > 1e-7, (mode, moved)
+
+
+@pytest.mark.parametrize("kv,skip,layer_dtypes,pre,dec,eager", [
+    ("nvfp4", "0", None, "triton", "triton", True),
+    ("nvfp4", "0", None, "triton", "triton", False),
+    ("fp8_e4m3", None, "0:nvfp4", "triton", "triton", False),
+    ("fp8_e4m3", "1", None, "triton", "flashinfer", True),
+])
+def test_mixed_layer_formats_match_torch(loaded, kv, skip, layer_dtypes, pre, dec, eager):
+    """A cache whose layers differ in format (bf16 / fp8 / nvfp4 per layer): the Triton kernels (eager and in
+    CUDA graphs) and flashinfer read each layer in its own format, against the torch backend on the same map;
+    and the map must move the scores away from the uniform format's."""
+    from kvbench.runtime.attention.registry import backend_class
+
+    if "flashinfer" in (pre, dec) and not backend_class("flashinfer").available()[0]:
+        pytest.skip("flashinfer is not importable here")
+    mixed = dict(kv_dtype_skip_layers=skip, kv_layer_dtypes=layer_dtypes)
+    ref_e = _engine(loaded, kv, **mixed)
+    got_e = _engine(loaded, kv, pre, dec, eager=eager, **mixed)
+    try:
+        assert [f.name for f in got_e.cache.formats] != [kv] * 2
+        ref, got = _score(ref_e), _score(got_e)
+    finally:
+        ref_e.shutdown()
+        got_e.shutdown()
+    _close(ref, got)
+    assert _kl_max(_reference(loaded, kv).full_logprobs, got.full_logprobs) > 1e-7

@@ -38,8 +38,8 @@ def _cache_dir(opt: Optional[str]) -> Path:
 def _reference_config(engine):
     from dataclasses import replace
 
-    return replace(engine, kv_dtype="bf16", kv_scales="unit", kv_scales_per_head=False, prefill_backend="torch",
-                   decode_backend="torch", quantize_query=False)
+    return replace(engine, kv_dtype="bf16", kv_scales="unit", kv_scales_per_head=False, kv_dtype_skip_layers=None,
+                   kv_layer_dtypes=None, prefill_backend="torch", decode_backend="torch", quantize_query=False)
 
 
 class _Borrowed:
@@ -195,6 +195,43 @@ def _errors_text(s: dict) -> str:
     return f"{n} ({inner})" if inner else str(n)
 
 
+def _diagnose_spec(diagnose: bool, kl_limit: Optional[float], endpoint: Optional[str], out_dir: Optional[Path], engine):
+    """The diagnostics of ``--diagnose`` (None without it); usage errors for what it cannot do."""
+    from kvbench.core.formats import get_spec
+    from kvbench.harness.cell_diagnostics import DiagnosticsSpec
+    from kvbench.harness.errors import UserError
+
+    if not diagnose:
+        if kl_limit is not None:
+            raise UserError("--diagnose-kl-limit applies with --diagnose only")
+        return None
+    if endpoint:
+        raise UserError("--diagnose needs the embedded engine (a server's cache has no per-layer view); drop --endpoint")
+    if out_dir is None:
+        raise UserError("--diagnose writes OUT/diagnostics/: give --out")
+    if not get_spec(engine.kv_dtype).quantized and not engine.kv_layer_dtypes:
+        raise UserError(f"--diagnose: --kv-dtype {engine.kv_dtype} is not quantized, nothing to diagnose")
+    if kl_limit is not None and not kl_limit >= 0:
+        raise UserError(f"--diagnose-kl-limit must be >= 0, got {kl_limit}")
+    return DiagnosticsSpec(kl_limit=kl_limit)
+
+
+def _run_diagnosis(spec, client, data_dir: Optional[str], out_dir: Path) -> dict:
+    """Diagnose the eval's engine; OUT/diagnostics/ gets diagnostics.json and report.md / report.html."""
+    import sys
+
+    from kvbench.core.io import atomic_write_json
+    from kvbench.harness.cell_diagnostics import brief, run_cell_diagnostics
+    from kvbench.reports.diagnostics_report import write_report
+
+    diag = run_cell_diagnostics(spec, client, data_dir, progress=lambda m: print(f"diagnose: {m}", file=sys.stderr, flush=True))
+    d = out_dir / "diagnostics"
+    d.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(d / "diagnostics.json", diag)
+    write_report(diag, d)
+    return brief(diag)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("eval")
     @engine_options
@@ -235,6 +272,8 @@ def register(app: typer.Typer) -> None:
         haystack_file: Optional[str] = typer.Option(None, "--haystack-file", help="ruler: natural-text haystack from this UTF-8 file (never fetched)", rich_help_panel=_RULER),
         prompt_style: Optional[str] = typer.Option(None, "--prompt-style", help="ruler: chat or completion (default chat when the tokenizer has a chat template); gpqa_diamond / aime24 / aime25: kvbench (default), gpt_oss (the gpt-oss evals' prompt and grader), simple_evals (gpqa_diamond)", rich_help_panel=_RULER),
         tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="ruler with --endpoint: tokenizer.json, HF directory, .gguf or hub name (default: the server's /tokenize)", rich_help_panel=_RULER),
+        diagnose: bool = typer.Option(False, "--diagnose", help="Also diagnose the KV format per layer and head (embedded engine, quantized KV): OUT/diagnostics/ gets diagnostics.json and its report (kvbench diagnose)"),
+        diagnose_kl_limit: Optional[float] = typer.Option(None, "--diagnose-kl-limit", help="With --diagnose: also suggest (and measure) the fewest layers to keep in bf16 so KL <= this"),
     ) -> None:
         """Run accuracy and fidelity suites; per-item records and a summary (docs/accuracy.md)."""
         import json
@@ -288,6 +327,7 @@ def register(app: typer.Typer) -> None:
         except SuiteError as e:
             raise typer.BadParameter(str(e)) from None
         out_dir = _check_paths(data_dir, out, overwrite)
+        diag_spec = _diagnose_spec(diagnose, diagnose_kl_limit, endpoint, out_dir, engine)
 
         client = _open_client(engine, endpoint, http) if http else _open_client(engine, endpoint)
         ref_cfg = _reference_config(engine)
@@ -305,6 +345,7 @@ def register(app: typer.Typer) -> None:
             lm_eval_include=lm_eval_include,
         )
         records: list[dict] = []
+        diag_brief = None
         summaries: dict[str, dict] = {}
         error: Optional[str] = None
         usage_error = False  # bad input found once the target is known (ruler lengths): exit 2, not 1
@@ -319,6 +360,8 @@ def register(app: typer.Typer) -> None:
                 records += res.records
                 for k, s in res.summaries().items():
                     summaries[k] = {**s, "source": res.source}
+            if diag_spec is not None:
+                diag_brief = _run_diagnosis(diag_spec, client, data_dir, out_dir)
         except (SuiteError, DataError) as e:
             error = str(e)
             usage_error = isinstance(e, SuiteInputError)
@@ -329,6 +372,8 @@ def register(app: typer.Typer) -> None:
             client.close()
         summary = {"suites": summaries, "load": None, "capacity": info.get("capacity"), "error": error,
                    "target": info, "engine": None if endpoint else engine.to_dict(), "endpoint": endpoint}
+        if diag_brief is not None:
+            summary["diagnostics"] = diag_brief
         if out_dir is not None:
             if records or not error:
                 atomic_write_jsonl(out_dir / "items.jsonl", records)

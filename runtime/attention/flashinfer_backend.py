@@ -77,13 +77,13 @@ class FlashInferBackend:
     def _wrapper(self, meta: AttentionMetadata, layer: AttentionLayer, cache, q_dtype):
         st = meta.extra.get("flashinfer") or (self.plan(meta, cache) or meta.extra["flashinfer"])
         window = -1 if layer.sliding_window is None else int(layer.sliding_window) - 1
-        key = (meta.phase, window)
+        kv_dtype = cache.k_data[layer.layer_idx].dtype  # per layer: a mixed cache has layers of several formats
+        key = (meta.phase, window, kv_dtype)
         w = st["planned"].get(key)
         if w is not None:
             return w
-        kv_dtype = cache.k_data[layer.layer_idx].dtype
         layout = cache.spec.layout
-        wk = (meta.phase, window, layout)
+        wk = (meta.phase, window, layout, kv_dtype)
         if meta.phase == "decode":
             w = self._wrappers.get(wk) or self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, layout)
             w.plan(st["indptr"], st["indices"], st["last"], layer.num_heads, layer.num_kv_heads, layer.head_dim,
@@ -115,7 +115,7 @@ class FlashInferBackend:
         qr = quantize_step_query(qr, layer.q_scale, self.opts, meta)
         G = H // layer.num_kv_heads
         ks, vs = cache.k_scale[li], cache.v_scale[li]
-        quantized = cache.fmt.is_quantized
+        quantized = cache.fmt_of(li).is_quantized
         if quantized:  # exact folding of the dequant multipliers
             qr = (qr.float() * ks.repeat_interleave(G)[None, :, None]).to(q.dtype)
         w = self._wrapper(meta, layer, cache, qr.dtype)

@@ -110,7 +110,7 @@ class TritonBackend:
         from kvbench.kernels.prefill import paged_prefill
 
         li = layer.layer_idx
-        fmt = cache.fmt.name
+        fmt = cache.fmt_of(li).name
         T, H, D = q.shape
         kc = dict(
             k_cache=cache.k_data[li], v_cache=cache.v_data[li],

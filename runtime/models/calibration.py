@@ -56,7 +56,9 @@ class _ObservingBackend(TorchBackend):
 
 
 @torch.inference_mode()
-def calibrate_scales(model, tokenizer, rope, kv_dtype: str, num_prompts: int, per_head: bool, device, page_size: int = 16) -> KVScales:
+def calibrate_scales(model, tokenizer, rope, kv_dtype: str, num_prompts: int, per_head: bool, device, page_size: int = 16,
+                     layer_dtypes=None) -> KVScales:
+    """``layer_dtypes``: one format per layer when the cache mixes formats (each layer's scale is its format's)."""
     cfg = model.config
     texts = [CALIBRATION_TEXTS[i % len(CALIBRATION_TEXTS)] for i in range(max(num_prompts, 1))]
     prompts = [tokenizer.encode(t)[: rope.cos.shape[0]] for t in texts]
@@ -70,7 +72,7 @@ def calibrate_scales(model, tokenizer, rope, kv_dtype: str, num_prompts: int, pe
         raise
     note.done(obs.describe())
     # the observer is indexed by layer; fold the per-layer amax for fp8/nvfp4
-    out = obs.scales(kv_dtype, per_head)
+    out = obs.scales(kv_dtype, per_head, layer_dtypes)
     out.details["calibration_prompts"] = len(prompts)
     return out
 

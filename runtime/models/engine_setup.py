@@ -4,15 +4,16 @@ capacity, KV scales per policy, cache, backend and runner."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import torch
 
 from kvbench.core.formats import get_spec
 from kvbench.runtime.attention.base import BackendOptions, build_rope_cache
 from kvbench.runtime.attention.registry import check_supported, create_backend
-from kvbench.runtime.config import EngineConfig, KVCacheSpec
+from kvbench.core.layer_formats import layer_dtypes_summary, resolve_layer_dtypes
+from kvbench.runtime.config import ConfigError, EngineConfig, KVCacheSpec
 from kvbench.runtime.engine_api import CapacityReport
 from kvbench.runtime.kv_cache import PagedKVCache, bytes_per_token, plan_capacity
 from kvbench.runtime.models.loader import LoadedModel, load_model, model_is_mla
@@ -78,7 +79,22 @@ def _kv_budget_bytes(cfg: EngineConfig, device: torch.device, loaded: LoadedMode
     return max(free * cfg.mem_fraction - act, 64 * 2**20)
 
 
-def _scales(cfg: EngineConfig, loaded: LoadedModel, rope, device: torch.device) -> KVScales:
+def _layer_dtypes(cfg: EngineConfig, m) -> Optional[list[str]]:
+    """One format per layer when the config keeps some layers in another format, else None; a layer the
+    model does not have, or a pattern no layer matches, is a ``ConfigError`` naming the option."""
+    if not cfg.kv_dtype_skip_layers and not cfg.kv_layer_dtypes:
+        return None
+    try:
+        out = resolve_layer_dtypes(cfg.kv_dtype, m.num_layers, cfg.kv_dtype_skip_layers, cfg.kv_layer_dtypes, m.sliding_windows)
+    except ValueError as e:
+        raise ConfigError(str(e), "kv_layer_dtypes" if "kv_layer_dtypes" in str(e) else "kv_dtype_skip_layers") from None
+    if m.is_mla and len(set(out)) > 1:
+        raise ConfigError("per-layer KV formats are not supported for MLA models (one latent format for every layer)",
+                          "kv_dtype_skip_layers")
+    return out
+
+
+def _scales(cfg: EngineConfig, loaded: LoadedModel, rope, device: torch.device, layer_dtypes=None) -> KVScales:
     L = loaded.config.num_layers
     if cfg.kv_scales == "unit":
         return unit_scales(cfg.kv_dtype, L)
@@ -90,7 +106,8 @@ def _scales(cfg: EngineConfig, loaded: LoadedModel, rope, device: torch.device) 
     from kvbench.runtime.models.calibration import calibrate_scales
 
     return calibrate_scales(
-        loaded.model, loaded.tokenizer, rope, cfg.kv_dtype, cfg.calibration_prompts, cfg.kv_scales_per_head, device
+        loaded.model, loaded.tokenizer, rope, cfg.kv_dtype, cfg.calibration_prompts, cfg.kv_scales_per_head, device,
+        layer_dtypes=layer_dtypes,
     )
 
 
@@ -128,8 +145,9 @@ def query_scales(loaded: LoadedModel) -> QueryScales:
     return QueryScales(vals, "unit" if n == 0 else "checkpoint" if n == L else "checkpoint+unit")
 
 
-def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
-    """``loaded``: reuse an already loaded model (tests, sweeps over KV formats) instead of loading ``cfg.model``."""
+def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, scales: Optional[KVScales] = None) -> EngineParts:
+    """``loaded``: reuse an already loaded model (tests, sweeps over KV formats) instead of loading ``cfg.model``;
+    ``scales``: use these KV scales instead of the policy's (a diagnosis builds many engines on one calibration)."""
     device = _device(cfg)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     # fail before loading weights (MLA models run on fewer backends)
@@ -140,10 +158,16 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> 
     elif next(loaded.model.parameters()).device.type != device.type:
         raise ValueError(f"pre-loaded model is on {next(loaded.model.parameters()).device}, engine device is {device}")
     m = loaded.config
+    layer_dtypes = _layer_dtypes(cfg, m)
+    for f in dict.fromkeys(layer_dtypes or ()):  # every format of a mixed cache runs on both backends
+        check_supported(cfg.prefill_backend, cfg.decode_backend, f, mla)
     max_len = min(cfg.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
     rope = build_rope_cache(m.rope_dim, max(max_len, 1), m.rope_theta, m.rope_scaling, m.rope_style, device)
     spec: KVCacheSpec = m.kv_spec(cfg.kv_dtype, cfg.page_size, cfg.kv_layout)
-    scales = _scales(cfg, loaded, rope, device)
+    if layer_dtypes is not None:
+        spec = replace(spec, layer_dtypes=tuple(layer_dtypes))
+    if scales is None:
+        scales = _scales(cfg, loaded, rope, device, layer_dtypes)
     budget = _kv_budget_bytes(cfg, device, loaded)
     plan = plan_capacity(spec, budget, max(max_len, 1))
     if plan.num_pages < 1:
@@ -176,4 +200,10 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> 
         extra={"kv_budget_bytes": int(budget), "kv_scales": scales.source, "model": loaded.model_id,
                "quantize_query": cfg.quantize_query, "q_scale_source": q_scales.source},
     )
+    if spec.mixed:  # the capacity above is exact: bytes_per_token sums every layer in its own format
+        capacity.extra.update(
+            kv_dtype_skip_layers=cfg.kv_dtype_skip_layers, kv_layer_dtypes=cfg.kv_layer_dtypes,
+            layer_formats={f: spec.formats.count(f) for f in spec.formats_used},
+            kv_layers=layer_dtypes_summary(spec.formats, cfg.kv_dtype),
+        )
     return EngineParts(device, dtype, loaded, cache, runner, scales, capacity, max_len, backend, q_scales)

@@ -8,6 +8,11 @@ case-insensitive, or ``VLLM_ATTENTION_BACKEND``; ``--reasoning-parser`` names) a
 with usage for an unknown flag or a bad choice.  ``DIR`` must hold a ``config.json``; any other path fails
 in about a second with vLLM's "Invalid repository ID or local directory" error.
 
+``--kv-cache-dtype-skip-layers`` (vLLM PR 33695; ``CacheConfig.kv_cache_dtype_skip_layers: list[str]``, so
+argparse ``nargs="+"``) takes layer indices and ``sliding_window`` as separate words; the skipped layers hold
+the model's dtype in the KV pool.  vLLM ignores any other word silently; the fake refuses it (exit 2), so a
+launch that renders a range or a comma list fails here instead of quietly running uniform.
+
 It prints ``FAKE_ARGS {json}``, vLLM's start-up lines with the KV pool derived from the flags (fp8 holds
 twice the tokens of bf16): ``Initializing a V1 LLM engine (vX) with config: ... max_seq_len=..,
 tensor_parallel_size=.., kv_cache_dtype=..``, per worker ``Available KV cache memory: X GiB``, ``GPU KV cache
@@ -68,6 +73,19 @@ def _max_len(s: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid max model length {s!r}") from None
 
 
+def _skip_layer(s: str) -> str:
+    if s.isdigit() or s == "sliding_window":
+        return s
+    raise argparse.ArgumentTypeError(f"invalid skip layer {s!r} (a layer index or sliding_window)")
+
+
+def kv_bytes_per_token(model, kv: str, skip: list[str]) -> float:
+    """Bytes per token of the KV pool: skipped layers (indices; the fake models have no sliding windows) in the
+    model's dtype, the others in ``kv``."""
+    n_skip = len({int(x) for x in skip if x.isdigit() and int(x) < model.layers})
+    return model.bytes_per_token(kv) * (model.layers - n_skip) / model.layers + model.bytes_per_token("auto") * n_skip / model.layers
+
+
 def parser(style: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm")
     sub = p.add_subparsers(dest="subcommand", required=True)
@@ -81,6 +99,7 @@ def parser(style: str) -> argparse.ArgumentParser:
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     s.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES)
     s.add_argument("--calculate-kv-scales", action="store_true")
+    s.add_argument("--kv-cache-dtype-skip-layers", nargs="+", type=_skip_layer, default=[])
     s.add_argument("--max-model-len", type=_max_len)
     s.add_argument("--max-num-seqs", type=int)
     s.add_argument("--max-num-batched-tokens", type=int)
@@ -141,7 +160,7 @@ def main(argv: list[str]) -> None:
     max_len = args.max_model_len or model.max_len
     tp, pp, block = args.tensor_parallel_size, args.pipeline_parallel_size, args.block_size or 16
     budget = kv_budget_bytes(args.gpu_memory_utilization, DEFAULT_GPU_UTIL, tp * pp)
-    blocks = int(budget // (model.bytes_per_token(kv) * block))
+    blocks = int(budget // (kv_bytes_per_token(model, kv, args.kv_cache_dtype_skip_layers) * block))
     tokens = blocks * block
     conc = tokens / max_len
     max_seqs = args.max_num_seqs or 256
@@ -180,6 +199,7 @@ def main(argv: list[str]) -> None:
                     f"vllm:{name}_created{{{labels}}} 1.7e9"]
         cfg = (f'block_size="{block}",cache_dtype="{args.kv_cache_dtype}",calculate_kv_scales="{args.calculate_kv_scales}",'
                f'enable_prefix_caching="{args.enable_prefix_caching is not False}",gpu_memory_utilization="{args.gpu_memory_utilization}",'
+               f'kv_cache_dtype_skip_layers="{args.kv_cache_dtype_skip_layers}",'
                f'num_cpu_blocks="None",num_gpu_blocks="{blocks}",num_gpu_blocks_override="None"')
         out += ["# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{cfg}}} 1.0"]
         return "\n".join(out) + "\n"
