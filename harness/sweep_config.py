@@ -20,6 +20,7 @@ from kvbench.harness.config_checks import (SweepConfigError, _bool, _check_keys,
                                            _mapping, _num, _str)
 from kvbench.harness.launch_options import parse_target_options, sniff_engine_kind
 from kvbench.harness.request_options import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S
+from kvbench.harness.store import OPTION_KEYS
 from kvbench.harness.sweep_axes import (BackendPair, check_targets, entries, kv_ident, parse_backend_entry,
                                         parse_combos, parse_kv_entry)
 from kvbench.harness.sweep_specs import (CELL_KEYS, DEFAULT_MODEL, KV_ENTRY_OPTIONS, SLO_KEYS, GateSpec, KVSpec,
@@ -91,6 +92,21 @@ _AXES_KEYS = ("backends", "kv", "concurrency", "combos")
 _AXIS_ENGINE_KEYS = ("model", "kv_dtype", "kv_scales", "prefill_backend", "decode_backend", *KV_ENTRY_OPTIONS)
 
 
+def _selector_value(key: str, value: Any, path: str) -> str:
+    """A ``baseline`` value as a selector compares it: layer sets canonical (``[31, 0]`` -> ``0,31``; empty /
+    ``none`` = the cells without the option), booleans lower case, the rest as text."""
+    if key in ("kv_dtype_skip_layers", "kv_layer_dtypes"):
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")) or value == []:
+            return "none"
+        from kvbench.harness.layer_options import canonical_option
+
+        try:
+            return canonical_option(key, value) or "none"
+        except ValueError as e:
+            _fail(path, str(e))
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _engine_keys() -> tuple[str, ...]:
     from dataclasses import fields
 
@@ -144,8 +160,8 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
     slo = {k: _num(v, f"slo.{k}", 1e-9) for k, v in slo.items()}
 
     baseline = dict(_mapping(raw.get("baseline"), "baseline"))
-    _check_keys(baseline, CELL_KEYS, "baseline")
-    baseline = {k: str(v) for k, v in baseline.items()}
+    _check_keys(baseline, (*CELL_KEYS, *OPTION_KEYS), "baseline")
+    baseline = {k: _selector_value(k, v, f"baseline.{k}") for k, v in baseline.items()}
     if "target" in baseline:
         _choice(baseline["target"], tuple(names), "baseline.target")
 

@@ -11,10 +11,16 @@ Load them in one line::
 
     {"schema_version": "kvbench.report/1", "generated_by": "kvbench",
      "meta": {"confidence": 0.95, "baseline": {"cell_key", "cell", "run"} | null, "warnings": [...], ...},
-     "tables": {name: {"columns": [column names in order], "rows": [{column: value, ...}, ...]}}}
+     "tables": {name: {"columns": [column names in order], "rows": [{column: value, ...}, ...]}},
+     "diagnostics": [{"cell_key", "cell", "run", "kv_dtype", "kl_full", "top_layers", "suggestion", ...}]}
 
-Every table is present in ``tables`` (an empty one has ``"rows": []``); a CSV is written for each non-empty
-table only (a CSV left by an earlier report for a table that is now empty is removed).
+Every section table (``SECTIONS``) is present in ``tables`` (an empty one has ``"rows": []``); a CSV is
+written for each non-empty table only (a CSV left by an earlier report for a table that is now empty or gone
+is removed).  When some cell holds a ``diagnostics.json`` (KV error anatomy), ``tables`` also has a
+``diagnostics`` table (``tables/diagnostics.csv``: one row per cell and layer, K/V/attention-output errors,
+saturated/flushed shares, leave-one-out KL) and the document a top-level ``diagnostics`` list (one summary
+per cell: full KL, top layers, skip-layer suggestion); without any, neither the table nor the key exists.
+Both are described in ``reports.diagnostics_export``.
 
 Values are raw numbers, never the formatted strings of ``reports.tables``: accuracies, rates and deltas are
 fractions (0.125, not "12.5%"), latencies are milliseconds as numbers (the ``_ms`` columns), KL in nats.  A
@@ -66,6 +72,8 @@ import pandas as pd
 from kvbench.core.io import atomic_write_text
 from kvbench.reports import stats
 from kvbench.reports.analysis import Analysis
+from kvbench.reports.diagnostics_export import (DIAGNOSTICS_COLUMNS, DIAGNOSTICS_TABLE, diagnostics_entries,
+                                                diagnostics_rows)
 from kvbench.reports.load import CellData, primary_metric
 from kvbench.reports.long_context import AucEstimate, PairedAuc
 
@@ -274,10 +282,14 @@ def _dict_items(d: Mapping) -> list[tuple[str, Any]]:
 
 def frames(a: Analysis, extra: Optional[dict[str, list[dict]]] = None) -> dict[str, pd.DataFrame]:
     """{name: DataFrame} of every section of ``a`` (``SECTIONS``, in that order; empty frames included),
+    then ``diagnostics`` (one row per diagnosed cell and layer; only when some cell holds a diagnostics file),
     then every ``extra`` table (a list of flat dicts: one row each; nested dicts are flattened)."""
     out = {name: _frame(rows) for name, rows in _rows(a).items()}
+    diag = diagnostics_rows(a.cells)
+    if diag:
+        out[DIAGNOSTICS_TABLE] = _frame(diag, list(DIAGNOSTICS_COLUMNS))
     for name, rows in (extra or {}).items():
-        if not _NAME_RE.match(name) or name in out:
+        if not _NAME_RE.match(name) or name in out or name == DIAGNOSTICS_TABLE:
             raise ValueError(f"extra table name {name!r} is not a plain file name or is a section name")
         flat = [dict(kv for k, v in r.items() for kv in _expand(str(k), v, lists_as_json=True)) for r in rows]
         out[name] = _frame(flat)
@@ -331,13 +343,14 @@ def write_exports(a: Analysis, out_dir: Path | str, extra: Optional[dict[str, li
                   meta: Optional[dict] = None) -> dict[str, Path]:
     """Write ``out_dir/tables/<name>.csv`` for every non-empty frame and ``out_dir/report.json`` (last),
     each atomically; returns {"json": path, "<name>.csv": path, ...}.  ``meta`` entries are added to the
-    document's ``meta`` after the analysis' own (confidence, baseline, warnings)."""
+    document's ``meta`` after the analysis' own (confidence, baseline, warnings); the document gets a
+    ``diagnostics`` list when some cell holds a diagnostics file."""
     out_dir = Path(out_dir)
     tdir = out_dir / "tables"
     tdir.mkdir(parents=True, exist_ok=True)
     tables = frames(a, extra)
     json_path = out_dir / "report.json"
-    stale = set(SECTIONS)
+    stale = set(SECTIONS) | {DIAGNOSTICS_TABLE}
     try:
         stale |= set(json.loads(json_path.read_text()).get("tables") or {})
     except (OSError, ValueError, AttributeError):
@@ -353,6 +366,9 @@ def write_exports(a: Analysis, out_dir: Path | str, extra: Optional[dict[str, li
         if f"{name}.csv" not in written and _NAME_RE.match(name) and path.is_file():
             path.unlink()
     doc = to_document(tables, {**_analysis_meta(a), **(meta or {})})
+    entries = diagnostics_entries(a.cells)
+    if entries:  # one summary per diagnosed cell (reports.diagnostics_export); no key when no cell has one
+        doc["diagnostics"] = _plain(entries)
     atomic_write_text(json_path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
     written["json"] = json_path
     return written

@@ -59,3 +59,22 @@ def test_sweep_only_takes_option_keys():
     assert [c.config.get("options") for c in select(cells, "kv_dtype_skip_layers=none")] == [None]
     with pytest.raises(SweepConfigError, match="unknown cell key 'bogus'"):
         select(cells, "bogus=1")
+
+
+def test_sweep_baseline_may_name_kv_options():
+    from kvbench.harness.matrix import expand
+    from kvbench.harness.sweep_config import SweepConfigError, parse_config
+
+    raw = {"model": "synthetic:llama-3-8b,layers=4", "load": {"enabled": False}, "suites": ["fidelity"],
+           "axes": {"kv": [{"dtype": "fp8_e4m3", "scales": "calibrate"},
+                           {"dtype": "fp8_e4m3", "scales": "calibrate", "kv_dtype_skip_layers": [3, 0]}]},
+           "baseline": {"kv_dtype": "fp8_e4m3", "kv_dtype_skip_layers": [3, 0]}}
+    cfg = parse_config(raw)
+    assert cfg.baseline == {"kv_dtype": "fp8_e4m3", "kv_dtype_skip_layers": "0,3"}
+    aa = [c for c in expand(cfg) if c.config.get("aa_control")]
+    assert len(aa) == 1 and aa[0].config["options"] == {"kv_dtype_skip_layers": "0,3"}  # the A/A copies the skip cell
+    uniform = parse_config({**raw, "baseline": {"kv_dtype": "fp8_e4m3", "kv_dtype_skip_layers": "none"}})
+    aa = [c for c in expand(uniform) if c.config.get("aa_control")]
+    assert "options" not in aa[0].config
+    with pytest.raises(SweepConfigError, match="baseline.kv_dtype_skip_layers: 'x' is not a layer index"):
+        parse_config({**raw, "baseline": {"kv_dtype_skip_layers": "x"}})
