@@ -30,10 +30,10 @@ import torch
 
 from kvbench.core.formats import get_spec
 from kvbench.core.layer_formats import (SKIP_FORMAT, canonical_skip_layers, format_layer_list, layer_dtypes_summary,
-                                        parse_layer_set, resolve_layer_dtypes)
+                                        mixed_bytes_per_token, parse_layer_set, resolve_layer_dtypes)
 from kvbench.runtime.config import EngineConfig
 
-__all__ = ["DIAG_SCHEMA", "DiagnoseSettings", "KLMeter", "run_diagnosis", "texts_to_ids", "diagnosis_texts", "capacity_rows"]
+__all__ = ["DIAG_SCHEMA", "DiagnoseSettings", "KLMeter", "run_diagnosis", "texts_to_ids", "check_diagnosable", "load_for", "diagnosis_texts", "capacity_rows"]
 
 DIAG_SCHEMA = "kvbench:diagnostics:v1"
 REF_CACHE_BYTES = 2 * 2**30  # reference log-prob rows kept in memory up to this size (else recomputed)
@@ -49,6 +49,21 @@ class DiagnoseSettings:
     budget_bytes: Optional[float] = None  # capacity rows: KV budget (None: the engine's own budget)
     context_len: Optional[int] = None  # capacity rows: context per sequence (None: the engine's max length)
     label: str = ""  # the texts' name
+
+
+def check_diagnosable(cfg: EngineConfig) -> None:
+    """A ``ValueError`` for a configuration with nothing to diagnose (every layer unquantized)."""
+    if not get_spec(cfg.kv_dtype).quantized and not cfg.kv_layer_dtypes:
+        raise ValueError(f"--kv-dtype {cfg.kv_dtype} is not quantized: nothing to diagnose (give fp8_e4m3, fp8_e5m2, nvfp4, ...)")
+
+
+def load_for(cfg: EngineConfig):
+    """The model of ``cfg`` on its device and compute dtype, loaded once for every engine of a diagnosis."""
+    from kvbench.runtime.models.engine_setup import engine_device, engine_dtype
+    from kvbench.runtime.models.loader import load_model
+
+    device = engine_device(cfg)
+    return load_model(cfg.model, device=device, dtype=engine_dtype(cfg, device), seed=cfg.seed)
 
 
 def texts_to_ids(tokenizer, texts) -> list[TextIds]:
@@ -256,8 +271,7 @@ def _suggest(meter: KLMeter, ranking: list[int], kl_full: float, limit: float) -
 
 def _bpt(meter: KLMeter, fmts: list[str]) -> float:
     m = meter.loaded.config
-    spec = m.kv_spec("bf16", meter.base.page_size)
-    return float(sum(spec.planes * m.num_kv_heads * get_spec(f).bytes_per_token(spec.head_dim) for f in fmts))
+    return mixed_bytes_per_token(fmts, m.num_kv_heads, m.kv_head_dim, 1 if m.is_mla else 2)
 
 
 def run_diagnosis(cfg: EngineConfig, texts: Sequence[TextIds], settings: Optional[DiagnoseSettings] = None, loaded=None,
@@ -265,17 +279,11 @@ def run_diagnosis(cfg: EngineConfig, texts: Sequence[TextIds], settings: Optiona
     """The diagnosis of ``cfg``'s KV format on ``texts`` (``DIAG_SCHEMA``; docs/accuracy.md).  ``loaded``: the
     model, already loaded (else ``cfg.model`` loads); ``scales``: the KV scales of an engine already running
     this configuration (else computed by its policy)."""
-    from kvbench.runtime.models.loader import load_model
-
     settings = settings or DiagnoseSettings()
     say = progress or (lambda s: None)
     t0 = time.perf_counter()
     if loaded is None:
-        from kvbench.runtime.models.engine_setup import _device
-
-        device = _device(cfg)
-        dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        loaded = load_model(cfg.model, device=device, dtype=dtype, seed=cfg.seed)
+        loaded = load_for(cfg)
     m = loaded.config
     if m.is_mla:
         raise ValueError("kvbench diagnose does not run MLA models yet (per-layer formats need separate K and V planes)")
@@ -336,13 +344,13 @@ def _map_name(kv_dtype: str, skip: Optional[str], fmts: Sequence[str]) -> str:
 
 def _capacity_basis(cfg: EngineConfig, loaded, settings: DiagnoseSettings) -> tuple[float, int]:
     """(KV budget in bytes, context per sequence) of the capacity rows: the settings', else the engine's."""
-    from kvbench.runtime.models.engine_setup import _device, _kv_budget_bytes
+    from kvbench.runtime.models.engine_setup import engine_device, kv_budget_bytes
 
     m = loaded.config
     ctx = settings.context_len or min(cfg.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
     budget = settings.budget_bytes
     if budget is None:
-        budget = _kv_budget_bytes(cfg, _device(cfg), loaded)
+        budget = kv_budget_bytes(cfg, engine_device(cfg), loaded)
     if not (math.isfinite(budget) and budget > 0):
         raise ValueError(f"KV budget must be positive, got {budget}")
     return float(budget), int(ctx)

@@ -49,7 +49,7 @@ def test_supported_devices_validate(device):
 
 
 def test_device_helper_turns_torch_errors_into_value_errors():
-    from kvbench.runtime.models.engine_setup import _device
+    from kvbench.runtime.models.engine_setup import engine_device as _device
 
     for bad in ("quantum", "cuda:x"):  # EngineConfig rejects these; _device must not traceback either
         with pytest.raises(ValueError, match="not a device"):

@@ -41,9 +41,8 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a diagnosis OUT already holds"),
     ) -> None:
         """Per-layer and per-head KV error (K and V), each layer's KL contribution, and a checked skip-layer suggestion."""
-        from kvbench.core.formats import get_spec
         from kvbench.core.io import atomic_write_json, atomic_write_text
-        from kvbench.harness.diagnose import DiagnoseSettings, diagnosis_texts, run_diagnosis
+        from kvbench.harness.diagnose import DiagnoseSettings, check_diagnosable, diagnosis_texts, load_for, run_diagnosis
 
         out_dir = Path(out)
         if (out_dir / "diagnostics.json").exists() and not overwrite:
@@ -52,22 +51,17 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--kl-limit must be >= 0, got {kl_limit}")
         if limit <= 0:
             raise UserError(f"--limit must be positive, got {limit}")
-        if not get_spec(engine.kv_dtype).quantized and not engine.kv_layer_dtypes:
-            raise UserError(f"--kv-dtype {engine.kv_dtype} is not quantized: nothing to diagnose (give fp8_e4m3, fp8_e5m2, nvfp4, ...)")
+        try:
+            check_diagnosable(engine)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         if kl_limit is not None and not leave_one_out:
             raise UserError("--kl-limit ranks layers by their leave-one-out KL contribution; drop --no-leave-one-out")
         data_dir = data_dir or None
         from types import SimpleNamespace
 
-        import torch
-
-        from kvbench.runtime.models.engine_setup import _device
-        from kvbench.runtime.models.loader import load_model
-
         say = lambda s: print(f"diagnose: {s}", file=sys.stderr, flush=True)  # noqa: E731
-        device = _device(engine)
-        dtype = getattr(torch, engine.dtype) if engine.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        loaded = load_model(engine.model, device=device, dtype=dtype, seed=engine.seed)
+        loaded = load_for(engine)
         m = loaded.config
         max_len = min(engine.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
         counter = SimpleNamespace(engine=SimpleNamespace(tokenizer=loaded.tokenizer))  # token counts for long texts

@@ -197,8 +197,8 @@ def _errors_text(s: dict) -> str:
 
 def _diagnose_spec(diagnose: bool, kl_limit: Optional[float], endpoint: Optional[str], out_dir: Optional[Path], engine):
     """The diagnostics of ``--diagnose`` (None without it); usage errors for what it cannot do."""
-    from kvbench.core.formats import get_spec
     from kvbench.harness.cell_diagnostics import DiagnosticsSpec
+    from kvbench.harness.diagnose import check_diagnosable
     from kvbench.harness.errors import UserError
 
     if not diagnose:
@@ -209,8 +209,10 @@ def _diagnose_spec(diagnose: bool, kl_limit: Optional[float], endpoint: Optional
         raise UserError("--diagnose needs the embedded engine (a server's cache has no per-layer view); drop --endpoint")
     if out_dir is None:
         raise UserError("--diagnose writes OUT/diagnostics/: give --out")
-    if not get_spec(engine.kv_dtype).quantized and not engine.kv_layer_dtypes:
-        raise UserError(f"--diagnose: --kv-dtype {engine.kv_dtype} is not quantized, nothing to diagnose")
+    try:
+        check_diagnosable(engine)
+    except ValueError as e:
+        raise UserError(f"--diagnose: {e}") from None
     if kl_limit is not None and not kl_limit >= 0:
         raise UserError(f"--diagnose-kl-limit must be >= 0, got {kl_limit}")
     return DiagnosticsSpec(kl_limit=kl_limit)

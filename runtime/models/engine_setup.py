@@ -20,7 +20,7 @@ from kvbench.runtime.models.loader import LoadedModel, load_model, model_is_mla
 from kvbench.runtime.models.runner import ModelRunner
 from kvbench.runtime.scales import KVScales, checkpoint_scales, unit_scales
 
-__all__ = ["EngineParts", "build_engine_parts", "CPU_DEFAULT_KV_GB"]
+__all__ = ["EngineParts", "build_engine_parts", "CPU_DEFAULT_KV_GB", "engine_device", "engine_dtype", "kv_budget_bytes"]
 
 log = logging.getLogger("kvbench.runtime")
 
@@ -41,7 +41,7 @@ class EngineParts:
     q_scales: Any = None  # QueryScales (the fp8 query's dequant multiplier per layer and its source)
 
 
-def _device(cfg: EngineConfig) -> torch.device:
+def engine_device(cfg: EngineConfig) -> torch.device:
     """The engine's device; a ``ValueError`` (one line for the command line) for a device string torch does
     not parse, a device type the runtime does not run on, or a CUDA device this machine does not have."""
     if cfg.device:
@@ -61,7 +61,14 @@ def _device(cfg: EngineConfig) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _kv_budget_bytes(cfg: EngineConfig, device: torch.device, loaded: LoadedModel) -> float:
+def engine_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
+    """The compute dtype: ``cfg.dtype``, else bfloat16 on CUDA and float32 on the CPU."""
+    return getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def kv_budget_bytes(cfg: EngineConfig, device: torch.device, loaded: LoadedModel) -> float:
+    """The KV cache's budget in bytes: ``kv_budget_gb``, else the CPU default, else the GPU's free memory times
+    ``mem_fraction`` less the activations of one step."""
     if cfg.kv_budget_gb is not None:
         return cfg.kv_budget_gb * 2**30
     if device.type != "cuda":
@@ -148,8 +155,8 @@ def query_scales(loaded: LoadedModel) -> QueryScales:
 def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, scales: Optional[KVScales] = None) -> EngineParts:
     """``loaded``: reuse an already loaded model (tests, sweeps over KV formats) instead of loading ``cfg.model``;
     ``scales``: use these KV scales instead of the policy's (a diagnosis builds many engines on one calibration)."""
-    device = _device(cfg)
-    dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device = engine_device(cfg)
+    dtype = engine_dtype(cfg, device)
     # fail before loading weights (MLA models run on fewer backends)
     mla = loaded.config.is_mla if loaded is not None else model_is_mla(cfg.model)
     check_supported(cfg.prefill_backend, cfg.decode_backend, cfg.kv_dtype, mla)
@@ -168,7 +175,7 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
         spec = replace(spec, layer_dtypes=tuple(layer_dtypes))
     if scales is None:
         scales = _scales(cfg, loaded, rope, device, layer_dtypes)
-    budget = _kv_budget_bytes(cfg, device, loaded)
+    budget = kv_budget_bytes(cfg, device, loaded)
     plan = plan_capacity(spec, budget, max(max_len, 1))
     if plan.num_pages < 1:
         raise ValueError(f"KV budget {budget / 2**30:.3f} GiB holds no page of {cfg.page_size} tokens ({bytes_per_token(spec):.0f} B/token)")
