@@ -14,7 +14,7 @@ def _budget(monkeypatch, kv_dtype, mla):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (40 * 2**30, 80 * 2**30))
     cfg = SimpleNamespace(kv_budget_gb=None, max_num_batched_tokens=2048, max_running=64, mem_fraction=0.9, kv_dtype=kv_dtype)
     m = SimpleNamespace(intermediate_size=1536, hidden_size=576, vocab_size=49152, is_mla=mla)
-    return S._kv_budget_bytes(cfg, torch.device("cuda"), SimpleNamespace(config=m))
+    return S.kv_budget_bytes(cfg, torch.device("cuda"), SimpleNamespace(config=m))
 
 
 def test_mla_quantized_cache_reserves_the_prefix_workspace(monkeypatch):
