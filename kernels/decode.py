@@ -240,11 +240,22 @@ def _decode_reduce_kernel(
 _DEFAULTS = {0: (64, 2, False, 4, 2, None), 1: (128, 2, False, 4, 3, 128), 2: (128, 2, False, 4, 2, 128)}
 
 
+# nvfp4 fills its resident slots: its program (128 registers × 128 threads) fits 4 times on an SM, and as
+# many splits as fill them once beat the 2-per-SM rule where the batch is small: H100, 2026-11-24, 8 × 32768,
+# 32/8 heads, HND (.scratch sweep, 96 launch configurations): 5 splits (2 per SM) 284.9 µs, 8 splits 195.1 µs,
+# 16 splits 200.5 µs; at 64 × 8192 both rules give one split.
+_FILL = {2: 4}
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64,
-                       programs_per_sm: int = 2) -> int:
-    """About ``programs_per_sm`` programs per SM, never more splits than tiles."""
+                       programs_per_sm: int = 2, fill: Optional[int] = None) -> int:
+    """About ``programs_per_sm`` programs per SM (rounded up), or with ``fill`` (resident programs per SM)
+    as many as fill every resident slot once (rounded down); never more splits than tiles, at most 64."""
     work = max(batch * num_kv_heads, 1)
-    splits = max(1, math.ceil(programs_per_sm * num_sms / work))
+    if fill:
+        splits = max(1, fill * num_sms // work)
+    else:
+        splits = max(1, math.ceil(programs_per_sm * num_sms / work))
     return int(min(splits, max(1, math.ceil(max_seq_len / block_n)), 64))
 
 
@@ -300,7 +311,7 @@ def paged_decode(
         prefetch = def_pf
     if num_splits is None:
         num_splits = default_num_splits(bsz, hk, page_table.shape[1] * kc.page_size, _num_sms(q.device), block_n,
-                                        def_pps)
+                                        def_pps, _FILL.get(fmt) if block_n == def_bn and num_warps == def_nw else None)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     direct = num_splits == 1 and not split_reduce

@@ -17,6 +17,7 @@ Sliding window and attention sinks follow ``reference.py``'s conventions.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,6 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kvbench.kernels._fp8_split import split_e4m3
 from kvbench.kernels._triton_utils import (
+    CacheArgs,
     cache_dot_code,
     check_cache,
     check_query,
@@ -286,6 +288,49 @@ def _prefill_kernel(
         tl.store(obase + i[None, :], (acc_a * inv[:, None]).to(OUT.dtype.element_ty), mask=om)
 
 
+@triton.jit
+def _dequant_prefix_kernel(
+    KC, VC, KBS, VBS, PT, SEQ_LENS, CU_Q, KW, VW,
+    s_page, s_tok, skc_h, svc_h, sb_page, sb_tok, skb_h, svb_h, spt_b,
+    sw_page, sw_tok, sw_h, npp,
+    D: tl.constexpr, DP_PAD: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
+    FMT: tl.constexpr,
+):
+    """Tokens ``[t0, t0 + BLOCK_T)`` of sequence ``b``'s cached prefix, kv head ``hk``: read through the page
+    table, dequantized exactly to float16 (nvfp4: e2m1 × e4m3 block scale; fp8: the stored value; the
+    per-head scales stay out, as on the in-register path) and written to the workspace, whose sequence
+    ``b`` owns pages ``b·npp ..`` (same page size)."""
+    tb = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    prefix = tl.load(SEQ_LENS + b) - (tl.load(CU_Q + b + 1) - tl.load(CU_Q + b))
+    t0 = tb * BLOCK_T
+    if t0 >= prefix:
+        return
+    offs = t0 + tl.arange(0, BLOCK_T)
+    tmask = (offs < prefix) & (offs < npp * PAGE)
+    row, brow = page_rows(PT + b.to(tl.int64) * spt_b, offs, tmask, PAGE, s_page, s_tok, sb_page, sb_tok, FMT)
+    wrow = (b.to(tl.int64) * npp + offs // PAGE) * sw_page + (offs % PAGE) * sw_tok + hk * sw_h
+    i = tl.arange(0, DP_PAD)
+    if FMT == 2:
+        imask = i < D // 2
+        k_a, k_b = load_nvfp4_tile(KC, KBS, row, brow, hk, skc_h, skb_h, i, imask, tmask, NB, D // 16, 1)
+        v_a, v_b = load_nvfp4_tile(VC, VBS, row, brow, hk, svc_h, svb_h, i, imask, tmask, NB, D // 16, 1)
+        # (even, odd) → interleaved rows of D
+        k = tl.reshape(tl.join(k_a, k_b), (BLOCK_T, 2 * DP_PAD))
+        v = tl.reshape(tl.join(v_a, v_b), (BLOCK_T, 2 * DP_PAD))
+        j = tl.arange(0, 2 * DP_PAD)
+        wm = tmask[:, None] & (j[None, :] < D)
+    else:
+        imask = i < D
+        k = load_plain_tile(KC, row, hk, skc_h, i, imask, tmask, 1)
+        v = load_plain_tile(VC, row, hk, svc_h, i, imask, tmask, 1)
+        j = i
+        wm = tmask[:, None] & imask[None, :]
+    tl.store(KW + wrow[:, None] + j[None, :], k, mask=wm)
+    tl.store(VW + wrow[:, None] + j[None, :], v, mask=wm)
+
+
 _LAUNCH = ("block_m", "block_n", "block_n_prefix", "num_warps", "num_stages")
 # (block_m, block_n, block_n_prefix, num_warps, num_stages) on a GPU, from the sweeps of
 # ``tools/prefill_bench.py`` and of the TMA comparison on an H200 (docs/kernels.md), by head dim and case:
@@ -352,7 +397,7 @@ def paged_prefill(
     block_m: Optional[int] = None, block_n: Optional[int] = None, block_n_prefix: Optional[int] = None,
     num_warps: Optional[int] = None, num_stages: Optional[int] = None, heavy_first: bool = True,
     fp8_qk: Optional[bool] = None, prefix_full: bool = True, max_prefix_len: Optional[int] = None,
-    tma: Optional[bool] = None,
+    tma: Optional[bool] = None, prefix_workspace: Optional[bool] = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens ``q`` ``[T, H_q, D]`` (``k_new``/``v_new`` ``[T, H_kv, D]``,
     compute dtype) over their prefix in the pages plus themselves → ``[T, H_q, D]``.
@@ -365,7 +410,12 @@ def paged_prefill(
     (the old path, kept for comparison).  ``max_prefix_len`` (host int, optional): the longest cached
     prefix in the batch; 0 (prompts only) selects the prefix-less launch defaults.  ``tma`` (default: on a
     GPU of compute capability 9 or newer, whenever ``tma_ok`` says the tensors allow it) reads q and the new
-    tokens' k / v through tensor descriptors."""
+    tokens' k / v through tensor descriptors.  ``prefix_workspace`` (``workspace_plan``; default: nvfp4, or
+    fp8 whose scores cannot run on the stored K, with ``max_prefix_len`` known and at least
+    ``WORKSPACE_MIN_Q`` new tokens) dequantizes the cached prefix once into a float16 workspace of at most
+    ``WORKSPACE_CAP_BYTES`` and attends over it, instead of dequantizing every prefix tile in every program;
+    ``max_prefix_len`` must then be at least every sequence's prefix (a longer one reads a spare page, never
+    outside the workspace)."""
     if q.dim() != 3 or k_new.dim() != 3 or v_new.shape != k_new.shape:
         raise ValueError(f"q [T,H_q,D], k_new/v_new [T,H_kv,D] expected, got {tuple(q.shape)}, {tuple(k_new.shape)}, {tuple(v_new.shape)}")
     t, hq, d = q.shape
@@ -401,6 +451,13 @@ def paged_prefill(
     q_split = on_stored_k and q.dtype == torch.bfloat16
     fp8_qk = on_stored_k and (is_fp8_q or q_split)
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
+    ws_plan = workspace_plan(fmt, fp8_qk, max_prefix_len, max_q_len, bsz, hk, d, kc.page_size, prefix_workspace)
+    if prefix_workspace and ws_plan is None and fmt != 0 and max_prefix_len != 0:  # (no prefix: nothing to do)
+        raise ValueError("prefix_workspace=True needs max_prefix_len (the batch's longest cached prefix) and one "
+                         f"sequence's prefix within WORKSPACE_CAP_BYTES ({WORKSPACE_CAP_BYTES} bytes)")
+    src_fmt = fmt
+    if ws_plan is not None:  # the kernel sees a cache of float16 values with per-head scales, not nvfp4
+        fmt, fp8_qk, q_split = 1, False, False
     explicit_tma = tma is not None
     if tma is None:
         tma = (fmt != 2 and q.is_cuda and not interpreting() and _sm_major(q.device) >= 9
@@ -431,22 +488,104 @@ def paged_prefill(
     qa, ka, va = q, k_new, v_new
     if tma:
         qa, ka, va = _descriptor(q, block_m), _descriptor(k_new, block_n), _descriptor(v_new, block_n)
-    grid = (triton.cdiv(max_q_len, block_m), hq, bsz)
+    common = dict(
+        G=hq // hk, D=d, NB=next_pow2(max(d // 16, 1)), BLOCK_M=block_m, BLOCK_N=block_n, DOT=dot_code(k_new.dtype),
+        DOT_P=cache_dot_code(kv_format, k_new.dtype), HAS_Q_SCALE=q_scale is not None,
+        HAS_SINKS=sinks is not None, HEAVY_FIRST=heavy_first, PREFIX_FULL=prefix_full, BLOCK_NP=block_n_prefix,
+        TMA=bool(tma), EXACT_CAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
+    )
+    args = (qa, ka, va, q_scale if q_scale is not None else kc.scale, sinks if sinks is not None else kc.scale,
+            out, scale, int(sliding_window or 0), max_q_len, common)
+    if ws_plan is not None:
+        _over_workspace(ws_plan, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, src_fmt, q, k_new, v_new, args)
+        return out
+    _launch_prefill(*args, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, q, k_new, v_new, fmt,
+                    dict(DP_PAD=next_pow2(dp), FULL_D=dp == next_pow2(dp), FP8_QK=fp8_qk, Q_SPLIT=q_split))
+    return out
+
+
+def _launch_prefill(qa, ka, va, qsc, snk, out, scale, window, max_q_len, common, kc, vc, page_table, seq_lens, cu_q,
+                    nseq, q, k_new, v_new, fmt, extra):
+    grid = (triton.cdiv(max_q_len, common["BLOCK_M"]), q.shape[1], nseq)
     _prefill_kernel[grid](
-        qa, ka, va, kc.data, vc.data, kc.bs_ptr, vc.bs_ptr, kc.scale, vc.scale,
-        q_scale if q_scale is not None else kc.scale, sinks if sinks is not None else kc.scale,
-        page_table, seq_lens, cu_seqlens_q, out, scale,
+        qa, ka, va, kc.data, vc.data, kc.bs_ptr, vc.bs_ptr, kc.scale, vc.scale, qsc, snk,
+        page_table, seq_lens, cu_q, out, scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         out.stride(0), out.stride(1),
         kc.page_stride, kc.tok_stride, kc.head_stride, vc.head_stride,
         kc.bs_page_stride, kc.bs_tok_stride, kc.bs_head_stride, vc.bs_head_stride, page_table.stride(0),
-        int(sliding_window or 0),
-        G=hq // hk, D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, DOT=dot_code(k_new.dtype),
-        DOT_P=cache_dot_code(kv_format, k_new.dtype), HAS_Q_SCALE=q_scale is not None,
-        HAS_SINKS=sinks is not None, HEAVY_FIRST=heavy_first, FULL_D=dp == next_pow2(dp),
-        FP8_QK=fp8_qk, PREFIX_FULL=prefix_full, BLOCK_NP=block_n_prefix, TMA=bool(tma), Q_SPLIT=q_split,
-        EXACT_CAST=interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+        window, PAGE=kc.page_size, FMT=fmt, **extra, **common,
     )
-    return out
+
+
+# ---------------------------------------------------------------- dequantize-once prefix (workspace)
+# Each program of the prefill kernel takes one query block of one query head, so over a quantized prefix
+# every prefix tile is dequantized once per (query block, query head of its GQA group): 32 times per kv head
+# for 1024 new tokens at G = 4.  For nvfp4 that unpacking, not the bytes, bounds the extend.  With enough new
+# tokens it pays to dequantize the batch's prefix once into a float16 workspace (exact: every nvfp4 and fp8
+# value is a float16) and run the extend over it as over an fp8 cache of float16 values: the same per-head
+# scales, the same dot operands as the in-register path, no conversion in the loop.
+WORKSPACE_CAP_BYTES = 256 << 20  # one workspace at most; batches whose prefixes need more run in sequence groups
+# auto: the workspace from this many new tokens in the batch's longest sequence, by cache format code (nvfp4 2,
+# fp8 1 when its scores cannot run on the stored K).  H100, 2026-11-24, batch 4 over a 7168-token prefix,
+# ``python -m kvbench.tools.prefill_bench`` (workspace speed-up over registers): nvfp4 1.14 / 1.02 / 0.90 / 1.60 /
+# 1.91 / 2.16 / 2.66x at 16 / 64 / 128 / 256 / 512 / 1024 / 2048 new tokens; fp8_e5m2 0.47x up to 128,
+# 0.75x at 256, 1.02x at 512, 1.06x at 1024, 1.10x at 2048.
+WORKSPACE_MIN_Q = {2: 256, 1: 1024}
+_WS_BLOCK_T = 64
+
+
+@dataclass
+class _WorkspacePlan:
+    npp: int  # workspace pages per sequence
+    group: int  # sequences per workspace fill
+
+
+def workspace_plan(fmt: int, fp8_qk: bool, max_prefix_len: Optional[int], max_q_len: int,
+                   bsz: int, num_kv_heads: int, head_dim: int, page_size: int, want: Optional[bool],
+                   cap: Optional[int] = None) -> Optional[_WorkspacePlan]:
+    """Whether (and how) the extend dequantizes its prefix once into a float16 workspace; None: in registers.
+    ``want`` None chooses: nvfp4 (or fp8 whose scores cannot run on the stored values) with a known
+    ``max_prefix_len`` and at least ``WORKSPACE_MIN_Q[fmt]`` new tokens; True forces it where it applies (needs
+    ``max_prefix_len``), False never.  The workspace holds at most ``cap`` bytes; a larger batch is run in
+    groups of sequences, and a single prefix over the cap stays in registers."""
+    if want is False or fmt == 0 or not max_prefix_len or max_prefix_len <= 0:
+        return None
+    if want is None and (max_q_len < WORKSPACE_MIN_Q[fmt] or (fmt == 1 and fp8_qk)):
+        return None
+    npp = -(-max_prefix_len // page_size)
+    per_seq = npp * page_size * num_kv_heads * head_dim * 2 * 2  # float16, K and V
+    group = min(bsz, (WORKSPACE_CAP_BYTES if cap is None else cap) // per_seq)
+    if group < 1:
+        return None
+    return _WorkspacePlan(npp, group)
+
+
+def _over_workspace(plan: _WorkspacePlan, kc: CacheArgs, vc: CacheArgs, page_table, seq_lens, cu_q, bsz, fmt, q,
+                    k_new, v_new, args) -> None:
+    """The extend in groups of ``plan.group`` sequences, each over its prefix dequantized into one float16
+    workspace (HND pages of the cache's page size, page ``group · npp`` a spare one for table entries past
+    the planned prefix)."""
+    page, hk, d = kc.page_size, kc.num_kv_heads, kc.head_dim
+    npages = plan.group * plan.npp
+    kw = torch.empty(npages + 1, hk, page, d, dtype=torch.float16, device=q.device)
+    vw = torch.empty_like(kw)
+    kwv, vwv = kw.permute(0, 2, 1, 3), vw.permute(0, 2, 1, 3)
+    table = torch.full((plan.group, max(page_table.shape[1], plan.npp)), npages, dtype=torch.int32, device=q.device)
+    table[:, :plan.npp] = torch.arange(npages, dtype=torch.int32, device=q.device).view(plan.group, plan.npp)
+    kwc = CacheArgs(kwv, None, kc.scale, page, hk, d)
+    vwc = CacheArgs(vwv, None, vc.scale, page, hk, d)
+    dp = d // 2 if fmt == 2 else d
+    for b0 in range(0, bsz, plan.group):
+        n = min(plan.group, bsz - b0)
+        sl, cu, pt = seq_lens[b0:b0 + n], cu_q[b0:b0 + n + 1], page_table[b0:b0 + n]
+        _dequant_prefix_kernel[(triton.cdiv(plan.npp * page, _WS_BLOCK_T), hk, n)](
+            kc.data, vc.data, kc.bs_ptr, vc.bs_ptr, pt, sl, cu, kw, vw,
+            kc.page_stride, kc.tok_stride, kc.head_stride, vc.head_stride,
+            kc.bs_page_stride, kc.bs_tok_stride, kc.bs_head_stride, vc.bs_head_stride, pt.stride(0),
+            kwv.stride(0), kwv.stride(1), kwv.stride(2), plan.npp,
+            D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=page, BLOCK_T=_WS_BLOCK_T, FMT=fmt,
+            num_warps=4,
+        )
+        _launch_prefill(*args, kwc, vwc, table, sl, cu, n, q, k_new, v_new, 1,
+                        dict(DP_PAD=next_pow2(d), FULL_D=d == next_pow2(d), FP8_QK=False, Q_SPLIT=False))

@@ -107,3 +107,41 @@ def test_mla_prefill(fmt, mla_gen):
     dev = torch.device("cuda")
     _mla_ok(mla_prefill_check(fmt, dev, mla_gen))
     _mla_ok(mla_prefill_check(fmt, dev, mla_gen, fp8_query=True))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e5m2", "fp8_e4m3"])
+def test_prefill_prefix_workspace(fmt):
+    from kvbench.tools.kernel_check import check_prefill_workspace
+
+    _ok(check_prefill_workspace(fmt, [300, 1, 517], [1000, 4095, 33], *G32, window=None, sinks=True, seed=3,
+                                layout="HND"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_rms_norm_and_silu_mul_match_torch(dtype):
+    # the decoder's fused norm (with the residual add) and SiLU · up against the torch code they replace,
+    # at Llama-3-8B widths; outputs poisoned (fresh torch.empty is not zeroed, so NaN must not leak through)
+    from kvbench.kernels.fused_ops import rms_norm, rms_norm_torch, silu_mul, silu_mul_torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(64, 4096, device="cuda", generator=g) * 2).to(dtype)
+    r = (torch.randn(64, 4096, device="cuda", generator=g) * 2).to(dtype)
+    w = (1 + 0.1 * torch.randn(4096, device="cuda", generator=g)).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    for res in (None, r):
+        got = rms_norm(x, w, 1e-5, res)
+        want = rms_norm_torch(x, w, 1e-5, res)
+        if res is not None:
+            assert torch.equal(got[1], want[1])
+            got, want = got[0], want[0]
+        assert not got.isnan().any()
+        assert ((got.double() - want.double()).norm() / want.double().norm()).item() <= tol
+    q = torch.randn(64, 48 * 128, device="cuda", generator=g).to(dtype)[:, : 32 * 128].reshape(64, 32, 128)
+    wq = torch.ones(128, device="cuda", dtype=dtype)
+    got = rms_norm(q, wq, 1e-6)
+    assert ((got.double() - rms_norm_torch(q, wq, 1e-6).double()).norm() / got.double().norm()).item() <= tol
+    gu = (torch.randn(64, 2 * 14336, device="cuda", generator=g) * 3).to(dtype)
+    got = silu_mul(gu)
+    want = silu_mul_torch(gu)
+    assert not got.isnan().any()
+    assert ((got.double() - want.double()).norm() / want.double().norm()).item() <= tol

@@ -187,6 +187,10 @@ def test_default_num_splits():
     assert default_num_splits(1, 8, 16, 132) == 1
     assert default_num_splits(64, 8, 8192, 132, block_n=128, programs_per_sm=30) == 8
     assert default_num_splits(64, 8, 8192, 132, block_n=4096, programs_per_sm=30) == 2  # never more than tiles
+    # nvfp4 fills its 4 resident programs per SM once (rounded down): 8 x 32768 at 8 kv heads takes 8 splits
+    assert default_num_splits(8, 8, 32768, 132, block_n=128, fill=4) == 8
+    assert default_num_splits(64, 8, 8192, 132, block_n=128, fill=4) == 1
+    assert default_num_splits(1, 8, 1 << 20, 132, block_n=128, fill=4) == 64  # capped
 
 
 def test_bad_input_is_rejected():
@@ -262,3 +266,56 @@ def test_prefill_launch_defaults_by_case(monkeypatch):
     assert P.launch_defaults("cuda", 64, 0, 4096, True) == tab[64]["tma"]
     assert P.launch_defaults("cpu", 128, 0, 8192, True) == dict(zip(P._LAUNCH, P._CPU_DEFAULTS))
     assert tab[128]["tma"]["block_n"] > tab[128]["prefix"]["block_n"]
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
+@pytest.mark.parametrize("window,sinks,q8,dtype", FEATURES)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_prefill_prefix_workspace_matches_reference(fmt, window, sinks, q8, dtype, layout):
+    # the prefix dequantized once into a float16 workspace: ragged prefixes (none, partial pages, whole
+    # tiles), the workspace's pages of the cache's size, the same per-head scales as in registers
+    case = C.check_prefill_workspace(fmt, [5, 40, 1, 19], [0, 23, 50, 32], 4, 2, 32, 8, dtype=dtype, window=window,
+                                     sinks=sinks, q_fp8=q8, device="cpu", seed=len(fmt) * 13 + (window or 3),
+                                     layout=layout, block_m=16, block_n=16)
+    tol = C.TOL[torch.float32] if dtype == torch.float32 else C.TOL[torch.bfloat16]
+    assert case.err <= tol, case.line()
+    # both paths see the same dot operands, so they agree far more closely than either does with the reference
+    ws_vs_reg = float(case.detail.rsplit(" ", 1)[1].rstrip(")"))
+    assert ws_vs_reg <= tol / 4, case.line()
+
+
+def test_prefill_prefix_workspace_in_sequence_groups(monkeypatch):
+    # a cap below the batch's workspace: the extend runs in groups of sequences (here 2 + 2 + 1), one
+    # workspace reused; a cap below one sequence's prefix keeps it in registers (auto) or is refused (forced)
+    from kvbench.kernels import prefill as P
+
+    per_seq = 7 * 8 * 2 * 32 * 2 * 2  # 7 pages of 8 tokens (max prefix 50), 2 kv heads, D 32, float16, K and V
+    monkeypatch.setattr(P, "WORKSPACE_CAP_BYTES", 2 * per_seq + 1)
+    assert P.workspace_plan(2, False, 50, 64, 5, 2, 32, 8, True).group == 2
+    case = C.check_prefill_workspace("nvfp4", [5, 40, 1, 19, 7], [0, 23, 50, 32, 9], 4, 2, 32, 8,
+                                     dtype=torch.float32, window=21, sinks=True, device="cpu", seed=5,
+                                     block_m=16, block_n=16)
+    assert case.err <= C.TOL[torch.float32], case.line()
+    monkeypatch.setattr(P, "WORKSPACE_CAP_BYTES", per_seq - 1)
+    assert P.workspace_plan(2, False, 50, 4096, 5, 2, 32, 8, None) is None
+    assert P.workspace_plan(2, False, 50, 4096, 5, 2, 32, 8, True) is None
+    with pytest.raises(ValueError, match="prefix_workspace=True"):
+        C.check_prefill_workspace("nvfp4", [5, 40], [0, 50], 4, 2, 32, 8, dtype=torch.float32, device="cpu",
+                                  block_m=16, block_n=16)
+
+
+def test_prefill_workspace_plan_auto_rules(monkeypatch):
+    from kvbench.kernels import prefill as P
+
+    monkeypatch.setattr(P, "WORKSPACE_MIN_Q", {2: 256, 1: 1024})
+    plan = P.workspace_plan
+    assert plan(2, False, 7168, 1024, 4, 8, 128, 16, None).npp == 448  # nvfp4, enough new tokens
+    assert plan(2, False, 7168, 255, 4, 8, 128, 16, None) is None  # too few new tokens: in registers
+    assert plan(2, False, 7168, 16, 4, 8, 128, 16, True) is not None  # forced
+    assert plan(2, False, None, 1024, 4, 8, 128, 16, None) is None  # unknown prefix: no workspace
+    assert plan(2, False, 0, 1024, 4, 8, 128, 16, None) is None  # prompts only
+    assert plan(1, True, 7168, 1024, 4, 8, 128, 16, None) is None  # e4m3 scores on the stored K
+    assert plan(1, False, 7168, 1024, 4, 8, 128, 16, None) is not None  # fp8 converted per tile otherwise
+    assert plan(1, False, 7168, 512, 4, 8, 128, 16, None) is None  # ... from 1024 new tokens
+    assert plan(0, False, 7168, 1024, 4, 8, 128, 16, True) is None  # bf16: nothing to dequantize
+    assert plan(2, False, 7168, 1024, 4, 8, 128, 16, False) is None

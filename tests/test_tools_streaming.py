@@ -132,7 +132,7 @@ def test_kernel_check_grid_is_labelled_before_it_runs():
     from kvbench.tools.kernel_check_grid import gpu_cases
 
     cases = list(gpu_cases())
-    assert len(cases) == 280  # docs/kernels.md: 280 cases with the five built-in formats
+    assert len(cases) == 307  # docs/kernels.md: 307 cases with the five built-in formats
     assert kernel_formats() == ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
     assert all(callable(t) and isinstance(lab, str) and lab for lab, t in cases)
     assert cases[0][0].startswith("append bf16 T=1 32/8 D=128 page=16 neox")
@@ -153,8 +153,13 @@ def _fake_bench(monkeypatch, tmp_path, flashinfer_ok=True):
     order = []
 
     def dec(res, fmt, *, tune, layout, main=True, **shape):
-        order.append(f"triton {fmt} {layout}")
+        long = shape.get("batch") == 8
+        order.append(f"triton {fmt} {layout}" + (" long" if long else ""))
         t = {"bf16": 500.0, "fp8_e4m3": 270.0, "nvfp4": 190.0}[fmt]
+        if long:  # as decode_rows: the long shape's own record, not the anchors' comparison
+            res.dec_long[fmt] = {"bf16": 97.0, "fp8_e4m3": 90.0, "nvfp4": 60.0}[fmt]
+            yield Row(f"decode triton {fmt} B8x32768 32/8 D128 p16 {layout}", t / 2, 4000.0, 60.0)
+            return
         res.dec_layout[(fmt, layout)] = t
         row = Row(f"decode triton {fmt} B64x8192 32/8 D128 p16 {layout}", t, 4000.0, 100.0)
         if main:
@@ -200,9 +205,10 @@ def test_bench_kernels_streams_rows_with_sdpa_and_flashinfer_anchors(monkeypatch
     assert lines[0].startswith("## kernel benchmarks — Fake GPU") and lines[1].split()[:3] == ["case", "us", "GB/s"]
     assert lines[2].startswith("device-to-device copy")
     # kvbench's decode rows first, then the anchors on the same shape with kvbench's speed-up over them
-    assert order[:7] == ["triton bf16 HND", "triton fp8_e4m3 HND", "triton nvfp4 HND", "triton bf16 NHD",
-                         "triton fp8_e4m3 NHD", "triton nvfp4 NHD", "sdpa decode"]
-    assert order[7:11] == ["flashinfer bf16 NHD", "flashinfer bf16 HND", "flashinfer fp8_e4m3 NHD",
+    assert order[:10] == ["triton bf16 HND", "triton fp8_e4m3 HND", "triton nvfp4 HND", "triton bf16 NHD",
+                          "triton fp8_e4m3 NHD", "triton nvfp4 NHD", "triton bf16 HND long", "triton fp8_e4m3 HND long",
+                          "triton nvfp4 HND long", "sdpa decode"]
+    assert order[10:14] == ["flashinfer bf16 NHD", "flashinfer bf16 HND", "flashinfer fp8_e4m3 NHD",
                            "flashinfer fp8_e4m3 HND"]
     sdpa = next(l for l in lines if l.startswith("decode torch SDPA"))
     assert "1.30x" in sdpa  # 650 us against kvbench's 500 us
@@ -210,9 +216,9 @@ def test_bench_kernels_streams_rows_with_sdpa_and_flashinfer_anchors(monkeypatch
     assert "1.93x" in fi8  # 520 / 270
     assert lines.index(sdpa) < next(i for i, l in enumerate(lines) if l.startswith("## targets"))
     # progress on stderr, one line per measurement (not a terminal here): copy 1; decode 3 tuned + 3 other
-    # layout + SDPA + 4 flashinfer; prefill 3 causal + 2 flashinfer, extend bf16 1 + SDPA + 2 flashinfer,
-    # fp8_e4m3 3 + 2 flashinfer, nvfp4 1; append floor + 4 sizes
-    n = 1 + 11 + (5 + 4 + 5 + 1) + 5
+    # layout + 3 long (8 x 32768) + SDPA + 4 flashinfer; prefill 3 causal + 2 flashinfer, extend bf16 1 + SDPA + 2 flashinfer,
+    # fp8_e4m3 3 + 2 flashinfer, nvfp4 2 (prefix workspace, in registers); append floor + 4 sizes
+    n = 1 + 14 + (5 + 4 + 5 + 2) + 5
     prog = [l for l in text.err.splitlines() if l.startswith("[")]
     assert prog[0] == f"[1/{n}] device-to-device copy…" and prog[-1].startswith(f"[{n}/{n}] done in")
     assert len(prog) == n + 1
@@ -354,3 +360,40 @@ def test_engine_perf_streams_rows(monkeypatch, capsys, tmp_path):
     assert [(r["kv"], r["eager"]) for r in res["decode"]][:2] == [("bf16", True), ("bf16", False)]
     assert res["matrix"] == [{"kv": "bf16", "backend": "triton+triton"}] and res["concurrent"] == {"requests": 16}
     assert "[14/14] done in" in text.err  # 1 + 6 + 5 + 1 + 1 measurements
+
+
+def test_speed_targets_of_issue_28():
+    from kvbench.tools.common import Row
+    from kvbench.tools.decode_bench import BenchResults
+    from kvbench.tools.kernel_bench import speed_targets
+
+    res = BenchResults()
+    res.dec_rows = [Row("decode triton bf16 B64x8192 32/8 D128 p16 HND", 726.0, 3300.0, 98.0),
+                    Row("decode triton nvfp4 B64x8192 32/8 D128 p16 HND", 362.0, 1850.0, 55.0)]
+    res.dec = {"bf16": 726.0, "nvfp4": 362.0}
+    res.dec_long = {"nvfp4": 71.0}
+    res.pre = {"extend_bf16": 1267.0, "extend_nvfp4": 1378.0, "extend_fp8_e4m3": 1291.0}
+    res.app = {(1, "bf16"): (1.7, 2.9, 3.5), (128, "nvfp4"): (3.3, 4.7, 3.7), (512, "nvfp4"): (6.5, 8.3, 4.2),
+               (512, "bf16"): (4.3, 6.0, 4.2)}
+    got = {name: (ok, val) for name, ok, val in speed_targets(res)}
+    assert got["decode nvfp4 >= 80% of copy bandwidth (64 x 8192)"] == (False, "55%")
+    assert got["decode nvfp4 >= 2.9x faster than bf16 (64 x 8192)"] == (False, "2.01x")
+    assert got["decode nvfp4 >= 70% of copy bandwidth (8 x 32768)"] == (True, "71%")
+    assert got["extend nvfp4 prefix >= 0.9x the bf16 extend's speed"] == (True, "0.92x")
+    assert got["extend fp8_e4m3 prefix >= 0.95x the bf16 extend's speed"] == (True, "0.98x")
+    assert got["append fused <= 0.6x unfused (up to 128 tokens)"] == (False, "worst 0.70x (nvfp4, T=128)")
+    assert got["append fused <= 1.3x a plain bf16 store (every format, up to 512)"] == (False, "worst 1.55x (nvfp4, T=512)")
+    assert speed_targets(BenchResults()) == []  # nothing measured: no verdicts
+
+
+def test_mla_speed_targets_of_issue_28():
+    from kvbench.tools.mla_bench import mla_speed_targets
+
+    rows = [{"who": "kvbench", "format": "bf16", "heads": 128, "us": 630.0, "TFLOPs": 240.6},
+            {"who": "kvbench", "format": "fp8_e4m3", "heads": 128, "us": 617.0, "TFLOPs": 245.7},
+            {"who": "kvbench", "format": "bf16", "heads": 16, "us": 100.0, "TFLOPs": 900.0},  # not the 128-head row
+            {"who": "flashinfer fa3", "format": "bf16", "heads": 128, "us": 300.0, "TFLOPs": 505.0}]
+    got = {n: (ok, v) for n, ok, v in mla_speed_targets(rows)}
+    assert got == {"MLA decode bf16 >= 400 TFLOP/s (128 heads, 64 x 8192)": (False, "241 TFLOP/s"),
+                   "MLA decode fp8 >= 1.3x bf16 (128 heads, 64 x 8192)": (False, "1.02x")}
+    assert mla_speed_targets([]) == []

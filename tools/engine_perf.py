@@ -83,6 +83,30 @@ def decode_step(engine, batch: int, ctx: int, iters: int = 20) -> float:
             cache.allocator.free(s.pages)
 
 
+def kernel_breakdown(engine, batch: int, ctx: int, steps: int = 3, top: int = 18) -> dict:
+    """GPU kernel time of one decode step by kernel name (torch profiler over ``steps`` steps after the
+    warm-up): ``{"kernel_ms_per_step": total, "kernels": [{"name", "ms_per_step", "launches_per_step"}, …]}``,
+    the ``top`` longest first.  Run it on an eager engine: a CUDA graph shows up as one replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decode_step(engine, batch, ctx, iters=2)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decode_step(engine, batch, ctx, iters=steps)
+    runs = 3 + steps  # decode_step's three warm-up steps are inside the profile too
+    agg: dict = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            us = getattr(ev, "device_time_total", None)
+            us = ev.cuda_time_total if us is None else us
+            a = agg.setdefault(ev.name, [0.0, 0])
+            a[0] += us
+            a[1] += 1
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])
+    return {"kernel_ms_per_step": sum(v[0] for v in agg.values()) / runs / 1e3,
+            "kernels": [{"name": k[:120], "ms_per_step": v[0] / runs / 1e3, "launches_per_step": v[1] // runs}
+                        for k, v in rows[:top]]}
+
+
 def weight_bytes_read_per_step(model) -> int:
     """All parameters except the embedding table (decode reads only its rows); a tied table is read
     once as the LM head."""
@@ -191,7 +215,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--decode-backend", default="triton")
     ap.add_argument("--capacity-budget-gb", type=float, default=2.0)
-    ap.add_argument("--skip", default="", help="comma list of: bandwidth,decode,capacity,matrix,default,concurrent")
+    ap.add_argument("--skip", default="", help="comma list of: bandwidth,decode,profile,capacity,matrix,default,concurrent")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
 
@@ -231,6 +255,16 @@ def main(argv=None) -> None:
             row = {"kv": fmt, "eager": eager, "error": f"{type(ex).__name__}: {ex}"[:300]}
         res.setdefault("decode", []).append(row)
         return ("decode", row)
+
+    def profile_step(fmt):
+        """Where an eager decode step's GPU time goes, by kernel (torch profiler)."""
+        cfg = EngineConfig(model=args.model, kv_dtype=fmt, prefill_backend="torch", decode_backend=args.decode_backend,
+                           device=args.device, max_running=args.batch, max_model_len=args.ctx + 16,
+                           kv_budget_gb=args.batch * (args.ctx + 16) * 1.05 * _bpt(args.model, fmt) / 2**30,
+                           enforce_eager=True)
+        row = {"kv": fmt, **_with_engine(cfg, lambda e: kernel_breakdown(e, args.batch, args.ctx))}
+        res.setdefault("profile", []).append(row)
+        return ("profile", row)
 
     def capacity(fmt):
         cfg = EngineConfig(model=args.model, kv_dtype=fmt, device=args.device, prefill_backend="torch",
@@ -274,6 +308,9 @@ def main(argv=None) -> None:
         steps += [Step(f"decode step {fmt} B={args.batch} L={args.ctx} {'eager' if eager else 'CUDA graphs'}",
                        lambda fmt=fmt, eager=eager: decode(fmt, eager))
                   for fmt in bench_formats() for eager in (True, False)]
+    if "profile" not in skip and args.device.startswith("cuda"):
+        steps += [Step(f"kernel breakdown {fmt} B={args.batch} L={args.ctx} eager", lambda fmt=fmt: profile_step(fmt))
+                  for fmt in bench_formats()]
     if "capacity" not in skip:
         steps += [Step(f"capacity {fmt} {args.capacity_budget_gb} GiB", lambda fmt=fmt: capacity(fmt)) for fmt in format_names()]
     if "matrix" not in skip:

@@ -21,11 +21,11 @@ from dataclasses import asdict
 from typing import Optional
 
 from kvbench.tools.common import ROW_HEADER, Row, bench_formats, copy_bandwidth
-from kvbench.tools.decode_bench import (BenchResults, decode_rows, flashinfer_decode_rows, flashinfer_error,
-                                        sdpa_decode_rows)
+from kvbench.tools.decode_bench import (LONG_DECODE, BenchResults, decode_rows, flashinfer_decode_rows,
+                                        flashinfer_error, sdpa_decode_rows)
 from kvbench.tools.streaming import Step, stream_rows
 
-__all__ = ["PARTS", "parse_parts", "mla_argv", "plan", "main"]
+__all__ = ["PARTS", "parse_parts", "mla_argv", "plan", "speed_targets", "main"]
 
 PARTS = ("decode", "prefill", "append", "mla")
 
@@ -70,6 +70,11 @@ def plan(res: BenchResults, want, *, quick=False, flashinfer=True, layout="HND",
         for fmt in bench_formats():
             steps.append(Step(f"decode triton {fmt} {dims} {other} (defaults)",
                               lambda fmt=fmt: decode_rows(res, fmt, tune=False, layout=other, main=False, **shape)))
+        lb, lc = LONG_DECODE  # few long sequences: fewer programs, each over more pages (launch defaults)
+        for fmt in (bench_formats() if not decode_shape else ()):  # not with a caller's (smaller) shape
+            steps.append(Step(f"decode triton {fmt} B={lb} L={lc} {layout} (defaults)",
+                              lambda fmt=fmt: decode_rows(res, fmt, tune=False, layout=layout, main=False,
+                                                          **{**shape, "batch": lb, "ctx": lc})))
         sd = {k: v for k, v in shape.items() if k != "page"}
         steps.append(Step(f"decode torch SDPA bf16 {dims}", lambda: sdpa_decode_rows(res, **sd)))
         if flashinfer:
@@ -141,6 +146,37 @@ def _targets(copy_gbps, dec_rows, dec, fi, pre, app):
     return res
 
 
+def speed_targets(res: BenchResults) -> list:
+    """Issue 28's kernel targets (nvfp4 decode against copy bandwidth at both shapes, the extends against
+    bf16's, the fused append against the unfused pair and the plain bf16 store) as (name, met, value)."""
+    out = []
+    pct = {r.name.split()[2]: r.pct_copy for r in res.dec_rows}
+    if "nvfp4" in pct:
+        out.append(("decode nvfp4 >= 80% of copy bandwidth (64 x 8192)", pct["nvfp4"] >= 80, f"{pct['nvfp4']:.0f}%"))
+    if "bf16" in res.dec and "nvfp4" in res.dec:
+        r = res.dec["bf16"] / res.dec["nvfp4"]
+        out.append(("decode nvfp4 >= 2.9x faster than bf16 (64 x 8192)", r >= 2.9, f"{r:.2f}x"))
+    if "nvfp4" in res.dec_long:
+        b, c = LONG_DECODE
+        out.append((f"decode nvfp4 >= 70% of copy bandwidth ({b} x {c})", res.dec_long["nvfp4"] >= 70,
+                    f"{res.dec_long['nvfp4']:.0f}%"))
+    bf = res.pre.get("extend_bf16")
+    for key, name, want in (("extend_nvfp4", "nvfp4", 0.9), ("extend_fp8_e4m3", "fp8_e4m3", 0.95)):
+        if bf and key in res.pre:
+            r = bf / res.pre[key]
+            out.append((f"extend {name} prefix >= {want}x the bf16 extend's speed", r >= want, f"{r:.2f}x"))
+    small = [(t, f, tf / tu) for (t, f), (tf, tu, _) in res.app.items() if t <= 128]
+    if small:
+        t, f, r = max(small, key=lambda x: x[2])
+        out.append(("append fused <= 0.6x unfused (up to 128 tokens)", r <= 0.6, f"worst {r:.2f}x ({f}, T={t})"))
+    every = [(t, f, tf / p) for (t, f), (tf, _, p) in res.app.items() if t <= 512]
+    if every:
+        t, f, r = max(every, key=lambda x: x[2])
+        out.append(("append fused <= 1.3x a plain bf16 store (every format, up to 512)", r <= 1.3,
+                    f"worst {r:.2f}x ({f}, T={t})"))
+    return out
+
+
 def main(check: bool = False, quick: bool = False, out: Optional[str] = None, flashinfer: bool = True,
          parts: str = "decode,prefill,append,mla", sweep: bool = False, layout: str = "HND") -> int:
     """Run the kernel benchmarks on the CUDA device (``check`` first runs the correctness check;
@@ -180,7 +216,7 @@ def main(check: bool = False, quick: bool = False, out: Optional[str] = None, fl
     res = BenchResults()
     rows = list(stream_rows(plan(res, want, quick=quick, flashinfer=flashinfer, layout=layout), fmt=Row.line,
                             header=ROW_HEADER, on_error=failed_row))
-    tg = _targets(res.copy, res.dec_rows, res.dec, res.fi, res.pre, res.app)
+    tg = _targets(res.copy, res.dec_rows, res.dec, res.fi, res.pre, res.app) + speed_targets(res)
     print("\n## targets")
     for name, ok, detail in tg:
         print(f"{'MET ' if ok else 'MISS'}  {name:<55} {detail}")

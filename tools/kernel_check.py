@@ -290,6 +290,19 @@ def check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype=torch.bfloat1
     return Case("prefill", label, rel_err(out, ref), TOL[dtype])
 
 
+def check_prefill_workspace(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype=torch.bfloat16, window=None,
+                            sinks=False, q_fp8=False, device="cuda", seed=0, layout="NHD", **launch) -> Case:
+    """The extend over its prefix dequantized once into a float16 workspace (``prefix_workspace=True``,
+    ``max_prefix_len`` given) against the float64 reference; the detail gives the in-register path's error
+    on the same inputs and the two outputs' difference."""
+    (ws, reg), ref, label = _prefill_run(
+        fmt, q_lens, prefixes, hq, hk, d, page, dtype=dtype, window=window, sinks=sinks, q_fp8=q_fp8, device=device,
+        seed=seed, layout=layout, variants=[dict(launch, prefix_workspace=True, max_prefix_len=max(prefixes)),
+                                            dict(launch, prefix_workspace=False)])
+    detail = f"(in registers {rel_err(reg, ref):.2e}, workspace vs registers {rel_err(ws, reg):.2e})"
+    return Case("prefill", f"{label} prefix workspace", rel_err(ws, ref), TOL[dtype], detail)
+
+
 # two bf16 outputs of the same attention that differ only in rounding: a few units in bf16's last place
 SPLIT_TOL = 4e-3
 

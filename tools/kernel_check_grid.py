@@ -9,7 +9,8 @@ from typing import Callable, Iterator
 import torch
 
 from kvbench.tools.common import kernel_formats
-from kvbench.tools.kernel_check import check_append, check_decode, check_prefill, check_prefill_q_split
+from kvbench.tools.kernel_check import (check_append, check_decode, check_prefill, check_prefill_q_split,
+                                       check_prefill_workspace)
 
 __all__ = ["SHAPES", "gpu_cases"]
 
@@ -99,3 +100,15 @@ def gpu_cases(quick: bool = False) -> Iterator[tuple[str, Callable]]:
             yield (f"prefill {fmt}{_feat(w, s, q8, 'HND')}",
                    lambda f=fmt, w=w, s=s, q=q8, sd=seed(): check_prefill(
                        f, ql, pre, *a, window=w, sinks=s, q_fp8=q, layout="HND", seed=sd))
+
+    # the extend over its prefix dequantized once into a float16 workspace (the GPU default for nvfp4 from
+    # ``prefill.WORKSPACE_MIN_Q`` new tokens, and for fp8 prefixes whose scores cannot run on the stored K):
+    # every quantized format and feature, both layouts, every prefill batch
+    for fmt in [f for f in fmts if f not in ("bf16", "fp16")]:
+        for (ql, pre), a in zip(PREFILL_BATCHES, (SHAPES[0], SHAPES[1], SHAPES[0])):
+            for window, sinks, q8, layout in ((None, False, False, "NHD"), (700, True, False, "HND"),
+                                              (None, False, True, "HND")):
+                yield (f"prefill {fmt} prefix workspace B={len(ql)} L<={max(map(sum, zip(ql, pre)))} {_shape(a)}"
+                       f"{_feat(window, sinks, q8, layout)}",
+                       lambda f=fmt, ql=ql, pre=pre, a=a, w=window, s=sinks, q=q8, lay=layout, sd=seed():
+                       check_prefill_workspace(f, ql, pre, *a, window=w, sinks=s, q_fp8=q, layout=lay, seed=sd))

@@ -20,7 +20,7 @@ from kvbench.tools.mla_common import (H, PAGE, RANK, ROPE, SM, cache_for, decode
 
 __all__ = ["DECODE_CONFIGS", "PREFILL_CASES", "STAGE_CASES", "iter_tune_decode", "tune_decode", "iter_decode",
            "bench_decode", "iter_prefill", "bench_prefill", "iter_stages", "sweep_stages", "iter_append",
-           "bench_append"]
+           "bench_append", "iter_vs_flashinfer", "mla_speed_targets"]
 
 DECODE_CONFIGS = {  # heads regime -> (block_h, block_n, num_warps, num_stages, num_splits or None = default)
     "many": [(64, 32, 4, 2, None), (64, 32, 8, 2, None), (64, 64, 8, 2, None), (64, 16, 4, 3, None),
@@ -162,3 +162,73 @@ def iter_append(kv_dtype, dev, gen, tokens=(64, 4096)) -> Iterator[dict]:
 
 def bench_append(*a, **k) -> list:
     return list(iter_append(*a, **k))
+
+
+def _flashinfer_mla(cache, pt, ql, qp, sl, ctx, heads, backend):
+    """flashinfer's paged MLA decode (``BatchMLAPagedAttentionWrapper``, bf16 latent) on kvbench's pages: the
+    latent and rope parts split into its two caches → (µs, output)."""
+    import flashinfer
+
+    b = ql.shape[0]
+    npg = -(-ctx // PAGE)
+    ckv = cache.data[:, :, 0, :RANK].contiguous()
+    kpe = cache.data[:, :, 0, RANK:].contiguous()
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=ql.device)
+    w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
+    i32 = dict(dtype=torch.int32, device=ql.device)
+    w.plan(torch.arange(b + 1, **i32), torch.arange(b + 1, **i32) * npg, pt[:, :npg].reshape(-1).contiguous(),
+           sl.to(torch.int32), heads, RANK, ROPE, PAGE, False, SM, ql.dtype, ckv.dtype)
+    out = w.run(ql, qp, ckv, kpe)
+    us = time_us(lambda: w.run(ql, qp, ckv, kpe), ms=100)
+    return us, out
+
+
+def iter_vs_flashinfer(dev, gen, heads=(128,), formats=("bf16", "fp8_e4m3", "nvfp4"), batch=64, ctx=8192,
+                       backends=("fa2", "fa3")) -> Iterator[dict]:
+    """MLA decode at ``batch`` × ``ctx``: kvbench's kernel at its launch defaults per format, then flashinfer's
+    paged MLA decode on the same bf16 pages per backend (its output compared with kvbench's: the anchor
+    computes the same attention), each row with TFLOP/s and, for flashinfer, kvbench's speed over it."""
+    for nh in heads:
+        ours = {}
+        outs = {}
+        for fmt in formats:
+            cache, pt, ql, qp, sl, nbytes = decode_setup(fmt, batch, ctx, dev, gen, nh)
+            kw = dict(max_seq_len=ctx)
+            us = time_us(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw), ms=100)
+            flops = 2 * batch * nh * ctx * (2 * RANK + ROPE)
+            ours[fmt] = us
+            if fmt == "bf16":
+                outs["bf16"] = (cache, pt, ql, qp, sl, mla_decode(ql, qp, cache, pt, sl, SM, **kw))
+            else:
+                del cache
+            yield {"who": "kvbench", "format": fmt, "heads": nh, "batch": batch, "ctx": ctx, "us": us,
+                   "TFLOPs": flops / (us * 1e-6) / 1e12, "GBps": nbytes / (us * 1e-6) / 1e9}
+        if "bf16" not in outs:
+            continue
+        cache, pt, ql, qp, sl, ref = outs.pop("bf16")
+        flops = 2 * batch * nh * ctx * (2 * RANK + ROPE)
+        for be in backends:
+            try:
+                us, out = _flashinfer_mla(cache, pt, ql, qp, sl, ctx, nh, be)
+            except Exception as e:  # noqa: BLE001 - not importable, no kernel for this GPU, JIT failure
+                yield {"who": f"flashinfer {be}", "format": "bf16", "heads": nh, "batch": batch, "ctx": ctx,
+                       "error": f"{type(e).__name__}: {' '.join(str(e).split())[:150]}"}
+                continue
+            yield {"who": f"flashinfer {be}", "format": "bf16", "heads": nh, "batch": batch, "ctx": ctx, "us": us,
+                   "TFLOPs": flops / (us * 1e-6) / 1e12, "kvbench_x": us / ours["bf16"],
+                   "rel_err_vs_kvbench": rel_err(out.float(), ref.double())}
+        del cache
+
+
+def mla_speed_targets(rows: list) -> list:
+    """Issue 28's MLA targets at 128 heads from ``iter_vs_flashinfer`` rows: bf16 >= 400 TFLOP/s, fp8 >= 1.3x
+    bf16's speed → (name, met, value)."""
+    ours = {r["format"]: r for r in rows if r.get("who") == "kvbench" and r.get("heads") == 128 and "us" in r}
+    out = []
+    if "bf16" in ours:
+        t = ours["bf16"]["TFLOPs"]
+        out.append(("MLA decode bf16 >= 400 TFLOP/s (128 heads, 64 x 8192)", t >= 400, f"{t:.0f} TFLOP/s"))
+    if "bf16" in ours and "fp8_e4m3" in ours:
+        r = ours["bf16"]["us"] / ours["fp8_e4m3"]["us"]
+        out.append(("MLA decode fp8 >= 1.3x bf16 (128 heads, 64 x 8192)", r >= 1.3, f"{r:.2f}x"))
+    return out

@@ -252,6 +252,39 @@ def _error_row(step, e):
     return ("error", {"format": "", "step": step.label, "error": f"{type(e).__name__}: {e}"[:300]})
 
 
+def _vs_flashinfer(args) -> int:
+    """``--flashinfer``: the table of ``mla_bench.iter_vs_flashinfer`` and the targets, printed as measured."""
+    import triton
+
+    from kvbench.tools.mla_bench import iter_vs_flashinfer, mla_speed_targets
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(7)
+    heads = tuple(int(x) for x in args.heads.split(",") if x)
+    head = (f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC; MLA decode 64 x 8192, rank 512 + rope 64, "
+            f"page {PAGE}; medians of triton.testing.do_bench (L2 flushed before each call)")
+    print(head, flush=True)
+    lines = ["| who | KV | heads | µs | TFLOP/s | GB/s | kvbench × | note |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for r in iter_vs_flashinfer(dev, gen, heads=heads, formats=tuple(mla_formats())):
+        rows.append(r)
+        note = r.get("error", "") or (f"output vs kvbench's {r['rel_err_vs_kvbench']:.1e}" if "rel_err_vs_kvbench" in r else "")
+        fx = lambda k, f: format(r[k], f) if k in r else ""  # noqa: E731
+        lines.append(f"| {r['who']} | {r['format']} | {r['heads']} | {fx('us', '.1f')} | {fx('TFLOPs', '.0f')} | "
+                     f"{fx('GBps', '.0f')} | {fx('kvbench_x', '.2f')} | {note} |")
+        print(lines[-1], flush=True)
+    tg = mla_speed_targets(rows)
+    md = head + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(
+        f"- {'MET' if ok else 'MISS'} {name}: {val}" for name, ok, val in tg) + "\n"
+    print("\n".join(f"{'MET ' if ok else 'MISS'}  {name:<55} {val}" for name, ok, val in tg))
+    if args.out:
+        atomic_write_text(os.path.join(args.out, "mla_flashinfer.json"),
+                          json.dumps(dict(header=head, rows=rows, targets=tg), indent=1))
+        atomic_write_text(os.path.join(args.out, "mla_flashinfer.md"), md)
+    return 0
+
+
 def main(argv=None) -> int:
     from kvbench.tools.mla_bench import iter_stages
     from kvbench.tools.mla_report import ROW_HEADER, report_md, row_line, stages_md
@@ -266,10 +299,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep at 64 x 8192")
     ap.add_argument("--stages", action="store_true", help="only the decode's pipeline-depth table at 64 x 8192 "
                     "(graph replays; writes mla_stages.json / .md)")
+    ap.add_argument("--flashinfer", action="store_true", help="only kvbench's decode per format against flashinfer's "
+                    "paged MLA decode (fa2, fa3) at 64 x 8192 for each of --heads, with the speed targets "
+                    "(writes mla_flashinfer.json / .md)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("mla_check needs a CUDA device", file=sys.stderr)
         return 2
+    if args.flashinfer:
+        return _vs_flashinfer(args)
     import triton
 
     dev = torch.device("cuda")

@@ -16,7 +16,7 @@ from kvbench.tools.common import Row, bench_formats, bench_us as _bench, fi_kv, 
 from kvbench.tools.decode_bench import BenchResults
 from kvbench.tools.streaming import Step
 
-__all__ = ["CONFIGS", "PrefillBench", "bench_prefill"]
+__all__ = ["CONFIGS", "PrefillBench", "bench_prefill", "workspace_crossover"]
 
 # Launch configurations (block_m, block_n, block_n_prefix, num_warps, num_stages) timed for every prefill
 # row; ``None`` stands for ``paged_prefill``'s own defaults (``prefill.launch_defaults``).
@@ -228,6 +228,8 @@ class PrefillBench:
             # run as fp8 dots on the stored K; "converted K" is the path that converts every K tile instead
             queries = [("", False, {})] + ([(" converted K", False, dict(fp8_qk=False)), (" fp8 q", True, {})]
                                            if fmt == "fp8_e4m3" else [])
+            if fmt == "nvfp4":  # the default dequantizes the prefix once into a workspace; the path it replaced
+                queries.append((" in registers", False, dict(prefix_workspace=False)))
             s += [Step(f"extend triton {fmt}{tag} B={self.b} L={self.seq}",
                        lambda fmt=fmt, tag=tag, q8=q8, opt=opt: self._extend_row(fmt, tag, q8, opt))
                   for tag, q8, opt in queries]
@@ -279,3 +281,47 @@ def _fi_row(name, flops, ours_us, *args):
         msg = " ".join(str(e).split())
         return Row(f"{name} (failed)", float("nan"), note=f"{type(e).__name__}: {msg[:60]} ... {msg[-200:]}")
     return Row(name, t, tflops=_tflops(flops, t), kvbench_x=speedup(t, ours_us))
+
+
+def workspace_crossover(formats=("nvfp4", "fp8_e5m2"), new_lens=(16, 64, 128, 256, 512, 1024, 2048), prefix=7168,
+                        batch=4, layout="HND") -> list[Row]:
+    """The extend over a quantized prefix at the launch defaults, with the prefix dequantized once into a
+    float16 workspace and in registers, for a range of new-token counts: where ``prefill.WORKSPACE_MIN_Q``
+    comes from.  Each row: the workspace path's µs, the note the in-register µs and their ratio."""
+    import torch
+
+    from kvbench.kernels.prefill import paged_prefill
+
+    rows = []
+    for fmt in formats:
+        for new in new_lens:
+            pb = PrefillBench(BenchResults(), seq=prefix + new, new=new, batch=batch, flashinfer=False,
+                              layout=layout, formats=[fmt])
+            x = pb.extend_inputs(fmt)
+            kv = dict(k_scale=x["ks"], v_scale=x["vs"], k_block_scale=x["kbs"], v_block_scale=x["vbs"],
+                      out=x["qx"].clone())
+
+            def run(ws, x=x, kv=kv, new=new, fmt=fmt):
+                return paged_prefill(x["qx"], x["knx"], x["vnx"], x["cux"], new, x["kc"], x["vc"], x["table"],
+                                     x["lx"], kv_format=fmt, max_prefix_len=prefix, prefix_workspace=ws, **kv)
+
+            t_ws, t_reg = _bench(lambda: run(True)), _bench(lambda: run(False))
+            row = Row(f"extend {fmt} B{batch}x({prefix}+{new}) prefix workspace", t_ws,
+                      note=f"in registers {t_reg:.1f} us; workspace {t_reg / t_ws:.2f}x faster")
+            print(row.line(), flush=True)
+            rows.append(row)
+            del pb, x, kv
+            torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvbench.tools.prefill_bench",
+                                 description="the prefix workspace against dequantizing in registers, by new tokens")
+    ap.add_argument("--formats", default="nvfp4,fp8_e5m2")
+    ap.add_argument("--new", default="16,64,128,256,512,1024,2048")
+    ap.add_argument("--layout", default="HND", choices=("HND", "NHD"))
+    a = ap.parse_args()
+    workspace_crossover(tuple(a.formats.split(",")), tuple(int(n) for n in a.new.split(",")), layout=a.layout)

@@ -83,6 +83,12 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device, loaded: LoadedModel
         from kvbench.kernels.mla_prefill import WORKSPACE_BYTES
 
         act += WORKSPACE_BYTES
+    elif not m.is_mla and (get_spec(cfg.kv_dtype).quantized or getattr(cfg, "kv_layer_dtypes", None)):
+        # the extend's float16 prefix workspace over a quantized cache (kernels/prefill.py; a layer map may hold
+        # quantized layers over a 16-bit default)
+        from kvbench.kernels.prefill import WORKSPACE_CAP_BYTES
+
+        act += WORKSPACE_CAP_BYTES
     return max(free * cfg.mem_fraction - act, 64 * 2**20)
 
 

@@ -9,9 +9,12 @@ sequence.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
+from kvbench.kernels.fused_ops import rms_norm, silu_mul
 from kvbench.runtime.attention.base import AttentionBackend, AttentionLayer, AttentionMetadata
 from kvbench.runtime.models.config import ModelConfig
 
@@ -24,10 +27,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """norm(x); with ``residual``: (norm(x + residual), x + residual), one launch on a GPU
+        (``kernels/fused_ops.py``)."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def _fuse_linears(*lins: nn.Linear) -> tuple:
@@ -107,10 +110,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is not None:
-            gate, up = nn.functional.linear(x, *self._gate_up).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(nn.functional.silu(gate) * up)
+            return self.down_proj(silu_mul(nn.functional.linear(x, *self._gate_up)))
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -123,9 +124,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, backend, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), backend, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, backend, cache, meta, residual=None):
+        """``x``: the previous layer's output and ``residual`` the stream before it (None for the first
+        layer, whose input is the stream itself) → (this layer's MLP output, the stream before it).  The
+        residual adds happen inside the next norm (one launch each), the last one in the final norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, backend, cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class _Body(nn.Module):
@@ -165,10 +173,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, backend: AttentionBackend, cache, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` (normed) of a flat token batch."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, backend, cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, backend, cache, meta, residual)
+        return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
