@@ -42,6 +42,24 @@ def _meta(phase, q_lens, seq_lens, tables, rope, dev="cpu"):
     ("nvfp4", None, True, True, True),
 ])
 def test_triton_backend_agrees_with_torch(fmt, window, sinks, fused, qq):
+    _agree(fmt, window, sinks, fused, qq)
+
+
+@pytest.mark.parametrize("fmt,window,sinks", [("nvfp4", None, True), ("fp8_e5m2", 12, False)])
+def test_triton_backend_extend_over_the_prefix_workspace(monkeypatch, fmt, window, sinks):
+    # the backend passes the step's longest prefix, so an extend with enough new tokens dequantizes its prefix
+    # once into the workspace (thresholds lowered to these small steps); it must still agree with torch
+    from kvbench.kernels import prefill as P
+
+    monkeypatch.setattr(P, "WORKSPACE_MIN_Q", {2: 8, 1: 8})
+    used = []
+    real = P._over_workspace
+    monkeypatch.setattr(P, "_over_workspace", lambda plan, *a: (used.append(plan), real(plan, *a))[1])
+    _agree(fmt, window, sinks, True, False)
+    assert [(p.npp, p.group) for p in used] == [(2, 2)]  # the extend step only (prefix 10 and 5: 2 pages of 8)
+
+
+def _agree(fmt, window, sinks, fused, qq):
     gen = torch.Generator().manual_seed(7)
     spec = KVCacheSpec(num_layers=1, num_kv_heads=HK, head_dim=D, kv_dtype=fmt, page_size=PAGE)
     caches = [PagedKVCache(spec, 12), PagedKVCache(spec, 12)]
