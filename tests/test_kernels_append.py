@@ -132,3 +132,34 @@ def test_head_counts_that_do_not_fill_a_program(fmt):
     case = C.check_append(fmt, 5, 6, 3, 48, 4, rot=32, style="interleaved", dtype=torch.bfloat16, q_fp8=True,
                           device="cpu", exact=True, seed=11)
     assert case.ok, case.line()
+
+
+@pytest.mark.parametrize("d,layout", [(64, "NHD"), (128, "HND")])
+def test_nvfp4_packed_word_stores_are_bit_exact(d, layout):
+    # from 256 tokens (head dims that are multiples of 64) the nvfp4 codes and block scales are stored as 32-bit
+    # words; the rows must be the reference's bytes, and byte stores at the same size must write the same bytes
+    from kvbench.kernels import append as A
+
+    assert A.packed_stores(256, d) and not A.packed_stores(255, d) and not A.packed_stores(512, 32)
+    case = C.check_append("nvfp4", 256, 2, 1, d, 8, fused=True, q_fp8=True, device="cpu", seed=d, layout=layout)
+    assert case.ok, case.line()
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(260, h, d, generator=gen).to(torch.bfloat16) for h in (2, 2, 2))
+    pos, slots = torch.arange(260), torch.randperm(320, generator=gen)[:260]
+    cs = R.build_cos_sin_cache(512, d)
+    ks = C.calibrated_scale("nvfp4", k.float())
+    written = []
+    for packed in (True, False):
+        kc, kbs, _, _ = C.make_cache("nvfp4", 40, 8, 2, d, "cpu", torch.Generator().manual_seed(2), layout)
+        vc, vbs, _, _ = C.make_cache("nvfp4", 40, 8, 2, d, "cpu", torch.Generator().manual_seed(3), layout)
+        kc.view(torch.uint8).fill_(0xFF)  # poisoned: a byte the kernel did not write shows
+        vc.view(torch.uint8).fill_(0xFF)
+        A._TUNE["packed"] = packed
+        try:
+            fused_rope_quant_append(q, k, v, pos, slots, cs, kc, vc, ks, ks, kv_format="nvfp4", k_block_scale=kbs,
+                                    v_block_scale=vbs)
+        finally:
+            A._TUNE.clear()
+        written.append([x.view(torch.uint8).clone() for x in (kc, vc, kbs, vbs)])
+    for a, b in zip(*written):
+        assert torch.equal(a, b)
