@@ -5,8 +5,10 @@ tokens of one sequence and one query head and runs causal flash attention in two
 
 1. the cached prefix ``[0, seq_len − q_len)``, gathered tile by tile from the pages through the page
    table and dequantized in registers (fp8: ``k_scale`` folded into the logit scale, ``v_scale`` applied
-   to each tile's ``P·V``; nvfp4: even / odd element tiles with their e4m3 block scales) — no
-   dequantized copy of the cache is ever written;
+   to each tile's ``P·V``; nvfp4: even / odd element tiles with their e4m3 block scales) — or, for long
+   extends over nvfp4 (and fp8 whose scores cannot run on the stored K), from the batch's prefix
+   dequantized once into a bounded float16 workspace (``workspace_plan``), since every program would
+   otherwise unpack every prefix tile again;
 2. the new tokens themselves, read from ``k_new`` / ``v_new`` in compute precision (the append kernel
    wrote their quantized copy to the pages in the same step), with the causal mask on the diagonal
    tiles only.
