@@ -232,9 +232,10 @@ def launch_shape(t: int, num_kv_heads: int, head_dim: int, nvfp4_store: bool) ->
     """(heads per program, warps) for ``t`` tokens.  Few tokens: small programs, many of them, so the
     launch is spread over more SMs; from 256 tokens whole 8-head blocks (nvfp4's quantizing blocks 4 heads
     on 2 warps).  In elements per program (the table was measured at head dim 128): 256 below 64 tokens,
-    512 below 256, then 1024 (nvfp4 stores 512).  From a sweep of the fused append over heads 1-8 × warps
-    1-8 × kv blocks first or last on an H100 (2026-11-24, 32/8 heads, D 128, graph replays): this table is
-    within 0.1 µs of the best of those 32 for bf16, fp8_e4m3 and nvfp4 at 1, 16, 128 and 512 tokens.  The
+    512 below 256, then 1024 (nvfp4 stores 512).  From ``python docs/scripts/speed_probes.py append-shapes`` (the
+    fused append over heads 1-8 × warps 1-8 × kv blocks first or last; H100, 2026-11-24, 32/8 heads, D 128,
+    graph replays): this table is within 0.1 µs of the best of those 32 for bf16, fp8_e4m3 and nvfp4 at 1, 16,
+    128 and 512 tokens (in a second run fp8 at 512 timed 0.3 µs over its best, which was this same shape).  The
     unfused pair and the plain store (the benchmarks' comparators) take the same table."""
     if t < 64:
         elems, warps = 256, 4
@@ -249,9 +250,9 @@ def launch_shape(t: int, num_kv_heads: int, head_dim: int, nvfp4_store: bool) ->
 
 def packed_stores(t: int, head_dim: int) -> bool:
     """nvfp4 codes and block scales stored as 32-bit words (head dims that are multiples of 64) from 256 tokens:
-    H100, 2026-11-24 21:58 UTC, fused append 32/8 heads, D 128 (graph replays, best of 16 launch shapes each):
-    512 tokens 6.55 → 5.99 µs; at 1 / 16 / 128 tokens byte stores stay ahead (2.14 / 2.37 / 3.30 against
-    2.26 / 2.47 / 3.37 µs)."""
+    ``python docs/scripts/speed_probes.py packed-stores`` on an H100 (2026-11-24 22:31 UTC; fused append 32/8 heads,
+    D 128, graph replays, best of 16 launch shapes each): 512 tokens 6.51 → 5.97 µs; at 1 / 16 / 128 tokens byte
+    stores stay ahead (2.18 / 2.34 / 3.28 against 2.28 / 2.47 / 3.33 µs)."""
     return t >= 256 and head_dim % 64 == 0
 
 

@@ -242,7 +242,7 @@ _DEFAULTS = {0: (64, 2, False, 4, 2, None), 1: (128, 2, False, 4, 3, 128), 2: (1
 
 # nvfp4 fills its resident slots: its program (128 registers × 128 threads) fits 4 times on an SM, and as
 # many splits as fill them once beat the 2-per-SM rule where the batch is small: H100, 2026-11-24, 8 × 32768,
-# 32/8 heads, HND (.scratch sweep, 96 launch configurations): 5 splits (2 per SM) 284.9 µs, 8 splits 195.1 µs,
+# 32/8 heads, HND (``python docs/scripts/speed_probes.py decode-sweep``, 96 launch configurations): 5 splits (2 per SM) 284.9 µs, 8 splits 195.1 µs,
 # 16 splits 200.5 µs; at 64 × 8192 both rules give one split.
 _FILL = {2: 4}
 

@@ -83,7 +83,7 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device, loaded: LoadedModel
         from kvbench.kernels.mla_prefill import WORKSPACE_BYTES
 
         act += WORKSPACE_BYTES
-    elif not m.is_mla and (get_spec(cfg.kv_dtype).quantized or getattr(cfg, "kv_layer_dtypes", None)):
+    elif not m.is_mla and (get_spec(cfg.kv_dtype).quantized or cfg.kv_layer_dtypes):
         # the extend's float16 prefix workspace over a quantized cache (kernels/prefill.py; a layer map may hold
         # quantized layers over a 16-bit default)
         from kvbench.kernels.prefill import WORKSPACE_CAP_BYTES

@@ -1,0 +1,214 @@
+"""GPU probes behind issue 28's tuning choices (docs/kernels.md, "Speed targets of issue 28"); the figures cited
+there came from this code, run as throw-away copies on an H100 on 2026-11-24.
+
+Subcommands (each prints its rows as it measures them; CUDA graph replays for the append, ``do_bench`` medians
+for the decode):
+
+- ``append-shapes``: the fused append over heads per program 1-8 × warps 1-8 × kv blocks first or last, against
+  the unfused pair and the plain bf16 store, each at its own best launch shape; 1 / 16 / 128 / 512 tokens, 32/8
+  heads, D 128, HND pages.  Where ``append.launch_shape`` comes from.
+- ``packed-stores``: nvfp4's fused append with its codes and block scales stored as 32-bit words against byte
+  stores (best of 16 launch shapes each), after checking every nvfp4 append case of the GPU grid bit for bit with
+  the word stores forced.  Where ``append.packed_stores`` comes from.
+- ``decode-sweep``: nvfp4 paged decode over tiles × warps × register caps × stages × prefetch at 64 × 8192, and
+  with 8 / 16 / 32 splits at 8 × 32768.  Where ``decode._FILL`` comes from.
+- ``ncu-decode FMT`` / ``ncu-append FMT T``: three launches of one kernel at the benchmark's shape, for
+  ``ncu --kernel-name regex:_decode_split --launch-skip 2 --launch-count 1 --set full python ... ncu-decode nvfp4``
+  (and ``regex:_append_kernel`` for the append).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+HQ, HK, D, PAGE, LAYOUT = 32, 8, 128, 16, "HND"
+
+
+def _append_inputs(fmt: str, t: int, gen):
+    import torch
+
+    from kvbench.kernels.reference import build_cos_sin_cache
+    from kvbench.tools.kernel_check import make_cache
+
+    cs = build_cos_sin_cache(8192, D, device="cuda")
+    q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, HK, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(t, HK, D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 8192, (t,), device="cuda")
+    slots = torch.randperm(64 * PAGE, device="cuda")[:t]
+    kc, kbs, ks, _ = make_cache(fmt, 64, PAGE, HK, D, "cuda", gen, LAYOUT)
+    vc, vbs, vs, _ = make_cache(fmt, 64, PAGE, HK, D, "cuda", gen, LAYOUT)
+    return (q, k, v, pos, slots, cs, kc, vc, ks, vs), dict(kv_format=fmt, k_block_scale=kbs, v_block_scale=vbs)
+
+
+def _sweep(fn, kv_firsts=(True,), extra=None) -> list:
+    """``fn`` timed at every (heads per program, warps[, kv blocks first]) → sorted (µs, kv_first, hb, warps)."""
+    from kvbench.kernels import append as A
+    from kvbench.tools.common import bench_us
+
+    out = []
+    try:
+        for kvf, hb, nw in itertools.product(kv_firsts, (8, 4, 2, 1), (1, 2, 4, 8)):
+            A._TUNE.clear()
+            A._TUNE.update(hb=hb, num_warps=nw, kv_first=kvf, **(extra or {}))
+            out.append((bench_us(fn, graph=True), kvf, hb, nw))
+    finally:
+        A._TUNE.clear()
+    return sorted(out)
+
+
+def append_shapes() -> None:
+    import torch
+
+    from kvbench.kernels import append as A
+    from kvbench.tools.common import bench_us
+
+    gen = torch.Generator().manual_seed(0)
+    for t in (1, 16, 128, 512):
+        args, _ = _append_inputs("bf16", t, gen)
+        q, k, v, pos, slots, cs, kcb, vcb, _, _ = args
+        plain = lambda: A.quantize_store(k, v, slots, kcb, vcb, kv_format="bf16")  # noqa: E731
+        pl_default, pl = bench_us(plain, graph=True), _sweep(plain)[0]
+        print(f"T={t:4d} plain store: default {pl_default:.1f} us, best {pl[0]:.1f} (hb={pl[2]} warps={pl[3]})",
+              flush=True)
+        plain_us = min(pl_default, pl[0])
+        for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
+            args, kw = _append_inputs(fmt, t, gen)
+            unf = lambda: A.unfused_rope_quant_append(*args, **kw)  # noqa: E731
+            fus = lambda: A.fused_rope_quant_append(*args, **kw)  # noqa: E731
+            u_default, f_default = bench_us(unf, graph=True), bench_us(fus, graph=True)
+            ub = _sweep(unf)[0]
+            fb = _sweep(fus, (False, True))
+            u_us, b = min(u_default, ub[0]), fb[0]
+            print(f"T={t:4d} {fmt:9s} unfused default {u_default:.1f} best {ub[0]:.1f} | fused default {f_default:.1f} "
+                  f"best {b[0]:.1f} (kv_first={b[1]} hb={b[2]} warps={b[3]}): {b[0] / u_us:.2f}x the best unfused, "
+                  f"{b[0] / plain_us:.2f}x the best plain store; next "
+                  + " ".join(f"{r[0]:.1f}/{int(r[1])}/{r[2]}/{r[3]}" for r in fb[1:6]), flush=True)
+
+
+def packed_stores() -> int:
+    import torch
+
+    from kvbench.kernels import append as A
+    from kvbench.tools.kernel_check_grid import gpu_cases
+
+    bad = n = 0
+    A._TUNE.clear()
+    A._TUNE["packed"] = True
+    try:
+        for label, thunk in gpu_cases():
+            if label.startswith("append nvfp4"):
+                case = thunk()
+                n += 1
+                if not case.ok:
+                    bad += 1
+                    print("FAIL", case.line(), flush=True)
+    finally:
+        A._TUNE.clear()
+    print(f"nvfp4 append cases with word stores: {n - bad}/{n} bit-exact", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    for t in (1, 16, 128, 512):
+        args, kw = _append_inputs("nvfp4", t, gen)
+        fus = lambda: A.fused_rope_quant_append(*args, **kw)  # noqa: E731
+        best = {p: _sweep(fus, extra={"packed": p})[0] for p in (False, True)}
+        print(f"T={t}: byte stores {best[False][0]:.2f} us (hb={best[False][2]} warps={best[False][3]}), "
+              f"word stores {best[True][0]:.2f} us (hb={best[True][2]} warps={best[True][3]})", flush=True)
+    return 1 if bad else 0
+
+
+def decode_sweep() -> None:
+    import torch
+
+    from kvbench.kernels.decode import paged_decode
+    from kvbench.tools.common import bench_us, copy_bandwidth
+    from kvbench.tools.decode_bench import decode_case
+
+    copy = copy_bandwidth()
+    for b, ctx in ((64, 8192), (8, 32768)):
+        q, table, seq, kv, nbytes = decode_case("nvfp4", b, ctx, HQ, HK, D, PAGE, torch.Generator().manual_seed(0),
+                                                LAYOUT)
+        out = torch.empty_like(q)
+
+        def run(**cfg):
+            return bench_us(lambda: paged_decode(q, page_table=table, seq_lens=seq, kv_format="nvfp4", out=out,
+                                                 **kv, **cfg))
+
+        pct = lambda us: 100 * nbytes / (us * 1e-6) / 1e9 / copy  # noqa: E731
+        default = run()
+        configs = list(itertools.product((64, 128), (4, 8), (None, 128, 168, 232), (2, 3), (False, True)))
+        if b == 8:  # the long shape: every other configuration, with explicit split counts
+            configs = [c + (s,) for c in configs[::2] for s in (8, 16, 32)]
+        timed = []
+        for c in configs:
+            cfg = dict(block_n=c[0], num_warps=c[1], maxnreg=c[2], num_stages=c[3], prefetch=c[4])
+            if len(c) > 5:
+                cfg["num_splits"] = c[5]
+            try:
+                timed.append((run(**cfg), cfg))
+            except Exception:  # noqa: BLE001 - a configuration that does not compile is left out
+                continue
+        timed.sort(key=lambda x: x[0])
+        print(f"B={b} L={ctx}: defaults {default:.1f} us ({pct(default):.0f}% of copy, {copy:.0f} GB/s); "
+              f"best of {len(timed)}:", flush=True)
+        for us, cfg in timed[:6]:
+            print(f"   {us:.1f} us ({pct(us):.0f}%) {cfg}", flush=True)
+
+
+def ncu_decode(fmt: str) -> None:
+    import torch
+
+    from kvbench.kernels.decode import paged_decode
+    from kvbench.tools.decode_bench import decode_case
+
+    q, table, seq, kv, _ = decode_case(fmt, 64, 8192, HQ, HK, D, PAGE, torch.Generator().manual_seed(0), LAYOUT)
+    out = torch.empty_like(q)
+    for _ in range(3):
+        paged_decode(q, page_table=table, seq_lens=seq, kv_format=fmt, out=out, **kv)
+    torch.cuda.synchronize()
+
+
+def ncu_append(fmt: str, t: int) -> None:
+    import torch
+
+    from kvbench.kernels.append import fused_rope_quant_append
+
+    args, kw = _append_inputs(fmt, t, torch.Generator().manual_seed(0))
+    for _ in range(3):
+        fused_rope_quant_append(*args, **kw)
+    torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python docs/scripts/speed_probes.py", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("append-shapes", help="the fused append's launch-shape sweep")
+    sub.add_parser("packed-stores", help="nvfp4 word stores: bit-exactness on the GPU grid, then timing")
+    sub.add_parser("decode-sweep", help="nvfp4 decode launch sweep at 64 x 8192 and 8 x 32768")
+    p = sub.add_parser("ncu-decode", help="three decode launches at 64 x 8192 (for Nsight Compute)")
+    p.add_argument("fmt")
+    p = sub.add_parser("ncu-append", help="three fused-append launches (for Nsight Compute)")
+    p.add_argument("fmt")
+    p.add_argument("tokens", type=int)
+    a = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("speed_probes needs a CUDA device", file=sys.stderr)
+        return 2
+    if a.cmd == "append-shapes":
+        append_shapes()
+    elif a.cmd == "packed-stores":
+        return packed_stores()
+    elif a.cmd == "decode-sweep":
+        decode_sweep()
+    elif a.cmd == "ncu-decode":
+        ncu_decode(a.fmt)
+    else:
+        ncu_append(a.fmt, a.tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
