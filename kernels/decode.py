@@ -268,7 +268,7 @@ def paged_decode(
     block_n: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
     out_dtype: Optional[torch.dtype] = None,
     prefetch: Optional[bool] = None, units16: Optional[bool] = None, split_reduce: bool = False,
-    maxnreg: Optional[int] = None,
+    maxnreg: Optional[int] = None, gluon: Optional[bool] = None,
 ) -> torch.Tensor:
     """Decode attention: ``q`` ``[B, H_q, D]`` (bf16/fp16/fp32, or float8_e4m3fn with ``q_scale``) over
     each sequence's ``seq_lens[b]`` cached tokens (including the one just appended) → ``[B, H_q, D]``.
@@ -277,7 +277,11 @@ def paged_decode(
     ``units16`` (default on for fp8 and nvfp4 caches with a float16 dot):
     read the tiles as 16-bit units and split them into interleaved element tiles (fp8: even / odd,
     ``_triton_utils.fp8_pairs_split``; nvfp4: four quarters, ``nvfp4_units_split``).  With one split the
-    split kernel writes the output itself; ``split_reduce=True`` keeps the separate reduce kernel."""
+    split kernel writes the output itself; ``split_reduce=True`` keeps the separate reduce kernel.
+    ``gluon=True``: nvfp4 through the explicit-layout kernel of ``decode_nv4.py`` (a GPU, head dim 128, at most
+    16 query heads per kv head, a bf16/fp16 query; anything else is a ValueError).  Off by default: it is
+    correct but slower than this kernel on an H100 (docs/kernels.md).  Its tile is 128 tokens over 4 warps;
+    the launch options above other than ``num_splits`` and ``split_reduce`` do not apply to it."""
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [B, H_q, D] with a contiguous last dim, got {tuple(q.shape)}")
     bsz, hq, d = q.shape
@@ -298,6 +302,33 @@ def paged_decode(
     if bsz == 0:
         return out
     g = hq // hk
+    scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
+    if gluon:
+        from kvbench.kernels import decode_nv4
+
+        why = decode_nv4.unsupported(q, kc, g, q_scale, kv_format)
+        if why:
+            raise ValueError(f"gluon=True: {why}")
+        if num_splits is None:
+            num_splits = default_num_splits(bsz, hk, page_table.shape[1] * kc.page_size, _num_sms(q.device),
+                                            decode_nv4.TILE, 2, decode_nv4.FILL)
+        if num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        direct = num_splits == 1 and not split_reduce
+        if direct:
+            decode_nv4.launch(q, kc, vc, page_table, seq_lens, out, out, out, sinks, scale, sliding_window, 1, g,
+                              True)
+            return out
+        acc = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
+        decode_nv4.launch(q, kc, vc, page_table, seq_lens, acc, ml, out, sinks, scale, sliding_window, num_splits,
+                          g, False)
+        _decode_reduce_kernel[(bsz, hq)](
+            acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale,
+            acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2), out.stride(0),
+            out.stride(1), G=g, D=d, D_PAD=d, NUM_SPLITS=num_splits, S_PAD=next_pow2(num_splits), FMT=2,
+            HAS_SINKS=sinks is not None, num_warps=4)
+        return out
     def_bn, def_pps, def_pf, def_nw, def_ns, def_reg = _DEFAULTS[fmt]
     if num_warps is None:
         num_warps = def_nw
@@ -320,7 +351,6 @@ def paged_decode(
     else:
         acc = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
-    scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
     dot = cache_dot_code(kv_format, odt if is_fp8_q else q.dtype)
     units = fmt != 0 and dot == 1 and units16 is not False and d % 2 == 0
     if maxnreg is None:

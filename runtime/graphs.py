@@ -7,6 +7,13 @@ position 0, ``seq_len`` 1 and a page table of the scratch page, and their output
 ``max_seqlen_k`` is fixed at ``max_model_len`` so shapes never change between replays; KV scales are
 device tensors read by pointer, so recalibration does not invalidate graphs.
 
+Host side of a step: the inputs go into pinned staging buffers through numpy views and reach the device
+in five asynchronous copies.  The page table's staging rows are rewritten only where they changed: each row
+remembers the page list it last held (the object itself, so its identity cannot be reused) and how many of
+its pages were written; the scheduler only ever extends a sequence's page list or replaces it with a new
+one, so a row holding the same list needs only its new pages.  Before the staging buffers are written
+again, the previous step's copies out of them must have run (an event, normally long done).
+
 The decode backend must be capturable (``graph_safe = True``: no host syncs in ``plan``/``forward``);
 otherwise the engine runs decode eagerly.
 """
@@ -62,19 +69,45 @@ class DecodeGraphs:
         self.table = torch.full((B, P), cache.scratch_page, **i32)
         self.seq_lens = torch.ones(B, **i32)
         self.cu = torch.arange(B + 1, **i32)
-        # host staging: one pinned buffer per step, one copy each
-        self._h_ids = torch.zeros(B, dtype=torch.int64, pin_memory=True)
-        self._h_pos = torch.zeros(B, dtype=torch.int64, pin_memory=True)
-        self._h_slots = torch.zeros(B, dtype=torch.int64, pin_memory=True)
-        self._h_table = torch.zeros(B, P, dtype=torch.int32, pin_memory=True)
-        self._h_lens = torch.zeros(B, dtype=torch.int32, pin_memory=True)
+        # host staging: one pinned buffer per input, one copy each (pageable on a machine without CUDA,
+        # where only the staging is exercised)
+        pin = dict(pin_memory=torch.cuda.is_available())
+        self._h_ids = torch.zeros(B, dtype=torch.int64, **pin)
+        self._h_pos = torch.zeros(B, dtype=torch.int64, **pin)
+        self._h_slots = torch.zeros(B, dtype=torch.int64, **pin)
+        self._h_table = torch.full((B, P), cache.scratch_page, dtype=torch.int32, **pin)
+        self._h_lens = torch.zeros(B, dtype=torch.int32, **pin)
+        self._np = {k: getattr(self, "_h_" + k).numpy() for k in ("ids", "pos", "slots", "table", "lens")}
+        self._rows: list = [(None, 0)] * B  # per staging row: (page list last written, pages written)
+        self._copied = None  # event after the last step's host-to-device copies
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.metas: dict[int, AttentionMetadata] = {}
         self.pool = None
 
     def can_run(self, inp: "StepInputs") -> bool:
-        return len(inp.seq_lens) <= self.max_batch and max(len(t) for t in inp.table) <= self.max_pages
+        return len(inp.seq_lens) <= self.max_batch and inp.max_pages_used <= self.max_pages
+
+    def stage(self, inp: "StepInputs") -> None:
+        """Write a step's inputs into the host staging buffers (rows ``0 .. n-1``)."""
+        n = len(inp.seq_lens)
+        h = self._np
+        h["ids"][:n] = inp.ids
+        h["pos"][:n] = inp.pos
+        h["slots"][:n] = inp.slots
+        h["lens"][:n] = inp.seq_lens
+        table, rows, pad = h["table"], self._rows, self.runner.cache.scratch_page
+        for i, seq in enumerate(inp.seqs):
+            pages = seq.pages
+            held, done = rows[i]
+            k = len(pages)
+            if held is pages and done <= k:
+                if done < k:
+                    table[i, done:k] = pages[done:]
+            else:
+                table[i, :k] = pages
+                table[i, k:] = pad
+            rows[i] = (pages, k)
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -126,18 +159,16 @@ class DecodeGraphs:
                 log.warning("CUDA-graph capture of decode failed (%s: %s); decoding eagerly", type(e).__name__, e)
                 torch.cuda.synchronize()
                 raise GraphUnavailable(str(e)) from e
-        width = max(len(t) for t in inp.table)
-        self._h_ids[:n] = torch.tensor(inp.ids, dtype=torch.int64)
-        self._h_pos[:n] = torch.tensor(inp.pos, dtype=torch.int64)
-        self._h_slots[:n] = torch.tensor(inp.slots, dtype=torch.int64)
-        self._h_lens[:n] = torch.tensor(inp.seq_lens, dtype=torch.int32)
-        self._h_table[:n, :width] = torch.tensor(inp.table, dtype=torch.int32)
-        self._h_table[:n, width:] = self.runner.cache.scratch_page
+        if self._copied is not None:
+            self._copied.synchronize()
+        self.stage(inp)
         self.ids[:n].copy_(self._h_ids[:n], non_blocking=True)
         self.pos[:n].copy_(self._h_pos[:n], non_blocking=True)
         self.slots[:n].copy_(self._h_slots[:n], non_blocking=True)
         self.seq_lens[:n].copy_(self._h_lens[:n], non_blocking=True)
         self.table[:n].copy_(self._h_table[:n], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
         if n < bs:
             self._reset_padding(n)
         self.graphs[bs].replay()

@@ -61,6 +61,16 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids ``start .. end-1`` without building the whole ``token_ids`` list (a decode step needs
+        one token of each sequence)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
     @property
     def pending(self) -> int:
         """Known tokens not yet in the cache."""

@@ -47,6 +47,15 @@ def test_decode(fmt):
     _ok(check_decode(fmt, [700, 1, 1500], *G64, layout="NHD", seed=4))
 
 
+def test_decode_nvfp4_explicit_layouts():
+    """The Gluon nvfp4 decode (kernels/decode_nv4.py, ``gluon=True``; it raises rather than fall back)."""
+    _ok(check_decode("nvfp4", RAGGED, *G32, layout="HND", seed=11, gluon=True))
+    _ok(check_decode("nvfp4", [4097, 17, 2000, 1], *G32, window=1000, sinks=True, layout="HND", seed=12, gluon=True))
+    _ok(check_decode("nvfp4", [700, 1, 1500], 16, 16, 128, 32, dtype=torch.float16, seed=13, gluon=True))
+    _ok(check_decode("nvfp4", [3000, 4096], 64, 4, 128, 16, sinks=True, num_splits=5, seed=14, gluon=True))
+    _ok(check_decode("nvfp4", [3000, 4096, 129], *G32, num_splits=1, seed=15, gluon=True))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_prefill(fmt):
     _ok(check_prefill(fmt, [256, 1, 77, 300], [0, 500, 1000, 31], *G32, layout="HND", seed=5))

@@ -57,6 +57,13 @@ def copy_bandwidth(device: str, gib: float = 2.0) -> float:
 
 def decode_step(engine, batch: int, ctx: int, iters: int = 20) -> float:
     """Median seconds of one decode step of ``batch`` sequences with ``ctx`` tokens in the cache."""
+    return decode_step_times(engine, batch, ctx, iters)["step_s"]
+
+
+def decode_step_times(engine, batch: int, ctx: int, iters: int = 20) -> dict:
+    """``{"step_s", "host_s"}``: median seconds of one decode step of ``batch`` sequences with ``ctx`` tokens
+    in the cache (call to synchronised end), and of its host part (call until the step's work is queued;
+    the device idles for it, since every step here starts after the previous one ended)."""
     cache = engine.cache
     seqs = []
     for i in range(batch):
@@ -71,13 +78,14 @@ def decode_step(engine, batch: int, ctx: int, iters: int = 20) -> float:
         for _ in range(3):
             engine.runner.run(b)
         _sync(engine.device)
-        times = []
+        times, host = [], []
         for _ in range(iters):
             t = time.perf_counter()
             engine.runner.run(b)
+            host.append(time.perf_counter() - t)
             _sync(engine.device)
             times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        return {"step_s": statistics.median(times), "host_s": statistics.median(host)}
     finally:
         for s in seqs:
             cache.allocator.free(s.pages)
@@ -239,10 +247,12 @@ def main(argv=None) -> None:
                            enforce_eager=eager)
 
         def step_row(e) -> dict:
-            t = decode_step(e, args.batch, args.ctx)
+            tt = decode_step_times(e, args.batch, args.ctx)
+            t = tt["step_s"]
             wb = weight_bytes_read_per_step(e.runner.model)
             kvb = args.batch * args.ctx * e.cache.bytes_per_token
             row = {"kv": fmt, "cuda_graphs": e.runner.graphs is not None, "step_ms": t * 1e3,
+                   "host_ms": tt["host_s"] * 1e3,
                    "weight_GB": wb / 1e9, "kv_GB": kvb / 1e9, "mla": e.cache.spec.mla}
             if "copy_bandwidth_GBs" in res:
                 roof = (wb + kvb) / (res["copy_bandwidth_GBs"] * 1e9)

@@ -156,6 +156,30 @@ def decode_sweep() -> None:
             print(f"   {us:.1f} us ({pct(us):.0f}%) {cfg}", flush=True)
 
 
+def nv4_layouts() -> None:
+    """bf16, the Triton nvfp4 decode and the explicit-layout (Gluon) nvfp4 decode at both shapes, graph replays,
+    with the Gluon kernel's split counts around its default."""
+    import torch
+
+    from kvbench.kernels.decode import paged_decode
+    from kvbench.tools.common import bench_us, copy_bandwidth
+    from kvbench.tools.decode_bench import decode_case
+
+    copy = copy_bandwidth()
+    print(f"copy {copy:.0f} GB/s", flush=True)
+    for b, ctx, splits in ((64, 8192, (1, 2)), (8, 32768, (4, 8, 16, 33))):
+        variants = [("bf16", {}), ("nvfp4", {}), ("nvfp4", {"gluon": True})]
+        variants += [("nvfp4", {"gluon": True, "num_splits": s}) for s in splits]
+        for fmt, kw in variants:
+            q, table, seq, kv, nbytes = decode_case(fmt, b, ctx, HQ, HK, D, PAGE, torch.Generator().manual_seed(0),
+                                                    LAYOUT)
+            out = torch.empty_like(q)
+            us = bench_us(lambda: paged_decode(q, page_table=table, seq_lens=seq, kv_format=fmt, out=out, **kv, **kw),
+                          graph=True)
+            print(f"B={b} L={ctx} {fmt} {kw or 'triton defaults'}: {us:.1f} us "
+                  f"({100 * nbytes / (us * 1e-6) / 1e9 / copy:.0f}% of copy)", flush=True)
+
+
 def ncu_decode(fmt: str) -> None:
     import torch
 
@@ -186,6 +210,7 @@ def main(argv=None) -> int:
     sub.add_parser("append-shapes", help="the fused append's launch-shape sweep")
     sub.add_parser("packed-stores", help="nvfp4 word stores: bit-exactness on the GPU grid, then timing")
     sub.add_parser("decode-sweep", help="nvfp4 decode launch sweep at 64 x 8192 and 8 x 32768")
+    sub.add_parser("nv4-layouts", help="the explicit-layout nvfp4 decode against the Triton one and bf16")
     p = sub.add_parser("ncu-decode", help="three decode launches at 64 x 8192 (for Nsight Compute)")
     p.add_argument("fmt")
     p = sub.add_parser("ncu-append", help="three fused-append launches (for Nsight Compute)")
@@ -203,6 +228,8 @@ def main(argv=None) -> int:
         return packed_stores()
     elif a.cmd == "decode-sweep":
         decode_sweep()
+    elif a.cmd == "nv4-layouts":
+        nv4_layouts()
     elif a.cmd == "ncu-decode":
         ncu_decode(a.fmt)
     else:

@@ -23,7 +23,9 @@ __all__ = ["ModelRunner", "StepInputs", "StepRows"]
 
 
 class StepInputs:
-    """Host-built inputs of one step (lists first, one transfer to the device)."""
+    """Host-built inputs of one step (lists first, one transfer to the device).  The padded page table is
+    built on first use of ``table``: the CUDA-graph path writes each sequence's pages into its own staging
+    buffer and never needs the list of lists."""
 
     def __init__(self, batch: ScheduledBatch, page_size: int, scratch_page: int, max_pages: Optional[int] = None):
         ids: list[int] = []
@@ -35,15 +37,17 @@ class StepInputs:
         sample_idx: list[int] = []  # index into batch.seqs of each sampled row
         sample_pos: list[int] = []  # position (token index) of each sampled row in its sequence
         roundtrip: list[bool] = []  # per sequence: its new tokens read their own K/V as stored
-        width = max(max_pages or 0, max(len(s.pages) for s in batch.seqs))
-        table: list[list[int]] = []
         for i, (seq, q) in enumerate(zip(batch.seqs, batch.q_lens)):
             start = seq.num_cached
-            toks = seq.token_ids
-            ids.extend(toks[start : start + q])
-            for p in range(start, start + q):
-                pos.append(p)
-                slots.append(seq.pages[p // page_size] * page_size + p % page_size)
+            ids.extend(seq.tokens(start, start + q))
+            pages = seq.pages
+            if q == 1:
+                pos.append(start)
+                slots.append(pages[start // page_size] * page_size + start % page_size)
+            else:
+                for p in range(start, start + q):
+                    pos.append(p)
+                    slots.append(pages[p // page_size] * page_size + p % page_size)
             seq_lens.append(start + q)
             cu.append(cu[-1] + q)
             sf = seq.score_from
@@ -61,11 +65,29 @@ class StepInputs:
                     sample_rows.append(cu[-1] - 1)
                     sample_idx.append(i)
                     sample_pos.append(start + q - 1)
-            table.append(seq.pages + [scratch_page] * (width - len(seq.pages)))
-        self.ids, self.pos, self.slots, self.seq_lens, self.cu, self.table = ids, pos, slots, seq_lens, cu, table
+        self.seqs = batch.seqs
+        self.ids, self.pos, self.slots, self.seq_lens, self.cu = ids, pos, slots, seq_lens, cu
         self.q_lens = list(batch.q_lens)
         self.sample_rows, self.sample_idx, self.sample_pos = sample_rows, sample_idx, sample_pos
         self.roundtrip = roundtrip if batch.phase == "prefill" and any(roundtrip) else []
+        self.max_pages_used = max(len(s.pages) for s in batch.seqs)
+        self._width = max(max_pages or 0, self.max_pages_used)
+        self._scratch = scratch_page
+        self._table: Optional[list[list[int]]] = None
+
+    @property
+    def table(self) -> list[list[int]]:
+        """Each sequence's pages, padded with the scratch page to the batch's widest row."""
+        if self._table is None:
+            w, pad = self._width, self._scratch
+            self._table = [s.pages + [pad] * (w - len(s.pages)) for s in self.seqs]
+        return self._table
+
+    @property
+    def all_rows_sampled(self) -> bool:
+        """Every row of the step is sampled (sampled rows are strictly increasing, so then they are
+        0 .. N-1 in order and the hidden states need no gather)."""
+        return len(self.sample_rows) == self.cu[-1]
 
 
 @dataclass
@@ -146,5 +168,7 @@ class ModelRunner:
             hidden = self.model(ids, self.backend, self.cache, meta)
         if not inp.sample_rows:
             return None
+        if inp.all_rows_sampled:  # every decode step: no index tensor (whose host-to-device copy would wait for the step)
+            return StepRows(hidden, inp.sample_idx, inp.sample_pos)
         rows = torch.tensor(inp.sample_rows, dtype=torch.int64, device=hidden.device)
         return StepRows(hidden[rows], inp.sample_idx, inp.sample_pos)

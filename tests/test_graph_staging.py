@@ -1,0 +1,119 @@
+"""The CUDA-graph decode path's host staging (``DecodeGraphs.stage``): rows rewritten only where a
+sequence's pages changed must still equal the full padded page table of every step, whatever the batch's
+order, growth, preemption (a new page list) or shrinking batch; and ``StepInputs`` built without the
+whole token list gives the same inputs as the straightforward construction."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvbench.core.client import SamplingParams
+from kvbench.runtime.graphs import DecodeGraphs
+from kvbench.runtime.models.runner import StepInputs
+from kvbench.runtime.scheduler import ScheduledBatch, Sequence
+
+PAGE, SCRATCH, MAX_LEN, B = 4, 999, 64, 8
+
+
+def _graphs() -> DecodeGraphs:
+    cache = SimpleNamespace(page_size=PAGE, scratch_page=SCRATCH)
+    return DecodeGraphs(SimpleNamespace(cache=cache, device="cpu"), max_batch=B, max_model_len=MAX_LEN)
+
+
+def _seq(rid: str, n_prompt: int, n_out: int, rng: random.Random, next_page: list) -> Sequence:
+    s = Sequence(rid, [rng.randrange(1000) for _ in range(n_prompt)], SamplingParams(max_tokens=MAX_LEN))
+    s.output_ids = [rng.randrange(1000) for _ in range(n_out)]
+    s.num_cached = s.num_tokens - 1
+    s.pages = []
+    _grow(s, next_page)
+    s.status = "running"
+    return s
+
+
+def _grow(s: Sequence, next_page: list) -> None:
+    need = -(-s.num_tokens // PAGE) - len(s.pages)
+    s.pages.extend(range(next_page[0], next_page[0] + need))
+    next_page[0] += need
+
+
+def _reference(batch: ScheduledBatch) -> dict:
+    """The inputs built the plain way: whole token lists, one slot per token, padded table rows."""
+    ids, pos, slots, lens, table = [], [], [], [], []
+    for s in batch.seqs:
+        p = s.num_cached
+        ids.append(s.token_ids[p])
+        pos.append(p)
+        slots.append(s.pages[p // PAGE] * PAGE + p % PAGE)
+        lens.append(p + 1)
+        table.append(s.pages + [SCRATCH] * (MAX_LEN // PAGE - len(s.pages)))
+    return {"ids": ids, "pos": pos, "slots": slots, "lens": lens, "table": table}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_staged_rows_equal_the_full_table_every_step(seed):
+    rng = random.Random(seed)
+    g = _graphs()
+    next_page = [0]
+    pool = [_seq(f"s{i}", rng.randrange(1, 12), rng.randrange(0, 6), rng, next_page) for i in range(12)]
+    rewrites = partial = 0
+    for step in range(200):
+        n = rng.randrange(1, B + 1)
+        if rng.random() < 0.7:  # usually the same running set in the same order, as in steady decode
+            batch_seqs = pool[:n]
+        else:
+            batch_seqs = rng.sample(pool, n)
+        batch = ScheduledBatch("decode", batch_seqs, [1] * n)
+        inp = StepInputs(batch, PAGE, SCRATCH)
+        before = [row for row in g._rows]
+        g.stage(inp)
+        ref = _reference(batch)
+        assert g._np["ids"][:n].tolist() == ref["ids"] == inp.ids
+        assert g._np["pos"][:n].tolist() == ref["pos"] == inp.pos
+        assert g._np["slots"][:n].tolist() == ref["slots"] == inp.slots
+        assert g._np["lens"][:n].tolist() == ref["lens"] == inp.seq_lens
+        np.testing.assert_array_equal(g._np["table"][:n], np.array(ref["table"], dtype=np.int32))
+        for i, s in enumerate(batch_seqs):
+            if before[i][0] is s.pages and before[i][1] < len(s.pages):
+                partial += 1
+            elif before[i][0] is not s.pages:
+                rewrites += 1
+        for s in batch_seqs:  # the step's token: appended, cached, and sometimes a preemption
+            s.output_ids.append(rng.randrange(1000))
+            s.num_cached += 1
+            if rng.random() < 0.05:
+                s.pages = []  # preempted and re-admitted: a new page list, other pages
+                next_page[0] += 3
+            _grow(s, next_page)
+        for k, s in enumerate(pool):  # a finished sequence's place goes to a new, shorter one
+            if s.num_tokens >= MAX_LEN - 1:
+                pool[k] = _seq(f"s{step}.{k}", rng.randrange(1, 12), 0, rng, next_page)
+    assert partial > 20 and rewrites > 20  # both the incremental and the full rewrite were exercised
+
+
+def test_tokens_slices_like_the_whole_list():
+    s = Sequence("x", list(range(10)), SamplingParams())
+    s.output_ids = list(range(100, 105))
+    for a in range(16):
+        for b in range(a, 16):
+            assert s.tokens(a, b) == s.token_ids[a:b]
+
+
+def test_step_inputs_table_and_identity_rows():
+    rng, next_page = random.Random(5), [0]
+    seqs = [_seq(f"s{i}", 3 + i, 2, rng, next_page) for i in range(3)]
+    inp = StepInputs(ScheduledBatch("decode", seqs, [1, 1, 1]), PAGE, SCRATCH)
+    assert inp.all_rows_sampled and inp.sample_rows == [0, 1, 2]
+    w = max(len(s.pages) for s in seqs)
+    assert inp.max_pages_used == w
+    assert inp.table == [s.pages + [SCRATCH] * (w - len(s.pages)) for s in seqs]
+    # a prefill chunk that does not reach its sequence's end samples nothing: not every row
+    p = Sequence("p", list(range(9)), SamplingParams())
+    p.pages = [50, 51, 52]
+    p.status = "running"
+    inp = StepInputs(ScheduledBatch("prefill", [p, seqs[0]], [4, 1]), PAGE, SCRATCH)
+    assert inp.sample_rows == [4] and not inp.all_rows_sampled
+    assert inp.ids[:4] == [0, 1, 2, 3] and inp.slots[:4] == [200, 201, 202, 203]
