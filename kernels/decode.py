@@ -323,12 +323,7 @@ def paged_decode(
         ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
         decode_nv4.launch(q, kc, vc, page_table, seq_lens, acc, ml, out, sinks, scale, sliding_window, num_splits,
                           g, False)
-        _decode_reduce_kernel[(bsz, hq)](
-            acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale,
-            acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2), out.stride(0),
-            out.stride(1), G=g, D=d, D_PAD=d, NUM_SPLITS=num_splits, S_PAD=next_pow2(num_splits), FMT=2,
-            HAS_SINKS=sinks is not None, num_warps=4)
-        return out
+        return _reduce_splits(acc, ml, out, vc, sinks, g, num_splits, 2)
     def_bn, def_pps, def_pf, def_nw, def_ns, def_reg = _DEFAULTS[fmt]
     if num_warps is None:
         num_warps = def_nw
@@ -376,6 +371,12 @@ def paged_decode(
     )
     if direct:
         return out
+    return _reduce_splits(acc, ml, out, vc, sinks, g, num_splits, fmt)
+
+
+def _reduce_splits(acc, ml, out, vc, sinks, g: int, num_splits: int, fmt: int) -> torch.Tensor:
+    """Merge the splits' partial results (``acc`` / ``ml``, written by either split kernel) into ``out``."""
+    bsz, hq, d = out.shape
     _decode_reduce_kernel[(bsz, hq)](
         acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale,
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2), out.stride(0), out.stride(1),
