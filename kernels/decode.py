@@ -13,6 +13,7 @@ The split count is a launch constant and every split bound is computed on the de
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -278,10 +279,12 @@ def paged_decode(
     read the tiles as 16-bit units and split them into interleaved element tiles (fp8: even / odd,
     ``_triton_utils.fp8_pairs_split``; nvfp4: four quarters, ``nvfp4_units_split``).  With one split the
     split kernel writes the output itself; ``split_reduce=True`` keeps the separate reduce kernel.
-    ``gluon=True``: nvfp4 through the explicit-layout kernel of ``decode_nv4.py`` (a GPU, head dim 128, at most
-    16 query heads per kv head, a bf16/fp16 query; anything else is a ValueError).  Off by default: it is
-    correct but slower than this kernel on an H100 (docs/kernels.md).  Its tile is 128 tokens over 4 warps;
-    the launch options above other than ``num_splits`` and ``split_reduce`` do not apply to it."""
+    ``gluon``: nvfp4 through the explicit-layout kernel of ``decode_nv4.py``.  ``None`` (default): there when
+    it applies (a CUDA GPU, head dim 128, at most 16 query heads per kv head, a bf16/fp16 query, pages of a
+    multiple of 16 tokens: ``decode_nv4.unsupported``) and no Triton launch option (``block_n``, ``num_warps``,
+    ``num_stages``, ``units16``, ``prefetch``, ``maxnreg``) is given, this kernel otherwise; ``True``: that kernel
+    or a ValueError saying why not (``prefetch`` and ``maxnreg`` then apply to it, ``decode_nv4.PREFETCH`` /
+    ``MAXNREG`` by default); ``False``: this kernel.  Its tile is 128 tokens over 4 warps."""
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [B, H_q, D] with a contiguous last dim, got {tuple(q.shape)}")
     bsz, hq, d = q.shape
@@ -303,12 +306,21 @@ def paged_decode(
         return out
     g = hq // hk
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
-    if gluon:
+    if gluon is None:  # the explicit-layout kernel where it applies, unless a Triton launch option was given
+        gluon = (get_format(kv_format).name == "nvfp4" and q.is_cuda
+                 and all(o is None for o in (block_n, num_warps, num_stages, units16, prefetch, maxnreg)))
+        if gluon:
+            from kvbench.kernels import decode_nv4
+
+            gluon = not decode_nv4.unsupported(q, kc, vc, g, q_scale, kv_format)
+    elif gluon:  # asked for: the kernel or the reason it cannot take the call
         from kvbench.kernels import decode_nv4
 
-        why = decode_nv4.unsupported(q, kc, g, q_scale, kv_format)
+        why = decode_nv4.unsupported(q, kc, vc, g, q_scale, kv_format)
         if why:
             raise ValueError(f"gluon=True: {why}")
+    if gluon:
+        gkw = {"prefetch": prefetch, "maxnreg": maxnreg}
         if num_splits is None:
             num_splits = default_num_splits(bsz, hk, page_table.shape[1] * kc.page_size, _num_sms(q.device),
                                             decode_nv4.TILE, 2, decode_nv4.FILL)
@@ -317,12 +329,12 @@ def paged_decode(
         direct = num_splits == 1 and not split_reduce
         if direct:
             decode_nv4.launch(q, kc, vc, page_table, seq_lens, out, out, out, sinks, scale, sliding_window, 1, g,
-                              True)
+                              True, **gkw)
             return out
         acc = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
         decode_nv4.launch(q, kc, vc, page_table, seq_lens, acc, ml, out, sinks, scale, sliding_window, num_splits,
-                          g, False)
+                          g, False, **gkw)
         return _reduce_splits(acc, ml, out, vc, sinks, g, num_splits, 2)
     def_bn, def_pps, def_pf, def_nw, def_ns, def_reg = _DEFAULTS[fmt]
     if num_warps is None:
@@ -389,4 +401,9 @@ def _reduce_splits(acc, ml, out, vc, sinks, g: int, num_splits: int, fmt: int) -
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -1,26 +1,38 @@
 """nvfp4 paged decode on Hopper with explicit register layouts (Gluon): the codes are dequantized straight
-into the registers the tensor-core instruction reads, with no trip through shared memory.
+into the registers the tensor-core instruction reads, with no trip through shared memory.  The default nvfp4
+decode on a CUDA GPU where it applies (``decode.paged_decode``; ``unsupported`` says where it does not).
 
 Why: the Triton kernel (``decode.py``) loads a tile in one register layout and hands the dot another; the
 conversion between them (shared-memory stores and ``ldmatrix`` loads, lane packing around the unpacking
 PTX) made it issue-bound at about 5.6 instructions per code (docs/kernels.md, "Speed targets of issue 28").
 Here each thread loads exactly the bytes whose values it holds in the ``mma.m16n8k16`` operand fragments,
 and the contraction index is permuted to make that possible: a dot product does not depend on the order
-of its terms, so the query (for QKᵀ) and the output columns (for PV) take the same permutation.
+of its terms, so the query (for the scores) and the output columns (for PV) take the same permutation.
+
+Orientation: the scores are computed transposed, ``Sᵀ = K·Qᵀ``, and the output as ``Oᵀ = Vᵀ·Pᵀ``: the tokens
+(and the head's 128 columns) are the 16-row side of the mma and the GQA group's query heads its 8-column side,
+padded to 8 (16 above 8 heads).  With the heads on the 16-row side instead (``S = Q·Kᵀ``, tried first) a group
+of 4 heads filled a quarter of every operand, the accumulator took 64 registers per thread and the softmax ran
+on 16 rows; here half of the 8 columns are padding, the accumulator is 32 registers and the program fits four
+times on an SM under a 128-register cap (docs/kernels.md has both measured).
 
 Layout (one program per sequence × kv head × split, four warps, each warp its own 32 tokens of a
 128-token tile and its own online softmax; the warps' partial results are merged once at the end):
 
-* QKᵀ: the right-hand fragment ``[d' = 128, tokens = 32]`` of a warp holds, in lane ``c + 4·n`` (c < 4,
-  n < 8), tokens ``n + 8·i`` and the contraction slots ``k = 32m + 16a + 8h + 2c + e``.  The 32 codes a
-  thread needs per token are the token's bytes ``16c .. 16c + 15``: one 128-bit load.  Slot ``k`` holds
+* ``Sᵀ = K·Qᵀ``: the left fragment ``[tokens = 32, slots = 128]`` of a warp holds, in lane ``c + 4·g``
+  (c < 4, g < 8), tokens ``g + 8·i`` and the contraction slots ``k = 32m + 16a + 8h + 2c + e``.  The 32 codes
+  a thread needs per token are the token's bytes ``16c .. 16c + 15``: one 128-bit load.  Slot ``k`` holds
   element ``d = 32c + 8m + 4a + 2e + h`` (the order the unpacking produces), which ``k_to_d`` gives.
-* PV: the right-hand fragment ``[tokens = 32, d' = 128]`` holds, in lane ``c + 4·g``, tokens
-  ``2c + e + 8h + 16a`` and columns ``d' = g + 8j + 64s``; column ``d'`` is element
+* ``Oᵀ = Vᵀ·Pᵀ``: the left fragment ``[columns = 128, tokens = 32]`` holds, in lane ``c + 4·g``, tokens
+  ``2c + e + 8h + 16a`` and columns ``n = g + 8j + 64s``; column ``n`` is element
   ``d = 16g + 8s + 2(j mod 4) + j div 4`` (``col_to_d``): each thread reads 8 bytes per token, and its
-  16 values of one token share one block scale.
+  16 values of one token share one block scale.  ``Pᵀ`` comes from the ``Sᵀ`` accumulator by one in-warp
+  layout conversion per tile.
 * A byte of two e2m1 codes is spread into two e4m3 bytes of 2^-6 times their values and converted two at a
   time (``cvt.rn.f16x2.e4m3x2``), then multiplied by the block scale times 2^6: exact in float16.
+* The tile's 128 tokens are 8 groups of 16 that never straddle a page (pages of a multiple of 16 tokens,
+  tiles 16-aligned, tokens before a sliding window's start masked): a thread looks its 2 groups' pages up
+  once per tile and addresses every K / V word and block scale from them.
 
 Everything else is the Triton kernel's semantics: split bounds from ``seq_lens`` on the device, the sliding
 window, sinks, the per-head global scales, and the same partial-result layout for the reduce kernel.
@@ -30,6 +42,9 @@ and the float64 reference checks cover both (``tools/kernel_check.py``).
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,39 +53,16 @@ __all__ = ["K_TO_D", "COL_TO_D", "k_to_d", "col_to_d", "launch", "unsupported"]
 
 LOG2E = gl.constexpr(1.4426950408889634)
 TILE = 128  # tokens per program iteration: 4 warps x 32
-FILL = 2  # resident programs per SM (about 224 registers x 128 threads)
+# launch defaults from the H100 sweep (docs/kernels.md, "nvfp4 decode in the transposed orientation"): no
+# register prefetch of the next tile, registers capped at 128 (168 uncapped; the cap spills a few words to the
+# stack) so four programs fit on an SM, and as many splits as fill those slots once
+PREFETCH = False
+MAXNREG = 128
+FILL = 4
 
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
-_QL = gl.constexpr(gl.DotOperandLayout(0, _MMA.value, 2))  # query [warp, 16 heads, 128 slots]; also P
-_KL = gl.constexpr(gl.DotOperandLayout(1, _MMA.value, 2))  # K^T [warp, 128 slots, 32 tokens]; also V [warp, 32, 128]
 _W = [[1, 0, 0], [2, 0, 0]]
-# K words [warp, 16 words of a token row, 32 tokens]: a thread's 4 consecutive words in registers
-_KW = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1, 0], [0, 2, 0], [0, 0, 8], [0, 0, 16]],
-    lane_bases=[[0, 4, 0], [0, 8, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], warp_bases=_W, block_bases=[],
-    shape=[4, 16, 32]))
-# K block scales [warp, 8 blocks, 32 tokens]: blocks 2c, 2c + 1 in a thread
-_KS = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1, 0], [0, 0, 8], [0, 0, 16]],
-    lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], warp_bases=_W, block_bases=[],
-    shape=[4, 8, 32]))
-# V words [warp, 32 tokens, 16 words]: words 2g, 2g + 1 of tokens 2c + e + 8h + 16a
-_VW = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [0, 1, 0], [0, 8, 0], [0, 16, 0]],
-    lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]], warp_bases=_W, block_bases=[],
-    shape=[4, 32, 16]))
-# V block scales [warp, 32 tokens, 8 blocks]: block g
-_VS = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1, 0], [0, 8, 0], [0, 16, 0]],
-    lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], warp_bases=_W, block_bases=[],
-    shape=[4, 32, 8]))
-# V values in the order the unpacking makes them (token pairs first, then a word's 8 columns); the same
-# registers as the PV operand, in another order
-_VA = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64], [0, 8, 0], [0, 16, 0]],
-    lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], warp_bases=_W, block_bases=[],
-    shape=[4, 32, 128]))
-
+_W4 = [[1, 0, 0, 0], [2, 0, 0, 0]]
 # e2m1 codes [s e1 e0 m] of a word: low nibbles -> bytes [s 0 0 e1 e0 m 0 0] of ``lo``, high nibbles -> ``hi``
 # (e4m3 bytes of 2^-6 times the code's value)
 def _spread(src: str, lo: str, hi: str) -> str:
@@ -79,15 +71,6 @@ def _spread(src: str, lo: str, hi: str) -> str:
             f"or.b32 {hi}, {hi}, t;\n")
 
 
-# K: one word (8 codes of a token) -> 4 f16x2 = pack elements 0..7 = nibbles 0,2 | 1,3 | 4,6 | 5,7, times $12
-_K_ASM = gl.constexpr("{\n.reg .b32 lo, hi, t, c0, c1, c2, c3;\n.reg .b16 a0, a1, b0, b1;\n"
-                      + _spread("$4", "lo", "hi")
-                      + "mov.b32 {a0, a1}, lo; mov.b32 {b0, b1}, hi;\n"
-                      "cvt.rn.f16x2.e4m3x2 c0, a0; cvt.rn.f16x2.e4m3x2 c1, b0;\n"
-                      "cvt.rn.f16x2.e4m3x2 c2, a1; cvt.rn.f16x2.e4m3x2 c3, b1;\n"
-                      "mul.rn.f16x2 $0, c0, $12; mul.rn.f16x2 $1, c1, $12;\n"
-                      "mul.rn.f16x2 $2, c2, $12; mul.rn.f16x2 $3, c3, $12;\n}")
-_K_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 12))
 # V: the same word of two tokens t ($8), u ($9) -> 8 f16x2 (t, u) pairs of nibbles 0,2,4,6,1,3,5,7, times $24
 _V_ASM = gl.constexpr(
     "{\n.reg .b32 lo, hi, t, lu, hu, p0, p1, p2, p3, c<8>;\n.reg .b16 x<8>;\n"
@@ -132,79 +115,133 @@ def _col_to_d(n):
 
 
 @gluon.jit
-def _load_k(KC, KBS, pt_row, tok0, hi, kh_off, kbh_off, s_page, s_tok, sb_page, sb_tok, PAGE: gl.constexpr):
-    """Raw K words [4, 16, 32] and block-scale bytes [4, 8, 32] of the tile's tokens ``tok0 + 32w + n``."""
-    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(1, _KW)))
-    n = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _KW)))
-    q = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _KW)))
-    tok = tok0 + w[:, None] * 32 + n[None, :]
-    tm = tok < hi
-    page = gl.load(pt_row + tok // PAGE, mask=tm, other=0).to(gl.int64)
-    row = page * s_page + (tok % PAGE) * s_tok + kh_off
-    words = gl.load(KC + row[:, None, :] + q[None, :, None], mask=tm[:, None, :], other=0)
-    ws = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(1, _KS)))
-    ns = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _KS)))
-    bb = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _KS)))
-    toks = tok0 + ws[:, None] * 32 + ns[None, :]
-    tms = toks < hi
-    pages = gl.load(pt_row + toks // PAGE, mask=tms, other=0).to(gl.int64)
-    brow = pages * sb_page + (toks % PAGE) * sb_tok + kbh_off
-    sc = gl.load(KBS + brow[:, None, :] + bb[None, :, None], mask=tms[:, None, :], other=0)
-    return words, sc
-
-
-@gluon.jit
-def _load_v(VC, VBS, pt_row, tok0, hi, vh_off, vbh_off, s_page, s_tok, sb_page, sb_tok, PAGE: gl.constexpr):
-    """Raw V words [4, 32, 16] and block-scale bytes [4, 32, 8] of the tile's tokens."""
-    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _VW)))
-    n = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _VW)))
-    q = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _VW)))
-    tok = tok0 + w[:, None] * 32 + n[None, :]
-    tm = tok < hi
-    page = gl.load(pt_row + tok // PAGE, mask=tm, other=0).to(gl.int64)
-    row = page * s_page + (tok % PAGE) * s_tok + vh_off
-    words = gl.load(VC + row[:, :, None] + q[None, None, :], mask=tm[:, :, None], other=0)
-    ws = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _VS)))
-    ns = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _VS)))
-    bb = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _VS)))
-    toks = tok0 + ws[:, None] * 32 + ns[None, :]
-    tms = toks < hi
-    pages = gl.load(pt_row + toks // PAGE, mask=tms, other=0).to(gl.int64)
-    brow = pages * sb_page + (toks % PAGE) * sb_tok + vbh_off
-    sc = gl.load(VBS + brow[:, :, None] + bb[None, None, :], mask=tms[:, :, None], other=0)
-    return words, sc
-
-
-@gluon.jit
 def _scale_f16(sc):
     return sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * E2M1_SCALE
 
 
+
+
+_AK = gl.constexpr(gl.DotOperandLayout(0, _MMA.value, 2))  # K [warp, 32 tokens, 128 slots]; also Vᵀ [warp, 128, 32]
+_BQ = gl.constexpr(gl.DotOperandLayout(1, _MMA.value, 2))  # Qᵀ [warp, 128 slots, NH heads]; also Pᵀ [warp, 32, NH]
+# Vᵀ values in the order the unpacking makes them: a token pair, then a word's 8 columns, then the word, then
+# the token bits of the registers; the same registers as the Vᵀ operand in another order
+_VA = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 8, 0], [0, 16, 0], [0, 32, 0], [0, 64, 0], [0, 0, 8], [0, 0, 16]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=_W, block_bases=[],
+    shape=[4, 128, 32]))
+
+# K: the same word of two tokens a ($8) and b ($10) -> 8 f16x2: (a, b) alternating over the nibble pairs
+# 0,2 | 1,3 | 4,6 | 5,7, times the block scales $24 (a) and $25 (b)
+_K2_ASM = gl.constexpr(
+    "{\n.reg .b32 lo, hi, t, lu, hu, c<8>;\n.reg .b16 a0, a1, b0, b1, x0, x1, y0, y1;\n"
+    + _spread("$8", "lo", "hi") + _spread("$10", "lu", "hu")
+    + "mov.b32 {a0, a1}, lo; mov.b32 {b0, b1}, hi; mov.b32 {x0, x1}, lu; mov.b32 {y0, y1}, hu;\n"
+    "cvt.rn.f16x2.e4m3x2 c0, a0; cvt.rn.f16x2.e4m3x2 c1, x0; cvt.rn.f16x2.e4m3x2 c2, b0; cvt.rn.f16x2.e4m3x2 c3, y0;\n"
+    "cvt.rn.f16x2.e4m3x2 c4, a1; cvt.rn.f16x2.e4m3x2 c5, x1; cvt.rn.f16x2.e4m3x2 c6, b1; cvt.rn.f16x2.e4m3x2 c7, y1;\n"
+    "mul.rn.f16x2 $0, c0, $24; mul.rn.f16x2 $1, c1, $25; mul.rn.f16x2 $2, c2, $24; mul.rn.f16x2 $3, c3, $25;\n"
+    "mul.rn.f16x2 $4, c4, $24; mul.rn.f16x2 $5, c5, $25; mul.rn.f16x2 $6, c6, $24; mul.rn.f16x2 $7, c7, $25;\n}")
+
+
+# Loads: a tile's 128 tokens are 8 groups of 16 (PAGE a multiple of 16 and the tiles
+# 16-aligned, so a group never straddles a page); each thread looks up the pages of its 2 groups once and every
+# K / V word and block scale address is that page's row plus an offset.
+# K words [warp, 16 words, 2 groups, 16 tokens]: lane c + 4g holds words 4c .. 4c + 3 of tokens g, g + 8
+_KW4 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 0, 8], [0, 0, 1, 0]],
+    lane_bases=[[0, 4, 0, 0], [0, 8, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]], warp_bases=_W4, block_bases=[],
+    shape=[4, 16, 2, 16]))
+_KS4 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1, 0, 0], [0, 0, 0, 8], [0, 0, 1, 0]],
+    lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]], warp_bases=_W4, block_bases=[],
+    shape=[4, 8, 2, 16]))
+# V words [warp, 2 groups, 16 tokens, 16 words]: lane c + 4g holds words 2g, 2g + 1 of tokens 2c + e + 8h
+_VW4 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 8, 0], [0, 1, 0, 0]],
+    lane_bases=[[0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 0, 8]], warp_bases=_W4, block_bases=[],
+    shape=[4, 2, 16, 16]))
+_VS4 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1, 0], [0, 0, 8, 0], [0, 1, 0, 0]],
+    lane_bases=[[0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]], warp_bases=_W4, block_bases=[],
+    shape=[4, 2, 16, 8]))
+_GK = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(3, _KW4)))  # [warp, group] as the K words see it
+
+
+@gluon.jit
+def _groups(pt_row, tok0, hi, PAGE: gl.constexpr):
+    """First token [4, 2] of each of the thread's 16-token groups of the tile at ``tok0``, and its page."""
+    w = gl.arange(0, 4, layout=gl.SliceLayout(1, _GK))
+    m = gl.arange(0, 2, layout=gl.SliceLayout(0, _GK))
+    t16 = tok0 + w[:, None] * 32 + m[None, :] * 16
+    page = gl.load(pt_row + t16 // PAGE, mask=t16 < hi, other=0).to(gl.int64)
+    return t16, page
+
+
+@gluon.jit
+def _load_kv(KC, VC, KBS, VBS, t16, page, lo_tok, hi, kh_off, vh_off, kbh_off, vbh_off,
+               s_page, s_tok, sb_page, sb_tok, PAGE: gl.constexpr):
+    """K words [4, 16, 32], K scales [4, 8, 32], V words [4, 32, 16] and V scales [4, 32, 8] of a tile; tokens
+    outside [lo_tok, hi) read as zeros."""
+    rk = page * s_page + (t16 % PAGE) * s_tok
+    rb = page * sb_page + (t16 % PAGE) * sb_tok
+    # K words
+    q = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, _KW4))))
+    i = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, _KW4))))
+    t = t16[:, None, :, None] + i[None, None, None, :]
+    tm = (t < hi) & (t >= lo_tok)
+    addr = rk[:, None, :, None] + kh_off + i[None, None, None, :] * s_tok + q[None, :, None, None]
+    kw = gl.load(KC + addr, mask=tm, other=0)
+    # K scales
+    rbk = gl.convert_layout(rb, gl.SliceLayout(1, gl.SliceLayout(3, _KS4)), assert_trivial=True)
+    t16s = gl.convert_layout(t16, gl.SliceLayout(1, gl.SliceLayout(3, _KS4)), assert_trivial=True)
+    bq = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, _KS4))))
+    bi = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, _KS4))))
+    tb = t16s[:, None, :, None] + bi[None, None, None, :]
+    ks = gl.load(KBS + rbk[:, None, :, None] + kbh_off + bi[None, None, None, :] * sb_tok + bq[None, :, None, None],
+                 mask=(tb < hi) & (tb >= lo_tok), other=0)
+    # V words
+    rv = gl.convert_layout(rk, gl.SliceLayout(2, gl.SliceLayout(3, _VW4)), assert_trivial=True)
+    t16v = gl.convert_layout(t16, gl.SliceLayout(2, gl.SliceLayout(3, _VW4)), assert_trivial=True)
+    vi = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, _VW4))))
+    vq = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, _VW4))))
+    tv = t16v[:, :, None, None] + vi[None, None, :, None]
+    vw = gl.load(VC + rv[:, :, None, None] + vh_off + vi[None, None, :, None] * s_tok + vq[None, None, None, :],
+                 mask=(tv < hi) & (tv >= lo_tok), other=0)
+    # V scales
+    rbv = gl.convert_layout(rb, gl.SliceLayout(2, gl.SliceLayout(3, _VS4)), assert_trivial=True)
+    t16w = gl.convert_layout(t16, gl.SliceLayout(2, gl.SliceLayout(3, _VS4)), assert_trivial=True)
+    wi = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, _VS4))))
+    wq = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, _VS4))))
+    tw = t16w[:, :, None, None] + wi[None, None, :, None]
+    vs = gl.load(VBS + rbv[:, :, None, None] + vbh_off + wi[None, None, :, None] * sb_tok + wq[None, None, None, :],
+                 mask=(tw < hi) & (tw >= lo_tok), other=0)
+    return (gl.reshape(kw, [4, 16, 32]), gl.reshape(ks, [4, 8, 32]), gl.reshape(vw, [4, 32, 16]),
+            gl.reshape(vs, [4, 32, 8]))
+
+
 @gluon.jit
 def _unpack_k(words, sc):
-    """K^T operand [4, 128 slots, 32 tokens] in float16."""
-    x = gl.reshape(words, [4, 4, 4, 32])  # [w, c, m, n]
-    x = gl.permute(x, [0, 2, 1, 3])  # [w, m, c, n]
-    x = gl.reshape(x, [4, 4, 1, 1, 4, 1, 32]).broadcast_to([4, 4, 2, 2, 4, 2, 32])
-    x = gl.convert_layout(gl.reshape(x, [4, 128, 32]), _KL, assert_trivial=True)
-    s = _scale_f16(sc)  # [w, block 2c + mu, n]
-    s = gl.permute(gl.reshape(s, [4, 4, 2, 32]), [0, 2, 1, 3])  # [w, mu, c, n]
-    s = gl.reshape(s, [4, 2, 1, 1, 1, 4, 1, 32]).broadcast_to([4, 2, 2, 2, 2, 4, 2, 32])
-    s = gl.convert_layout(gl.reshape(s, [4, 128, 32]), _KL, assert_trivial=True)
-    return gl.inline_asm_elementwise(_K_ASM, _K_CONSTRAINTS, [x, s], dtype=gl.float16, is_pure=True, pack=8)
+    """K operand [4, 32 tokens, 128 slots] in float16 (slot k holds element ``k_to_d(k)``)."""
+    x = gl.permute(gl.reshape(words, [4, 4, 2, 2, 32]), [0, 4, 2, 3, 1])  # [w, t, k64, k32, c]
+    x = gl.reshape(x, [4, 32, 2, 2, 1, 1, 4, 1]).broadcast_to([4, 32, 2, 2, 2, 2, 4, 2])
+    x = gl.convert_layout(gl.reshape(x, [4, 32, 128]), _AK, assert_trivial=True)
+    s = _scale_f16(sc)  # [w, block 2c + k64, t]
+    s = gl.permute(gl.reshape(s, [4, 4, 2, 32]), [0, 3, 2, 1])  # [w, t, k64, c]
+    s = gl.reshape(s, [4, 32, 2, 1, 1, 1, 4, 1]).broadcast_to([4, 32, 2, 2, 2, 2, 4, 2])
+    s = gl.convert_layout(gl.reshape(s, [4, 32, 128]), _AK, assert_trivial=True)
+    return gl.inline_asm_elementwise(_K2_ASM, _V_CONSTRAINTS, [x, s], dtype=gl.float16, is_pure=True, pack=16)
 
 
 @gluon.jit
 def _unpack_v(words, sc):
-    """V operand [4, 32 tokens, 128 columns] in float16."""
-    x = gl.permute(gl.reshape(words, [4, 32, 8, 2]), [0, 1, 3, 2])  # [w, t, s, g]
-    x = gl.reshape(x, [4, 32, 2, 1, 8]).broadcast_to([4, 32, 2, 8, 8])
-    x = gl.convert_layout(gl.reshape(x, [4, 32, 128]), _VA)
-    s = _scale_f16(sc)  # [w, t, block g]
-    s = gl.reshape(s, [4, 32, 1, 1, 8]).broadcast_to([4, 32, 2, 8, 8])
-    s = gl.convert_layout(gl.reshape(s, [4, 32, 128]), _VA)
+    """Vᵀ operand [4, 128 columns, 32 tokens] in float16 (column n holds element ``col_to_d(n)``)."""
+    x = gl.permute(gl.reshape(words, [4, 32, 8, 2]), [0, 3, 2, 1])  # [w, s, g, t]
+    x = gl.reshape(x, [4, 2, 1, 8, 32]).broadcast_to([4, 2, 8, 8, 32])
+    x = gl.convert_layout(gl.reshape(x, [4, 128, 32]), _VA, assert_trivial=True)
+    s = gl.permute(_scale_f16(sc), [0, 2, 1])  # [w, block g, t]
+    s = gl.reshape(s, [4, 1, 1, 8, 32]).broadcast_to([4, 2, 8, 8, 32])
+    s = gl.convert_layout(gl.reshape(s, [4, 128, 32]), _VA, assert_trivial=True)
     v = gl.inline_asm_elementwise(_V_ASM, _V_CONSTRAINTS, [x, s], dtype=gl.float16, is_pure=True, pack=16)
-    return gl.convert_layout(v, _KL)
+    return gl.convert_layout(v, _AK, assert_trivial=True)
 
 
 @gluon.jit
@@ -214,7 +251,8 @@ def _decode_nv4_kernel(
     sq_b, sq_h, s_page, s_tok, skc_h, svc_h, sb_page, sb_tok, skb_h, svb_h, spt_b,
     sacc_b, sacc_h, sacc_s, sml_b, sml_h, sml_s, so_b, so_h,
     window, num_splits,
-    G: gl.constexpr, PAGE: gl.constexpr, DIRECT: gl.constexpr, HAS_SINKS: gl.constexpr, PREFETCH: gl.constexpr,
+    G: gl.constexpr, NH: gl.constexpr, PAGE: gl.constexpr, DIRECT: gl.constexpr, HAS_SINKS: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):
     b = gl.program_id(0)
     hk = gl.program_id(1)
@@ -223,9 +261,11 @@ def _decode_nv4_kernel(
     start = seq_len * 0
     if window > 0:
         start = gl.maximum(seq_len - window, 0)
-    per = gl.cdiv(gl.cdiv(seq_len - start, num_splits), 128) * 128
-    lo = start + split * per
+    base = start - start % 16  # tiles start 16-aligned; tokens before ``start`` are masked
+    per = gl.cdiv(gl.cdiv(seq_len - base, num_splits), 128) * 128
+    lo = base + split * per
     hi = gl.minimum(lo + per, seq_len)
+    lo_tok = gl.maximum(lo, start)
     qk_scale = sm_scale_log2 * gl.load(K_SCALE + hk)
     pt_row = PT + b.to(gl.int64) * spt_b
     kh_off = hk.to(gl.int64) * skc_h
@@ -233,54 +273,59 @@ def _decode_nv4_kernel(
     kbh_off = hk.to(gl.int64) * skb_h
     vbh_off = hk.to(gl.int64) * svb_h
 
-    # the query in slot order: [4 (the same for every warp), 16 heads, 128 slots]
-    gq = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _QL)))
-    kq = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, _QL)))
-    wq = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _QL)))
-    qptr = Q + b.to(gl.int64) * sq_b + (hk * G + gq)[None, :, None] * sq_h + _k_to_d(kq)[None, None, :] + 0 * wq[:, None, None]
-    qmask = (gq < G)[None, :, None] & (kq < 128)[None, None, :] & (wq >= 0)[:, None, None]
+    # Qᵀ in slot order: [4 (the same for every warp), 128 slots, NH heads]
+    kq = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, _BQ)))
+    gq = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, _BQ)))
+    wq = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _BQ)))
+    qptr = (Q + b.to(gl.int64) * sq_b + (hk * G + gq)[None, None, :] * sq_h + _k_to_d(kq)[None, :, None]
+            + 0 * wq[:, None, None])
+    qmask = (gq < G)[None, None, :] & (kq < 128)[None, :, None] & (wq >= 0)[:, None, None]
     qv = gl.load(qptr, mask=qmask, other=0.0).to(gl.float16)
 
-    m_i = gl.full([4, 16], -1.0e30, gl.float32, layout=gl.SliceLayout(2, _MMA))
-    l_i = gl.zeros([4, 16], gl.float32, layout=gl.SliceLayout(2, _MMA))
-    acc = gl.zeros([4, 16, 128], gl.float32, layout=_MMA)
-    wt = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(1, _MMA)))
-    nt = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MMA)))
+    m_i = gl.full([4, NH], -1.0e30, gl.float32, layout=gl.SliceLayout(1, _MMA))
+    l_i = gl.zeros([4, NH], gl.float32, layout=gl.SliceLayout(1, _MMA))
+    acc = gl.zeros([4, 128, NH], gl.float32, layout=_MMA)
+    wt = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MMA)))
+    nt = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA)))
     if PREFETCH:
-        kw, ks = _load_k(KC, KBS, pt_row, lo, hi, kh_off, kbh_off, s_page, s_tok, sb_page, sb_tok, PAGE)
-        vw, vs = _load_v(VC, VBS, pt_row, lo, hi, vh_off, vbh_off, s_page, s_tok, sb_page, sb_tok, PAGE)
+        t16, page = _groups(pt_row, lo, hi, PAGE)
+        kw, ks, vw, vs = _load_kv(KC, VC, KBS, VBS, t16, page, lo_tok, hi, kh_off, vh_off, kbh_off, vbh_off,
+                                    s_page, s_tok, sb_page, sb_tok, PAGE)
     for j in range(lo, hi, 128):
         if PREFETCH:
-            kw_n, ks_n = _load_k(KC, KBS, pt_row, j + 128, hi, kh_off, kbh_off, s_page, s_tok, sb_page, sb_tok, PAGE)
-            vw_n, vs_n = _load_v(VC, VBS, pt_row, j + 128, hi, vh_off, vbh_off, s_page, s_tok, sb_page, sb_tok, PAGE)
+            t16, page = _groups(pt_row, j + 128, hi, PAGE)
+            kw_n, ks_n, vw_n, vs_n = _load_kv(KC, VC, KBS, VBS, t16, page, lo_tok, hi, kh_off, vh_off, kbh_off,
+                                                vbh_off, s_page, s_tok, sb_page, sb_tok, PAGE)
         else:
-            kw, ks = _load_k(KC, KBS, pt_row, j, hi, kh_off, kbh_off, s_page, s_tok, sb_page, sb_tok, PAGE)
-            vw, vs = _load_v(VC, VBS, pt_row, j, hi, vh_off, vbh_off, s_page, s_tok, sb_page, sb_tok, PAGE)
+            t16, page = _groups(pt_row, j, hi, PAGE)
+            kw, ks, vw, vs = _load_kv(KC, VC, KBS, VBS, t16, page, lo_tok, hi, kh_off, vh_off, kbh_off, vbh_off,
+                                        s_page, s_tok, sb_page, sb_tok, PAGE)
         kf = _unpack_k(kw, ks)
-        s = gl.nvidia.ampere.mma_v2(qv, kf, gl.zeros([4, 16, 32], gl.float32, layout=_MMA))
-        tm = (j + wt[:, None] * 32 + nt[None, :]) < hi
-        s = gl.where(tm[:, None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=2))
+        s = gl.nvidia.ampere.mma_v2(kf, qv, gl.zeros([4, 32, NH], gl.float32, layout=_MMA))  # Sᵀ [w, t, h]
+        tt = j + wt[:, None] * 32 + nt[None, :]
+        tm = (tt < hi) & (tt >= lo_tok)
+        s = gl.where(tm[:, :, None], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, :, None])
-        l_i = l_i * alpha + gl.sum(p, axis=2)
-        pd = gl.convert_layout(p.to(gl.float16), _QL)
+        p = gl.exp2(s - m_new[:, None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        pt = gl.convert_layout(p.to(gl.float16), _BQ)
         vf = _unpack_v(vw, vs)
-        acc = gl.nvidia.ampere.mma_v2(pd, vf, acc * alpha[:, :, None])
+        acc = gl.nvidia.ampere.mma_v2(vf, pt, acc * alpha[:, None, :])
         m_i = m_new
         if PREFETCH:
             kw, ks, vw, vs = kw_n, ks_n, vw_n, vs_n
 
     # merge the warps
-    mx = gl.max(m_i, axis=0)  # [16]
+    mx = gl.max(m_i, axis=0)  # [NH]
     wgt = gl.exp2(m_i - mx[None, :])
     l_t = gl.sum(l_i * wgt, axis=0)
-    o = gl.sum(acc * wgt[:, :, None], axis=0)  # [16, 128] columns in PV order
-    g1 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA)))
-    go = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(0, _MMA)))
-    no = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(0, _MMA)))
+    o = gl.sum(acc * wgt[:, None, :], axis=0)  # [128 columns in PV order, NH]
+    g1 = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MMA)))
+    go = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(0, _MMA)))
+    no = gl.arange(0, 128, layout=gl.SliceLayout(1, gl.SliceLayout(0, _MMA)))
     dcol = _col_to_d(no)
-    om = (go < G)[:, None] & (no < 128)[None, :]
+    om = (go < G)[None, :] & (no < 128)[:, None]
     heads_o = hk * G + go
     if DIRECT:
         m2 = mx
@@ -292,45 +337,54 @@ def _decode_nv4_kernel(
         w2 = gl.exp2(mx - m2)
         den += l_t * w2
         f = gl.where(den > 0, w2 / den, 0.0) * gl.load(V_SCALE + hk)
-        f = gl.convert_layout(f, gl.SliceLayout(1, gl.SliceLayout(0, _MMA)))
-        orow = OUT + b.to(gl.int64) * so_b + heads_o[:, None] * so_h
-        gl.store(orow + dcol[None, :], (o * f[:, None]).to(OUT.dtype.element_ty), mask=om)
+        f = gl.convert_layout(f, gl.SliceLayout(0, gl.SliceLayout(0, _MMA)))
+        orow = OUT + b.to(gl.int64) * so_b + heads_o[None, :] * so_h
+        gl.store(orow + dcol[:, None], (o * f[None, :]).to(OUT.dtype.element_ty), mask=om)
     else:
         ml = ML + b.to(gl.int64) * sml_b + (hk * G + g1) * sml_h + split * sml_s
         gl.store(ml, mx, mask=g1 < G)
         gl.store(ml + 1, l_t, mask=g1 < G)
-        arow = ACC + b.to(gl.int64) * sacc_b + heads_o[:, None] * sacc_h + split * sacc_s
-        gl.store(arow + dcol[None, :], o, mask=om)
+        arow = ACC + b.to(gl.int64) * sacc_b + heads_o[None, :] * sacc_h + split * sacc_s
+        gl.store(arow + dcol[:, None], o, mask=om)
 
 
-def unsupported(q: torch.Tensor, kc, g: int, q_scale, kv_format: str) -> str:
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def unsupported(q: torch.Tensor, kc, vc, g: int, q_scale, kv_format: str) -> str:
     """Why this kernel cannot take the call ('' when it can): an nvfp4 cache of head dim 128, at most 16 query
     heads per kv head, a float16/bfloat16 query on an sm_80+ GPU, codes whose rows start on 16-byte
-    boundaries."""
+    boundaries, pages of a multiple of 16 tokens."""
     from kvbench.kernels.formats import get_format
 
     if get_format(kv_format).name != "nvfp4":
         return f"the explicit-layout decode reads nvfp4 caches only, not {kv_format}"
-    if not q.is_cuda:
-        return "the explicit-layout decode (Gluon) runs on a CUDA GPU only"
     if q_scale is not None or q.dtype not in (torch.float16, torch.bfloat16):
         return f"the explicit-layout decode takes a float16 / bfloat16 query, not {q.dtype}"
     if q.shape[-1] != 128 or g > 16:
         return f"the explicit-layout decode needs head dim 128 and at most 16 query heads per kv head (got {q.shape[-1]}, {g})"
-    if torch.cuda.get_device_capability(q.device)[0] < 8:
-        return "the explicit-layout decode needs sm_80 or newer"
-    if kc.data.data_ptr() % 16 or kc.page_stride % 16 or kc.tok_stride % 16 or kc.head_stride % 16:
+    if kc.page_size % 16:
+        return f"the explicit-layout decode needs pages of a multiple of 16 tokens (got {kc.page_size})"
+    if any(c.data.data_ptr() % 16 or c.page_stride % 16 or c.tok_stride % 16 or c.head_stride % 16 for c in (kc, vc)):
         return "the explicit-layout decode needs code rows on 16-byte boundaries"
+    if not q.is_cuda:
+        return "the explicit-layout decode (Gluon) runs on a CUDA GPU only"
+    if _major(q.device.index if q.device.index is not None else torch.cuda.current_device()) < 8:
+        return "the explicit-layout decode needs sm_80 or newer"
     return ""
 
 
 def launch(q, kc, vc, page_table, seq_lens, acc, ml, out, sinks, scale, window, num_splits, g, direct,
-           prefetch: bool = True) -> None:
+           prefetch: Optional[bool] = None, maxnreg: Optional[int] = None) -> None:
     """One launch over ``(batch, kv heads, num_splits)``; strides in the caches' own units (bytes for the
-    codes, which the kernel reads as 32-bit words, so divided by 4)."""
+    codes, which the kernel reads as 32-bit words, so divided by 4).  ``prefetch`` loads the next tile into
+    registers before computing this one; ``maxnreg`` caps the registers per thread (0: no cap)."""
     bsz, hk = q.shape[0], kc.num_kv_heads
     kw, vw = kc.data.view(torch.int32), vc.data.view(torch.int32)
     kb, vb = kc.block_scale.view(torch.uint8), vc.block_scale.view(torch.uint8)
+    maxnreg = MAXNREG if maxnreg is None else maxnreg
     _decode_nv4_kernel[(bsz, hk, num_splits)](
         q, kw, vw, kb, vb, kc.scale, page_table, seq_lens, acc, ml, out, vc.scale,
         sinks if sinks is not None else vc.scale, scale,
@@ -338,5 +392,6 @@ def launch(q, kc, vc, page_table, seq_lens, acc, ml, out, sinks, scale, window, 
         kc.bs_page_stride, kc.bs_tok_stride, kc.bs_head_stride, vc.bs_head_stride, page_table.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
         out.stride(0), out.stride(1), int(window or 0), num_splits,
-        G=g, PAGE=kc.page_size, DIRECT=direct, HAS_SINKS=sinks is not None, PREFETCH=prefetch, num_warps=4,
+        G=g, NH=8 if g <= 8 else 16, PAGE=kc.page_size, DIRECT=direct, HAS_SINKS=sinks is not None,
+        PREFETCH=PREFETCH if prefetch is None else bool(prefetch), num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )

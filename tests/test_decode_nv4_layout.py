@@ -1,14 +1,23 @@
 """The explicit-layout nvfp4 decode (``kernels/decode_nv4.py``, Gluon, GPU only: its numerics are checked
 against the float64 reference in tests/test_gpu_kernels.py).  Here, on the CPU: the slot → element maps
-it is built on are permutations with the properties the loads rely on, and a call it cannot take is a
-clear error."""
+it is built on are permutations with the properties the loads rely on, its unpacking PTX produces the
+values in the order the maps assume (run by the emulator of tests/test_unpack_ptx.py), and a call it cannot
+take is a clear error."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
 from kvbench.kernels import decode_nv4 as nv4
+from kvbench.kernels.formats import E2M1_VALUES
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_unpack_ptx import _e4m3, _f16, run_ptx  # noqa: E402
 
 
 def test_maps_are_permutations():
@@ -17,7 +26,8 @@ def test_maps_are_permutations():
 
 
 def test_qk_slots_of_a_thread_are_its_16_bytes_and_a_word_shares_a_block():
-    # lane c (= slot bits 1-2) holds, per token, slots k with (k >> 1) & 3 == c: its elements must be the
+    # in the scores' left fragment [tokens, slots], lane c + 4g (c = slot bits 1-2) holds, per token, slots k
+    # with (k >> 1) & 3 == c: its elements must be the
     # token's bytes 16c .. 16c+15 (one 128-bit load), and the 8 slots of one register group (word m = k >> 5)
     # one 32-bit word with a single block scale
     for c in range(4):
@@ -60,3 +70,67 @@ def test_a_call_it_cannot_take_is_a_clear_error():
     with pytest.raises(ValueError, match="gluon=True: .*CUDA GPU only"):
         paged_decode(q, kc, vc, table, torch.tensor([20], dtype=torch.int32), kv_format="nvfp4", k_scale=ks,
                      v_scale=vs, k_block_scale=kbs, v_block_scale=vbs, gluon=True)
+
+
+def _e2m1(code: int) -> float:
+    v = E2M1_VALUES[code & 7]
+    return -v if code & 8 else v
+
+
+def _halves(r: int):
+    return _f16(r), _f16(r >> 16)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_k_unpack_ptx_gives_the_slots_values(seed):
+    # one word of tokens a ($8) and b ($10) -> 8 f16x2: register j = token (j & 1), nibble pair p = j >> 1,
+    # halves e = 0, 1; the value of nibble (p & 1) + 2e + 4(p >> 1) (k_to_d's order) times the block scale
+    rng = np.random.default_rng(seed)
+    scales = [0x40, 0x08, 0x7E, 0x38]  # e4m3 block scales: 2, 2^-6, 448, 1
+    for _ in range(64):
+        wa, wb = (int(x) for x in rng.integers(0, 2**32, size=2, dtype=np.uint64))
+        sa, sb = (scales[int(i)] for i in rng.integers(0, 4, size=2))
+        s16 = [int(np.array([_e4m3(x) * 64], dtype=np.float16).view(np.uint16)[0]) for x in (sa, sb)]
+        r = run_ptx(nv4._K2_ASM.value, {"$8": wa, "$10": wb, "$24": s16[0] * 0x10001, "$25": s16[1] * 0x10001})
+        for j in range(8):
+            w, sc = (wa, sa) if j % 2 == 0 else (wb, sb)
+            p = j >> 1
+            want = [_e2m1((w >> (4 * ((p & 1) + 2 * e + 4 * (p >> 1)))) & 0xF) * _e4m3(sc) for e in (0, 1)]
+            assert list(_halves(r[f"${j}"])) == want, (j, hex(w))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_v_unpack_ptx_gives_token_pairs_per_column(seed):
+    # the same word of tokens t ($8) and u ($9) -> 8 f16x2 (t, u) of nibble [0, 2, 4, 6, 1, 3, 5, 7][j]
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(64):
+        wt, wu = (int(x) for x in rng.integers(0, 2**32, size=2, dtype=np.uint64))
+        st, su = (int(x) for x in rng.choice([0x40, 0x08, 0x7E, 0x38], size=2))
+        s16 = [int(np.array([_e4m3(x) * 64], dtype=np.float16).view(np.uint16)[0]) for x in (st, su)]
+        r = run_ptx(nv4._V_ASM.value, {"$8": wt, "$9": wu, "$24": s16[0] | (s16[1] << 16)})
+        for j in range(8):
+            nib = [0, 2, 4, 6, 1, 3, 5, 7][j]
+            want = [_e2m1((wt >> 4 * nib) & 0xF) * _e4m3(st), _e2m1((wu >> 4 * nib) & 0xF) * _e4m3(su)]
+            assert list(_halves(r[f"${j}"])) == want, (j, hex(wt), hex(wu))
+
+
+def test_unsupported_names_the_reason():
+    from kvbench.kernels._triton_utils import check_cache
+    from kvbench.tools.kernel_check import make_cache
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 8, 128, dtype=torch.bfloat16)
+
+    def caches(page, d=128, fmt="nvfp4"):
+        kc, kbs, ks, _ = make_cache(fmt, 4, page, 2, d, "cpu", gen)
+        vc, vbs, vs, _ = make_cache(fmt, 4, page, 2, d, "cpu", gen)
+        return check_cache("k", fmt, kc, kbs, ks, d), check_cache("v", fmt, vc, vbs, vs, d)
+
+    kc, vc = caches(16)
+    assert "CUDA GPU only" in nv4.unsupported(q, kc, vc, 4, None, "nvfp4")
+    assert "pages of a multiple of 16" in nv4.unsupported(q, *caches(8), 4, None, "nvfp4")
+    assert "at most 16 query heads" in nv4.unsupported(q, kc, vc, 32, None, "nvfp4")
+    assert "float16 / bfloat16 query" in nv4.unsupported(q.float(), kc, vc, 4, None, "nvfp4")
+    assert "nvfp4 caches only" in nv4.unsupported(q, kc, vc, 4, None, "fp8_e4m3")
+    q64 = torch.randn(1, 8, 64, dtype=torch.bfloat16)
+    assert "head dim 128" in nv4.unsupported(q64, *caches(16, 64), 4, None, "nvfp4")

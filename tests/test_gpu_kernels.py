@@ -48,12 +48,37 @@ def test_decode(fmt):
 
 
 def test_decode_nvfp4_explicit_layouts():
-    """The Gluon nvfp4 decode (kernels/decode_nv4.py, ``gluon=True``; it raises rather than fall back)."""
+    """The Gluon nvfp4 decode (kernels/decode_nv4.py, ``gluon=True``; it raises rather than fall back), at its
+    defaults and with the register prefetch / caps of the launch sweep, pages of 16-64 tokens, windows that
+    start off a 16-token boundary, 1-16 query heads per kv head."""
     _ok(check_decode("nvfp4", RAGGED, *G32, layout="HND", seed=11, gluon=True))
     _ok(check_decode("nvfp4", [4097, 17, 2000, 1], *G32, window=1000, sinks=True, layout="HND", seed=12, gluon=True))
     _ok(check_decode("nvfp4", [700, 1, 1500], 16, 16, 128, 32, dtype=torch.float16, seed=13, gluon=True))
     _ok(check_decode("nvfp4", [3000, 4096], 64, 4, 128, 16, sinks=True, num_splits=5, seed=14, gluon=True))
     _ok(check_decode("nvfp4", [3000, 4096, 129], *G32, num_splits=1, seed=15, gluon=True))
+    _ok(check_decode("nvfp4", [2000, 37, 4099], 48, 8, 128, 64, window=1021, layout="HND", seed=16, gluon=True,
+                     prefetch=True, maxnreg=0))
+    _ok(check_decode("nvfp4", [2000, 37, 4099], *G32, window=333, num_splits=3, seed=17, gluon=True,
+                     prefetch=True, maxnreg=168))
+    _ok(check_decode("nvfp4", [5000, 1], 8, 1, 128, 32, sinks=True, seed=18, gluon=True, prefetch=False, maxnreg=0))
+
+
+def test_decode_nvfp4_default_is_the_explicit_layout_kernel_where_it_applies(monkeypatch):
+    """nvfp4 decode on the GPU runs decode_nv4 by default where it applies and the Triton kernel otherwise (a
+    Triton launch option, pages of 8 tokens, head dim 64, an fp8 query); the Triton kernel stays checked."""
+    from kvbench.kernels import decode_nv4
+
+    calls = []
+    real = decode_nv4.launch
+    monkeypatch.setattr(decode_nv4, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _ok(check_decode("nvfp4", RAGGED, *G32, layout="HND", seed=21))
+    assert len(calls) == 1
+    _ok(check_decode("nvfp4", RAGGED, *G32, layout="HND", seed=22, block_n=64))
+    _ok(check_decode("nvfp4", RAGGED, *G32, layout="HND", seed=23, gluon=False))
+    _ok(check_decode("nvfp4", [4097, 17, 2000, 1], 32, 8, 128, 8, window=1000, sinks=True, seed=24))
+    _ok(check_decode("nvfp4", [700, 1, 1500], *G64, seed=25))
+    _ok(check_decode("nvfp4", RAGGED, *G32, q_fp8=True, layout="HND", seed=26))
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

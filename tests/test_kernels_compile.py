@@ -50,6 +50,39 @@ def compile_decode():
     _compile(_decode_reduce_kernel, c, dict(ACC="*fp32", ML="*fp32", OUT="*bf16", V_SCALE="*fp32", SINKS="*fp32"))
 
 
+def compile_decode_nv4():
+    """The explicit-layout nvfp4 decode (Gluon) at its launch defaults and with the other options; at the
+    defaults its registers fit the 128-register cap that lets four programs share an SM."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kvbench.kernels import decode_nv4 as nv4
+
+    fn = nv4._decode_nv4_kernel
+    ptrs = dict(Q="*bf16", KC="*i32", VC="*i32", KBS="*u8", VBS="*u8", K_SCALE="*fp32", PT="*i32", SEQ_LENS="*i32",
+                ACC="*fp32", ML="*fp32", OUT="*bf16", V_SCALE="*fp32", SINKS="*fp32")
+    aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs or n in ("s_page", "s_tok", "skc_h", "svc_h")]
+    for consts, opts in ((dict(G=4, NH=8, PAGE=16, DIRECT=False, HAS_SINKS=False, PREFETCH=nv4.PREFETCH),
+                          dict(maxnreg=nv4.MAXNREG)),
+                         (dict(G=16, NH=16, PAGE=32, DIRECT=True, HAS_SINKS=True, PREFETCH=True), {})):
+        sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32")
+               for n in fn.arg_names}
+        src = GluonASTSource(fn, sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, **opts))
+        assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", k.asm["ptx"])) == 4 * consts["NH"], "mma count per tile"
+        if opts:
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+                res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+            regs = int(re.search(r"REG:(\d+)", res).group(1))
+            assert regs <= nv4.MAXNREG, res
+
+
 def compile_prefill():
     from kvbench.kernels.prefill import _prefill_kernel
 
@@ -189,11 +222,11 @@ def test_kernels_compile_for_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.split() == ["decode", "prefill", "append", "mla_decode", "mla_prefill"]
+    assert r.stdout.split() == ["decode", "decode_nv4", "prefill", "append", "mla_decode", "mla_prefill"]
 
 
 if __name__ == "__main__":
-    for name, fn in (("decode", compile_decode), ("prefill", compile_prefill), ("append", compile_append),
+    for name, fn in (("decode", compile_decode), ("decode_nv4", compile_decode_nv4), ("prefill", compile_prefill), ("append", compile_append),
                      ("mla_decode", compile_mla_decode), ("mla_prefill", compile_mla_prefill)):
         fn()
         print(name, flush=True)

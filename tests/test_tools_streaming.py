@@ -371,14 +371,21 @@ def test_speed_targets_of_issue_28():
     res.dec_rows = [Row("decode triton bf16 B64x8192 32/8 D128 p16 HND", 726.0, 3300.0, 98.0),
                     Row("decode triton nvfp4 B64x8192 32/8 D128 p16 HND", 362.0, 1850.0, 55.0)]
     res.dec = {"bf16": 726.0, "nvfp4": 362.0}
-    res.dec_long = {"nvfp4": 71.0}
+    res.dec_long = {"nvfp4": 39.0}
+    # the verdicts come from graph replays (an eager split launch can be host-bound), the eager figures beside
+    res.dec_graph, res.dec_graph_us = {"bf16": 99.0, "nvfp4": 57.0}, {"bf16": 714.0, "nvfp4": 352.0}
+    res.dec_long_graph = {"nvfp4": 71.0}
     res.pre = {"extend_bf16": 1267.0, "extend_nvfp4": 1378.0, "extend_fp8_e4m3": 1291.0}
     res.app = {(1, "bf16"): (1.7, 2.9, 3.5), (128, "nvfp4"): (3.3, 4.7, 3.7), (512, "nvfp4"): (6.5, 8.3, 4.2),
                (512, "bf16"): (4.3, 6.0, 4.2)}
     got = {name: (ok, val) for name, ok, val in speed_targets(res)}
-    assert got["decode nvfp4 >= 80% of copy bandwidth (64 x 8192)"] == (False, "55%")
-    assert got["decode nvfp4 >= 2.9x faster than bf16 (64 x 8192)"] == (False, "2.01x")
-    assert got["decode nvfp4 >= 70% of copy bandwidth (8 x 32768)"] == (True, "71%")
+    assert got["decode nvfp4 >= 80% of copy bandwidth (64 x 8192)"] == (False, "57% (graph replays; eager 55%)")
+    assert got["decode nvfp4 >= 2.9x faster than bf16 (64 x 8192)"] == (False, "2.03x (graph replays; eager 2.01x)")
+    assert got["decode nvfp4 >= 70% of copy bandwidth (8 x 32768)"] == (True, "71% (graph replays; eager 39%)")
+    res.dec_graph["nvfp4"], res.dec_graph_us["nvfp4"] = 83.0, 242.0
+    got = {name: (ok, val) for name, ok, val in speed_targets(res)}
+    assert got["decode nvfp4 >= 80% of copy bandwidth (64 x 8192)"] == (True, "83% (graph replays; eager 55%)")
+    assert got["decode nvfp4 >= 2.9x faster than bf16 (64 x 8192)"] == (True, "2.95x (graph replays; eager 2.01x)")
     assert got["extend nvfp4 prefix >= 0.9x the bf16 extend's speed"] == (True, "0.92x")
     assert got["extend fp8_e4m3 prefix >= 0.95x the bf16 extend's speed"] == (True, "0.98x")
     assert got["append fused <= 0.6x unfused (up to 128 tokens)"] == (False, "worst 0.70x (nvfp4, T=128)")

@@ -150,16 +150,20 @@ def speed_targets(res: BenchResults) -> list:
     """Issue 28's kernel targets (nvfp4 decode against copy bandwidth at both shapes, the extends against
     bf16's, the fused append against the unfused pair and the plain bf16 store) as (name, met, value)."""
     out = []
+    # the nvfp4 decode targets on graph replays (the kernel's time, as the engine's decode step runs it), with
+    # the eager timing beside it
     pct = {r.name.split()[2]: r.pct_copy for r in res.dec_rows}
-    if "nvfp4" in pct:
-        out.append(("decode nvfp4 >= 80% of copy bandwidth (64 x 8192)", pct["nvfp4"] >= 80, f"{pct['nvfp4']:.0f}%"))
-    if "bf16" in res.dec and "nvfp4" in res.dec:
-        r = res.dec["bf16"] / res.dec["nvfp4"]
-        out.append(("decode nvfp4 >= 2.9x faster than bf16 (64 x 8192)", r >= 2.9, f"{r:.2f}x"))
-    if "nvfp4" in res.dec_long:
+    if "nvfp4" in res.dec_graph:
+        out.append(("decode nvfp4 >= 80% of copy bandwidth (64 x 8192)", res.dec_graph["nvfp4"] >= 80,
+                    f"{res.dec_graph['nvfp4']:.0f}% (graph replays; eager {pct['nvfp4']:.0f}%)"))
+    if "bf16" in res.dec_graph_us and "nvfp4" in res.dec_graph_us:
+        r = res.dec_graph_us["bf16"] / res.dec_graph_us["nvfp4"]
+        out.append(("decode nvfp4 >= 2.9x faster than bf16 (64 x 8192)", r >= 2.9,
+                    f"{r:.2f}x (graph replays; eager {res.dec['bf16'] / res.dec['nvfp4']:.2f}x)"))
+    if "nvfp4" in res.dec_long_graph:
         b, c = LONG_DECODE
-        out.append((f"decode nvfp4 >= 70% of copy bandwidth ({b} x {c})", res.dec_long["nvfp4"] >= 70,
-                    f"{res.dec_long['nvfp4']:.0f}%"))
+        out.append((f"decode nvfp4 >= 70% of copy bandwidth ({b} x {c})", res.dec_long_graph["nvfp4"] >= 70,
+                    f"{res.dec_long_graph['nvfp4']:.0f}% (graph replays; eager {res.dec_long['nvfp4']:.0f}%)"))
     bf = res.pre.get("extend_bf16")
     for key, name, want in (("extend_nvfp4", "nvfp4", 0.9), ("extend_fp8_e4m3", "fp8_e4m3", 0.95)):
         if bf and key in res.pre:

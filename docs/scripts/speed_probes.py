@@ -157,8 +157,8 @@ def decode_sweep() -> None:
 
 
 def nv4_layouts() -> None:
-    """bf16, the Triton nvfp4 decode and the explicit-layout (Gluon) nvfp4 decode at both shapes, graph replays,
-    with the Gluon kernel's split counts around its default."""
+    """bf16, the Triton nvfp4 decode (``gluon=False``) and the explicit-layout (Gluon) nvfp4 decode at both
+    shapes, graph replays: the Gluon kernel's register prefetch on / off, register caps and split counts."""
     import torch
 
     from kvbench.kernels.decode import paged_decode
@@ -167,16 +167,26 @@ def nv4_layouts() -> None:
 
     copy = copy_bandwidth()
     print(f"copy {copy:.0f} GB/s", flush=True)
-    for b, ctx, splits in ((64, 8192, (1, 2)), (8, 32768, (4, 8, 16, 33))):
-        variants = [("bf16", {}), ("nvfp4", {}), ("nvfp4", {"gluon": True})]
-        variants += [("nvfp4", {"gluon": True, "num_splits": s}) for s in splits]
+    g = {"gluon": True}
+    v64 = [("bf16", {}), ("nvfp4", {"gluon": False}), ("nvfp4", {})]
+    v64 += [("nvfp4", {**g, "prefetch": p, "maxnreg": r}) for p in (False, True) for r in (0, 128, 168)]
+    v64 += [("nvfp4", {**g, "num_splits": 2}), ("nvfp4", {**g, "prefetch": False, "maxnreg": 0, "num_splits": 2})]
+    v8 = [("bf16", {}), ("nvfp4", {"gluon": False}), ("nvfp4", {})]
+    v8 += [("nvfp4", {**g, "num_splits": s}) for s in (4, 6, 12, 16)]
+    v8 += [("nvfp4", {**g, "prefetch": False, "maxnreg": 0, "num_splits": s}) for s in (4, 6, 8, 12)]
+    v8 += [("nvfp4", {**g, "prefetch": True, "maxnreg": 0, "num_splits": s}) for s in (4, 8)]
+    for b, ctx, variants in ((64, 8192, v64), (8, 32768, v8)):
+        cases = {}
         for fmt, kw in variants:
-            q, table, seq, kv, nbytes = decode_case(fmt, b, ctx, HQ, HK, D, PAGE, torch.Generator().manual_seed(0),
-                                                    LAYOUT)
+            if fmt not in cases:
+                cases.clear()
+                torch.cuda.empty_cache()
+                cases[fmt] = decode_case(fmt, b, ctx, HQ, HK, D, PAGE, torch.Generator().manual_seed(0), LAYOUT)
+            q, table, seq, kv, nbytes = cases[fmt]
             out = torch.empty_like(q)
             us = bench_us(lambda: paged_decode(q, page_table=table, seq_lens=seq, kv_format=fmt, out=out, **kv, **kw),
                           graph=True)
-            print(f"B={b} L={ctx} {fmt} {kw or 'triton defaults'}: {us:.1f} us "
+            print(f"B={b} L={ctx} {fmt} {kw or 'defaults'}: {us:.1f} us "
                   f"({100 * nbytes / (us * 1e-6) / 1e9 / copy:.0f}% of copy)", flush=True)
 
 
