@@ -83,18 +83,19 @@ _V_ASM = gl.constexpr(
     "cvt.rn.f16x2.e4m3x2 c6, x6; cvt.rn.f16x2.e4m3x2 c7, x7;\n"
     "mul.rn.f16x2 $0, c0, $24; mul.rn.f16x2 $1, c1, $24; mul.rn.f16x2 $2, c2, $24; mul.rn.f16x2 $3, c3, $24;\n"
     "mul.rn.f16x2 $4, c4, $24; mul.rn.f16x2 $5, c5, $24; mul.rn.f16x2 $6, c6, $24; mul.rn.f16x2 $7, c7, $24;\n}")
-_V_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 24))
+# both unpackings: 8 f16x2 out; 16 words (two of them used) and 8 f16x2 scale pairs in
+_PAIR_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 24))
 E2M1_SCALE = gl.constexpr(64.0)
 
 
 def k_to_d(k):
-    """Element of the head held by contraction slot ``k`` of QKᵀ (see the module docstring)."""
+    """Element of the head held by contraction slot ``k`` of the scores (see the module docstring)."""
     c, m, a, h, e = (k >> 1) & 3, k >> 5, (k >> 4) & 1, (k >> 3) & 1, k & 1
     return 32 * c + 8 * m + 4 * a + 2 * e + h
 
 
 def col_to_d(n):
-    """Element of the head held by output column ``n`` of PV (see the module docstring)."""
+    """Element of the head held by output column ``n`` of Oᵀ's rows (see the module docstring)."""
     g, j, s = n & 7, (n >> 3) & 7, n >> 6
     return 16 * g + 8 * s + 2 * (j & 3) + (j >> 2)
 
@@ -119,8 +120,6 @@ def _scale_f16(sc):
     return sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * E2M1_SCALE
 
 
-
-
 _AK = gl.constexpr(gl.DotOperandLayout(0, _MMA.value, 2))  # K [warp, 32 tokens, 128 slots]; also Vᵀ [warp, 128, 32]
 _BQ = gl.constexpr(gl.DotOperandLayout(1, _MMA.value, 2))  # Qᵀ [warp, 128 slots, NH heads]; also Pᵀ [warp, 32, NH]
 # Vᵀ values in the order the unpacking makes them: a token pair, then a word's 8 columns, then the word, then
@@ -132,7 +131,7 @@ _VA = gl.constexpr(gl.DistributedLinearLayout(
 
 # K: the same word of two tokens a ($8) and b ($10) -> 8 f16x2: (a, b) alternating over the nibble pairs
 # 0,2 | 1,3 | 4,6 | 5,7, times the block scales $24 (a) and $25 (b)
-_K2_ASM = gl.constexpr(
+_K_ASM = gl.constexpr(
     "{\n.reg .b32 lo, hi, t, lu, hu, c<8>;\n.reg .b16 a0, a1, b0, b1, x0, x1, y0, y1;\n"
     + _spread("$8", "lo", "hi") + _spread("$10", "lu", "hu")
     + "mov.b32 {a0, a1}, lo; mov.b32 {b0, b1}, hi; mov.b32 {x0, x1}, lu; mov.b32 {y0, y1}, hu;\n"
@@ -228,7 +227,7 @@ def _unpack_k(words, sc):
     s = gl.permute(gl.reshape(s, [4, 4, 2, 32]), [0, 3, 2, 1])  # [w, t, k64, c]
     s = gl.reshape(s, [4, 32, 2, 1, 1, 1, 4, 1]).broadcast_to([4, 32, 2, 2, 2, 2, 4, 2])
     s = gl.convert_layout(gl.reshape(s, [4, 32, 128]), _AK, assert_trivial=True)
-    return gl.inline_asm_elementwise(_K2_ASM, _V_CONSTRAINTS, [x, s], dtype=gl.float16, is_pure=True, pack=16)
+    return gl.inline_asm_elementwise(_K_ASM, _PAIR_CONSTRAINTS, [x, s], dtype=gl.float16, is_pure=True, pack=16)
 
 
 @gluon.jit
@@ -240,7 +239,7 @@ def _unpack_v(words, sc):
     s = gl.permute(_scale_f16(sc), [0, 2, 1])  # [w, block g, t]
     s = gl.reshape(s, [4, 1, 1, 8, 32]).broadcast_to([4, 2, 8, 8, 32])
     s = gl.convert_layout(gl.reshape(s, [4, 128, 32]), _VA, assert_trivial=True)
-    v = gl.inline_asm_elementwise(_V_ASM, _V_CONSTRAINTS, [x, s], dtype=gl.float16, is_pure=True, pack=16)
+    v = gl.inline_asm_elementwise(_V_ASM, _PAIR_CONSTRAINTS, [x, s], dtype=gl.float16, is_pure=True, pack=16)
     return gl.convert_layout(v, _AK, assert_trivial=True)
 
 

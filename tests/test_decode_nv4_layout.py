@@ -91,7 +91,7 @@ def test_k_unpack_ptx_gives_the_slots_values(seed):
         wa, wb = (int(x) for x in rng.integers(0, 2**32, size=2, dtype=np.uint64))
         sa, sb = (scales[int(i)] for i in rng.integers(0, 4, size=2))
         s16 = [int(np.array([_e4m3(x) * 64], dtype=np.float16).view(np.uint16)[0]) for x in (sa, sb)]
-        r = run_ptx(nv4._K2_ASM.value, {"$8": wa, "$10": wb, "$24": s16[0] * 0x10001, "$25": s16[1] * 0x10001})
+        r = run_ptx(nv4._K_ASM.value, {"$8": wa, "$10": wb, "$24": s16[0] * 0x10001, "$25": s16[1] * 0x10001})
         for j in range(8):
             w, sc = (wa, sa) if j % 2 == 0 else (wb, sb)
             p = j >> 1
