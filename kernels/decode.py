@@ -318,7 +318,7 @@ def paged_decode(
 
         why = decode_nv4.unsupported(q, kc, vc, g, q_scale, kv_format)
         if why:
-            raise ValueError(f"gluon=True: {why}")
+            raise ValueError(f"gluon=True: {why} (leave gluon unset to get the Triton kernel for such calls)")
     if gluon:
         gkw = {"prefetch": prefetch, "maxnreg": maxnreg}
         if num_splits is None:

@@ -49,6 +49,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from kvbench.kernels.formats import get_format
+
 __all__ = ["K_TO_D", "COL_TO_D", "k_to_d", "col_to_d", "launch", "unsupported"]
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -356,8 +358,6 @@ def unsupported(q: torch.Tensor, kc, vc, g: int, q_scale, kv_format: str) -> str
     """Why this kernel cannot take the call ('' when it can): an nvfp4 cache of head dim 128, at most 16 query
     heads per kv head, a float16/bfloat16 query on an sm_80+ GPU, codes whose rows start on 16-byte
     boundaries, pages of a multiple of 16 tokens."""
-    from kvbench.kernels.formats import get_format
-
     if get_format(kv_format).name != "nvfp4":
         return f"the explicit-layout decode reads nvfp4 caches only, not {kv_format}"
     if q_scale is not None or q.dtype not in (torch.float16, torch.bfloat16):

@@ -190,6 +190,44 @@ def nv4_layouts() -> None:
                   f"({100 * nbytes / (us * 1e-6) / 1e9 / copy:.0f}% of copy)", flush=True)
 
 
+def nv4_check() -> int:
+    """The explicit-layout nvfp4 decode and the Triton one against the float64 reference: 15 cases x 2 seeds
+    each (GQA 1-16, pages 16 / 32 / 64, NHD / HND, windows, sinks, fp16 queries, 1-7 splits, the launch
+    sweep's prefetch and register caps).  Exit 1 if any case fails."""
+    import torch
+
+    from kvbench.tools.kernel_check import check_decode
+
+    cases = [
+        ([1, 7, 128, 129, 300, 1000], 32, 8, 16, {}),
+        ([5, 64, 257, 700], 32, 8, 16, {"layout": "HND"}),
+        ([33, 400, 1025], 16, 16, 16, {}),
+        ([900, 2000], 64, 4, 16, {"layout": "HND"}),
+        ([17, 333, 1500], 32, 8, 32, {"window": 100}),
+        ([17, 333, 1500], 32, 8, 16, {"sinks": True}),
+        ([1, 2000], 8, 1, 16, {"sinks": True, "window": 700}),
+        ([4000, 20], 32, 8, 16, {"dtype": torch.float16}),
+        ([3000, 3001, 4096], 32, 8, 16, {"num_splits": 1}),
+        ([3000, 3001, 4096], 32, 8, 16, {"num_splits": 7, "sinks": True}),
+        ([3000, 3001, 4096], 32, 8, 16, {"num_splits": 1, "sinks": True, "layout": "HND"}),
+        ([2000, 37, 4099], 32, 8, 16, {"window": 333, "num_splits": 3, "layout": "HND"}),
+        ([2000, 37, 4099], 48, 8, 64, {"window": 1021, "prefetch": True}),
+        ([2000, 37, 4099], 32, 8, 16, {"prefetch": True, "maxnreg": 128, "num_splits": 2}),
+        ([2000, 37, 4099], 32, 8, 16, {"maxnreg": 128}),
+    ]
+    ok = n = 0
+    for lens, hq, hk, page, kw in cases:
+        for seed in (0, 1):
+            for gluon in (True, False):
+                c = check_decode("nvfp4", lens, hq, hk, D, page, seed=seed, gluon=gluon, **kw)
+                n += 1
+                ok += bool(c.ok)
+                print(f"{'ok  ' if c.ok else 'FAIL'} gluon={gluon} {c.label} {kw} seed={seed}: rel err {c.err:.2e} "
+                      f"(tol {c.tol})", flush=True)
+    print(f"{ok}/{n} passed", flush=True)
+    return 0 if ok == n else 1
+
+
 def ncu_decode(fmt: str) -> None:
     import torch
 
@@ -221,6 +259,7 @@ def main(argv=None) -> int:
     sub.add_parser("packed-stores", help="nvfp4 word stores: bit-exactness on the GPU grid, then timing")
     sub.add_parser("decode-sweep", help="nvfp4 decode launch sweep at 64 x 8192 and 8 x 32768")
     sub.add_parser("nv4-layouts", help="the explicit-layout nvfp4 decode against the Triton one and bf16")
+    sub.add_parser("nv4-check", help="the explicit-layout and Triton nvfp4 decodes against the float64 reference")
     p = sub.add_parser("ncu-decode", help="three decode launches at 64 x 8192 (for Nsight Compute)")
     p.add_argument("fmt")
     p = sub.add_parser("ncu-append", help="three fused-append launches (for Nsight Compute)")
@@ -240,6 +279,8 @@ def main(argv=None) -> int:
         decode_sweep()
     elif a.cmd == "nv4-layouts":
         nv4_layouts()
+    elif a.cmd == "nv4-check":
+        return nv4_check()
     elif a.cmd == "ncu-decode":
         ncu_decode(a.fmt)
     else:
