@@ -7,12 +7,16 @@ position 0, ``seq_len`` 1 and a page table of the scratch page, and their output
 ``max_seqlen_k`` is fixed at ``max_model_len`` so shapes never change between replays; KV scales are
 device tensors read by pointer, so recalibration does not invalidate graphs.
 
-Host side of a step: the inputs go into pinned staging buffers through numpy views and reach the device
-in five asynchronous copies.  The page table's staging rows are rewritten only where they changed: each row
-remembers the page list it last held (the object itself, so its identity cannot be reused) and how many of
-its pages were written; the scheduler only ever extends a sequence's page list or replaces it with a new
-one, so a row holding the same list needs only its new pages.  Before the staging buffers are written
-again, the previous step's copies out of them must have run (an event, normally long done).
+Host side of a step: the inputs go into one pinned staging buffer through numpy views and reach the
+device in one copy of the buffer's prefix that the step's bucket reads (the page table comes last, so a
+bucket of ``bs`` rows ends at its ``bs``-th table row).  The copy is captured as the graph's first node,
+so a step's host work is the staging and the replay's launch; where it cannot be captured, it is issued
+before each replay.  Padded rows are staged on the host as well, so the device needs no fills between
+steps.  The page table's staging rows are rewritten only where they changed: each row remembers the page
+list it last held (the object itself, so its identity cannot be reused) and how many of its pages were
+written; the scheduler only ever extends a sequence's page list or replaces it with a new one, so a row
+holding the same list needs only its new pages.  Before the staging buffer is written again, the
+previous step's replay must have run (an event, normally long done: the caller reads its output).
 
 The decode backend must be capturable (``graph_safe = True``: no host syncs in ``plan``/``forward``);
 otherwise the engine runs decode eagerly.
@@ -61,25 +65,36 @@ class DecodeGraphs:
         self.max_pages = -(-max_model_len // cache.page_size)
         self.buckets = bucket_sizes(max_batch)
         dev = runner.device
-        i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
         B, P = max_batch, self.max_pages
-        self.ids = torch.zeros(B, **i64)
-        self.pos = torch.zeros(B, **i64)
-        self.slots = torch.full((B,), -1, **i64)
-        self.table = torch.full((B, P), cache.scratch_page, **i32)
-        self.seq_lens = torch.ones(B, **i32)
-        self.cu = torch.arange(B + 1, **i32)
-        # host staging: one pinned buffer per input, one copy each (pageable on a machine without CUDA,
-        # where only the staging is exercised)
-        pin = dict(pin_memory=torch.cuda.is_available())
-        self._h_ids = torch.zeros(B, dtype=torch.int64, **pin)
-        self._h_pos = torch.zeros(B, dtype=torch.int64, **pin)
-        self._h_slots = torch.zeros(B, dtype=torch.int64, **pin)
-        self._h_table = torch.full((B, P), cache.scratch_page, dtype=torch.int32, **pin)
-        self._h_lens = torch.zeros(B, dtype=torch.int32, **pin)
-        self._np = {k: getattr(self, "_h_" + k).numpy() for k in ("ids", "pos", "slots", "table", "lens")}
+        self.pad = {"ids": 0, "pos": 0, "slots": -1, "lens": 1, "table": cache.scratch_page}
+        # every input is a view of one buffer, on the host (pinned staging) and on the device, so a step
+        # is one copy: ids, positions, slots (int64), seq_lens (int32, padded to 8 bytes), then the page
+        # table [B, P] int32 last, so the rows of a bucket of bs sequences end the prefix a step copies
+        fields = (("ids", torch.int64, B), ("pos", torch.int64, B), ("slots", torch.int64, B),
+                  ("lens", torch.int32, B + (B & 1)), ("table", torch.int32, B * P))
+        off, self._off = 0, {}
+        for name, dt, n in fields:
+            self._off[name] = (off, dt, n)
+            off += n * torch.empty((), dtype=dt).element_size()
+        self._table_off = self._off["table"][0]
+        self._nbytes = off
+        pin = dict(pin_memory=torch.cuda.is_available())  # pageable without CUDA, where only staging runs
+        self._h_buf = torch.zeros(off, dtype=torch.uint8, **pin)
+        self._d_buf = torch.zeros(off, dtype=torch.uint8, device=dev)
+        h, d = self._views(self._h_buf), self._views(self._d_buf)
+        self.ids, self.pos, self.slots, self.seq_lens = d["ids"], d["pos"], d["slots"], d["lens"][:B]
+        self.table = d["table"].view(B, P)
+        self.cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        self._np = {k: h[k].numpy() for k in ("ids", "pos", "slots", "lens", "table")}
+        self._np["lens"] = self._np["lens"][:B]
+        self._np["table"] = self._np["table"].reshape(B, P)
+        for k, v in self.pad.items():
+            self._np[k][...] = v
+        self._d_buf.copy_(self._h_buf)
         self._rows: list = [(None, 0)] * B  # per staging row: (page list last written, pages written)
-        self._copied = None  # event after the last step's host-to-device copies
+        self._live = 0  # staging rows 0 .. _live-1 may hold a sequence; the rest hold the padding
+        self.copy_in_graph: dict[int, bool] = {}  # per bucket: its graph copies the staged inputs itself
+        self._copied = None  # event after the last step's replay (its copy out of the staging buffer done)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.metas: dict[int, AttentionMetadata] = {}
@@ -88,15 +103,20 @@ class DecodeGraphs:
     def can_run(self, inp: "StepInputs") -> bool:
         return len(inp.seq_lens) <= self.max_batch and inp.max_pages_used <= self.max_pages
 
+    def _views(self, buf: torch.Tensor) -> dict:
+        return {k: buf[o : o + n * torch.empty((), dtype=dt).element_size()].view(dt) for k, (o, dt, n) in self._off.items()}
+
     def stage(self, inp: "StepInputs") -> None:
-        """Write a step's inputs into the host staging buffers (rows ``0 .. n-1``)."""
+        """Write a step's inputs into the host staging buffer: rows ``0 .. n-1`` from the step, rows a
+        previous, larger step left behind back to the padding (slot −1, position 0, ``seq_len`` 1, the
+        scratch page), so a bucket's rows can be copied whole."""
         n = len(inp.seq_lens)
         h = self._np
         h["ids"][:n] = inp.ids
         h["pos"][:n] = inp.pos
         h["slots"][:n] = inp.slots
         h["lens"][:n] = inp.seq_lens
-        table, rows, pad = h["table"], self._rows, self.runner.cache.scratch_page
+        table, rows, pad = h["table"], self._rows, self.pad["table"]
         for i, seq in enumerate(inp.seqs):
             pages = seq.pages
             held, done = rows[i]
@@ -108,6 +128,11 @@ class DecodeGraphs:
                 table[i, :k] = pages
                 table[i, k:] = pad
             rows[i] = (pages, k)
+        if self._live > n:
+            for k, v in self.pad.items():
+                h[k][n : self._live] = v
+            rows[n : self._live] = [(None, 0)] * (self._live - n)
+        self._live = n
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -134,19 +159,33 @@ class DecodeGraphs:
             for _ in range(2):  # warm-up (autotuning, lazy allocations) outside the graph
                 self._forward(bs, meta)
         torch.cuda.current_stream().wait_stream(side)
+        h, d = self._prefix(bs)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = self._forward(bs, meta)
+        try:
+            with torch.cuda.graph(g, pool=self.pool):
+                d.copy_(h, non_blocking=True)  # the inputs' copy is the graph's first node
+                out = self._forward(bs, meta)
+            self.copy_in_graph[bs] = True
+        except Exception as e:  # a copy from pinned host memory that cannot be captured: copy before each replay
+            log.info("decode graph for batch %d: input copy outside the graph (%s: %s)", bs, type(e).__name__, e)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self._forward(bs, meta)
+            self.copy_in_graph[bs] = False
         self.pool = g.pool()
         self.graphs[bs], self.outputs[bs], self.metas[bs] = g, out, meta
         log.info("captured decode CUDA graph for batch %d", bs)
 
+    def _prefix(self, bs: int) -> tuple:
+        """The staging buffer's prefix that a bucket of ``bs`` rows reads: (host, device)."""
+        end = self._table_off + bs * self.max_pages * 4
+        return self._h_buf[:end], self._d_buf[:end]
+
     def _reset_padding(self, start: int) -> None:
-        self.slots[start:].fill_(-1)
-        self.pos[start:].zero_()
-        self.ids[start:].zero_()
-        self.seq_lens[start:].fill_(1)
-        self.table[start:].fill_(self.runner.cache.scratch_page)
+        """Device rows ``start ..`` to the padding (before a capture, whose warm-up runs on them)."""
+        for name, t in (("slots", self.slots), ("pos", self.pos), ("ids", self.ids), ("lens", self.seq_lens), ("table", self.table)):
+            t[start:].fill_(self.pad[name])
 
     @torch.inference_mode()
     def run(self, inp: "StepInputs") -> torch.Tensor:
@@ -162,14 +201,11 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()
         self.stage(inp)
-        self.ids[:n].copy_(self._h_ids[:n], non_blocking=True)
-        self.pos[:n].copy_(self._h_pos[:n], non_blocking=True)
-        self.slots[:n].copy_(self._h_slots[:n], non_blocking=True)
-        self.seq_lens[:n].copy_(self._h_lens[:n], non_blocking=True)
-        self.table[:n].copy_(self._h_table[:n], non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        if n < bs:
-            self._reset_padding(n)
+        if not self.copy_in_graph[bs]:
+            h, d = self._prefix(bs)
+            d.copy_(h, non_blocking=True)
         self.graphs[bs].replay()
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()  # one event, recorded again each step: synchronize() waits for the latest record
         return self.outputs[bs][:n]

@@ -103,10 +103,14 @@ def test_cuda_graph_decode_matches_eager(loaded, kv):
         assert graphs.runner.graphs is not None and graphs.runner.graphs.graphs, "no decode graph was captured"
         assert eager.runner.graphs is None
         _close(e, g)
-        # a batch of three (a padded graph bucket of four): the same greedy tokens while they agree
-        p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+        # a batch of three (a padded graph bucket of four) that shrinks to two and one as requests end (the
+        # staged padding rows): the same greedy tokens while they agree
+        p = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=1) for m in (16, 9, 5)]
         og, oe = graphs.generate(PROMPTS, p), eager.generate(PROMPTS, p)
-        assert 4 in graphs.runner.graphs.graphs
+        dg = graphs.runner.graphs
+        assert {4, 2, 1} <= set(dg.graphs), sorted(dg.graphs)
+        assert all(dg.copy_in_graph.values()), dg.copy_in_graph  # the input copy is the graph's own first node
+        assert [len(o.token_ids) for o in og] == [16, 9, 5]
         for a, b in zip(og, oe):
             same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
             assert same >= 4, (a.token_ids, b.token_ids)

@@ -76,6 +76,11 @@ def test_staged_rows_equal_the_full_table_every_step(seed):
         assert g._np["slots"][:n].tolist() == ref["slots"] == inp.slots
         assert g._np["lens"][:n].tolist() == ref["lens"] == inp.seq_lens
         np.testing.assert_array_equal(g._np["table"][:n], np.array(ref["table"], dtype=np.int32))
+        # rows past the batch hold the padding, since a step copies its bucket's rows whole
+        assert (g._np["ids"][n:] == 0).all() and (g._np["pos"][n:] == 0).all()
+        assert (g._np["slots"][n:] == -1).all() and (g._np["lens"][n:] == 1).all()
+        assert (g._np["table"][n:] == SCRATCH).all()
+        _same_inputs(inp, StepInputs(batch, PAGE, SCRATCH, _general=True))
         for i, s in enumerate(batch_seqs):
             if before[i][0] is s.pages and before[i][1] < len(s.pages):
                 partial += 1
@@ -92,6 +97,41 @@ def test_staged_rows_equal_the_full_table_every_step(seed):
             if s.num_tokens >= MAX_LEN - 1:
                 pool[k] = _seq(f"s{step}.{k}", rng.randrange(1, 12), 0, rng, next_page)
     assert partial > 20 and rewrites > 20  # both the incremental and the full rewrite were exercised
+
+
+def _same_inputs(a: StepInputs, b: StepInputs) -> None:
+    for k in ("ids", "pos", "slots", "seq_lens", "cu", "q_lens", "sample_rows", "sample_idx", "sample_pos", "roundtrip",
+              "max_pages_used", "table"):
+        assert getattr(a, k) == getattr(b, k), k
+
+
+def test_staging_views_share_one_buffer():
+    """Every device input is a view of the one buffer a step copies, and a bucket's prefix ends at its last
+    table row."""
+    g = _graphs()
+    base = g._d_buf.data_ptr()
+    for t in (g.ids, g.pos, g.slots, g.seq_lens, g.table):
+        assert base <= t.data_ptr() < base + g._nbytes
+    assert g.table.data_ptr() + g.table.numel() * 4 == base + g._nbytes
+    assert g._table_off + B * g.max_pages * 4 == g._nbytes
+    g._np["slots"][3] = 77
+    g._np["table"][2, 1] = 5
+    g._d_buf.copy_(g._h_buf)
+    assert g.slots[3].item() == 77 and g.table[2, 1].item() == 5 and g.seq_lens.tolist() == [1] * B
+
+
+def test_decode_inputs_match_the_general_path():
+    """The decode fast path of ``StepInputs`` against the general construction, including sequences whose
+    step does not reach their last token (nothing sampled) and scored sequences (which take the general path)."""
+    rng, next_page = random.Random(7), [0]
+    seqs = [_seq(f"s{i}", rng.randrange(1, 12), rng.randrange(0, 6), rng, next_page) for i in range(6)]
+    seqs[2].num_cached -= 2  # a step that does not reach the end: no sampled row
+    batch = ScheduledBatch("decode", seqs, [1] * 6)
+    fast, slow = StepInputs(batch, PAGE, SCRATCH), StepInputs(batch, PAGE, SCRATCH, _general=True)
+    _same_inputs(fast, slow)
+    assert fast.sample_idx == [0, 1, 3, 4, 5] and not fast.all_rows_sampled
+    seqs[4].score_from = 3
+    _same_inputs(StepInputs(batch, PAGE, SCRATCH), StepInputs(batch, PAGE, SCRATCH, _general=True))
 
 
 def test_tokens_slices_like_the_whole_list():

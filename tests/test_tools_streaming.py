@@ -362,6 +362,19 @@ def test_engine_perf_streams_rows(monkeypatch, capsys, tmp_path):
     assert "[14/14] done in" in text.err  # 1 + 6 + 5 + 1 + 1 measurements
 
 
+def test_engine_perf_formats_option(monkeypatch, capsys, tmp_path):
+    from kvbench.tools import engine_perf as P
+
+    monkeypatch.setattr(P, "_with_engine", lambda cfg, fn, loaded=None: {"kv": cfg.kv_dtype, "eager": cfg.enforce_eager})
+    out = tmp_path / "perf.json"
+    P.main(["--device", "cpu", "--formats", "nvfp4,fp8_e5m2", "--skip", "bandwidth,capacity,matrix,default,concurrent",
+            "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert [(r["kv"], r["eager"]) for r in res["decode"]] == [("nvfp4", True), ("nvfp4", False), ("fp8_e5m2", True),
+                                                               ("fp8_e5m2", False)]
+    assert "[4/4] done in" in capsys.readouterr().err
+
+
 def test_speed_targets_of_issue_28():
     from kvbench.tools.common import Row
     from kvbench.tools.decode_bench import BenchResults

@@ -1,12 +1,13 @@
 """Engine performance checks behind docs/performance.md (run on a GPU; parts run on CPU too).
 
-    python -m kvbench.tools.engine_perf --out perf.json [--model synthetic:llama-3-8b] [--skip ...]
+    python -m kvbench.tools.engine_perf --out perf.json [--model synthetic:llama-3-8b] [--formats ...] [--skip ...]
 
 1. copy bandwidth of the device (read + write bytes of a large tensor copy / time);
 2. decode step (forward + logits) of a model at batch B x context L, eager and with CUDA graphs,
    against the roofline (weight bytes + KV bytes) / copy bandwidth; MLA models (``--model
    synthetic:deepseek-v2-lite``) count their latent cache (one ``rank + rope`` plane per layer, scales
-   included) as the KV bytes;
+   included) as the KV bytes; a graphed step's row carries its ``anatomy`` (``step_anatomy``: host and
+   device parts, and the time the device idles);
 3. max concurrent sequences without queueing per KV format at a fixed KV budget (measured from the
    scheduler's running count while requests of a fixed length are served);
 4. every KV format x backend pair generates (tokens/s, greedy agreement with bf16 on torch).
@@ -18,6 +19,7 @@ line on stderr (``streaming.py``); ``--out`` is rewritten after every row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -64,17 +66,7 @@ def decode_step_times(engine, batch: int, ctx: int, iters: int = 20) -> dict:
     """``{"step_s", "host_s"}``: median seconds of one decode step of ``batch`` sequences with ``ctx`` tokens
     in the cache (call to synchronised end), and of its host part (call until the step's work is queued;
     the device idles for it, since every step here starts after the previous one ended)."""
-    cache = engine.cache
-    seqs = []
-    for i in range(batch):
-        s = Sequence(f"bench{i}", [1] * (ctx - 1), SamplingParams(max_tokens=2))
-        s.output_ids = [1]
-        s.pages = cache.allocator.allocate(-(-ctx // cache.page_size))
-        s.num_cached = ctx - 1
-        s.status = "running"
-        seqs.append(s)
-    b = ScheduledBatch("decode", seqs, [1] * batch)
-    try:
+    with _decode_batch(engine, batch, ctx) as b:
         for _ in range(3):
             engine.runner.run(b)
         _sync(engine.device)
@@ -86,9 +78,88 @@ def decode_step_times(engine, batch: int, ctx: int, iters: int = 20) -> dict:
             _sync(engine.device)
             times.append(time.perf_counter() - t)
         return {"step_s": statistics.median(times), "host_s": statistics.median(host)}
+
+
+@contextlib.contextmanager
+def _decode_batch(engine, batch: int, ctx: int):
+    """A decode batch of ``batch`` sequences with ``ctx - 1`` tokens cached (their pages freed afterwards)."""
+    cache = engine.cache
+    seqs = []
+    for i in range(batch):
+        s = Sequence(f"bench{i}", [1] * (ctx - 1), SamplingParams(max_tokens=2))
+        s.output_ids = [1]
+        s.pages = cache.allocator.allocate(-(-ctx // cache.page_size))
+        s.num_cached = ctx - 1
+        s.status = "running"
+        seqs.append(s)
+    try:
+        yield ScheduledBatch("decode", seqs, [1] * batch)
     finally:
         for s in seqs:
             cache.allocator.free(s.pages)
+
+
+def step_anatomy(engine, batch: int, ctx: int, iters: int = 20) -> dict:
+    """Where a graphed decode step's wall time goes (CUDA only), medians in ms over ``iters`` steps:
+    host parts (``inputs_ms``: StepInputs, ``stage_ms``: the staging-buffer writes, ``run_ms``: the whole
+    ``DecodeGraphs.run`` call (the staging again, the replay's launch, whose graph copies the inputs), ``replay_call_ms``: the replay's
+    launch alone, ``logits_call_ms``); device parts timed back to back with the device never idle
+    (``graph_gpu_ms``: one replay, ``logits_gpu_ms``); ``step_ms`` as ``decode_step_times`` times it, and
+    ``idle_ms`` = step − graph − logits, the time the device waits on the host or sits between them."""
+    from kvbench.runtime.models.runner import StepInputs
+
+    r = engine.runner
+    g = r.graphs
+    if g is None:
+        return {"error": "no CUDA graphs for this engine"}
+    cache = engine.cache
+    med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    with _decode_batch(engine, batch, ctx) as b:
+        for _ in range(3):
+            r.run(b)
+        torch.cuda.synchronize()
+        parts: dict = {k: [] for k in ("inputs", "stage", "run", "replay_call", "logits_call", "step")}
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            inp = StepInputs(b, cache.page_size, cache.scratch_page)
+            t1 = time.perf_counter()
+            g.stage(inp)  # idempotent: run() writes the same rows again
+            t2 = time.perf_counter()
+            hidden = g.run(inp)
+            t3 = time.perf_counter()
+            r.model.logits(hidden)
+            t4 = time.perf_counter()
+            torch.cuda.synchronize()
+            parts["inputs"].append(t1 - t0)
+            parts["stage"].append(t2 - t1)
+            parts["run"].append(t3 - t2)
+            parts["logits_call"].append(t4 - t3)
+            t = time.perf_counter()
+            r.run(b)
+            torch.cuda.synchronize()
+            parts["step"].append(time.perf_counter() - t)
+        bs = g._bucket(batch)
+        graph = g.graphs[bs]
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            graph.replay()
+            parts["replay_call"].append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+        out = {k + "_ms": med(v) for k, v in parts.items()}
+        hidden = g.outputs[bs][:batch]
+        for name, fn in (("graph_gpu_ms", graph.replay), ("logits_gpu_ms", lambda: r.model.logits(hidden))):
+            fn()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(iters):
+                fn()
+            e1.record()
+            torch.cuda.synchronize()
+            out[name] = e0.elapsed_time(e1) / iters
+        out["idle_ms"] = out["step_ms"] - out["graph_gpu_ms"] - out["logits_gpu_ms"]
+        return out
 
 
 def kernel_breakdown(engine, batch: int, ctx: int, steps: int = 3, top: int = 18) -> dict:
@@ -223,9 +294,11 @@ def main(argv=None) -> None:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--decode-backend", default="triton")
     ap.add_argument("--capacity-budget-gb", type=float, default=2.0)
-    ap.add_argument("--skip", default="", help="comma list of: bandwidth,decode,profile,capacity,matrix,default,concurrent")
+    ap.add_argument("--formats", default="", help="comma list of KV formats for the decode and profile rows (default: one per element width)")
+    ap.add_argument("--skip", default="", help="comma list of: bandwidth,decode,anatomy (of the graphed steps),profile,capacity,matrix,default,concurrent")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    formats = tuple(filter(None, args.formats.split(","))) or bench_formats()
 
     res: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                  "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "model": args.model}
@@ -257,6 +330,8 @@ def main(argv=None) -> None:
             if "copy_bandwidth_GBs" in res:
                 roof = (wb + kvb) / (res["copy_bandwidth_GBs"] * 1e9)
                 row.update(roofline_ms=roof * 1e3, ratio=t / roof)
+            if e.runner.graphs is not None and "anatomy" not in skip:
+                row["anatomy"] = step_anatomy(e, args.batch, args.ctx)
             return row
 
         try:
@@ -317,10 +392,10 @@ def main(argv=None) -> None:
     if "decode" not in skip:
         steps += [Step(f"decode step {fmt} B={args.batch} L={args.ctx} {'eager' if eager else 'CUDA graphs'}",
                        lambda fmt=fmt, eager=eager: decode(fmt, eager))
-                  for fmt in bench_formats() for eager in (True, False)]
+                  for fmt in formats for eager in (True, False)]
     if "profile" not in skip and args.device.startswith("cuda"):
         steps += [Step(f"kernel breakdown {fmt} B={args.batch} L={args.ctx} eager", lambda fmt=fmt: profile_step(fmt))
-                  for fmt in bench_formats()]
+                  for fmt in formats]
     if "capacity" not in skip:
         steps += [Step(f"capacity {fmt} {args.capacity_budget_gb} GiB", lambda fmt=fmt: capacity(fmt)) for fmt in format_names()]
     if "matrix" not in skip:

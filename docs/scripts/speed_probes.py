@@ -1,5 +1,6 @@
-"""GPU probes behind issue 28's tuning choices (docs/kernels.md, "Speed targets of issue 28"); the figures cited
-there came from this code, run as throw-away copies on an H100 on 2026-11-24.
+"""GPU probes behind issue 28's tuning choices (docs/kernels.md, "Speed targets of issue 28", and docs/performance.md);
+the figures cited there came from this code on an H100 (2026-11-24 as throw-away copies, since 2026-11-25 from
+the committed script).
 
 Subcommands (each prints its rows as it measures them; CUDA graph replays for the append, ``do_bench`` medians
 for the decode):
@@ -12,6 +13,12 @@ for the decode):
   the word stores forced.  Where ``append.packed_stores`` comes from.
 - ``decode-sweep``: nvfp4 paged decode over tiles × warps × register caps × stages × prefetch at 64 × 8192, and
   with 8 / 16 / 32 splits at 8 × 32768.  Where ``decode._FILL`` comes from.
+- ``nv4-layouts [--shapes 64x8192,8x32768,64x2048]``: the explicit-layout nvfp4 decode's launch options against the
+  Triton nvfp4 decode and bf16 (graph replays); 64x2048 is the engine step's shape.
+- ``nv4-check``: the explicit-layout and Triton nvfp4 decodes against the float64 reference (60 cases).
+- ``gemm-layouts``: the Llama-3-8B step's weight GEMMs at 64 / 256 / 2048 / 8192 rows with row-major [N, K] and
+  K-major weights (``llama.k_major``).  Where the engine's K-major weights on the GPU come from
+  (docs/performance.md).
 - ``ncu-decode FMT`` / ``ncu-append FMT T``: three launches of one kernel at the benchmark's shape, for
   ``ncu --kernel-name regex:_decode_split --launch-skip 2 --launch-count 1 --set full python ... ncu-decode nvfp4``
   (and ``regex:_append_kernel`` for the append).
@@ -156,9 +163,10 @@ def decode_sweep() -> None:
             print(f"   {us:.1f} us ({pct(us):.0f}%) {cfg}", flush=True)
 
 
-def nv4_layouts() -> None:
-    """bf16, the Triton nvfp4 decode (``gluon=False``) and the explicit-layout (Gluon) nvfp4 decode at both
-    shapes, graph replays: the Gluon kernel's register prefetch on / off, register caps and split counts."""
+def nv4_layouts(shapes=("64x8192", "8x32768")) -> None:
+    """bf16, the Triton nvfp4 decode (``gluon=False``) and the explicit-layout (Gluon) nvfp4 decode at the
+    given shapes (64x8192, 8x32768, and 64x2048, the engine step's), graph replays: the Gluon kernel's register
+    prefetch on / off, register caps and split counts."""
     import torch
 
     from kvbench.kernels.decode import paged_decode
@@ -175,7 +183,11 @@ def nv4_layouts() -> None:
     v8 += [("nvfp4", {**g, "num_splits": s}) for s in (4, 6, 12, 16)]
     v8 += [("nvfp4", {**g, "prefetch": False, "maxnreg": 0, "num_splits": s}) for s in (4, 6, 8, 12)]
     v8 += [("nvfp4", {**g, "prefetch": True, "maxnreg": 0, "num_splits": s}) for s in (4, 8)]
-    for b, ctx, variants in ((64, 8192, v64), (8, 32768, v8)):
+    v2k = [("bf16", {}), ("nvfp4", {"gluon": False}), ("nvfp4", {})]  # the engine step's shape (64 x 2048)
+    v2k += [("nvfp4", {**g, "prefetch": p, "maxnreg": r}) for p in (False, True) for r in (0, 168)]
+    v2k += [("nvfp4", {**g, "num_splits": 2})]
+    groups = {"64x8192": (64, 8192, v64), "8x32768": (8, 32768, v8), "64x2048": (64, 2048, v2k)}
+    for b, ctx, variants in (groups[k] for k in shapes):
         cases = {}
         for fmt, kw in variants:
             if fmt not in cases:
@@ -228,6 +240,68 @@ def nv4_check() -> int:
     return 0 if ok == n else 1
 
 
+def gemm_layouts() -> None:
+    """The decode step's weight GEMMs (synthetic Llama-3-8B) at 64 and 256 rows (decode batches) and 2048 and
+    8192 (prefill chunks; the logits only at 64 and 256: a prefill computes them for its sampled rows), the weight stored [N, K] (``F.linear`` on a row-major weight) or K-major (``F.linear`` on
+    ``llama.k_major``'s view of a [K, N] tensor, what the engine does on a GPU), and the logits' float32 output
+    as a cast after the GEMM or from the GEMM (``out_dtype``): graph replays of R launches over R weight copies
+    (more bytes than L2 holds), µs per launch, GB/s of weight bytes and TFLOP/s."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvbench.runtime.models.llama import k_major
+    from kvbench.tools.common import copy_bandwidth
+
+    copy = copy_bandwidth()
+    print(f"copy {copy:.0f} GB/s", flush=True)
+
+    def timed(fns) -> float:
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in fns:
+                f()
+        g.replay()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(10):
+            g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        return e0.elapsed_time(e1) * 1e3 / 10 / len(fns)
+
+    for m in (64, 256, 2048, 8192):
+        x = torch.randn(m, 14336, dtype=torch.bfloat16, device="cuda")
+        for name, n, k in (("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                           ("lm_head", 128256, 4096)):
+            if name == "lm_head" and m > 256:
+                continue
+            r = max(2, -(-400_000_000 // (n * k * 2))) if m <= 256 else 2
+            ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(r)]
+            xi = x[:, :k].contiguous()
+            rows = {"[N,K]": [lambda w=w: F.linear(xi, w) for w in ws]}
+            kms = [k_major(w) for w in ws]
+            rows["K-major"] = [lambda w=w: F.linear(xi, w) for w in kms]
+            if name == "lm_head":
+                rows["[N,K] + float()"] = [lambda w=w: F.linear(xi, w).float() for w in ws]
+                rows["K-major + float()"] = [lambda w=w: F.linear(xi, w).float() for w in kms]
+                rows["K-major, out_dtype=float32"] = [lambda w=w: torch.mm(xi, w.t(), out_dtype=torch.float32) for w in kms]
+            for label, fns in rows.items():
+                try:
+                    us = timed(fns)
+                except Exception as e:  # noqa: BLE001 - e.g. no out_dtype in this torch
+                    print(f"M={m} {name} {label}: failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
+                    continue
+                gbs = n * k * 2 / (us * 1e-6) / 1e9
+                print(f"M={m} {name} ({n} x {k}) {label}: {us:.1f} us, {gbs:.0f} GB/s ({100 * gbs / copy:.0f}% of copy), "
+                      f"{2 * m * n * k / (us * 1e-6) / 1e12:.0f} TFLOP/s", flush=True)
+            del ws, kms, rows
+            torch.cuda.empty_cache()
+
+
 def ncu_decode(fmt: str) -> None:
     import torch
 
@@ -258,8 +332,10 @@ def main(argv=None) -> int:
     sub.add_parser("append-shapes", help="the fused append's launch-shape sweep")
     sub.add_parser("packed-stores", help="nvfp4 word stores: bit-exactness on the GPU grid, then timing")
     sub.add_parser("decode-sweep", help="nvfp4 decode launch sweep at 64 x 8192 and 8 x 32768")
-    sub.add_parser("nv4-layouts", help="the explicit-layout nvfp4 decode against the Triton one and bf16")
+    p = sub.add_parser("nv4-layouts", help="the explicit-layout nvfp4 decode against the Triton one and bf16")
+    p.add_argument("--shapes", default="64x8192,8x32768", help="comma list of 64x8192, 8x32768, 64x2048")
     sub.add_parser("nv4-check", help="the explicit-layout and Triton nvfp4 decodes against the float64 reference")
+    sub.add_parser("gemm-layouts", help="the decode step's weight GEMMs with [N, K] or [K, N] weights")
     p = sub.add_parser("ncu-decode", help="three decode launches at 64 x 8192 (for Nsight Compute)")
     p.add_argument("fmt")
     p = sub.add_parser("ncu-append", help="three fused-append launches (for Nsight Compute)")
@@ -278,9 +354,11 @@ def main(argv=None) -> int:
     elif a.cmd == "decode-sweep":
         decode_sweep()
     elif a.cmd == "nv4-layouts":
-        nv4_layouts()
+        nv4_layouts(tuple(a.shapes.split(",")))
     elif a.cmd == "nv4-check":
         return nv4_check()
+    elif a.cmd == "gemm-layouts":
+        gemm_layouts()
     elif a.cmd == "ncu-decode":
         ncu_decode(a.fmt)
     else:

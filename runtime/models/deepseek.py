@@ -14,6 +14,8 @@ so the runner, engine and CUDA graphs use it unchanged.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -75,7 +77,8 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             raise ValueError("DeepseekForCausalLM needs an MLA config (kv_lora_rank > 0)")
         super().__init__(cfg)
 
-    def bind(self) -> None:
+    def bind(self, kmajor: Optional[bool] = None) -> None:
+        """MLA's ``W_UK``/``W_UV`` views and the MLP's fused gate/up (K-major as ``LlamaForCausalLM.bind``)."""
         for layer in self.model.layers:
             layer.self_attn.bind()
-            layer.mlp.fuse()
+            layer.mlp.fuse(kmajor)

@@ -27,7 +27,53 @@ class StepInputs:
     built on first use of ``table``: the CUDA-graph path writes each sequence's pages into its own staging
     buffer and never needs the list of lists."""
 
-    def __init__(self, batch: ScheduledBatch, page_size: int, scratch_page: int, max_pages: Optional[int] = None):
+    def __init__(self, batch: ScheduledBatch, page_size: int, scratch_page: int, max_pages: Optional[int] = None,
+                 _general: bool = False):
+        """``_general``: build a decode step the general way too (tests compare the two)."""
+        self.seqs = batch.seqs
+        self.q_lens = batch.q_lens
+        self._scratch = scratch_page
+        self._table: Optional[list[list[int]]] = None
+        self.roundtrip: list[bool] = []
+        if _general or batch.phase != "decode" or not self._decode(batch.seqs, page_size):
+            self._general(batch, page_size)
+            self.max_pages_used = max(len(s.pages) for s in batch.seqs)
+        self._width = max(max_pages or 0, self.max_pages_used)
+
+    def _decode(self, seqs, page_size: int) -> bool:
+        """A decode step's inputs (one new token per sequence) in one pass with bound appends: this runs on
+        the host before every graphed step while the device waits.  False (nothing set) when a sequence is
+        scored (``score_from``), which the general path handles."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        lens: list[int] = []
+        done: list[int] = []
+        add_id, add_pos, add_slot, add_len = ids.append, pos.append, slots.append, lens.append
+        widest = 0
+        for i, s in enumerate(seqs):
+            if s.score_from is not None:
+                return False
+            t = s.num_cached
+            prompt = s.prompt_ids
+            n = len(prompt)
+            add_id(prompt[t] if t < n else s.output_ids[t - n])
+            add_pos(t)
+            pages = s.pages
+            if len(pages) > widest:
+                widest = len(pages)
+            add_slot(pages[t // page_size] * page_size + t % page_size)
+            add_len(t + 1)
+            if t + 1 == n + len(s.output_ids):
+                done.append(i)
+        self.ids, self.pos, self.slots, self.seq_lens = ids, pos, slots, lens
+        self.cu = list(range(len(seqs) + 1))
+        self.sample_rows, self.sample_idx = done, list(done)
+        self.sample_pos = [pos[i] for i in done]
+        self.max_pages_used = widest
+        return True
+
+    def _general(self, batch: ScheduledBatch, page_size: int) -> None:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -65,15 +111,9 @@ class StepInputs:
                     sample_rows.append(cu[-1] - 1)
                     sample_idx.append(i)
                     sample_pos.append(start + q - 1)
-        self.seqs = batch.seqs
         self.ids, self.pos, self.slots, self.seq_lens, self.cu = ids, pos, slots, seq_lens, cu
-        self.q_lens = list(batch.q_lens)
         self.sample_rows, self.sample_idx, self.sample_pos = sample_rows, sample_idx, sample_pos
         self.roundtrip = roundtrip if batch.phase == "prefill" and any(roundtrip) else []
-        self.max_pages_used = max(len(s.pages) for s in batch.seqs)
-        self._width = max(max_pages or 0, self.max_pages_used)
-        self._scratch = scratch_page
-        self._table: Optional[list[list[int]]] = None
 
     @property
     def table(self) -> list[list[int]]:
