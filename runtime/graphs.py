@@ -160,19 +160,20 @@ class DecodeGraphs:
                 self._forward(bs, meta)
         torch.cuda.current_stream().wait_stream(side)
         h, d = self._prefix(bs)
-        g = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(g, pool=self.pool):
-                d.copy_(h, non_blocking=True)  # the inputs' copy is the graph's first node
-                out = self._forward(bs, meta)
-            self.copy_in_graph[bs] = True
-        except Exception as e:  # a copy from pinned host memory that cannot be captured: copy before each replay
-            log.info("decode graph for batch %d: input copy outside the graph (%s: %s)", bs, type(e).__name__, e)
-            torch.cuda.synchronize()
+        for inside in (True, False):  # the inputs' copy as the graph's first node; else before each replay
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                out = self._forward(bs, meta)
-            self.copy_in_graph[bs] = False
+            try:
+                with torch.cuda.graph(g, pool=self.pool):
+                    if inside:
+                        d.copy_(h, non_blocking=True)
+                    out = self._forward(bs, meta)
+                break
+            except Exception as e:
+                if not inside:
+                    raise
+                log.info("decode graph for batch %d: input copy outside the graph (%s: %s)", bs, type(e).__name__, e)
+                torch.cuda.synchronize()
+        self.copy_in_graph[bs] = inside
         self.pool = g.pool()
         self.graphs[bs], self.outputs[bs], self.metas[bs] = g, out, meta
         log.info("captured decode CUDA graph for batch %d", bs)
