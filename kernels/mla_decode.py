@@ -350,7 +350,8 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
                q_scale=None, num_splits: int | None = None, max_seq_len: int | None = None,
                block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None, units16: bool | None = None, q_split: bool | None = None,
-               chunks: int | None = None, fp8_scores: bool | None = None, out=None):
+               chunks: int | None = None, fp8_scores: bool | None = None, wgmma: bool | None = None,
+               fp8_pv: bool = False, out=None):
     """Absorbed MLA decode: one query token per sequence.
 
     ``q_lat [B, H, rank]``, ``q_pe [B, H, rope]`` (RoPE applied) in the compute dtype, or both fp8 e4m3
@@ -366,9 +367,19 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     ``q_lat·c + q_pe·k_pe`` as fp8 dots of the query on the tile as stored, the same values as the
     converted path up to float32 summation order.  At 16 heads Triton lowers those dots to 16-row fp16
     ``mma`` and the converted 16-bit-unit path is faster.
+    ``wgmma``: the Hopper kernel with warpgroup MMAs from shared memory (``mla_decode_wg``: bf16 queries over
+    a bf16 latent, or ``fp8_pv``); by default above 32 heads wherever it applies and no tile or launch option
+    of the Triton kernel (``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``units16``, ``q_split``,
+    ``chunks``) is given; ``True`` raises where it does not apply or with any of those options.
+    ``fp8_pv`` (e4m3 queries over an fp8_e4m3 latent; off by default): ``fp8_scores`` and ``P·c`` as an fp8 MMA
+    too, with ``P`` rounded to e4m3 (lossy: the regime of fp8 attention kernels); runs ``mla_decode_wg``.
     """
     import torch
 
+    # the Triton kernel's own options, as given (they select it over the Hopper kernel)
+    triton_opts = [k for k, v in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps),
+                                  ("num_stages", num_stages), ("units16", units16), ("q_split", q_split),
+                                  ("chunks", chunks)) if v is not None]
     fmt = check_cache(cache)
     lay = cache.layout
     dev = cache.data.device
@@ -399,8 +410,12 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
         raise ValueError("fp8_scores needs e4m3 queries (with q_scale) and an fp8_e4m3 latent cache")
     if fp8_scores and units16:
         raise ValueError("fp8_scores reads the latent as stored; it excludes units16")
-    # default: above 32 heads (64-row wgmma tiles), as for q_split
-    fp8_scores = scores_ok and (h > 32 and not units16 if fp8_scores is None else bool(fp8_scores))
+    if fp8_pv and not scores_ok:
+        raise ValueError("fp8_pv needs e4m3 queries (with q_scale) and an fp8_e4m3 latent cache")
+    if fp8_pv and (wgmma is False or fp8_scores is False):
+        raise ValueError("fp8_pv runs the wgmma kernel with fp8 scores only")
+    # default: above 32 heads (64-row wgmma tiles), as for q_split; always under fp8_pv
+    fp8_scores = scores_ok and (bool(fp8_pv) or (h > 32 and not units16 if fp8_scores is None else bool(fp8_scores)))
     units = ((d_units if units16 is None else bool(units16)) and fmt != 0 and cdt != torch.float32 and not q_split
              and not fp8_scores)
     if chunks is not None and chunks not in (1, 2, 4):
@@ -408,6 +423,17 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     chunks = (d_chunks if chunks is None else chunks) if units and fmt == 1 else 1
     while chunks > 1 and lay.kv_lora_rank // (2 * chunks) < 16:  # a dot needs 16 units of depth
         chunks //= 2
+    if (wgmma or fp8_pv) and triton_opts:
+        raise ValueError(f"{'fp8_pv' if fp8_pv else 'wgmma'} runs the Hopper kernel, which takes none of the Triton "
+                         f"kernel's options: {', '.join(triton_opts)}")
+    wg_why = None
+    if wgmma or fp8_pv or (wgmma is None and h > 32 and not triton_opts):
+        from kvbench.kernels import mla_decode_wg
+
+        wg_why = mla_decode_wg.unsupported(cache, q_lat, fp8_pv)
+        if (wgmma or fp8_pv) and wg_why:
+            raise ValueError(f"{'fp8_pv' if fp8_pv else 'wgmma'}: {wg_why}")
+    wgmma = (wgmma or fp8_pv or (wgmma is None and h > 32 and not triton_opts)) and wg_why is None
     block_h = d_bh if block_h is None else block_h
     block_n = d_bn if block_n is None else block_n
     num_warps = d_nw if num_warps is None else num_warps
@@ -430,6 +456,8 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     if b == 0:
         return out
     block_h = max(16, min(block_h, triton.next_power_of_2(h)))
+    if wgmma:  # one program per SM (its shared memory), 64-head groups and 64-token tiles
+        block_h, block_n, per_sm, units, chunks = mla_decode_wg.BLOCK_H, mla_decode_wg.BLOCK_N, 1, False, 1
     hg = triton.cdiv(h, block_h)
     if num_splits is None:
         longest = max_seq_len if max_seq_len is not None else int(seq_lens.max().item())
@@ -443,18 +471,22 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     bs = cache.block_scale if cache.block_scale is not None else cache.data
     kv = cache.data.view(torch.int16) if units else cache.data
     qs = q_scale if q_fp8 else cache.k_scale
-    _mla_decode_split[(b, hg, num_splits)](
-        q_lat, q_pe, kv, bs, cache.k_scale, qs, page_table, seq_lens, mid_o, mid_l,
-        float(sm_scale) * math.log2(math.e),
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), (lay.head_dim // 16),
-        h, num_splits,
-        PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, BLOCK_H=block_h, BLOCK_N=block_n,
-        FMT=fmt, DT=dt, Q_FP8=q_fp8, UNITS=(fmt if units else 0), E5M2=cache.layout.kv_dtype == "fp8_e5m2",
-        Q_SPLIT=q_split, EXACT_CAST=interpreting(), CHUNKS=chunks, PAGE_TILES=cache.page_size % block_n == 0,
-        FP8_SCORES=fp8_scores,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    if wgmma:
+        mla_decode_wg.launch(q_lat, q_pe, cache, page_table, seq_lens, mid_o, mid_l,
+                             float(sm_scale) * math.log2(math.e), qs, num_splits, fp8_pv)
+    else:
+        _mla_decode_split[(b, hg, num_splits)](
+            q_lat, q_pe, kv, bs, cache.k_scale, qs, page_table, seq_lens, mid_o, mid_l,
+            float(sm_scale) * math.log2(math.e),
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), (lay.head_dim // 16),
+            h, num_splits,
+            PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, BLOCK_H=block_h, BLOCK_N=block_n,
+            FMT=fmt, DT=dt, Q_FP8=q_fp8, UNITS=(fmt if units else 0), E5M2=cache.layout.kv_dtype == "fp8_e5m2",
+            Q_SPLIT=q_split, EXACT_CAST=interpreting(), CHUNKS=chunks, PAGE_TILES=cache.page_size % block_n == 0,
+            FP8_SCORES=fp8_scores,
+            num_warps=num_warps, num_stages=num_stages,
+        )
     _mla_decode_merge[(b, h)](
         mid_o, mid_l, cache.k_scale, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         out.stride(0), out.stride(1), h, num_splits, RANK=lay.kv_lora_rank,

@@ -189,6 +189,48 @@ def compile_mla_decode():
     assert re.search(rf"memdesc<2x{bn}x512xf8E4M3FN", k.asm["ttgir"]), "stored e4m3 tiles not double-buffered"
 
 
+def compile_mla_decode_wg():
+    """The Hopper MLA decode (Gluon, warpgroup MMAs from shared memory) for a bf16 latent and for fp8_pv: the MMA
+    shapes (scores 64 heads x 32 tokens per warpgroup over the full depth, P·c 64 x 256 per warpgroup), the TMA
+    tile copies, no register spills, no MMA serialized by ptxas, and shared memory within the 227 KB an sm_90
+    program may have."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kvbench.kernels import mla_decode_wg as wg
+
+    fn = wg._mla_decode_wg
+    for fp8 in (False, True):
+        ty, bits = ("fp8e4nv", 8) if fp8 else ("bf16", 16)
+        c_lay, pe_lay = (repr(x) for x in wg._tile_layouts(bits))
+        ptrs = dict(C_DESC=f"tensordesc<{ty}[64,512],{c_lay}>", PE_DESC=f"tensordesc<{ty}[64,64],{pe_lay}>",
+                    QL=f"*{ty}", QP=f"*{ty}", KSCALE="*fp32", QSCALE="*fp32", PT="*i32", SL="*i32", MO="*fp32", ML="*fp32")
+        consts = dict(PAGE=64, RANK=512, ROPE=64, STAGES=wg.STAGES[fp8], FP8=fp8)
+        sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32")
+               for n in fn.arg_names}
+        aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs and "DESC" not in n]
+        src = GluonASTSource(fn, sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+        ptx = k.asm["ptx"]
+        dt = "e4m3.e4m3" if fp8 else "bf16.bf16"
+        kk = 32 if fp8 else 16
+        # scores: (512 + 64) / depth per tile, issued at two places (tile 0, the loop); P·c at two (loop, last tile)
+        assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n32k{kk}\.f32\.{dt}", ptx)) == 2 * 576 // kk
+        assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n256k{kk}\.f32\.{dt}", ptx)) == 2 * 64 // kk
+        assert "cp.async.bulk.tensor" in ptx
+        assert k.metadata.shared <= 232448, k.metadata.shared
+        with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+            f.write(ptx)
+            f.flush()
+            log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                                 text=True, check=True).stderr
+        assert "0 bytes spill stores" in log and "C751" not in log, log  # C7514/C7515: MMAs serialized
+
+
 def compile_mla_prefill():
     import triton.language as tl
 
@@ -222,11 +264,12 @@ def test_kernels_compile_for_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.split() == ["decode", "decode_nv4", "prefill", "append", "mla_decode", "mla_prefill"]
+    assert r.stdout.split() == ["decode", "decode_nv4", "prefill", "append", "mla_decode", "mla_decode_wg", "mla_prefill"]
 
 
 if __name__ == "__main__":
     for name, fn in (("decode", compile_decode), ("decode_nv4", compile_decode_nv4), ("prefill", compile_prefill), ("append", compile_append),
-                     ("mla_decode", compile_mla_decode), ("mla_prefill", compile_mla_prefill)):
+                     ("mla_decode", compile_mla_decode), ("mla_decode_wg", compile_mla_decode_wg),
+                     ("mla_prefill", compile_mla_prefill)):
         fn()
         print(name, flush=True)

@@ -126,6 +126,46 @@ def test_decode_rejects_bad_input():
         mla_decode(q.to(torch.float8_e4m3fn), qp.to(torch.float8_e4m3fn), cache, pt, sl, 0.1)
 
 
+def test_wgmma_kernel_applicability_and_refusals():
+    """The Hopper kernel's conditions, each reason on its own (on the CPU every one but the device can be
+    checked); by default ``mla_decode`` falls back to the Triton kernel where it does not apply (the tests above
+    at 40 heads), and an explicit request raises with the reason."""
+    from kvbench.kernels import mla_decode_wg as wg
+
+    c = make_cache("bf16", rank=512, rope=64, num_pages=2, page_size=64)
+    c8 = make_cache("fp8_e4m3", rank=512, rope=64, num_pages=2, page_size=64)
+    qb, qpb = torch.randn(2, 64, 512).bfloat16(), torch.randn(2, 64, 64).bfloat16()
+    q8, qp8 = qb.to(torch.float8_e4m3fn), qpb.to(torch.float8_e4m3fn)
+    assert wg.unsupported(c, qb, False) == "needs an sm_90 (Hopper) GPU"
+    assert wg.unsupported(c8, q8, True) == "needs an sm_90 (Hopper) GPU"
+    assert "bf16 latent and bf16 queries" in wg.unsupported(c, q8, False)
+    assert "bf16 latent and bf16 queries" in wg.unsupported(c8, qb, False)
+    assert "fp8_e4m3 latent and e4m3 queries" in wg.unsupported(c, qb, True)
+    assert "fp8_e4m3 latent and e4m3 queries" in wg.unsupported(c8, qb, True)
+    assert "rank 512 and rope 64" in wg.unsupported(make_cache("bf16"), qb, False)
+    assert "multiple of 64 tokens" in wg.unsupported(make_cache("bf16", rank=512, rope=64, page_size=16), qb, False)
+    pt = torch.tensor([[0], [1]], dtype=torch.int32)
+    sl = torch.tensor([5, 64], dtype=torch.int32)
+    qs = torch.ones(1)
+    with pytest.raises(ValueError, match="wgmma: needs an sm_90"):
+        mla_decode(qb, qpb, c, pt, sl, 0.1, wgmma=True)
+    with pytest.raises(ValueError, match="fp8_pv needs e4m3 queries"):
+        mla_decode(qb, qpb, c, pt, sl, 0.1, fp8_pv=True)
+    with pytest.raises(ValueError, match="fp8_pv needs e4m3 queries"):
+        mla_decode(q8, qp8, c, pt, sl, 0.1, q_scale=qs, fp8_pv=True)
+    with pytest.raises(ValueError, match="fp8_pv runs the wgmma kernel"):
+        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, fp8_pv=True, wgmma=False)
+    with pytest.raises(ValueError, match="fp8_pv runs the wgmma kernel"):
+        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, fp8_pv=True, fp8_scores=False)
+    with pytest.raises(ValueError, match="fp8_pv: needs an sm_90"):
+        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, fp8_pv=True)
+    # the Triton kernel's tile options select it: asking for the Hopper kernel with one of them is an error
+    with pytest.raises(ValueError, match="takes none of the Triton kernel's options: block_n, num_stages"):
+        mla_decode(qb, qpb, c, pt, sl, 0.1, wgmma=True, block_n=32, num_stages=2)
+    with pytest.raises(ValueError, match="fp8_pv runs the Hopper kernel, which takes none .*: units16"):
+        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, fp8_pv=True, units16=False)
+
+
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
 @pytest.mark.parametrize("units16", [True, False], ids=["units", "bytes"])
 def test_decode_latent_as_16bit_units_or_stored_type(kv_dtype, units16):

@@ -303,9 +303,13 @@ def test_mla_check_streams_checks_and_timings(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(mla_check, "copy_bandwidth", lambda dev: 3000.0)
+    def fake_check(f, dev, gen, **k):
+        if k.get("fp8_pv") and f != "fp8_e4m3":
+            raise ValueError("fp8_pv needs e4m3 queries (with q_scale) and an fp8_e4m3 latent cache")
+        return {"rel_err": 1e-3, "pass": f != "nvfp4" or k.get("block_n") != 128 or k.get("prefix_workspace") is not False}
+
     for name in ("check_append", "check_decode", "check_decode_fp8_query", "check_prefill"):
-        monkeypatch.setattr(mla_check, name, lambda f, dev, gen, **k: {"rel_err": 1e-3, "pass": f != "nvfp4" or k.get(
-            "block_n") != 128 or k.get("prefix_workspace") is not False})
+        monkeypatch.setattr(mla_check, name, fake_check)
     dec = dict(us=10.0, graph_us=8.0, GBps=1000.0, TFLOPs=5.0)
     monkeypatch.setattr(mla_bench, "iter_tune_decode", lambda f, dev, gen, heads: iter(
         [{"format": f, "config": {"max_seq_len": 8192}, "heads": heads, "us": 9.0, "GBps": 900.0}]))
@@ -328,7 +332,9 @@ def test_mla_check_streams_checks_and_timings(monkeypatch, capsys, tmp_path):
     assert rc == 1
     rep = json.loads((tmp_path / "mla_check.json").read_text())
     assert rep["formats"] == ["bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
-    assert len(rep["checks"]["fp8_e5m2"]) == 16 and rep["checks"]["bf16"]["decode"]["pass"]
+    assert len(rep["checks"]["fp8_e5m2"]) == 20 and rep["checks"]["bf16"]["decode"]["pass"]
+    assert rep["checks"]["fp8_e4m3"]["decode fp8 P"] == {"rel_err": 1e-3, "pass": True}
+    assert rep["checks"]["fp8_e5m2"]["decode fp8 P"]["refused"].startswith("fp8_pv needs")
     assert rep["checks"]["nvfp4"]["prefill 128-token tiles in registers"] == {"error": "not refused", "pass": False}
     assert len(rep["decode"]) == 3 * (9 + 4) and len(rep["prefill"]) == 2 + 4 + 4 and len(rep["append"]) == 2
     assert rep["errors"][0]["step"] == "append nvfp4" and "boom" in rep["errors"][0]["error"]
@@ -409,11 +415,19 @@ def test_speed_targets_of_issue_28():
 def test_mla_speed_targets_of_issue_28():
     from kvbench.tools.mla_bench import mla_speed_targets
 
-    rows = [{"who": "kvbench", "format": "bf16", "heads": 128, "us": 630.0, "TFLOPs": 240.6},
-            {"who": "kvbench", "format": "fp8_e4m3", "heads": 128, "us": 617.0, "TFLOPs": 245.7},
+    rows = [{"who": "kvbench", "format": "bf16", "query": "bf16", "heads": 128, "us": 630.0, "TFLOPs": 240.6},
+            {"who": "kvbench", "format": "fp8_e4m3", "query": "bf16", "heads": 128, "us": 617.0, "TFLOPs": 245.7},
+            {"who": "kvbench", "format": "fp8_e4m3", "query": "e4m3", "heads": 128, "us": 420.0, "TFLOPs": 348.0},
+            {"who": "kvbench", "format": "fp8_e4m3", "query": "e4m3, fp8 P", "heads": 128, "error": "ValueError: x"},
             {"who": "kvbench", "format": "bf16", "heads": 16, "us": 100.0, "TFLOPs": 900.0},  # not the 128-head row
             {"who": "flashinfer fa3", "format": "bf16", "heads": 128, "us": 300.0, "TFLOPs": 505.0}]
     got = {n: (ok, v) for n, ok, v in mla_speed_targets(rows)}
     assert got == {"MLA decode bf16 >= 400 TFLOP/s (128 heads, 64 x 8192)": (False, "241 TFLOP/s"),
-                   "MLA decode fp8 >= 1.3x bf16 (128 heads, 64 x 8192)": (False, "1.02x")}
+                   "MLA decode fp8 >= 1.3x bf16 (128 heads, 64 x 8192; bf16 queries)": (False, "1.02x"),
+                   "MLA decode fp8 >= 1.3x bf16 (128 heads, 64 x 8192; e4m3 queries)": (True, "1.50x")}
+    rows[0].update(us=300.0, TFLOPs=486.6)  # rows without "query" are bf16-query rows (older reports)
+    del rows[1]["query"]
+    got = {n: (ok, v) for n, ok, v in mla_speed_targets(rows)}
+    assert got["MLA decode bf16 >= 400 TFLOP/s (128 heads, 64 x 8192)"] == (True, "487 TFLOP/s")
+    assert got["MLA decode fp8 >= 1.3x bf16 (128 heads, 64 x 8192; bf16 queries)"] == (False, "0.49x")
     assert mla_speed_targets([]) == []

@@ -179,6 +179,14 @@ def format_checks(f, dev, gen) -> list:
         ("decode H=128 units", g(check_decode, f, dev, gen, units16=True)),
         ("decode fp8 q", g(check_decode_fp8_query, f, dev, gen)),
         ("decode fp8 q H=16", g(check_decode_fp8_query, f, dev, gen, heads=16)),
+        # the Triton kernel where the Hopper wgmma kernel is the default (bf16 above 32 heads), and the
+        # wgmma kernel with odd head counts, split counts and sequence ends around its 64-token tiles
+        ("decode H=128 triton", g(check_decode, f, dev, gen, wgmma=False)),
+        ("decode H=96 7 splits", g(check_decode, f, dev, gen, heads=96, num_splits=7)),
+        ("decode tile ends", g(check_decode, f, dev, gen, lens=(64, 65, 127, 128, 129, 0, 2))),
+        # e4m3 queries and P (lossy), the wgmma kernel only: every other format must refuse it
+        ("decode fp8 P", g(check_decode_fp8_query, f, dev, gen, fp8_pv=True) if f == "fp8_e4m3"
+         else (lambda: _refused(check_decode_fp8_query, f, dev, gen, fp8_pv=True))),
         ("prefill", g(check_prefill, f, dev, gen)),
         ("prefill fp8 q", g(check_prefill, f, dev, gen, fp8_query=True)),
         ("prefill 128-token tiles", g(check_prefill, f, dev, gen, block_n=128, num_stages=1)),
@@ -265,13 +273,13 @@ def _vs_flashinfer(args) -> int:
             f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC; MLA decode 64 x 8192, rank 512 + rope 64, "
             f"page {PAGE}; medians of triton.testing.do_bench (L2 flushed before each call)")
     print(head, flush=True)
-    lines = ["| who | KV | heads | µs | TFLOP/s | GB/s | kvbench × | note |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| who | KV | query | heads | µs | TFLOP/s | GB/s | kvbench × | note |", "|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for r in iter_vs_flashinfer(dev, gen, heads=heads, formats=tuple(mla_formats())):
         rows.append(r)
         note = r.get("error", "") or (f"output vs kvbench's {r['rel_err_vs_kvbench']:.1e}" if "rel_err_vs_kvbench" in r else "")
         fx = lambda k, f: format(r[k], f) if k in r else ""  # noqa: E731
-        lines.append(f"| {r['who']} | {r['format']} | {r['heads']} | {fx('us', '.1f')} | {fx('TFLOPs', '.0f')} | "
+        lines.append(f"| {r['who']} | {r['format']} | {r.get('query', 'bf16')} | {r['heads']} | {fx('us', '.1f')} | {fx('TFLOPs', '.0f')} | "
                      f"{fx('GBps', '.0f')} | {fx('kvbench_x', '.2f')} | {note} |")
         print(lines[-1], flush=True)
     tg = mla_speed_targets(rows)

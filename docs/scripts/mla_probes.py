@@ -14,13 +14,18 @@ shapes (kv_lora_rank 512, rope 64, page 64), bf16 compute, and prints a Markdown
 * ``decode-stages``: the decode at 16 heads (``--heads``) with the pipeline depth and the token tile varied
   (and the column chunks for fp8), CUDA-graph µs and in brackets the output's relative difference from
   the defaults';
-* ``decode``: decode at the defaults for a list of formats, CUDA-graph and ``do_bench`` µs.
+* ``decode``: decode at the defaults for a list of formats, CUDA-graph and ``do_bench`` µs;
+* ``decode-wg``: the Hopper kernel (``mla_decode_wg``) against the Triton kernel at 128 heads (``--heads``):
+  bf16 with ``wgmma`` on / off, an e4m3 latent with e4m3 queries (``fp8_scores``, Triton) and with ``fp8_pv`` at
+  three and two tile buffers, CUDA-graph µs and TFLOP/s; ``--ncu bf16`` / ``--ncu fp8_pv`` only launches that
+  case three times, for ``ncu --kernel-name regex:_mla_decode_wg --launch-skip 2 --launch-count 1``.
 
     python docs/scripts/mla_probes.py workspace [--heads 16,128]
     python docs/scripts/mla_probes.py prefill-splits [--e4m3-query] [--cases 2:8192:4,...]
     python docs/scripts/mla_probes.py decode-splits --heads 16
     python docs/scripts/mla_probes.py decode-stages [--formats fp8_e4m3,bf16,nvfp4]
     python docs/scripts/mla_probes.py decode --formats fp8_e4m3,fp8_e5m2,bf16
+    python docs/scripts/mla_probes.py decode-wg [--ncu bf16|fp8_pv]
 
 These are reconstructions, from docs/mla.md's descriptions, of the throw-away drivers that produced some of
 its tables; those tables come from the kernels of their date, so a run at a later commit measures the
@@ -236,10 +241,47 @@ def cmd_decode(a, dev) -> None:
             print(f"| {h} | {fmt} | {a.batch} × {a.ctx} | {_cell(_try(lambda: graph_us(fn)))} | {_cell(_try(lambda: do_bench_us(fn)))} |")
 
 
+def cmd_decode_wg(a, dev) -> None:
+    from kvbench.kernels import mla_decode_wg
+    from kvbench.kernels.mla_decode import mla_decode
+    from kvbench.kernels.mla_reference import quantize_absorbed_query
+
+    cases = [("bf16", "bf16", "Triton", {"wgmma": False}, None), ("bf16", "bf16", "wgmma", {"wgmma": True}, None),
+             ("fp8_e4m3", "e4m3", "Triton (fp8_scores)", {"wgmma": False}, None),
+             ("fp8_e4m3", "e4m3", "wgmma, fp8_pv", {"fp8_pv": True}, None),
+             ("fp8_e4m3", "e4m3", "wgmma, fp8_pv, 2 tile buffers", {"fp8_pv": True}, 2)]
+    if a.ncu:
+        cases = [c for c in cases if c[2] == {"bf16": "wgmma", "fp8_pv": "wgmma, fp8_pv"}[a.ncu]]
+    else:
+        print("| heads | KV | queries | kernel | batch × context | graph µs | TFLOP/s |")
+        print("|---|---|---|---|---|---|---|")
+    for h in a.heads:
+        for fmt, query, name, extra, stages in cases:
+            (ql, qp, cache, pt, sl), kw = decode_inputs(fmt, a.batch, a.ctx, h, dev)
+            kw.update(extra)
+            if query == "e4m3":
+                ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
+            saved = dict(mla_decode_wg.STAGES)
+            if stages:
+                mla_decode_wg.STAGES[True] = stages
+            try:
+                fn = lambda: mla_decode(ql, qp, cache, pt, sl, SM_SCALE, **kw)  # noqa: E731
+                if a.ncu:
+                    for _ in range(3):
+                        fn()
+                    continue
+                us = _try(lambda: graph_us(fn))
+            finally:
+                mla_decode_wg.STAGES.update(saved)
+            tf = 2 * a.batch * h * a.ctx * (2 * RANK + ROPE) / (us * 1e-6) / 1e12 if isinstance(us, float) else ""
+            print(f"| {h} | {fmt} | {query} | {name} | {a.batch} × {a.ctx} | {_cell(us)} | {_cell(tf)} |")
+
+
 COMMANDS = {"workspace": cmd_workspace, "prefill-splits": cmd_prefill_splits, "decode-splits": cmd_decode_splits,
-            "decode-stages": cmd_decode_stages, "decode": cmd_decode}
+            "decode-stages": cmd_decode_stages, "decode": cmd_decode, "decode-wg": cmd_decode_wg}
 DEFAULT_FORMATS = {"workspace": "fp8_e4m3,nvfp4", "prefill-splits": "bf16,fp8_e4m3,nvfp4",
-                   "decode-splits": "bf16,fp8_e4m3,nvfp4", "decode-stages": "fp8_e4m3,bf16,nvfp4", "decode": "fp8_e4m3,fp8_e5m2,bf16"}
+                   "decode-splits": "bf16,fp8_e4m3,nvfp4", "decode-stages": "fp8_e4m3,bf16,nvfp4", "decode": "fp8_e4m3,fp8_e5m2,bf16",
+                   "decode-wg": "bf16,fp8_e4m3"}
 
 
 def main(argv=None) -> int:
@@ -252,8 +294,10 @@ def main(argv=None) -> int:
     ap.add_argument("--e4m3-query", action="store_true", help="prefill-splits: e4m3 queries with q_scale")
     ap.add_argument("--batch", type=int, default=64, help="decode, decode-stages: batch")
     ap.add_argument("--ctx", type=int, default=8192, help="decode, decode-stages: context")
+    ap.add_argument("--ncu", choices=("bf16", "fp8_pv"), default=None, help="decode-wg: three launches of one case")
     a = ap.parse_args(argv)
-    a.heads = [int(h) for h in (a.heads or ("16" if a.command in ("decode", "decode-stages") else "16,128")).split(",")]
+    default_heads = {"decode": "16", "decode-stages": "16", "decode-wg": "128"}.get(a.command, "16,128")
+    a.heads = [int(h) for h in (a.heads or default_heads).split(",")]
     a.formats = (a.formats or DEFAULT_FORMATS[a.command]).split(",")
     a.cases = [tuple(int(x) for x in c.split(":")) for c in a.cases.split(",")] if a.cases else None
     torch = _torch()

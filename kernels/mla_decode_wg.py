@@ -1,0 +1,290 @@
+"""MLA decode at many heads on Hopper with warpgroup MMAs (Gluon): the latent tiles arrive by TMA into
+shared memory and both products run as ``wgmma`` from shared memory, so the registers hold the accumulators
+only.  The default of ``mla_decode`` above 32 heads on an sm_90 GPU where it applies (``unsupported``).
+
+Why: at 128 heads the absorbed decode is bound by the tensor cores (242 FLOP per cached byte in bf16), and
+the Triton kernel (``mla_decode.py``) reached about 240 TFLOP/s there: its 64 x 512 fp32 accumulator and
+the query operand of the score dot shared the registers and spilled (docs/mla.md, "Targets").
+
+Layout (one program per 64 query heads x sequence x split; 8 warps = two warpgroups):
+
+* The query ``[64, rank]`` and ``[64, rope]`` is staged once in shared memory (the left operand of the
+  scores).  Each 64-token tile is one page slice, brought in by two TMA copies (latent ``[64, rank]``, rope
+  key ``[64, rope]``) into a ring of ``STAGES`` buffers guarded by one mbarrier each.
+* The scores ``S = q_lat·cᵀ + q_pe·k_peᵀ`` ``[64 heads, 64 tokens]``: the MMA layout puts the two
+  warpgroups on the token halves, so each computes ``[64, 32]`` over the full depth.  The row maximum is
+  taken across both halves; the row sums stay per element until the end.
+* ``P`` goes to shared memory in the operand type, and ``O += P·c`` ``[64, rank]`` runs with the tile as
+  stored as the right operand; the warpgroups hold the output's column halves (128 fp32 registers per
+  thread at rank 512).  A tile's ``P·c`` is issued at the top of the next iteration, before the wait for the
+  next tile, and runs on the tensor cores with that tile's scores.
+* The last tile of a sequence may hold slots past its end whose bytes are whatever the page holds (NaN
+  included): those rows of the latent are zeroed in shared memory before ``P·c`` reads them.
+* ``FP8`` (``mla_decode``'s ``fp8_pv``): e4m3 queries over an e4m3 latent, both products as fp8 MMAs.  The
+  scores are ``fp8_scores``' values; ``P`` is rounded to e4m3 (lossy, as fp8 attention kernels do), and ``P·c``
+  takes the tile transposed into a second pair of buffers (an fp8 MMA's right operand must have its depth,
+  the tokens, contiguous), written by the warps while the score MMAs run.
+
+The partial outputs and log-sum-exps have ``mla_decode``'s split layout (element order), and its merge
+kernel combines them.  Gluon has no interpreter: the CPU path and the float64 checks of the CPU tests go
+through ``mla_decode.py``; ``tools/mla_check.py`` and ``tests/test_gpu_kernels.py`` check this kernel against
+the float64 reference on a GPU.  Measured against the Triton kernel and flashinfer in docs/mla.md ("The Hopper
+kernel at 128 heads").
+"""
+
+from __future__ import annotations
+
+import functools
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+__all__ = ["BLOCK_H", "BLOCK_N", "STAGES", "unsupported", "launch"]
+
+BLOCK_H = 64  # query heads per program: the M of one warpgroup MMA
+BLOCK_N = 64  # tokens per tile: a page of 64 holds one tile
+STAGES = {False: 2, True: 3}  # tile buffers, bf16 / fp8_pv: 2 x 72 KB next to the 72 KB query, 3 x 36 KB in fp8
+# one bar.sync over the program's warps (named thread_barrier up to Triton 3.6, barrier after)
+_sync = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+# a TMA copy into shared memory (async_copy_global_to_shared up to Triton 3.6, async_load after)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _issue(C_DESC, PE_DESC, c_buf, pe_buf, bar, PT, pt_row, n0, PAGE: gl.constexpr, RANK: gl.constexpr):
+    """TMA copies of the tile at token ``n0`` (one page-table entry: tiles never straddle a page)."""
+    row = gl.load(PT + pt_row + n0 // PAGE) * PAGE + n0 % PAGE
+    mbarrier.expect(bar, C_DESC.block_type.nbytes + PE_DESC.block_type.nbytes)
+    _tma_load(C_DESC, [row, 0], bar, c_buf)
+    _tma_load(PE_DESC, [row, RANK], bar, pe_buf)
+
+
+@gluon.jit
+def _stage_rows(SRC, row_ptr, hm, dst, W: gl.constexpr, LAY: gl.constexpr):
+    """Rows ``[64, W]`` of a query tensor (row pointers ``row_ptr``, masked heads zero) into ``dst``."""
+    d = gl.arange(0, W, layout=gl.SliceLayout(0, LAY))
+    x = gl.load(row_ptr[:, None] + d[None, :], mask=hm[:, None], other=0.0)
+    dst.store(x)
+
+
+@gluon.jit
+def _zero_tail(buf, valid, BN: gl.constexpr, W: gl.constexpr, COLS: gl.constexpr, LAY: gl.constexpr):
+    """Zero rows ``valid..`` of a ``[BLOCK_N, W]`` tile in shared memory, ``COLS`` columns at a time."""
+    rows = gl.arange(0, BN, layout=gl.SliceLayout(1, LAY))
+    keep = (rows < valid)[:, None]
+    for j in gl.static_range(W // COLS):
+        part = buf.slice(j * COLS, COLS, dim=1)
+        x = part.load(LAY)
+        part.store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _transpose(src, dst, W: gl.constexpr, COLS: gl.constexpr, LAY: gl.constexpr):
+    """The ``[BN, W]`` tile ``src`` into ``dst`` ``[W, BN]`` (its transpose), ``COLS`` of its columns at a time."""
+    for j in gl.static_range(W // COLS):
+        dst.slice(j * COLS, COLS, dim=0).permute((1, 0)).store(src.slice(j * COLS, COLS, dim=1).load(LAY))
+
+
+@gluon.jit
+def _scores(q_s, qp_s, c_buf, pe_buf, bar, phase, n0, end, BH: gl.constexpr, BN: gl.constexpr, RANK: gl.constexpr,
+            S_L: gl.constexpr, T_L: gl.constexpr):
+    """Wait for the tile at token ``n0``, zero its latent rows past ``end`` (the sequence's last tile: the
+    slots' bytes are whatever the page holds, and ``P·c`` reads them), and issue its score MMAs."""
+    mbarrier.wait(bar, phase)
+    if n0 + BN > end:
+        _zero_tail(c_buf, end - n0, BN, RANK, 32, T_L)
+        fence_async_shared()
+        _sync()
+    s = warpgroup_mma(q_s, c_buf.permute((1, 0)), gl.zeros([BH, BN], gl.float32, S_L),
+                      use_acc=False, is_async=True)
+    return warpgroup_mma(qp_s, pe_buf.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_acc, o, n0, end, scale, BN: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
+    """One tile's online softmax: ``P`` (base 2, scaled, slots past ``end`` at zero), the new row maxima, the
+    per-element row sums and the output rescaled to the new maxima."""
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+    s = gl.where((n0 + cols < end)[None, :], s * scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    l_acc = l_acc * alpha[:, None] + p
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    return p, m_new, l_acc, o
+
+
+@gluon.jit
+def _mla_decode_wg(
+    C_DESC, PE_DESC, QL, QP, KSCALE, QSCALE, PT, SL, MO, ML,
+    sm_scale_log2,
+    stride_lb, stride_lh, stride_pb, stride_ph, stride_pt, stride_mb, stride_mh, stride_ms,
+    H, num_splits,
+    PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+):
+    BH: gl.constexpr = 64
+    BN: gl.constexpr = C_DESC.block_type.shape[0]
+    KI: gl.constexpr = 32 if FP8 else 16  # the MMA instruction's depth: 32 bytes of operand
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, KI])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, RANK // 2, KI])
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte loads of query rows
+    T_L: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [8, 1], [1, 0])  # 32-column slices of a tile
+    QDT: gl.constexpr = QL.dtype.element_ty
+    PDT: gl.constexpr = C_DESC.dtype  # P in the tile's type
+    X_L: gl.constexpr = gl.BlockedLayout([4, 4], [8, 4], [2, 4], [1, 0])  # the e4m3 tile's transposition
+
+    hg = gl.program_id(0)
+    b = gl.program_id(1).to(gl.int64)
+    sp = gl.program_id(2)
+    seq_len = gl.load(SL + b)
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BN) * BN
+    start = sp * chunk
+    end = gl.minimum(start + chunk, seq_len)
+    n_tiles = gl.cdiv(end - start, BN)
+
+    # the query, once, into shared memory
+    hq = hg * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LD))
+    hmq = hq < H
+    q_s = gl.allocate_shared_memory(QDT, [BH, RANK], gl.NVMMASharedLayout.get_default_for([BH, RANK], QDT))
+    qp_s = gl.allocate_shared_memory(QDT, [BH, ROPE], gl.NVMMASharedLayout.get_default_for([BH, ROPE], QDT))
+    _stage_rows(QL, QL + b * stride_lb + hq * stride_lh, hmq, q_s, RANK, LD)
+    _stage_rows(QP, QP + b * stride_pb + hq * stride_ph, hmq, qp_s, ROPE, LD)
+
+    c_s = gl.allocate_shared_memory(C_DESC.dtype, [STAGES, BN, RANK], C_DESC.layout)
+    pe_s = gl.allocate_shared_memory(PE_DESC.dtype, [STAGES, BN, ROPE], PE_DESC.layout)
+    p_s = gl.allocate_shared_memory(PDT, [BH, BN], gl.NVMMASharedLayout.get_default_for([BH, BN], PDT))
+    if FP8:  # the latent transposed (tokens contiguous), as an fp8 MMA's right operand must be; two buffers
+        vt_s = gl.allocate_shared_memory(C_DESC.dtype, [2, RANK, BN],
+                                         gl.NVMMASharedLayout.get_default_for([RANK, BN], C_DESC.dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+    _sync()
+
+    pt_row = b * stride_pt
+    for i in gl.static_range(STAGES):
+        if i < n_tiles:
+            _issue(C_DESC, PE_DESC, c_s.index(i), pe_s.index(i), ready.index(i), PT, pt_row, start + i * BN, PAGE, RANK)
+
+    scale = sm_scale_log2 * gl.load(KSCALE)
+    if FP8:
+        scale = scale * gl.load(QSCALE)
+    m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_acc = gl.zeros([BH, BN], gl.float32, S_L)
+    o = gl.zeros([BH, RANK], gl.float32, O_L)
+    # Tile i's P·c is issued at the top of iteration i + 1, ahead of the wait for tile i + 1 and its scores, and
+    # waited for with them: no MMA is in flight across an iteration's end (ptxas serializes the MMAs when an
+    # accumulator in flight crosses the loop's back edge).  Tile 0's scores run before the loop.
+    if n_tiles > 0:
+        s = _scores(q_s, qp_s, c_s.index(0), pe_s.index(0), ready.index(0), 0, start, end, BH, BN, RANK, S_L, T_L)
+        if FP8:
+            _transpose(c_s.index(0), vt_s.index(0), RANK, 128, X_L)
+        s = warpgroup_mma_wait(0, deps=[s])
+        p, m_i, l_acc, o = _softmax(s, m_i, l_acc, o, start, end, scale, BN, S_L, O_L)
+        p_s.store(p.to(PDT))
+        fence_async_shared()
+        _sync()
+    for i in range(1, n_tiles):
+        st = i % STAGES
+        prev = (i - 1) % STAGES
+        if FP8:
+            o = warpgroup_mma(p_s, vt_s.index((i - 1) % 2).permute((1, 0)), o, is_async=True)
+        else:
+            o = warpgroup_mma(p_s, c_s.index(prev), o, is_async=True)
+        n0 = start + i * BN
+        s = _scores(q_s, qp_s, c_s.index(st), pe_s.index(st), ready.index(st), (i // STAGES) & 1, n0, end,
+                    BH, BN, RANK, S_L, T_L)
+        if FP8:  # the buffer was last read by P·c two tiles back, retired in the previous iteration
+            _transpose(c_s.index(st), vt_s.index(i % 2), RANK, 128, X_L)
+        s, o = warpgroup_mma_wait(0, deps=[s, o])
+        # both warpgroups are past the previous tile's P·c: its stage and P may be refilled
+        _sync()
+        if i - 1 + STAGES < n_tiles:
+            _issue(C_DESC, PE_DESC, c_s.index(prev), pe_s.index(prev), ready.index(prev), PT, pt_row,
+                   start + (i - 1 + STAGES) * BN, PAGE, RANK)
+        p, m_i, l_acc, o = _softmax(s, m_i, l_acc, o, n0, end, scale, BN, S_L, O_L)
+        p_s.store(p.to(PDT))
+        fence_async_shared()
+        _sync()
+    if n_tiles > 0:
+        if FP8:
+            o = warpgroup_mma(p_s, vt_s.index((n_tiles - 1) % 2).permute((1, 0)), o, is_async=True)
+        else:
+            o = warpgroup_mma(p_s, c_s.index((n_tiles - 1) % STAGES), o, is_async=True)
+        o = warpgroup_mma_wait(0, deps=[o])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    ho = hg * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
+    hmo = ho < H
+    hs = hg * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, S_L))
+    lse_ptr = ML + b * (H * num_splits) + hs * num_splits + sp
+    if n_tiles > 0:
+        l_i = gl.sum(l_acc, axis=1)
+        inv = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L))
+        d = gl.arange(0, RANK, layout=gl.SliceLayout(0, O_L))
+        optr = MO + b * stride_mb + ho[:, None] * stride_mh + sp * stride_ms + d[None, :]
+        gl.store(optr, o * inv[:, None], mask=hmo[:, None])
+        gl.store(lse_ptr, m_i + gl.log2(l_i), mask=hs < H)
+    else:
+        gl.store(lse_ptr, gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, S_L)), mask=hs < H)
+
+
+def unsupported(cache, q_lat, fp8: bool) -> str | None:
+    """Why this kernel does not apply (None when it does): an sm_90 CUDA device, a bf16 latent with bf16 queries
+    or (``fp8``: ``mla_decode``'s ``fp8_pv``) an e4m3 latent with e4m3 queries, rank 512 / rope 64 (DeepSeek's;
+    the operand tiles and the shared-memory budget are sized for them), and pages of a multiple of 64 tokens."""
+    import torch
+
+    lay = cache.layout
+    if fp8:
+        if lay.kv_dtype != "fp8_e4m3" or q_lat.dtype != torch.float8_e4m3fn:
+            return "fp8 P·c needs an fp8_e4m3 latent and e4m3 queries"
+    elif lay.kv_dtype != "bf16" or q_lat.dtype != torch.bfloat16:
+        return "needs a bf16 latent and bf16 queries, or fp8_pv over an fp8_e4m3 latent"
+    if (lay.kv_lora_rank, lay.rope_dim) != (512, 64):
+        return f"sized for rank 512 and rope 64, got {lay.kv_lora_rank} / {lay.rope_dim}"
+    if cache.page_size % BLOCK_N:
+        return f"needs pages of a multiple of {BLOCK_N} tokens, got {cache.page_size}"
+    if cache.data.stride(-1) != 1 or cache.data.data_ptr() % 16:
+        return "needs a contiguous, 16-byte aligned latent"
+    dev = cache.data.device
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
+        return "needs an sm_90 (Hopper) GPU"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_layouts(bits: int):
+    c = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 512], gl.float8e4nv if bits == 8 else gl.bfloat16)
+    pe = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], gl.float8e4nv if bits == 8 else gl.bfloat16)
+    return c, pe
+
+
+def launch(q_lat, q_pe, cache, page_table, seq_lens, mid_o, mid_l, sm_scale_log2: float, q_scale, num_splits: int,
+           fp8: bool, stages: int | None = None):
+    """The split kernel over ``(head groups, batch, splits)``; ``mid_o [B, H, splits, rank]`` fp32 and
+    ``mid_l [B, H, splits]`` as ``mla_decode``'s split kernel writes them."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    lay = cache.layout
+    b, h = q_lat.shape[:2]
+    d = lay.kv_lora_rank + lay.rope_dim
+    flat = cache.data.view(-1, d)
+    c_lay, pe_lay = _tile_layouts(flat.element_size() * 8)
+    c_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK_N, lay.kv_lora_rank], c_lay)
+    pe_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK_N, lay.rope_dim], pe_lay)
+    qs = q_scale if q_scale is not None else cache.k_scale
+    _mla_decode_wg[(-(-h // BLOCK_H), b, num_splits)](
+        c_desc, pe_desc, q_lat, q_pe, cache.k_scale, qs, page_table, seq_lens, mid_o, mid_l,
+        float(sm_scale_log2),
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        h, num_splits,
+        PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, STAGES=STAGES[fp8] if stages is None else stages, FP8=fp8,
+        num_warps=8,
+    )
