@@ -9,8 +9,9 @@ the query operand of the score dot shared the registers and spilled (docs/mla.md
 Layout (one program per 64 query heads x sequence x split; 8 warps = two warpgroups):
 
 * The query ``[64, rank]`` and ``[64, rope]`` is staged once in shared memory (the left operand of the
-  scores).  Each 64-token tile is one page slice, brought in by two TMA copies (latent ``[64, rank]``, rope
-  key ``[64, rope]``) into a ring of ``STAGES`` buffers guarded by one mbarrier each.
+  scores).  Each 64-token tile is brought in by two TMA copies per page it spans (latent ``[rows, rank]``, rope
+  key ``[rows, rope]``: the tile, or one page of 8 to 32 tokens) into a ring of ``STAGES`` buffers guarded by
+  one mbarrier each.
 * The scores ``S = q_lat·cᵀ + q_pe·k_peᵀ`` ``[64 heads, 64 tokens]``: the MMA layout puts the two
   warpgroups on the token halves, so each computes ``[64, 32]`` over the full depth.  The row maximum is
   taken across both halves; the row sums stay per element until the end.
@@ -53,12 +54,20 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
-def _issue(C_DESC, PE_DESC, c_buf, pe_buf, bar, PT, pt_row, n0, PAGE: gl.constexpr, RANK: gl.constexpr):
-    """TMA copies of the tile at token ``n0`` (one page-table entry: tiles never straddle a page)."""
-    row = gl.load(PT + pt_row + n0 // PAGE) * PAGE + n0 % PAGE
-    mbarrier.expect(bar, C_DESC.block_type.nbytes + PE_DESC.block_type.nbytes)
-    _tma_load(C_DESC, [row, 0], bar, c_buf)
-    _tma_load(PE_DESC, [row, RANK], bar, pe_buf)
+def _issue(C_DESC, PE_DESC, c_buf, pe_buf, bar, PT, pt_row, n0, end, PAGE: gl.constexpr, RANK: gl.constexpr,
+           BN: gl.constexpr):
+    """TMA copies of the tile at token ``n0``, one per page it spans (pages of 8, 16 or 32 tokens) or one for
+    the tile (pages of a multiple of ``BN``: a tile never straddles one).  Pages past the sequence's last are
+    read as its last page (their rows lie past ``end``: masked, and zeroed before ``P·c``), so no page-table
+    entry past the sequence's own is read."""
+    R: gl.constexpr = C_DESC.block_type.shape[0]  # rows per copy
+    mbarrier.expect(bar, (C_DESC.block_type.nbytes + PE_DESC.block_type.nbytes) * (BN // R))
+    last = (end - 1) // PAGE
+    for j in gl.static_range(BN // R):
+        pos = n0 + j * R
+        row = gl.load(PT + pt_row + gl.minimum(pos // PAGE, last)) * PAGE + pos % PAGE
+        _tma_load(C_DESC, [row, 0], bar, c_buf.slice(j * R, R))
+        _tma_load(PE_DESC, [row, RANK], bar, pe_buf.slice(j * R, R))
 
 
 @gluon.jit
@@ -125,7 +134,7 @@ def _mla_decode_wg(
     PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
 ):
     BH: gl.constexpr = 64
-    BN: gl.constexpr = C_DESC.block_type.shape[0]
+    BN: gl.constexpr = 64
     KI: gl.constexpr = 32 if FP8 else 16  # the MMA instruction's depth: 32 bytes of operand
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, KI])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -153,7 +162,7 @@ def _mla_decode_wg(
     _stage_rows(QL, QL + b * stride_lb + hq * stride_lh, hmq, q_s, RANK, LD)
     _stage_rows(QP, QP + b * stride_pb + hq * stride_ph, hmq, qp_s, ROPE, LD)
 
-    c_s = gl.allocate_shared_memory(C_DESC.dtype, [STAGES, BN, RANK], C_DESC.layout)
+    c_s = gl.allocate_shared_memory(C_DESC.dtype, [STAGES, BN, RANK], C_DESC.layout)  # the copies' swizzle
     pe_s = gl.allocate_shared_memory(PE_DESC.dtype, [STAGES, BN, ROPE], PE_DESC.layout)
     p_s = gl.allocate_shared_memory(PDT, [BH, BN], gl.NVMMASharedLayout.get_default_for([BH, BN], PDT))
     if FP8:  # the latent transposed (tokens contiguous), as an fp8 MMA's right operand must be; two buffers
@@ -168,7 +177,8 @@ def _mla_decode_wg(
     pt_row = b * stride_pt
     for i in gl.static_range(STAGES):
         if i < n_tiles:
-            _issue(C_DESC, PE_DESC, c_s.index(i), pe_s.index(i), ready.index(i), PT, pt_row, start + i * BN, PAGE, RANK)
+            _issue(C_DESC, PE_DESC, c_s.index(i), pe_s.index(i), ready.index(i), PT, pt_row, start + i * BN, end, PAGE,
+                   RANK, BN)
 
     scale = sm_scale_log2 * gl.load(KSCALE)
     if FP8:
@@ -205,7 +215,7 @@ def _mla_decode_wg(
         _sync()
         if i - 1 + STAGES < n_tiles:
             _issue(C_DESC, PE_DESC, c_s.index(prev), pe_s.index(prev), ready.index(prev), PT, pt_row,
-                   start + (i - 1 + STAGES) * BN, PAGE, RANK)
+                   start + (i - 1 + STAGES) * BN, end, PAGE, RANK, BN)
         p, m_i, l_acc, o = _softmax(s, m_i, l_acc, o, n0, end, scale, BN, S_L, O_L)
         p_s.store(p.to(PDT))
         fence_async_shared()
@@ -237,7 +247,9 @@ def _mla_decode_wg(
 def unsupported(cache, q_lat, fp8: bool) -> str | None:
     """Why this kernel does not apply (None when it does): an sm_90 CUDA device, a bf16 latent with bf16 queries
     or (``fp8``: ``mla_decode``'s ``fp8_pv``) an e4m3 latent with e4m3 queries, rank 512 / rope 64 (DeepSeek's;
-    the operand tiles and the shared-memory budget are sized for them), and pages of a multiple of 64 tokens."""
+    the operand tiles and the shared-memory budget are sized for them), and pages of 8, 16 or 32 tokens (a
+    tile's copies, one per page, start on the 8-row period of the shared-memory swizzle) or of a multiple of
+    64."""
     import torch
 
     lay = cache.layout
@@ -248,8 +260,8 @@ def unsupported(cache, q_lat, fp8: bool) -> str | None:
         return "needs a bf16 latent and bf16 queries, or fp8_pv over an fp8_e4m3 latent"
     if (lay.kv_lora_rank, lay.rope_dim) != (512, 64):
         return f"sized for rank 512 and rope 64, got {lay.kv_lora_rank} / {lay.rope_dim}"
-    if cache.page_size % BLOCK_N:
-        return f"needs pages of a multiple of {BLOCK_N} tokens, got {cache.page_size}"
+    if cache.page_size % BLOCK_N and cache.page_size not in (8, 16, 32):
+        return f"needs pages of 8, 16 or 32 tokens or a multiple of {BLOCK_N}, got {cache.page_size}"
     if cache.data.stride(-1) != 1 or cache.data.data_ptr() % 16:
         return "needs a contiguous, 16-byte aligned latent"
     dev = cache.data.device
@@ -260,6 +272,7 @@ def unsupported(cache, q_lat, fp8: bool) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _tile_layouts(bits: int):
+    """Shared layouts of the latent and rope tiles; a copy of fewer rows (one page) takes the same swizzle."""
     c = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 512], gl.float8e4nv if bits == 8 else gl.bfloat16)
     pe = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], gl.float8e4nv if bits == 8 else gl.bfloat16)
     return c, pe
@@ -276,8 +289,9 @@ def launch(q_lat, q_pe, cache, page_table, seq_lens, mid_o, mid_l, sm_scale_log2
     d = lay.kv_lora_rank + lay.rope_dim
     flat = cache.data.view(-1, d)
     c_lay, pe_lay = _tile_layouts(flat.element_size() * 8)
-    c_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK_N, lay.kv_lora_rank], c_lay)
-    pe_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK_N, lay.rope_dim], pe_lay)
+    rows = min(cache.page_size, BLOCK_N)  # rows per TMA copy: a page, or the whole tile
+    c_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, lay.kv_lora_rank], c_lay)
+    pe_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, lay.rope_dim], pe_lay)
     qs = q_scale if q_scale is not None else cache.k_scale
     _mla_decode_wg[(-(-h // BLOCK_H), b, num_splits)](
         c_desc, pe_desc, q_lat, q_pe, cache.k_scale, qs, page_table, seq_lens, mid_o, mid_l,

@@ -194,3 +194,47 @@ def test_mixed_layer_formats_match_torch(loaded, kv, skip, layer_dtypes, pre, de
         got_e.shutdown()
     _close(ref, got)
     assert _kl_max(_reference(loaded, kv).full_logprobs, got.full_logprobs) > 1e-7
+
+
+MLA128 = "synthetic:deepseek-v3,layers=2,hidden=1024,intermediate_size=2048,q_lora_rank=256,vocab=512"
+
+
+def test_mla_engine_at_128_heads_decodes_on_the_hopper_kernel(monkeypatch):
+    """DeepSeek-V3's attention shape (128 heads, latent 512 + rope 64) in a small two-layer model, bf16 latent,
+    the engine's default pages of 16: the graphed decode steps run the Hopper MLA kernel (counted at capture),
+    and their greedy tokens and log-probabilities agree with eager decode and with the Triton kernel's."""
+    from kvbench.kernels import mla_decode_wg
+    from kvbench.runtime.models.loader import load_model
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma MLA decode is an sm_90 kernel")
+    model = load_model(MLA128, device="cuda", dtype=torch.bfloat16, seed=3)
+    calls = []
+    real = mla_decode_wg.launch
+    monkeypatch.setattr(mla_decode_wg, "launch", lambda *a, **k: (calls.append(a[0].shape[1]), real(*a, **k))[1])
+    p = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=1) for m in (12, 7, 5)]
+
+    def run(eager):
+        e = _engine(model, "bf16", "triton", "triton", eager=eager)
+        try:
+            assert e.cache.page_size == 16
+            return e.generate(PROMPTS, p)
+        finally:
+            e.shutdown()
+
+    graphed = run(False)
+    assert calls and set(calls) == {128}, calls
+    n = len(calls)
+    eager = run(True)
+    assert len(calls) > n
+    n = len(calls)
+    monkeypatch.setattr(mla_decode_wg, "unsupported", lambda *a: "switched off for the comparison")
+    triton_kernel = run(True)
+    assert len(calls) == n
+    for other in (eager, triton_kernel):
+        for a, b in zip(graphed, other):
+            assert len(a.token_ids) == len(b.token_ids)
+            same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+            assert same >= 4, (a.token_ids, b.token_ids)
+            d = (torch.tensor(a.logprobs[:same]) - torch.tensor(b.logprobs[:same])).abs().max()
+            assert float(d) < 0.05, float(d)

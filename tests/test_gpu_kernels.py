@@ -150,17 +150,20 @@ def test_mla_decode_wgmma(fmt, mla_gen, monkeypatch):
     monkeypatch.setattr(mla_decode_wg, "launch", lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1])
     _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097)))  # 128 heads, the defaults
     _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(64, 65, 127, 128, 129, 0, 2), heads=96, num_splits=7))
+    _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097, 15, 16, 17), page=16))  # four copies per tile
+    _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 33), page=8, num_splits=2))
     if fmt == "bf16":
-        assert len(calls) == 2, calls
+        assert len(calls) == 4, calls
         _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097), heads=16, wgmma=True))
         _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097), wgmma=False))
-        assert len(calls) == 3, calls
+        assert len(calls) == 5, calls
     else:
         assert not calls
     if fmt == "fp8_e4m3":
         _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097, 64, 65), fp8_pv=True))
         _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097), heads=16, fp8_pv=True, num_splits=3))
-        assert len(calls) == 2, calls
+        _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097, 17), fp8_pv=True, page=16))
+        assert len(calls) == 3, calls
     else:
         with pytest.raises(ValueError, match="fp8_pv"):
             check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100), fp8_pv=True)

@@ -204,12 +204,14 @@ def compile_mla_decode_wg():
     from kvbench.kernels import mla_decode_wg as wg
 
     fn = wg._mla_decode_wg
-    for fp8 in (False, True):
+    # pages of 64 (one copy per tile) and of 16 (one copy per page, four per tile)
+    for fp8, page in ((False, 64), (True, 64), (False, 16)):
         ty, bits = ("fp8e4nv", 8) if fp8 else ("bf16", 16)
         c_lay, pe_lay = (repr(x) for x in wg._tile_layouts(bits))
-        ptrs = dict(C_DESC=f"tensordesc<{ty}[64,512],{c_lay}>", PE_DESC=f"tensordesc<{ty}[64,64],{pe_lay}>",
+        rows = min(page, 64)
+        ptrs = dict(C_DESC=f"tensordesc<{ty}[{rows},512],{c_lay}>", PE_DESC=f"tensordesc<{ty}[{rows},64],{pe_lay}>",
                     QL=f"*{ty}", QP=f"*{ty}", KSCALE="*fp32", QSCALE="*fp32", PT="*i32", SL="*i32", MO="*fp32", ML="*fp32")
-        consts = dict(PAGE=64, RANK=512, ROPE=64, STAGES=wg.STAGES[fp8], FP8=fp8)
+        consts = dict(PAGE=page, RANK=512, ROPE=64, STAGES=wg.STAGES[fp8], FP8=fp8)
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32")
                for n in fn.arg_names}
         aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs and "DESC" not in n]

@@ -143,7 +143,12 @@ def test_wgmma_kernel_applicability_and_refusals():
     assert "fp8_e4m3 latent and e4m3 queries" in wg.unsupported(c, qb, True)
     assert "fp8_e4m3 latent and e4m3 queries" in wg.unsupported(c8, qb, True)
     assert "rank 512 and rope 64" in wg.unsupported(make_cache("bf16"), qb, False)
-    assert "multiple of 64 tokens" in wg.unsupported(make_cache("bf16", rank=512, rope=64, page_size=16), qb, False)
+    assert "pages of 8, 16 or 32 tokens or a multiple of 64" in wg.unsupported(
+        make_cache("bf16", rank=512, rope=64, page_size=4), qb, False)
+    assert "pages of" in wg.unsupported(make_cache("bf16", rank=512, rope=64, num_pages=2, page_size=96), qb, False)
+    for page in (8, 16, 32, 128):
+        assert wg.unsupported(make_cache("bf16", rank=512, rope=64, num_pages=2, page_size=page), qb, False) == \
+            "needs an sm_90 (Hopper) GPU"
     pt = torch.tensor([[0], [1]], dtype=torch.int32)
     sl = torch.tensor([5, 64], dtype=torch.int32)
     qs = torch.ones(1)

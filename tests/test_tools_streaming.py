@@ -332,7 +332,7 @@ def test_mla_check_streams_checks_and_timings(monkeypatch, capsys, tmp_path):
     assert rc == 1
     rep = json.loads((tmp_path / "mla_check.json").read_text())
     assert rep["formats"] == ["bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
-    assert len(rep["checks"]["fp8_e5m2"]) == 20 and rep["checks"]["bf16"]["decode"]["pass"]
+    assert len(rep["checks"]["fp8_e5m2"]) == 21 and rep["checks"]["bf16"]["decode"]["pass"]
     assert rep["checks"]["fp8_e4m3"]["decode fp8 P"] == {"rel_err": 1e-3, "pass": True}
     assert rep["checks"]["fp8_e5m2"]["decode fp8 P"]["refused"].startswith("fp8_pv needs")
     assert rep["checks"]["nvfp4"]["prefill 128-token tiles in registers"] == {"error": "not refused", "pass": False}

@@ -84,9 +84,9 @@ def check_append(kv_dtype, dev, gen) -> dict:
     return res
 
 
-def check_decode(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads=H, **launch) -> dict:
+def check_decode(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads=H, page=PAGE, **launch) -> dict:
     lens = list(lens)
-    cache, pt = cache_for(kv_dtype, lens, gen, dev)
+    cache, pt = cache_for(kv_dtype, lens, gen, dev, page=page)
     fill_cache(cache, pt, lens, gen, dev)
     w_uk, w_uv = random_weights(gen, dev, heads)
     b = len(lens)
@@ -101,11 +101,11 @@ def check_decode(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads=H, **laun
     return {"rel_err": err, "pass": bool(err < 2e-2)}
 
 
-def check_decode_fp8_query(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads=H, **launch) -> dict:
+def check_decode_fp8_query(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads=H, page=PAGE, **launch) -> dict:
     """e4m3 queries with ``q_scale`` (``quantize_query``): against the float64 latent-space decode of the same
     (dequantized) query, so the query's own rounding is not counted."""
     lens = list(lens)
-    cache, pt = cache_for(kv_dtype, lens, gen, dev)
+    cache, pt = cache_for(kv_dtype, lens, gen, dev, page=page)
     fill_cache(cache, pt, lens, gen, dev)
     b = len(lens)
     ql8, qp8, qs = quantize_absorbed_query((torch.randn(b, heads, RANK, generator=gen) * 0.5).to(dev),
@@ -184,6 +184,7 @@ def format_checks(f, dev, gen) -> list:
         ("decode H=128 triton", g(check_decode, f, dev, gen, wgmma=False)),
         ("decode H=96 7 splits", g(check_decode, f, dev, gen, heads=96, num_splits=7)),
         ("decode tile ends", g(check_decode, f, dev, gen, lens=(64, 65, 127, 128, 129, 0, 2))),
+        ("decode pages of 16", g(check_decode, f, dev, gen, lens=(1, 100, 4097, 15, 16, 17), page=16)),
         # e4m3 queries and P (lossy), the wgmma kernel only: every other format must refuse it
         ("decode fp8 P", g(check_decode_fp8_query, f, dev, gen, fp8_pv=True) if f == "fp8_e4m3"
          else (lambda: _refused(check_decode_fp8_query, f, dev, gen, fp8_pv=True))),

@@ -40,10 +40,10 @@ def copy_bandwidth(dev) -> float:
     return 2 * x.numel() / (us * 1e-6) / 1e9
 
 
-def cache_for(kv_dtype, lens, gen, dev, k_scale=0.02):
+def cache_for(kv_dtype, lens, gen, dev, k_scale=0.02, page=PAGE):
     lay = LatentLayout(RANK, ROPE, kv_dtype)
-    pages = [math.ceil(n / PAGE) for n in lens]
-    cache = LatentCache.allocate(lay, sum(pages) + 1, PAGE, device=dev, k_scale=k_scale if is_quantized(kv_dtype) else 1.0)
+    pages = [math.ceil(n / page) for n in lens]
+    cache = LatentCache.allocate(lay, sum(pages) + 1, page, device=dev, k_scale=k_scale if is_quantized(kv_dtype) else 1.0)
     cache.data.view(torch.uint8).fill_(0xFF)  # NaN everywhere a kernel should not read
     if cache.block_scale is not None:
         cache.block_scale.view(torch.uint8).fill_(0xFF)
@@ -60,7 +60,7 @@ def fill_cache(cache, pt, lens, gen, dev):
     fmt = get_format(cache.layout.kv_dtype)
     for b, n in enumerate(lens):
         if n:
-            slots = sequence_slots(pt[b], n, PAGE)
+            slots = sequence_slots(pt[b], n, cache.page_size)
             q = fmt.quantize(torch.randn(n, RANK + ROPE, generator=gen).to(dev) * 2, cache.k_scale[0])
             cache.data.view(-1, cache.layout.packed_dim)[slots] = q.data
             if q.block_scale is not None:

@@ -11,7 +11,7 @@ __all__ = ["CHECK_NAMES", "ROW_HEADER", "row_line", "report_md", "stages_md"]
 
 # the checks of every format, in the order of the run and of the table
 CHECK_NAMES = ("append", "decode", "decode H=16", "decode H=16 bytes", "decode H=128 units", "decode fp8 q",
-               "decode fp8 q H=16", "decode H=128 triton", "decode H=96 7 splits", "decode tile ends", "decode fp8 P",
+               "decode fp8 q H=16", "decode H=128 triton", "decode H=96 7 splits", "decode tile ends", "decode pages of 16", "decode fp8 P",
                "decode bytes 128-token tiles", "prefill", "prefill fp8 q", "prefill 128-token tiles",
                "prefill in registers", "prefill fp8 q in registers", "prefill 128-token tiles in registers",
                "prefill split prefix", "prefill split prefix in registers")

@@ -18,7 +18,8 @@ shapes (kv_lora_rank 512, rope 64, page 64), bf16 compute, and prints a Markdown
 * ``decode-wg``: the Hopper kernel (``mla_decode_wg``) against the Triton kernel at 128 heads (``--heads``):
   bf16 with ``wgmma`` on / off, an e4m3 latent with e4m3 queries (``fp8_scores``, Triton) and with ``fp8_pv`` at
   three and two tile buffers, CUDA-graph µs and TFLOP/s; ``--ncu bf16`` / ``--ncu fp8_pv`` only launches that
-  case three times, for ``ncu --kernel-name regex:_mla_decode_wg --launch-skip 2 --launch-count 1``.
+  case three times, for ``ncu --kernel-name regex:_mla_decode_wg --launch-skip 2 --launch-count 1``; ``--page 16``
+  for the engine's default page size.
 
     python docs/scripts/mla_probes.py workspace [--heads 16,128]
     python docs/scripts/mla_probes.py prefill-splits [--e4m3-query] [--cases 2:8192:4,...]
@@ -75,7 +76,7 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def make_cache(kv_dtype: str, lens: list[int], filled: list[int], dev, seed: int = 0):
+def make_cache(kv_dtype: str, lens: list[int], filled: list[int], dev, seed: int = 0, page: int = PAGE):
     """A latent cache over shuffled pages with ``filled[i]`` random tokens of sequence ``i`` written
     (quantized with the format's reference quantizer, k_scale 0.02 for quantized formats)."""
     torch = _torch()
@@ -85,8 +86,8 @@ def make_cache(kv_dtype: str, lens: list[int], filled: list[int], dev, seed: int
 
     gen = torch.Generator().manual_seed(seed)
     lay = LatentLayout(RANK, ROPE, kv_dtype)
-    pages = [max(1, math.ceil(n / PAGE)) for n in lens]
-    cache = LatentCache.allocate(lay, sum(pages) + 1, PAGE, device=dev, k_scale=1.0 if kv_dtype == "bf16" else 0.02)
+    pages = [max(1, math.ceil(n / page)) for n in lens]
+    cache = LatentCache.allocate(lay, sum(pages) + 1, page, device=dev, k_scale=1.0 if kv_dtype == "bf16" else 0.02)
     perm = torch.randperm(sum(pages), generator=gen).int()
     pt = torch.zeros(len(lens), max(pages), dtype=torch.int32)
     off = 0
@@ -98,7 +99,7 @@ def make_cache(kv_dtype: str, lens: list[int], filled: list[int], dev, seed: int
     rows = fmt.quantize(torch.randn(4096, RANK + ROPE, generator=gen).to(dev) * 2, cache.k_scale[0])
     for b, n in enumerate(filled):
         if n:
-            slots = sequence_slots(pt[b], n, PAGE)
+            slots = sequence_slots(pt[b], n, page)
             idx = torch.arange(n, device=dev) % rows.data.shape[0]
             cache.data.view(-1, lay.packed_dim)[slots] = rows.data[idx]
             if rows.block_scale is not None:
@@ -125,9 +126,9 @@ def prefill_inputs(kv_dtype: str, batch: int, prefix: int, new: int, heads: int,
     return (ql, qp, cn, kn, cache, pt, sl, cu), dict(kw, max_q_len=new)
 
 
-def decode_inputs(kv_dtype: str, batch: int, ctx: int, heads: int, dev):
+def decode_inputs(kv_dtype: str, batch: int, ctx: int, heads: int, dev, page: int = PAGE):
     torch = _torch()
-    cache, pt = make_cache(kv_dtype, [ctx] * batch, [ctx] * batch, dev)
+    cache, pt = make_cache(kv_dtype, [ctx] * batch, [ctx] * batch, dev, page=page)
     g = torch.Generator(device=dev).manual_seed(2)
     ql = torch.randn(batch, heads, RANK, device=dev, generator=g).bfloat16()
     qp = torch.randn(batch, heads, ROPE, device=dev, generator=g).bfloat16()
@@ -253,11 +254,12 @@ def cmd_decode_wg(a, dev) -> None:
     if a.ncu:
         cases = [c for c in cases if c[2] == {"bf16": "wgmma", "fp8_pv": "wgmma, fp8_pv"}[a.ncu]]
     else:
+        print(f"pages of {a.page} tokens\n")
         print("| heads | KV | queries | kernel | batch × context | graph µs | TFLOP/s |")
         print("|---|---|---|---|---|---|---|")
     for h in a.heads:
         for fmt, query, name, extra, stages in cases:
-            (ql, qp, cache, pt, sl), kw = decode_inputs(fmt, a.batch, a.ctx, h, dev)
+            (ql, qp, cache, pt, sl), kw = decode_inputs(fmt, a.batch, a.ctx, h, dev, a.page)
             kw.update(extra)
             if query == "e4m3":
                 ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
@@ -295,6 +297,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="decode, decode-stages: batch")
     ap.add_argument("--ctx", type=int, default=8192, help="decode, decode-stages: context")
     ap.add_argument("--ncu", choices=("bf16", "fp8_pv"), default=None, help="decode-wg: three launches of one case")
+    ap.add_argument("--page", type=int, default=PAGE, help=f"decode-wg: tokens per page (default {PAGE})")
     a = ap.parse_args(argv)
     default_heads = {"decode": "16", "decode-stages": "16", "decode-wg": "128"}.get(a.command, "16,128")
     a.heads = [int(h) for h in (a.heads or default_heads).split(",")]
