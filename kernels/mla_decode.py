@@ -432,7 +432,10 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
 
         wg_why = mla_decode_wg.unsupported(cache, q_lat, fp8_pv)
         if (wgmma or fp8_pv) and wg_why:
-            raise ValueError(f"{'fp8_pv' if fp8_pv else 'wgmma'}: {wg_why}")
+            opt = "fp8_pv" if fp8_pv else "wgmma"
+            hint = ("leave fp8_pv off for the Triton kernel, with P in float16" if fp8_pv
+                    else "leave wgmma unset for the Triton kernel")
+            raise ValueError(f"{opt}: {wg_why} ({hint})")
     wgmma = (wgmma or fp8_pv or (wgmma is None and h > 32 and not triton_opts)) and wg_why is None
     block_h = d_bh if block_h is None else block_h
     block_n = d_bn if block_n is None else block_n

@@ -202,12 +202,12 @@ MLA128 = "synthetic:deepseek-v3,layers=2,hidden=1024,intermediate_size=2048,q_lo
 def test_mla_engine_at_128_heads_decodes_on_the_hopper_kernel(monkeypatch):
     """DeepSeek-V3's attention shape (128 heads, latent 512 + rope 64) in a small two-layer model, bf16 latent,
     the engine's default pages of 16: the graphed decode steps run the Hopper MLA kernel (counted at capture),
-    and their greedy tokens and log-probabilities agree with eager decode and with the Triton kernel's."""
+    and their greedy tokens and log-probabilities agree with eager decode and with the Triton kernel's.  On a
+    GPU other than sm_90 the kernel must not run, and graphed and eager decode must still agree."""
     from kvbench.kernels import mla_decode_wg
     from kvbench.runtime.models.loader import load_model
 
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma MLA decode is an sm_90 kernel")
+    hopper = torch.cuda.get_device_capability() == (9, 0)
     model = load_model(MLA128, device="cuda", dtype=torch.bfloat16, seed=3)
     calls = []
     real = mla_decode_wg.launch
@@ -223,10 +223,10 @@ def test_mla_engine_at_128_heads_decodes_on_the_hopper_kernel(monkeypatch):
             e.shutdown()
 
     graphed = run(False)
-    assert calls and set(calls) == {128}, calls
+    assert (set(calls) == {128}) if hopper else not calls, calls
     n = len(calls)
     eager = run(True)
-    assert len(calls) > n
+    assert len(calls) > n if hopper else not calls
     n = len(calls)
     monkeypatch.setattr(mla_decode_wg, "unsupported", lambda *a: "switched off for the comparison")
     triton_kernel = run(True)

@@ -137,14 +137,15 @@ def test_mla_decode(fmt, mla_gen):
 @pytest.mark.parametrize("fmt", mla_formats())
 def test_mla_decode_wgmma(fmt, mla_gen, monkeypatch):
     """The Hopper decode kernel (bf16 above 32 heads by default, ``fp8_pv`` over e4m3) against the float64
-    reference, with head counts, split counts and sequence ends around its 64-token tiles; counted, so it must
-    have run where it applies and not elsewhere; ``fp8_pv`` refused for every other format."""
+    reference, with head counts, split counts, sequence ends around its 64-token tiles and pages of 64, 16 and 8;
+    counted, so it must have run where it applies and not elsewhere; ``fp8_pv`` refused for every other format.
+    On a GPU other than sm_90 the same checks run on the Triton kernel, which must then have run alone, and an
+    explicit request must be refused."""
     from kvbench.kernels import mla_decode_wg
     from kvbench.tools.mla_check import check_decode as mla_decode_check, check_decode_fp8_query
 
     dev = torch.device("cuda")
-    if torch.cuda.get_device_capability(dev) != (9, 0):
-        pytest.skip("the wgmma MLA decode is an sm_90 kernel")
+    hopper = torch.cuda.get_device_capability(dev) == (9, 0)
     calls = []
     real = mla_decode_wg.launch
     monkeypatch.setattr(mla_decode_wg, "launch", lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1])
@@ -152,19 +153,24 @@ def test_mla_decode_wgmma(fmt, mla_gen, monkeypatch):
     _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(64, 65, 127, 128, 129, 0, 2), heads=96, num_splits=7))
     _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097, 15, 16, 17), page=16))  # four copies per tile
     _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 33), page=8, num_splits=2))
+    _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097), wgmma=False))
+    assert len(calls) == (4 if hopper and fmt == "bf16" else 0), calls
+    if not hopper:
+        with pytest.raises(ValueError, match="needs an sm_90"):
+            mla_decode_check("bf16", dev, mla_gen, lens=(1, 100), wgmma=True)
+        if fmt == "fp8_e4m3":
+            with pytest.raises(ValueError, match="fp8_pv: needs an sm_90"):
+                check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100), fp8_pv=True)
+        return
     if fmt == "bf16":
-        assert len(calls) == 4, calls
         _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097), heads=16, wgmma=True))
-        _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097), wgmma=False))
         assert len(calls) == 5, calls
-    else:
-        assert not calls
     if fmt == "fp8_e4m3":
         _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097, 64, 65), fp8_pv=True))
         _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097), heads=16, fp8_pv=True, num_splits=3))
         _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097, 17), fp8_pv=True, page=16))
         assert len(calls) == 3, calls
-    else:
+    elif fmt != "bf16":
         with pytest.raises(ValueError, match="fp8_pv"):
             check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100), fp8_pv=True)
 
