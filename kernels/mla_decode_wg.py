@@ -279,7 +279,7 @@ def _tile_layouts(bits: int):
 
 
 def launch(q_lat, q_pe, cache, page_table, seq_lens, mid_o, mid_l, sm_scale_log2: float, q_scale, num_splits: int,
-           fp8: bool, stages: int | None = None):
+           fp8: bool):
     """The split kernel over ``(head groups, batch, splits)``; ``mid_o [B, H, splits, rank]`` fp32 and
     ``mid_l [B, H, splits]`` as ``mla_decode``'s split kernel writes them."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -299,6 +299,5 @@ def launch(q_lat, q_pe, cache, page_table, seq_lens, mid_o, mid_l, sm_scale_log2
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         h, num_splits,
-        PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, STAGES=STAGES[fp8] if stages is None else stages, FP8=fp8,
-        num_warps=8,
+        PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, STAGES=STAGES[fp8], FP8=fp8, num_warps=8,
     )

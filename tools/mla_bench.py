@@ -192,8 +192,8 @@ def iter_vs_flashinfer(dev, gen, heads=(128,), formats=("bf16", "fp8_e4m3", "nvf
     attention), each row with TFLOP/s and, for flashinfer, kvbench's speed over it.  ``query`` names the
     kvbench variant."""
     for nh in heads:
-        outs = {}
         ours = {}
+        outs = {}
         for fmt in formats:
             variants = [("bf16", {})]
             if fmt == "fp8_e4m3":

@@ -17,7 +17,8 @@ shapes (kv_lora_rank 512, rope 64, page 64), bf16 compute, and prints a Markdown
 * ``decode``: decode at the defaults for a list of formats, CUDA-graph and ``do_bench`` µs;
 * ``decode-wg``: the Hopper kernel (``mla_decode_wg``) against the Triton kernel at 128 heads (``--heads``):
   bf16 with ``wgmma`` on / off, an e4m3 latent with e4m3 queries (``fp8_scores``, Triton) and with ``fp8_pv`` at
-  three and two tile buffers, CUDA-graph µs and TFLOP/s; ``--ncu bf16`` / ``--ncu fp8_pv`` only launches that
+  three and two tile buffers (the module constant ``mla_decode_wg.STAGES``, set for that row and restored),
+  CUDA-graph µs and TFLOP/s; ``--ncu bf16`` / ``--ncu fp8_pv`` only launches that
   case three times, for ``ncu --kernel-name regex:_mla_decode_wg --launch-skip 2 --launch-count 1``; ``--page 16``
   for the engine's default page size.
 
