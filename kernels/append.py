@@ -23,6 +23,7 @@ from kvbench.kernels._triton_utils import (
     cast_rne,
     check_cache,
     e2m1_code,
+    e2m1_code_by_thresholds,
     format_code,
     interpreting,
     next_pow2,
@@ -76,7 +77,8 @@ def _quant_store_plain_fp8(dst, x, d, dmask, scale, FMT: tl.constexpr, QMAX: tl.
 
 
 @triton.jit
-def _nvfp4_store(dst, bs_dst, xe, xo, blk, p, pm, bm, scale, EXACT: tl.constexpr, PACKED: tl.constexpr = False):
+def _nvfp4_store(dst, bs_dst, xe, xo, blk, p, pm, bm, scale, EXACT: tl.constexpr, PACKED: tl.constexpr = False,
+                 BITCODE: tl.constexpr = True):
     """xe / xo: [HB, NB, 8] float32 even / odd elements of each 16-element block of HB head vectors;
     ``dst`` / ``bs_dst`` [HB, 1, 1] row pointers; ``scale`` [HB, 1, 1].  ``PACKED`` (head dim a multiple of 64,
     so every row and every group of 4 block scales starts 4-byte aligned): the codes and the scales are
@@ -89,8 +91,12 @@ def _nvfp4_store(dst, bs_dst, xe, xo, blk, p, pm, bm, scale, EXACT: tl.constexpr
     s = tl.minimum(tl.maximum(s, 0.015625), 448.0)
     s8 = cast_fp8(s, tl.float8e4nv, False, EXACT)
     denom = (s8.to(tl.float32) * sc)[:, :, None]
-    ce = e2m1_code(tl.math.div_rn(xe, denom))
-    co = e2m1_code(tl.math.div_rn(xo, denom))
+    if BITCODE:
+        ce = e2m1_code(tl.math.div_rn(xe, denom))
+        co = e2m1_code(tl.math.div_rn(xo, denom))
+    else:
+        ce = e2m1_code_by_thresholds(tl.math.div_rn(xe, denom))
+        co = e2m1_code_by_thresholds(tl.math.div_rn(xo, denom))
     HB: tl.constexpr = xe.shape[0]
     NB: tl.constexpr = xe.shape[1]
     bs_row = tl.reshape(bs_dst, (HB, 1))
@@ -120,6 +126,7 @@ def _append_kernel(
     ROT: tl.constexpr, NEOX: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     DO_ROPE: tl.constexpr, DO_STORE: tl.constexpr, WRITE_K_OUT: tl.constexpr, Q_FP8: tl.constexpr,
     E5M2: tl.constexpr, EXACT: tl.constexpr, KV_FIRST: tl.constexpr = False, PACKED: tl.constexpr = False,
+    HOIST: tl.constexpr = True, BITCODE: tl.constexpr = True,
 ):
     """One program: token ``t``, a block of ``HB`` query heads or of ``HB`` kv heads.  ``KV_FIRST``: the kv
     blocks (the longer programs: RoPE, quantization, two stores) take the first block indices, so they are
@@ -148,55 +155,72 @@ def _append_kernel(
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
             tl.store(Q8 + t * sq8_t + h * sq8_h + d, cast_fp8(y, tl.float8e4nv, False, EXACT), mask=dmask)
     else:
-        slot = tl.load(SLOTS + t).to(tl.int64)
-        # the slot's element offset in the data and block-scale planes (any page layout)
-        row = (slot // page_size) * s_page + (slot % page_size) * s_tok
-        brow = (slot // page_size) * sb_page + (slot % page_size) * sb_tok
-        if FMT == 2:
-            # RoPE on contiguous rows, then split into the even / odd elements of each 16-block
-            hk2 = ((hb - nqb) * HB + hh).to(tl.int64)[:, None]
-            d = tl.arange(0, D_PAD)[None, :]
-            dmask = (d < D) & (hk2 < H_KV)
-            kx = cast_rne(_rope_load(K + t * sk_t + hk2 * sk_h, cs_row, d, dmask, ROT, NEOX, DO_ROPE),
-                          K_OUT.dtype.element_ty, EXACT)
-            if WRITE_K_OUT:
-                tl.store(K_OUT + t * sko_t + hk2 * sko_h + d, kx, mask=dmask)
-            if DO_STORE:
-                if slot >= 0:
-                    hk = tl.reshape(hk2, (HB, 1, 1))
-                    blk = tl.arange(0, NB_PAD)[None, :, None]
-                    p = tl.arange(0, 8)[None, None, :]
-                    pm = ((blk * 16 + p * 2) < D) & (hk < H_KV)
-                    ks = tl.load(K_SCALE + hk, mask=hk < H_KV, other=1.0)
-                    vs = tl.load(V_SCALE + hk, mask=hk < H_KV, other=1.0)
-                    vx = tl.load(V + t * sv_t + hk2 * sv_h + d, mask=dmask, other=0.0).to(tl.float32)
-                    ke, ko = tl.split(tl.reshape(kx.to(tl.float32), (HB, NB_PAD, 8, 2)))
-                    ve, vo = tl.split(tl.reshape(vx, (HB, NB_PAD, 8, 2)))
-                    bm = (tl.reshape(blk, (1, NB_PAD)) < D // 16) & (hk2 < H_KV)
-                    _nvfp4_store(KC + row + hk * skc_h, KBS + brow + hk * skb_h,
-                                 ke, ko, blk, p, pm, bm, ks, EXACT, PACKED)
-                    _nvfp4_store(VC + row + hk * svc_h, VBS + brow + hk * svb_h,
-                                 ve, vo, blk, p, pm, bm, vs, EXACT, PACKED)
-        else:
-            hk = ((hb - nqb) * HB + hh).to(tl.int64)[:, None]
-            d = tl.arange(0, D_PAD)[None, :]
-            dmask = (d < D) & (hk < H_KV)
-            kx = cast_rne(_rope_load(K + t * sk_t + hk * sk_h, cs_row, d, dmask, ROT, NEOX, DO_ROPE),
-                          K_OUT.dtype.element_ty, EXACT)
-            if WRITE_K_OUT:
-                tl.store(K_OUT + t * sko_t + hk * sko_h + d, kx, mask=dmask)
-            if DO_STORE:
-                if slot >= 0:
-                    ks = 1.0
-                    vs = 1.0
-                    if FMT == 1:
-                        ks = tl.load(K_SCALE + hk, mask=hk < H_KV, other=1.0)
-                        vs = tl.load(V_SCALE + hk, mask=hk < H_KV, other=1.0)
-                    vx = tl.load(V + t * sv_t + hk * sv_h + d, mask=dmask, other=0.0)
-                    _quant_store_plain_fp8(KC + row + hk * skc_h, kx.to(tl.float32), d, dmask, ks, FMT,
-                                           QMAX, E5M2, EXACT)
-                    _quant_store_plain_fp8(VC + row + hk * svc_h, vx.to(tl.float32), d, dmask, vs, FMT,
-                                           QMAX, E5M2, EXACT)
+        _kv_block(t, hb - nqb, cs_row, K, V, SLOTS, K_OUT, KC, VC, KBS, VBS, K_SCALE, V_SCALE,
+                  sk_t, sk_h, sv_t, sv_h, sko_t, sko_h, page_size, s_page, s_tok, skc_h, svc_h, sb_page, sb_tok,
+                  skb_h, svb_h, H_KV, D, D_PAD, NB_PAD, HB, ROT, NEOX, FMT, QMAX, DO_ROPE, DO_STORE,
+                  WRITE_K_OUT, E5M2, EXACT, PACKED, HOIST, BITCODE)
+
+
+@triton.jit
+def _v_and_scales(V, t, sv_t, sv_h, hk2, d, dmask, K_SCALE, V_SCALE, hk, H_KV, FMT: tl.constexpr):
+    """The per-head k / v scales (1 for the 16-bit formats) and the v rows of a kv block."""
+    if FMT >= 1:
+        ks = tl.load(K_SCALE + hk, mask=hk < H_KV, other=1.0)
+        vs = tl.load(V_SCALE + hk, mask=hk < H_KV, other=1.0)
+    else:
+        ks = 1.0
+        vs = 1.0
+    vx = tl.load(V + t * sv_t + hk2 * sv_h + d, mask=dmask, other=0.0)
+    return ks, vs, vx
+
+
+@triton.jit
+def _kv_block(t, kvb, cs_row, K, V, SLOTS, K_OUT, KC, VC, KBS, VBS, K_SCALE, V_SCALE,
+              sk_t, sk_h, sv_t, sv_h, sko_t, sko_h, page_size, s_page, s_tok, skc_h, svc_h, sb_page, sb_tok,
+              skb_h, svb_h, H_KV, D: tl.constexpr, D_PAD: tl.constexpr, NB_PAD: tl.constexpr, HB: tl.constexpr,
+              ROT: tl.constexpr, NEOX: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr, DO_ROPE: tl.constexpr,
+              DO_STORE: tl.constexpr, WRITE_K_OUT: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
+              PACKED: tl.constexpr, HOIST: tl.constexpr, BITCODE: tl.constexpr):
+    """A block of ``HB`` kv heads of token ``t``: RoPE on k, k and v quantized and stored at the token's slot.
+    ``HOIST`` (the default): v and the scales are loaded before the RoPE instead of after the slot's test, so
+    their latency overlaps the RoPE's loads instead of following them (a token's programs wait on one chain of
+    loads fewer; ``python docs/scripts/speed_probes.py append-variants``)."""
+    hh = tl.arange(0, HB)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    # the slot's element offset in the data and block-scale planes (any page layout)
+    row = (slot // page_size) * s_page + (slot % page_size) * s_tok
+    brow = (slot // page_size) * sb_page + (slot % page_size) * sb_tok
+    hk2 = (kvb * HB + hh).to(tl.int64)[:, None]
+    d = tl.arange(0, D_PAD)[None, :]
+    dmask = (d < D) & (hk2 < H_KV)
+    hk = tl.reshape(hk2, (HB, 1, 1)) if FMT == 2 else hk2
+    if HOIST and DO_STORE:
+        ks, vs, vx = _v_and_scales(V, t, sv_t, sv_h, hk2, d, dmask, K_SCALE, V_SCALE, hk, H_KV, FMT)
+    # RoPE on contiguous rows (nvfp4: then split into the even / odd elements of each 16-block)
+    kx = cast_rne(_rope_load(K + t * sk_t + hk2 * sk_h, cs_row, d, dmask, ROT, NEOX, DO_ROPE),
+                  K_OUT.dtype.element_ty, EXACT)
+    if WRITE_K_OUT:
+        tl.store(K_OUT + t * sko_t + hk2 * sko_h + d, kx, mask=dmask)
+    if DO_STORE:
+        if slot >= 0:
+            if not HOIST:
+                ks, vs, vx = _v_and_scales(V, t, sv_t, sv_h, hk2, d, dmask, K_SCALE, V_SCALE, hk, H_KV, FMT)
+            if FMT == 2:
+                blk = tl.arange(0, NB_PAD)[None, :, None]
+                p = tl.arange(0, 8)[None, None, :]
+                pm = ((blk * 16 + p * 2) < D) & (hk < H_KV)
+                bm = (tl.reshape(blk, (1, NB_PAD)) < D // 16) & (hk2 < H_KV)
+                ke, ko = tl.split(tl.reshape(kx.to(tl.float32), (HB, NB_PAD, 8, 2)))
+                ve, vo = tl.split(tl.reshape(vx.to(tl.float32), (HB, NB_PAD, 8, 2)))
+                _nvfp4_store(KC + row + hk * skc_h, KBS + brow + hk * skb_h,
+                             ke, ko, blk, p, pm, bm, ks, EXACT, PACKED, BITCODE)
+                _nvfp4_store(VC + row + hk * svc_h, VBS + brow + hk * svb_h,
+                             ve, vo, blk, p, pm, bm, vs, EXACT, PACKED, BITCODE)
+            else:
+                _quant_store_plain_fp8(KC + row + hk * skc_h, kx.to(tl.float32), d, dmask, ks, FMT,
+                                       QMAX, E5M2, EXACT)
+                _quant_store_plain_fp8(VC + row + hk * svc_h, vx.to(tl.float32), d, dmask, vs, FMT,
+                                       QMAX, E5M2, EXACT)
 
 
 # ------------------------------------------------------------------------------------ wrappers
@@ -225,7 +249,8 @@ def _rope_args(cos_sin_cache, rotary_dim, head_dim, style):
     return rot, cos_sin_cache.contiguous()
 
 
-_TUNE: dict = {}  # launch overrides for tuning probes ("hb", "num_warps", "kv_first"); empty in use
+# overrides for tuning probes ("hb", "num_warps", "kv_first", "packed", "hoist", "bitcode"); empty in use
+_TUNE: dict = {}
 
 
 def launch_shape(t: int, num_kv_heads: int, head_dim: int, nvfp4_store: bool) -> tuple[int, int]:
@@ -285,6 +310,7 @@ def _launch(t, q, k, v, positions, slots, cs, q_out, k_out, q8, q_scale, kc, vc,
         DO_ROPE=do_rope, DO_STORE=do_store, WRITE_K_OUT=write_k_out, Q_FP8=q8 is not None,
         E5M2=fmt.name == "fp8_e5m2", EXACT=interpreting(), KV_FIRST=_TUNE.get("kv_first", True),
         PACKED=_TUNE.get("packed", packed_stores(t, d)) and fmt.name == "nvfp4" and d % 64 == 0,
+        HOIST=_TUNE.get("hoist", True), BITCODE=_TUNE.get("bitcode", True),
         num_warps=_TUNE.get("num_warps", warps), **NO_FMA,
     )
 

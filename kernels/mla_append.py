@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kvbench.kernels.mla import FMT_NVFP4, LatentCache
+from kvbench.kernels._triton_utils import e2m1_code
 from kvbench.kernels.mla_common import check_cache
 
 ROPE_STYLES = ("neox", "interleaved")
@@ -38,17 +39,6 @@ def _rope_at(X, CS, p, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_code(y):
-    """Round-to-nearest-even e2m1 codes (uint8; bit 3 = sign), as ``formats.quantize_e2m1``."""
-    a = tl.abs(y)
-    code = (
-        (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
-        + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
-    )
-    return (code | ((y < 0).to(tl.int32) << 3)).to(tl.uint8)
-
-
-@triton.jit
 def _store_nvfp4(KV, BS, slot, xe, xo, g, blk, j, byte0, blk0, PD: tl.constexpr, NB: tl.constexpr):
     """Quantize blocks of 16 given as even / odd halves ``[NBLK, 8]`` and store bytes + block scales."""
     amax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
@@ -56,9 +46,9 @@ def _store_nvfp4(KV, BS, slot, xe, xo, g, blk, j, byte0, blk0, PD: tl.constexpr,
     s = tl.minimum(tl.maximum(s, 0.015625), 448.0)
     s8 = s.to(tl.float8e4nv)
     den = s8.to(tl.float32) * g
-    ce = _e2m1_code(tl.math.div_rn(xe, den[:, None]))
-    co = _e2m1_code(tl.math.div_rn(xo, den[:, None]))
-    tl.store(KV + slot * PD + byte0 + blk[:, None] * 8 + j[None, :], ce | (co << 4))
+    ce = e2m1_code(tl.math.div_rn(xe, den[:, None]))
+    co = e2m1_code(tl.math.div_rn(xo, den[:, None]))
+    tl.store(KV + slot * PD + byte0 + blk[:, None] * 8 + j[None, :], (ce | (co << 4)).to(tl.uint8))
     tl.store(BS + slot * NB + blk0 + blk, s8)
 
 

@@ -30,7 +30,8 @@ The partial outputs and log-sum-exps have ``mla_decode``'s split layout (element
 kernel combines them.  Gluon has no interpreter: the CPU path and the float64 checks of the CPU tests go
 through ``mla_decode.py``; ``tools/mla_check.py`` and ``tests/test_gpu_kernels.py`` check this kernel against
 the float64 reference on a GPU.  Measured against the Triton kernel and flashinfer in docs/mla.md ("The Hopper
-kernel at 128 heads").
+kernel at 128 heads").  ``PARTS`` (a module setting for timing probes only; 0, the default, is the kernel) compiles
+it with the softmax or one of the products left out (``docs/scripts/mla_probes.py decode-wg --parts``).
 """
 
 from __future__ import annotations
@@ -98,17 +99,20 @@ def _transpose(src, dst, W: gl.constexpr, COLS: gl.constexpr, LAY: gl.constexpr)
 
 @gluon.jit
 def _scores(q_s, qp_s, c_buf, pe_buf, bar, phase, n0, end, BH: gl.constexpr, BN: gl.constexpr, RANK: gl.constexpr,
-            S_L: gl.constexpr, T_L: gl.constexpr):
+            S_L: gl.constexpr, T_L: gl.constexpr, PARTS: gl.constexpr = 0):
     """Wait for the tile at token ``n0``, zero its latent rows past ``end`` (the sequence's last tile: the
-    slots' bytes are whatever the page holds, and ``P·c`` reads them), and issue its score MMAs."""
+    slots' bytes are whatever the page holds, and ``P·c`` reads them), and issue its score MMAs (not for
+    ``PARTS`` 3, a timing probe's: zeros)."""
     mbarrier.wait(bar, phase)
     if n0 + BN > end:
         _zero_tail(c_buf, end - n0, BN, RANK, 32, T_L)
         fence_async_shared()
         _sync()
-    s = warpgroup_mma(q_s, c_buf.permute((1, 0)), gl.zeros([BH, BN], gl.float32, S_L),
-                      use_acc=False, is_async=True)
-    return warpgroup_mma(qp_s, pe_buf.permute((1, 0)), s, is_async=True)
+    s = gl.zeros([BH, BN], gl.float32, S_L)
+    if PARTS != 3:
+        s = warpgroup_mma(q_s, c_buf.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(qp_s, pe_buf.permute((1, 0)), s, is_async=True)
+    return s
 
 
 @gluon.jit
@@ -126,12 +130,30 @@ def _softmax(s, m_i, l_acc, o, n0, end, scale, BN: gl.constexpr, S_L: gl.constex
 
 
 @gluon.jit
+def _p_to_shared(s, m_i, l_acc, o, p_s, n0, end, scale, BN: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr,
+                 PARTS: gl.constexpr):
+    """The tile's softmax (``_softmax``) and ``P`` into shared memory in the operand type, visible to the MMAs
+    and to both warpgroups (fence, barrier).  Timing probes (``PARTS``): 1 stores the raw scores, 2 and 3 store
+    nothing."""
+    if PARTS == 0:
+        p, m_i, l_acc, o = _softmax(s, m_i, l_acc, o, n0, end, scale, BN, S_L, O_L)
+    else:
+        p = s
+    if PARTS < 2:
+        p_s.store(p.to(p_s.dtype))
+    fence_async_shared()
+    _sync()
+    return m_i, l_acc, o
+
+
+@gluon.jit
 def _mla_decode_wg(
     C_DESC, PE_DESC, QL, QP, KSCALE, QSCALE, PT, SL, MO, ML,
     sm_scale_log2,
     stride_lb, stride_lh, stride_pb, stride_ph, stride_pt, stride_mb, stride_mh, stride_ms,
     H, num_splits,
     PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+    PARTS: gl.constexpr = 0,
 ):
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
@@ -190,36 +212,38 @@ def _mla_decode_wg(
     # waited for with them: no MMA is in flight across an iteration's end (ptxas serializes the MMAs when an
     # accumulator in flight crosses the loop's back edge).  Tile 0's scores run before the loop.
     if n_tiles > 0:
-        s = _scores(q_s, qp_s, c_s.index(0), pe_s.index(0), ready.index(0), 0, start, end, BH, BN, RANK, S_L, T_L)
+        s = _scores(q_s, qp_s, c_s.index(0), pe_s.index(0), ready.index(0), 0, start, end, BH, BN, RANK, S_L, T_L,
+                    PARTS)
         if FP8:
             _transpose(c_s.index(0), vt_s.index(0), RANK, 128, X_L)
-        s = warpgroup_mma_wait(0, deps=[s])
-        p, m_i, l_acc, o = _softmax(s, m_i, l_acc, o, start, end, scale, BN, S_L, O_L)
-        p_s.store(p.to(PDT))
-        fence_async_shared()
-        _sync()
+        if PARTS != 3:
+            s = warpgroup_mma_wait(0, deps=[s])
+        m_i, l_acc, o = _p_to_shared(s, m_i, l_acc, o, p_s, start, end, scale, BN, S_L, O_L, PARTS)
     for i in range(1, n_tiles):
         st = i % STAGES
         prev = (i - 1) % STAGES
-        if FP8:
-            o = warpgroup_mma(p_s, vt_s.index((i - 1) % 2).permute((1, 0)), o, is_async=True)
-        else:
-            o = warpgroup_mma(p_s, c_s.index(prev), o, is_async=True)
+        if PARTS != 2:
+            if FP8:
+                o = warpgroup_mma(p_s, vt_s.index((i - 1) % 2).permute((1, 0)), o, is_async=True)
+            else:
+                o = warpgroup_mma(p_s, c_s.index(prev), o, is_async=True)
         n0 = start + i * BN
         s = _scores(q_s, qp_s, c_s.index(st), pe_s.index(st), ready.index(st), (i // STAGES) & 1, n0, end,
-                    BH, BN, RANK, S_L, T_L)
+                    BH, BN, RANK, S_L, T_L, PARTS)
         if FP8:  # the buffer was last read by P·c two tiles back, retired in the previous iteration
             _transpose(c_s.index(st), vt_s.index(i % 2), RANK, 128, X_L)
-        s, o = warpgroup_mma_wait(0, deps=[s, o])
+        if PARTS == 2:
+            s = warpgroup_mma_wait(0, deps=[s])
+        elif PARTS == 3:
+            o = warpgroup_mma_wait(0, deps=[o])
+        else:
+            s, o = warpgroup_mma_wait(0, deps=[s, o])
         # both warpgroups are past the previous tile's P·c: its stage and P may be refilled
         _sync()
         if i - 1 + STAGES < n_tiles:
             _issue(C_DESC, PE_DESC, c_s.index(prev), pe_s.index(prev), ready.index(prev), PT, pt_row,
                    start + (i - 1 + STAGES) * BN, end, PAGE, RANK, BN)
-        p, m_i, l_acc, o = _softmax(s, m_i, l_acc, o, n0, end, scale, BN, S_L, O_L)
-        p_s.store(p.to(PDT))
-        fence_async_shared()
-        _sync()
+        m_i, l_acc, o = _p_to_shared(s, m_i, l_acc, o, p_s, n0, end, scale, BN, S_L, O_L, PARTS)
     if n_tiles > 0:
         if FP8:
             o = warpgroup_mma(p_s, vt_s.index((n_tiles - 1) % 2).permute((1, 0)), o, is_async=True)
@@ -278,6 +302,9 @@ def _tile_layouts(bits: int):
     return c, pe
 
 
+PARTS = {"value": 0}  # timing probes only (docs/scripts/mla_probes.py decode-wg --parts): 0 = the kernel
+
+
 def launch(q_lat, q_pe, cache, page_table, seq_lens, mid_o, mid_l, sm_scale_log2: float, q_scale, num_splits: int,
            fp8: bool):
     """The split kernel over ``(head groups, batch, splits)``; ``mid_o [B, H, splits, rank]`` fp32 and
@@ -299,5 +326,6 @@ def launch(q_lat, q_pe, cache, page_table, seq_lens, mid_o, mid_l, sm_scale_log2
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         h, num_splits,
-        PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, STAGES=STAGES[fp8], FP8=fp8, num_warps=8,
+        PAGE=cache.page_size, RANK=lay.kv_lora_rank, ROPE=lay.rope_dim, STAGES=STAGES[fp8], FP8=fp8,
+        PARTS=PARTS["value"], num_warps=8,
     )

@@ -163,3 +163,19 @@ def test_nvfp4_packed_word_stores_are_bit_exact(d, layout):
         written.append([x.view(torch.uint8).clone() for x in (kc, vc, kbs, vbs)])
     for a, b in zip(*written):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4"])
+def test_load_order_and_threshold_codes_match_the_reference(fmt):
+    # the kernel's probe flags off (v and the scales loaded after the slot's test, e2m1 codes by seven
+    # comparisons: the kernel before its current defaults) and on one at a time: every combination bit-exact
+    from kvbench.kernels import append as A
+
+    for flags in ({"hoist": False, "bitcode": False}, {"hoist": False}, {"bitcode": False}):
+        A._TUNE.update(flags)
+        try:
+            case = C.check_append(fmt, 7, 4, 2, 32, 4, rot=16, style="interleaved", dtype=torch.bfloat16, fused=True,
+                                  q_fp8=True, device="cpu", exact=True, seed=len(flags) + len(fmt))
+        finally:
+            A._TUNE.clear()
+        assert case.ok, (flags, case.line())

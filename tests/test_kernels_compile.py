@@ -131,7 +131,8 @@ def compile_append():
                 Q8="*fp8e4nv", Q_SCALE="*fp32", KC="*u8", VC="*u8", KBS="*fp8e4nv", VBS="*fp8e4nv",
                 K_SCALE="*fp32", V_SCALE="*fp32")
     c = dict(D=128, D_PAD=128, NB_PAD=8, HB=8, ROT=64, NEOX=False, FMT=2, QMAX=6.0, DO_ROPE=True, DO_STORE=True,
-             WRITE_K_OUT=True, Q_FP8=True, E5M2=False, EXACT=False)
+             WRITE_K_OUT=True, Q_FP8=True, E5M2=False, EXACT=False, KV_FIRST=True, PACKED=False, HOIST=True,
+             BITCODE=True)
     _compile(_append_kernel, c, ptrs, num_warps=4, enable_fp_fusion=False)
 
 
@@ -211,7 +212,7 @@ def compile_mla_decode_wg():
         rows = min(page, 64)
         ptrs = dict(C_DESC=f"tensordesc<{ty}[{rows},512],{c_lay}>", PE_DESC=f"tensordesc<{ty}[{rows},64],{pe_lay}>",
                     QL=f"*{ty}", QP=f"*{ty}", KSCALE="*fp32", QSCALE="*fp32", PT="*i32", SL="*i32", MO="*fp32", ML="*fp32")
-        consts = dict(PAGE=page, RANK=512, ROPE=64, STAGES=wg.STAGES[fp8], FP8=fp8)
+        consts = dict(PAGE=page, RANK=512, ROPE=64, STAGES=wg.STAGES[fp8], FP8=fp8, PARTS=0)
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32")
                for n in fn.arg_names}
         aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs and "DESC" not in n]

@@ -20,14 +20,15 @@ shapes (kv_lora_rank 512, rope 64, page 64), bf16 compute, and prints a Markdown
   three and two tile buffers (the module constant ``mla_decode_wg.STAGES``, set for that row and restored),
   CUDA-graph µs and TFLOP/s; ``--ncu bf16`` / ``--ncu fp8_pv`` only launches that
   case three times, for ``ncu --kernel-name regex:_mla_decode_wg --launch-skip 2 --launch-count 1``; ``--page 16``
-  for the engine's default page size.
+  for the engine's default page size; ``--parts`` times bf16 and ``fp8_pv`` whole and taken apart
+  (``mla_decode_wg.PARTS``: without the softmax, the score MMAs alone, ``P·c`` alone), the floor of fp8's gain.
 
     python docs/scripts/mla_probes.py workspace [--heads 16,128]
     python docs/scripts/mla_probes.py prefill-splits [--e4m3-query] [--cases 2:8192:4,...]
     python docs/scripts/mla_probes.py decode-splits --heads 16
     python docs/scripts/mla_probes.py decode-stages [--formats fp8_e4m3,bf16,nvfp4]
     python docs/scripts/mla_probes.py decode --formats fp8_e4m3,fp8_e5m2,bf16
-    python docs/scripts/mla_probes.py decode-wg [--ncu bf16|fp8_pv]
+    python docs/scripts/mla_probes.py decode-wg [--ncu bf16|fp8_pv] [--parts]
 
 These are reconstructions, from docs/mla.md's descriptions, of the throw-away drivers that produced some of
 its tables; those tables come from the kernels of their date, so a run at a later commit measures the
@@ -254,12 +255,21 @@ def cmd_decode_wg(a, dev) -> None:
              ("fp8_e4m3", "e4m3", "wgmma, fp8_pv, 2 tile buffers", {"fp8_pv": True}, 2)]
     if a.ncu:
         cases = [c for c in cases if c[2] == {"bf16": "wgmma", "fp8_pv": "wgmma, fp8_pv"}[a.ncu]]
+    elif a.parts:
+        # the kernel taken apart (mla_decode_wg.PARTS; the outputs of parts 1-3 are not attention)
+        cases = [c[:2] + (f"{c[2]}: {label}", c[3], c[4], parts) for c in (cases[1], cases[3])
+                 for parts, label in ((0, "whole"), (1, "no softmax"), (2, "scores only"), (3, "P·c only"))]
+        print(f"pages of {a.page} tokens; parts: 1 = P is the raw scores (no maxima, exponentials or rescaling), "
+              "2 = the score MMAs without P·c or softmax, 3 = P·c (and fp8's transposition) without score MMAs "
+              "or softmax\n")
+        print("| heads | KV | queries | kernel | batch × context | graph µs | TFLOP/s |")
+        print("|---|---|---|---|---|---|---|")
     else:
         print(f"pages of {a.page} tokens\n")
         print("| heads | KV | queries | kernel | batch × context | graph µs | TFLOP/s |")
         print("|---|---|---|---|---|---|---|")
     for h in a.heads:
-        for fmt, query, name, extra, stages in cases:
+        for fmt, query, name, extra, stages, *parts in cases:
             (ql, qp, cache, pt, sl), kw = decode_inputs(fmt, a.batch, a.ctx, h, dev, a.page)
             kw.update(extra)
             if query == "e4m3":
@@ -267,6 +277,7 @@ def cmd_decode_wg(a, dev) -> None:
             saved = dict(mla_decode_wg.STAGES)
             if stages:
                 mla_decode_wg.STAGES[True] = stages
+            mla_decode_wg.PARTS["value"] = parts[0] if parts else 0
             try:
                 fn = lambda: mla_decode(ql, qp, cache, pt, sl, SM_SCALE, **kw)  # noqa: E731
                 if a.ncu:
@@ -276,6 +287,7 @@ def cmd_decode_wg(a, dev) -> None:
                 us = _try(lambda: graph_us(fn))
             finally:
                 mla_decode_wg.STAGES.update(saved)
+                mla_decode_wg.PARTS["value"] = 0
             tf = 2 * a.batch * h * a.ctx * (2 * RANK + ROPE) / (us * 1e-6) / 1e12 if isinstance(us, float) else ""
             print(f"| {h} | {fmt} | {query} | {name} | {a.batch} × {a.ctx} | {_cell(us)} | {_cell(tf)} |")
 
@@ -298,6 +310,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="decode, decode-stages: batch")
     ap.add_argument("--ctx", type=int, default=8192, help="decode, decode-stages: context")
     ap.add_argument("--ncu", choices=("bf16", "fp8_pv"), default=None, help="decode-wg: three launches of one case")
+    ap.add_argument("--parts", action="store_true", help="decode-wg: the Hopper kernel taken apart (timing only)")
     ap.add_argument("--page", type=int, default=PAGE, help=f"decode-wg: tokens per page (default {PAGE})")
     a = ap.parse_args(argv)
     default_heads = {"decode": "16", "decode-stages": "16", "decode-wg": "128"}.get(a.command, "16,128")

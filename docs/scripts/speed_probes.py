@@ -11,6 +11,11 @@ for the decode):
 - ``packed-stores``: nvfp4's fused append with its codes and block scales stored as 32-bit words against byte
   stores (best of 16 launch shapes each), after checking every nvfp4 append case of the GPU grid bit for bit with
   the word stores forced.  Where ``append.packed_stores`` comes from.
+- ``append-variants``: the fused append, the unfused pair and the plain bf16 store with the append kernel's
+  flags off and on (``hoist``: v and the scales loaded before the RoPE, not after the slot's test; ``bitcode``:
+  e2m1 codes from the float's bits, not seven threshold comparisons; both on by default); the ``--check``
+  variants first checked bit for bit on the GPU grid's append cases; 1 / 16 / 128 / 512 tokens, the variants
+  interleaved over three rounds, medians.
 - ``decode-sweep``: nvfp4 paged decode over tiles × warps × register caps × stages × prefetch at 64 × 8192, and
   with 8 / 16 / 32 splits at 8 × 32768.  Where ``decode._FILL`` comes from.
 - ``nv4-layouts [--shapes 64x8192,8x32768,64x2048]``: the explicit-layout nvfp4 decode's launch options against the
@@ -95,23 +100,30 @@ def append_shapes() -> None:
                   + " ".join(f"{r[0]:.1f}/{int(r[1])}/{r[2]}/{r[3]}" for r in fb[1:6]), flush=True)
 
 
+def _check_grid(prefix: str) -> tuple:
+    """The GPU grid's cases whose labels start with ``prefix``, run → (cases, failures); failures printed."""
+    from kvbench.tools.kernel_check_grid import gpu_cases
+
+    n = bad = 0
+    for label, thunk in gpu_cases():
+        if label.startswith(prefix):
+            case = thunk()
+            n += 1
+            if not case.ok:
+                bad += 1
+                print("FAIL", case.line(), flush=True)
+    return n, bad
+
+
 def packed_stores() -> int:
     import torch
 
     from kvbench.kernels import append as A
-    from kvbench.tools.kernel_check_grid import gpu_cases
 
-    bad = n = 0
     A._TUNE.clear()
     A._TUNE["packed"] = True
     try:
-        for label, thunk in gpu_cases():
-            if label.startswith("append nvfp4"):
-                case = thunk()
-                n += 1
-                if not case.ok:
-                    bad += 1
-                    print("FAIL", case.line(), flush=True)
+        n, bad = _check_grid("append nvfp4")
     finally:
         A._TUNE.clear()
     print(f"nvfp4 append cases with word stores: {n - bad}/{n} bit-exact", flush=True)
@@ -122,6 +134,58 @@ def packed_stores() -> int:
         best = {p: _sweep(fus, extra={"packed": p})[0] for p in (False, True)}
         print(f"T={t}: byte stores {best[False][0]:.2f} us (hb={best[False][2]} warps={best[False][3]}), "
               f"word stores {best[True][0]:.2f} us (hb={best[True][2]} warps={best[True][3]})", flush=True)
+    return 1 if bad else 0
+
+
+APPEND_VARIANTS = {  # append._TUNE flags; "default" is the kernel as shipped
+    "before": {"hoist": False, "bitcode": False},
+    "hoist": {"hoist": True, "bitcode": False},
+    "bitcode": {"hoist": False, "bitcode": True},
+    "default": {},
+}
+
+
+def append_variants(names=tuple(APPEND_VARIANTS), check=("before",), rounds: int = 3) -> int:
+    import statistics
+
+    import torch
+
+    from kvbench.kernels import append as A
+    from kvbench.tools.common import bench_us
+
+    def flags(name):
+        A._TUNE.clear()
+        A._TUNE.update(APPEND_VARIANTS[name])
+
+    bad = 0
+    try:
+        for name in check:
+            flags(name)
+            n, nbad = _check_grid("append")
+            print(f"{name}: {n - nbad}/{n} append cases bit-exact", flush=True)
+            bad += nbad
+        gen = torch.Generator().manual_seed(0)
+        for t in (1, 16, 128, 512):
+            for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
+                args, kw = _append_inputs(fmt, t, gen)
+                q, k, v, pos, slots, cs, _, _, _, _ = args
+                pargs, _ = _append_inputs("bf16", t, gen)
+                kcb, vcb = pargs[6], pargs[7]
+                fns = {"fused": lambda: A.fused_rope_quant_append(*args, **kw),
+                       "unfused": lambda: A.unfused_rope_quant_append(*args, **kw),
+                       "plain": lambda: A.quantize_store(k, v, slots, kcb, vcb, kv_format="bf16")}
+                times = {(nm, part): [] for nm in names for part in fns}
+                for _ in range(rounds):
+                    for nm in names:
+                        flags(nm)
+                        for part, fn in fns.items():
+                            times[(nm, part)].append(bench_us(fn, graph=True))
+                for nm in names:
+                    f, u, pl = (statistics.median(times[(nm, part)]) for part in ("fused", "unfused", "plain"))
+                    print(f"T={t:4d} {fmt:9s} {nm:22s} fused {f:5.2f} unfused {u:5.2f} plain {pl:5.2f} us: "
+                          f"{f / u:.3f}x unfused, {f / pl:.3f}x plain", flush=True)
+    finally:
+        A._TUNE.clear()
     return 1 if bad else 0
 
 
@@ -331,6 +395,10 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("append-shapes", help="the fused append's launch-shape sweep")
     sub.add_parser("packed-stores", help="nvfp4 word stores: bit-exactness on the GPU grid, then timing")
+    p = sub.add_parser("append-variants", help="the append kernel's variant flags: bit-exactness, then timing")
+    p.add_argument("--variants", default=",".join(APPEND_VARIANTS), help="comma list of " + ", ".join(APPEND_VARIANTS))
+    p.add_argument("--check", default="before", help="variants checked bit for bit first (the default's cases are "
+                   "kernel_check's)")
     sub.add_parser("decode-sweep", help="nvfp4 decode launch sweep at 64 x 8192 and 8 x 32768")
     p = sub.add_parser("nv4-layouts", help="the explicit-layout nvfp4 decode against the Triton one and bf16")
     p.add_argument("--shapes", default="64x8192,8x32768", help="comma list of 64x8192, 8x32768, 64x2048")
@@ -351,6 +419,8 @@ def main(argv=None) -> int:
         append_shapes()
     elif a.cmd == "packed-stores":
         return packed_stores()
+    elif a.cmd == "append-variants":
+        return append_variants(tuple(a.variants.split(",")), tuple(filter(None, a.check.split(","))))
     elif a.cmd == "decode-sweep":
         decode_sweep()
     elif a.cmd == "nv4-layouts":
