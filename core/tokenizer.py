@@ -5,12 +5,13 @@ sandbox through transformers)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenBound", "Tokenizer", "IncrementalDetokenizer", "byte_token_bound", "load_tokenizer"]
 
 
 class Tokenizer:
@@ -27,24 +28,42 @@ class Tokenizer:
 
     def min_token_count(self, text: str) -> int:
         """A lower bound on ``len(encode(text))`` found without tokenizing (0 where none can be shown): the
-        server turns away prompts that certainly cannot fit the context before it tokenizes them."""
-        bound = self._token_bound
-        if bound is None:
-            return 0
-        longest, dropped = bound
-        kept = len(text) - sum(text.count(c) for c in dropped)
-        return -(-kept // longest)
+        server turns away prompts that certainly cannot fit the context before it tokenizes them.  A few
+        milliseconds per MB of text (see ``ByteTokenBound``)."""
+        bound = self._byte_bound
+        return 0 if bound is None else bound.count(text)
+
+    def encode_capped(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[int, Optional[list[int]]]:
+        """``(n, ids)``: the token count of ``text`` and its ids, the ids only when ``n <= limit`` (else None).
+        A long text is tokenized by the Rust tokenizer's batch call, which releases the GIL, and its ids become
+        Python integers only when they are wanted: turning millions of ids into a list holds the GIL for
+        hundreds of milliseconds."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None or len(text) <= limit or backend.truncation is not None or backend.padding is not None:
+            ids = self.encode(text, add_special_tokens=add_special_tokens)
+            return len(ids), (ids if len(ids) <= limit else None)
+        enc = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return len(enc), (list(enc.ids) if len(enc) <= limit else None)
+
+    @cached_property
+    def _byte_bound(self) -> Optional["ByteTokenBound"]:
+        return _bound_or_none(byte_token_bound, self._definition())
 
     @cached_property
     def _token_bound(self) -> Optional[tuple[int, str]]:
+        """The coarser bound of ``byte_level_token_bound`` (one longest token for all bytes)."""
+        return _bound_or_none(byte_level_token_bound, self._definition())
+
+    def _definition(self) -> Optional[dict]:
+        """The tokenizer.json definition of the Rust tokenizer behind this one (None if there is none)."""
         backend = getattr(self._tok, "backend_tokenizer", None)
         if backend is None:
             return None
         import json
 
         try:
-            return byte_level_token_bound(json.loads(backend.to_str()))
-        except Exception:  # noqa: BLE001 - an unusual definition: no bound, prompts are tokenized
+            return json.loads(backend.to_str())
+        except Exception:  # noqa: BLE001 - a definition that cannot be written out: no bound
             return None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -70,6 +89,13 @@ class Tokenizer:
 _KEEPING_SPLITS = ("Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous")
 
 
+def _bound_or_none(make, spec: Optional[dict]):
+    try:
+        return None if spec is None else make(spec)
+    except Exception:  # noqa: BLE001 - an unusual definition: no bound, prompts are tokenized
+        return None
+
+
 def _byte_chars() -> dict[int, str]:
     """The character that stands for each byte 0..255 in byte-level BPE vocabularies (GPT-2's mapping)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
@@ -80,24 +106,19 @@ def _byte_chars() -> dict[int, str]:
 
 
 _BYTE_CHARS = _byte_chars()
+_CHAR_BYTES = {c: b for b, c in _BYTE_CHARS.items()}
 
 
-def byte_level_token_bound(spec: dict) -> Optional[tuple[int, str]]:
-    """For a byte-level BPE tokenizer.json definition: ``(L, dropped)`` such that a text of C characters,
-    D of them in ``dropped``, encodes to at least ceil((C - D) / L) tokens; None for any other tokenizer.
-
-    Why: with no normalizer, a pre-tokenizer that only splits (ByteLevel, Digits, or Split / Punctuation
-    that keep what they split on) and a BPE model without unknown-token handling, every UTF-8 byte of the
-    text whose byte character is in the vocabulary ends up in exactly one token (prefix spaces and template
-    tokens only add), and bytes whose character is missing are dropped.  When no UTF-8 continuation byte
-    (0x80-0xBF) is missing, every multi-byte character keeps at least one byte, and so does every ASCII
-    character outside ``dropped`` (the missing ASCII characters); so #tokens >= kept bytes / L >= kept
-    characters / L, where L is the longest token in bytes (vocabulary entries are one character per byte;
-    added tokens count their UTF-8 length).  Added tokens that strip surrounding whitespace (lstrip /
-    rstrip) break this: None.
-    """
-    if spec.get("normalizer") is not None:
-        return None
+def _byte_level_bpe(spec: dict, normalizers: tuple[str, ...] = ()) -> Optional[tuple[dict, list]]:
+    """``(vocab, added_tokens)`` of a byte-level BPE definition whose every kept byte lands in exactly one
+    token; None for any other.  That holds with no normalizer (or one of ``normalizers``), a pre-tokenizer
+    that only splits (ByteLevel, Digits, or Split / Punctuation that keep what they split on), a BPE model
+    without unknown-token handling, and added tokens that do not strip the whitespace around them."""
+    norm = spec.get("normalizer")
+    if norm is not None:
+        kinds = [n.get("type") for n in (norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm])]
+        if not all(k in normalizers for k in kinds):
+            return None
     pre = spec.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     for p in parts:
@@ -114,14 +135,109 @@ def byte_level_token_bound(spec: dict) -> Optional[tuple[int, str]]:
         return None
     if model.get("unk_token") is not None or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         return None
-    missing = [b for b, c in _BYTE_CHARS.items() if c not in vocab]
-    if any(0x80 <= b < 0xC0 for b in missing):
-        return None  # a continuation byte is dropped: a multi-byte character might vanish whole
     added = spec.get("added_tokens") or []
     if any(a.get("lstrip") or a.get("rstrip") for a in added):
         return None
+    return vocab, added
+
+
+def byte_level_token_bound(spec: dict) -> Optional[tuple[int, str]]:
+    """For a byte-level BPE tokenizer.json definition: ``(L, dropped)`` such that a text of C characters,
+    D of them in ``dropped``, encodes to at least ceil((C - D) / L) tokens; None for any other tokenizer.
+
+    Why: with no normalizer, a pre-tokenizer that only splits (ByteLevel, Digits, or Split / Punctuation
+    that keep what they split on) and a BPE model without unknown-token handling, every UTF-8 byte of the
+    text whose byte character is in the vocabulary ends up in exactly one token (prefix spaces and template
+    tokens only add), and bytes whose character is missing are dropped.  When no UTF-8 continuation byte
+    (0x80-0xBF) is missing, every multi-byte character keeps at least one byte, and so does every ASCII
+    character outside ``dropped`` (the missing ASCII characters); so #tokens >= kept bytes / L >= kept
+    characters / L, where L is the longest token in bytes (vocabulary entries are one character per byte;
+    added tokens count their UTF-8 length).  Added tokens that strip surrounding whitespace (lstrip /
+    rstrip) break this: None.  ``byte_token_bound`` is the finer bound the server uses.
+    """
+    found = _byte_level_bpe(spec)
+    if found is None:
+        return None
+    vocab, added = found
+    missing = [b for b, c in _BYTE_CHARS.items() if c not in vocab]
+    if any(0x80 <= b < 0xC0 for b in missing):
+        return None  # a continuation byte is dropped: a multi-byte character might vanish whole
     longest = max([len(t) for t in vocab] + [len(a["content"].encode("utf-8")) for a in added])
     return longest, "".join(chr(b) for b in missing if b < 0x80)
+
+
+_BOUND_SLICE = 1 << 20  # characters measured per step (a few milliseconds each)
+
+
+@dataclass(frozen=True)
+class ByteTokenBound:
+    """A lower bound on a byte-level BPE tokenizer's token count: the sum, over the UTF-8 bytes of the text,
+    of 1 / (the length in bytes of the longest token that holds that byte value).
+
+    Why it holds: each kept byte of the text lies in exactly one token (``_byte_level_bpe``), and a token of
+    ``n`` bytes holds only bytes whose longest token is at least ``n`` long, so its bytes add up to at most
+    1.  Bytes that the vocabulary lacks as single tokens may be dropped: they weigh 0.  This is far tighter
+    than dividing by the vocabulary's longest token when that token is a run of 128 spaces but letters
+    sit in tokens of at most ~40 bytes (large vocabularies are like that).
+
+    ``nfc``: the tokenizer normalizes to NFC first, which may merge a character with the combining marks
+    after it; then only ASCII bytes followed by an ASCII byte (or the end) count, as NFC leaves those as
+    they are (an ASCII character composes with nothing before it, and one after it is a starter that
+    blocks any composition across it).
+    """
+
+    longest: tuple[int, ...]  # per byte value: the longest token holding it, in bytes; 0: weighs nothing
+    nfc: bool = False
+
+    @cached_property
+    def _weights(self):
+        import numpy as np
+
+        return np.array([1.0 / n if n else 0.0 for n in self.longest])
+
+    def count(self, text: str) -> int:
+        """The bound for ``text``, measured a slice at a time (no call holds the GIL for long)."""
+        import numpy as np
+
+        total = 0.0
+        for i in range(0, len(text), _BOUND_SLICE):
+            a = np.frombuffer(text[i:i + _BOUND_SLICE].encode("utf-8", "surrogatepass"), np.uint8)
+            if self.nfc:  # ASCII bytes whose next byte (the next slice's first character at the end) is ASCII
+                is_ascii = a < 0x80
+                next_ascii = np.append(is_ascii[1:], text[i + _BOUND_SLICE:i + _BOUND_SLICE + 1] < "\x80")
+                a = a[is_ascii & next_ascii]
+            total += float(np.bincount(a, minlength=256) @ self._weights)
+        return max(0, math.ceil(total * (1 - 1e-9) - 1e-9))
+
+
+def byte_token_bound(spec: dict) -> Optional[ByteTokenBound]:
+    """The ``ByteTokenBound`` of a byte-level BPE tokenizer.json definition with no normalizer or an NFC one
+    (Qwen2's); None for any other tokenizer."""
+    found = _byte_level_bpe(spec, normalizers=("NFC",))
+    if found is None:
+        return None
+    vocab, added = found
+    longest = [0] * 256
+    added_contents = {a["content"] for a in added}
+    by_len: dict[int, list[str]] = {}
+    for t in vocab:
+        if t not in added_contents:
+            by_len.setdefault(len(t), []).append(t)
+    for n in sorted(by_len, reverse=True):
+        for c in set("".join(by_len[n])):
+            b = _CHAR_BYTES.get(c)
+            if b is None:
+                return None  # not a byte-level entry
+            longest[b] = max(longest[b], n)
+    for content in added_contents:
+        raw = content.encode("utf-8")
+        for b in set(raw):
+            longest[b] = max(longest[b], len(raw))
+    for b, c in _BYTE_CHARS.items():
+        if c not in vocab:
+            longest[b] = 0  # the byte may be dropped
+    nfc = spec.get("normalizer") is not None
+    return ByteTokenBound(tuple(longest), nfc=nfc)
 
 
 def load_tokenizer(source: str | Path, gguf_file: Optional[str] = None, extra_eos: Sequence[int] = ()) -> Tokenizer:

@@ -8,23 +8,24 @@ tokenizer routes ``/tokenizer_info``, ``/tokenize``, ``/detokenize`` (what lm-ev
 Every request is one job of one or more engine requests (several prompts, or ``n`` > 1), run by
 ``runtime/server_jobs.py`` (engine deltas to JSON or SSE; a job that ends early aborts its unfinished
 engine requests, which frees their pages).  Bad input gets a 4xx with an OpenAI-style error body.
-This module holds the app: its routes, error handlers and the request-preparation threads.
+This module holds the app: its routes and error handlers.
 
-Long prompts cannot stall the server: a request body is read as a stream and turned away with a 413 as
-soon as it passes ``max_body_bytes`` (at once when its Content-Length says so; ``runtime/server_body.py``),
-so an oversized body is never held in memory; JSON parsing, validation, tokenization and chat templating run on a small thread
-pool, not on the event loop (the tokenizer releases the GIL while it works), so ``/health`` and other
-streams keep answering meanwhile; and a prompt that certainly cannot fit the context (the tokenizer's
-``min_token_count`` bound) gets its 400 before it is tokenized at all.
+Long prompts cannot stall the server, and no request waits on another request's tokenization or validation
+for more than 100 ms.  A request body is read as a stream and turned away with a 413 as soon as it passes
+``max_body_bytes`` (at once when its Content-Length says so; ``runtime/server_body.py``), so an oversized
+body is never held in memory.  JSON parsing, validation, tokenization and chat templating run off the event
+loop in two lanes by body size (``runtime/server_prep.py``): bodies up to 64 KiB on threads of their own, so
+a small request never queues behind a big one; bigger bodies in worker processes (``prep_processes``;
+``kvbench serve`` starts 2) at a lower CPU priority, so their GIL-bound parts (parsing a 7 MB body holds the
+GIL for ~55 ms in one call) do not stall the server either.  The work on an oversized prompt is bounded: a
+prompt that certainly cannot fit the context (the tokenizer's ``min_token_count``: per byte, 1 / the
+longest token holding that byte) gets its 400 before it is tokenized, in milliseconds per MB, and one that
+passes the bound is counted in the Rust tokenizer without making Python integers of its ids unless it fits.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import json
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -45,6 +46,7 @@ from kvbench.runtime.server_jobs import (  # noqa: F401 - re-exported for import
     echo_logprobs,
     run_job,
 )
+from kvbench.runtime.server_prep import DEFAULT_PREP_PROCESSES, SMALL_BODY_BYTES, PrepLanes, PrepSpec  # noqa: F401
 from kvbench.runtime.server_protocol import (  # noqa: F401 - re-exported for importers of this module
     ApiError,
     ParsedRequest,
@@ -56,12 +58,12 @@ from kvbench.runtime.server_protocol import (  # noqa: F401 - re-exported for im
     sse_event,
 )
 
-_PREP_THREADS = 4  # threads that parse and tokenize requests off the event loop
 
-
-def create_app(engine, own_engine: bool = False, max_body_bytes: Optional[int] = None):
+def create_app(engine, own_engine: bool = False, max_body_bytes: Optional[int] = None, prep_processes: int = 0):
     """A FastAPI app serving ``engine`` (an ``EngineProtocol``); starts its step loop on start-up.
-    ``max_body_bytes``: the request-body cap (None: ``default_max_body_bytes(engine.max_model_len)``)."""
+    ``max_body_bytes``: the request-body cap (None: ``default_max_body_bytes(engine.max_model_len)``).
+    ``prep_processes``: worker processes that prepare bodies over 64 KiB (0: threads of this process; see
+    ``runtime/server_prep.py``); ``app.state.prep`` is the ``PrepLanes``."""
     from contextlib import asynccontextmanager
 
     tok = engine.tokenizer
@@ -70,23 +72,22 @@ def create_app(engine, own_engine: bool = False, max_body_bytes: Optional[int] =
     limit = int(max_body_bytes) if max_body_bytes is not None else default_max_body_bytes(max_len)
     if limit < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
-    prep = ThreadPoolExecutor(_PREP_THREADS, thread_name_prefix="kvbench-prep")
-
-    async def off_loop(fn: Callable, *args):
-        """``fn(*args)`` on the request-preparation threads (parsing, tokenizing, rendering)."""
-        return await asyncio.get_running_loop().run_in_executor(prep, functools.partial(fn, *args))
+    lanes = PrepLanes(PrepSpec(tok, model_id, max_len), processes=prep_processes)
+    off_loop = lanes.off_loop
 
     @asynccontextmanager
     async def lifespan(_app):
+        lanes.start()
         engine.start()
         try:
             yield
         finally:
-            prep.shutdown(wait=False, cancel_futures=True)
+            lanes.shutdown()
             if own_engine:
                 engine.shutdown()
 
     app = FastAPI(title="kvbench", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.prep = lanes
 
     def error(e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -103,13 +104,9 @@ def create_app(engine, own_engine: bool = False, max_body_bytes: Optional[int] =
     async def _http_error(_req, e: StarletteHTTPException):
         return error(ApiError(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error"))
 
-    async def parsed(request: Request, parse: Callable[[dict], Any]):
-        """The body read under the cap, then ``parse(body_dict)``, all of the CPU work off the event loop."""
-        raw = await read_body(request, limit)
-        return await off_loop(lambda: parse(parse_body(raw, model_id)))
-
-    def json_response(obj: dict) -> Response:
-        return Response(json.dumps(obj, ensure_ascii=False).encode(), media_type="application/json")
+    async def prepared(request: Request, kind: str):
+        """The body read under the cap, then prepared (``server_prep.prepare``) off the event loop."""
+        return await lanes.prepare(kind, await read_body(request, limit))
 
     ctx = JobContext(engine, tok, model_id, off_loop)
 
@@ -139,36 +136,21 @@ def create_app(engine, own_engine: bool = False, max_body_bytes: Optional[int] =
             "chat_template": getattr(tok, "chat_template", None),
         }
 
-    def _tokenize(body: dict) -> Response:
-        text, special = body.get("prompt"), body.get("add_special_tokens", True)
-        if not isinstance(text, str) or not isinstance(special, bool):
-            raise ApiError(400, "/tokenize needs 'prompt' (string) and optional 'add_special_tokens' (bool)", param="prompt")
-        ids = tok.encode(text, add_special_tokens=special)
-        return json_response({"tokens": ids, "count": len(ids), "max_model_len": max_len})
-
-    def _detokenize(body: dict) -> Response:
-        ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < tok.vocab_size for i in ids):
-            raise ApiError(400, f"/detokenize needs 'tokens': a list of token ids in [0, {tok.vocab_size})", param="tokens")
-        return json_response({"prompt": tok.decode(ids, skip_special_tokens=False)})
-
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await parsed(request, _tokenize)
+        return Response(await prepared(request, "tokenize"), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return await parsed(request, _detokenize)
+        return Response(await prepared(request, "detokenize"), media_type="application/json")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await parsed(request, lambda body: parse_completion(body, tok, max_len))
-        return await run_job(ctx, request, req, chat=False)
+        return await run_job(ctx, request, await prepared(request, "completion"), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await parsed(request, lambda body: parse_chat(body, tok, max_len))
-        return await run_job(ctx, request, req, chat=True)
+        return await run_job(ctx, request, await prepared(request, "chat"), chat=True)
 
     return app
 
@@ -181,15 +163,16 @@ def build_engine(config: Any):
 
 
 def run_server(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
-               max_body_bytes: Optional[int] = None) -> None:
-    """Build the engine, log its KV capacity and serve until interrupted."""
+               max_body_bytes: Optional[int] = None, prep_processes: int = DEFAULT_PREP_PROCESSES) -> None:
+    """Build the engine, log its KV capacity and serve until interrupted (bodies over 64 KiB are prepared
+    in ``prep_processes`` worker processes)."""
     import uvicorn
 
     engine = build_engine(engine_config)
     cap = getattr(engine, "capacity", None)
     if cap is not None:
         print(cap.log_line(), flush=True)
-    app = create_app(engine, own_engine=True, max_body_bytes=max_body_bytes)
+    app = create_app(engine, own_engine=True, max_body_bytes=max_body_bytes, prep_processes=prep_processes)
     limit = max_body_bytes if max_body_bytes is not None else default_max_body_bytes(engine.max_model_len)
     print(f"kvbench serving {engine.model_id} on http://{host}:{port}/v1 (request bodies up to {limit / 2**20:.1f} MiB)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
