@@ -107,6 +107,12 @@ class ScoreRequest:
     continuation: str
     top_k: int = 0  # also return the top-k next-token distribution at each continuation position
     full_distribution: bool = False  # in-process clients may return full log-softmax rows
+    # With full_distribution, what suffices instead of full [T, V] rows (an in-process client then keeps none):
+    # the top ``full_top_k`` ids and log-probs per position (in top_ids / top_logprobs, wider than the API's 20),
+    # and with ``gather_ids`` ([T, k] ids per position) the log-probs at those ids (``gathered_logprobs``).
+    # Clients that do not know these fields return full rows as before.
+    full_top_k: int = 0
+    gather_ids: Optional[object] = None
 
 
 @dataclass
@@ -117,6 +123,7 @@ class ScoreResult:
     top_ids: Optional[list[list[int]]] = None
     top_logprobs: Optional[list[list[float]]] = None
     full_logprobs: Optional[object] = None  # torch.Tensor [n, vocab] float32 when asked and available
+    gathered_logprobs: Optional[object] = None  # [n, k] log-probs at ScoreRequest.gather_ids, when asked
 
     @property
     def total_logprob(self) -> float:

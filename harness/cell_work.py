@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 from kvbench.harness.client import Client
 from kvbench.harness.matrix import Cell
@@ -15,12 +15,14 @@ from kvbench.harness.sweep_config import SuiteSpec, SweepConfig
 @dataclass
 class FidelityRef:
     """How a cell's fidelity suite reaches its reference: ``label`` names the reference configuration
-    (part of the cache key), ``make_client`` opens it (called only on a cache miss; the caller closes
-    the client it gets), ``cache_dir`` is ``RUN/fidelity`` so the reference pass runs once per run."""
+    (in the protocol string), ``make_client`` opens it (called only on a cache miss; the caller closes
+    the client it gets), ``cache_dir`` is ``RUN/fidelity`` so the reference pass runs once per run, ``key``
+    gives what the cache key holds about the reference, called only when the cache is used (None: the label)."""
 
     label: str
     make_client: Callable[[], Client]
     cache_dir: Path
+    key: Optional[Callable[[], dict]] = None  # model identity and logits-relevant settings (harness/fidelity_key.py)
 
 
 class CellWork(Protocol):
@@ -46,7 +48,7 @@ class DefaultWork:
         ctx = RunContext()
         if spec.name == "fidelity":
             knobs = {k: params.pop(k) for k in _FIDELITY_KEYS if k in params}
-            ctx.fidelity = FidelityContext(fidelity.label, fidelity.make_client, fidelity.cache_dir, **knobs)
+            ctx.fidelity = FidelityContext(fidelity.label, fidelity.make_client, fidelity.cache_dir, key=fidelity.key, **knobs)
         opts = SuiteOptions(
             limit=spec.limit, repeats=spec.repeats, data_dir=self.sweep.data_dir, concurrency=cell.concurrency,
             seed=self.sweep.seed if spec.seed is None else spec.seed, progress=False, extra=params,
@@ -69,7 +71,8 @@ class DefaultWork:
         return merge_requests(target, top, getattr(spec, "request", None))
 
     def load(self, base_url: str, model_id: str, cell: Cell) -> tuple[dict, list[dict]]:
-        from kvbench.harness.loadgen import LoadConfig, run_load
+        from kvbench.harness.loadgen import LoadConfig
+        from kvbench.harness.loadgen_repeats import run_repeats
 
         ld, slo, conc = self.sweep.load, self.sweep.slo, cell.concurrency
         cfg = LoadConfig(
@@ -80,4 +83,17 @@ class DefaultWork:
             slo_ttft_ms=slo.get("ttft_ms"), slo_tpot_ms=slo.get("tpot_ms"), slo_e2el_ms=slo.get("e2el_ms"),
             metrics_interval_s=ld.metrics_interval_s, timeout_s=ld.timeout_s, progress=False,
         )
-        return run_load(base_url, model_id, cfg)
+        return run_repeats(base_url, model_id, cfg, ld.repeats, between=self._flush_between(base_url, cell))
+
+    def _flush_between(self, base_url: str, cell: Cell) -> Optional[Callable[[int], None]]:
+        """Between two load repeats: flush the server's prefix cache when its target says how (the repeats send
+        the same prompts); the embedded engine keeps no prefix cache."""
+        from kvbench.harness.targets import flush_cache
+
+        try:
+            spec = self.sweep.target(getattr(cell, "config", {})["target"])
+        except KeyError:
+            return None
+        if getattr(spec, "flush_cache", None) is None:
+            return None
+        return lambda _i: flush_cache(base_url, spec.flush_cache, spec.api_key)

@@ -2,7 +2,9 @@
 
 Completion requests tokenize the raw prompt (with the tokenizer's special tokens, e.g. BOS); chat
 requests render the tokenizer's chat template.  Scoring tokenizes context and continuation separately
-(context with special tokens, continuation without) so the continuation's token ids are exactly its own.
+(context with special tokens, continuation without) so the continuation's token ids are exactly its own;
+a request for full rows that says a top-k (``full_top_k``) or gathered ids (``gather_ids``) suffice gets
+those, taken in the engine as rows are computed, and no [T, V] rows.
 Thread-safe: the engine's step loop batches concurrent calls.
 
 Request options (harness/request_options.py): ``reasoning_effort`` of a chat request becomes the chat
@@ -21,7 +23,7 @@ from kvbench.harness.client import GenRequest, GenResult, ScoreRequest, ScoreRes
 from kvbench.harness.request_options import RequestOptionsError
 from kvbench.runtime.config import EngineConfig
 
-__all__ = ["EngineClient"]
+__all__ = ["EngineClient", "sharing_client"]
 
 
 class EngineClient:
@@ -100,6 +102,18 @@ class EngineClient:
             if bos is None:
                 raise ValueError("score needs a non-empty context (the tokenizer has no BOS token to stand in)")
             ctx = [bos]
+        from kvbench.runtime.sampling import MAX_SCORE_LOGPROBS
+
+        gather = getattr(request, "gather_ids", None)
+        full_top_k = int(getattr(request, "full_top_k", 0) or 0)
+        if request.full_distribution and (full_top_k or gather is not None) and full_top_k <= MAX_SCORE_LOGPROBS:
+            # what the caller needs from the full rows is taken in the engine, row by row: no [T, V] tensor
+            k = max(request.top_k, full_top_k, 1)
+            try:
+                k = min(k, self.engine.parts.loaded.config.vocab_size)
+            except AttributeError:  # an engine without a loaded model's config: k as asked
+                pass
+            return self.engine.score(ctx, cont, top_k=k, gather_ids=gather)
         return self.engine.score(ctx, cont, top_k=request.top_k, full_distribution=request.full_distribution)
 
     def tokenizer(self):
@@ -120,6 +134,28 @@ class EngineClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def sharing_client(config: EngineConfig, other) -> EngineClient:
+    """An ``EngineClient`` of ``config`` that reuses the model ``other`` (an open ``EngineClient``) has loaded
+    when both would load the same weights (same model, seed, device and compute dtype): a fidelity reference
+    next to its candidate then holds one copy of the weights, not two.  Otherwise it loads its own."""
+    engine = getattr(other, "engine", None)
+    loaded = getattr(getattr(engine, "parts", None), "loaded", None)
+    if loaded is None or not _same_weights(config, getattr(engine, "config", None)):
+        return EngineClient(config)
+    from kvbench.runtime.engine import Engine
+
+    return EngineClient(engine=Engine(config, loaded=loaded))
+
+
+def _same_weights(a: EngineConfig, b: Optional[EngineConfig]) -> bool:
+    if not isinstance(b, EngineConfig) or a.model != b.model or a.seed != b.seed:
+        return False
+    from kvbench.runtime.models.engine_setup import engine_device, engine_dtype
+
+    da, db = engine_device(a), engine_device(b)
+    return da == db and engine_dtype(a, da) == engine_dtype(b, db)
 
 
 def _takes_template_vars(tok) -> bool:

@@ -72,15 +72,36 @@ class FidelityRefs:
         def make_client() -> Client:
             if ref.group == cell.group:
                 return _BorrowedClient(session.client)
-            stack = ExitStack()
             target = self.sweep.target(ref.config["target"])
+            if target.type == "embedded" and hasattr(session.client, "engine"):
+                from kvbench.harness.engine_client import sharing_client
+                from kvbench.runtime.config import EngineConfig
+
+                return sharing_client(EngineConfig(**ekw), session.client)  # one copy of the weights
+            stack = ExitStack()
             log_path = self.cache_dir.parent / "logs" / f"reference-{ref.key}.log"
             extra = {"devices": list(devices)} if devices is not None and target.type == "server" else {}
             ref_session = stack.enter_context(self.opener(target, ref.config, ekw, log_path, **extra))
             return _BorrowedClient(ref_session.client, on_close=stack.close)
 
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        return FidelityRef(label, make_client, self.cache_dir)
+        return FidelityRef(label, make_client, self.cache_dir, lambda: self.reference_key(ref, ekw, session).to_dict())
+
+    def reference_key(self, ref: Cell, ekw: dict, session: TargetSession):
+        """What the cache key holds about reference cell ``ref`` (harness/fidelity_key.py): an embedded
+        target's model identity and logits-relevant engine settings; a server's or endpoint's reported model,
+        launch command and backends, its ``/v1/models`` card read from this cell's server (same model)."""
+        from kvbench.harness.fidelity_key import embedded_reference_key, server_reference_key
+        from kvbench.runtime.config import EngineConfig
+
+        target = self.sweep.target(ref.config["target"])
+        if target.type == "embedded":
+            return embedded_reference_key(EngineConfig(**ekw))
+        try:  # the cell's own server serves the same model (the reference differs in KV format and backends)
+            url = session.base_url()
+        except Exception:
+            url = None
+        return server_reference_key(target, ref.config, session.model_id, url)
 
     @contextmanager
     def computing(self, label: str, spec: SuiteSpec) -> Iterator[None]:

@@ -115,9 +115,12 @@ class Engine:
         _forced: Optional[list[int]] = None,
         _full_rows: bool = False,
         _score_prefill: bool = False,
+        _gather=None,
     ) -> str:
         """``_forced``: teacher-forced continuation (scoring); with ``_score_prefill`` it is fed as
-        prefill chunks with decode semantics (``Sequence.score_from``) instead of one decode step per token."""
+        prefill chunks with decode semantics (``Sequence.score_from``) instead of one decode step per token.
+        ``_full_rows``: keep every scored row's log-softmax (one [T, V] float32 tensor, filled row by row);
+        ``_gather``: [T, k] token ids per scored position whose log-probs to keep (a [T, k] tensor)."""
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("empty prompt: give at least one token")
@@ -144,7 +147,10 @@ class Engine:
         seq.state["max_new"] = min(int(params.max_tokens), self.max_model_len - len(ids) + 1)
         if _forced is not None:
             seq.state["forced"] = list(_forced)
-            seq.state["full_rows"] = [] if _full_rows else None
+            seq.state["full_rows"] = torch.empty(len(_forced), vocab, dtype=torch.float32) if _full_rows else None
+            if _gather is not None:
+                seq.state["gather"] = _gather_index(_gather, len(_forced), vocab)
+                seq.state["gathered"] = torch.empty(seq.state["gather"].shape, dtype=torch.float32)
         if params.temperature > 0:
             g = torch.Generator(device=self.device)
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._base_gen))
@@ -219,8 +225,8 @@ class Engine:
             st = seq.state
             if seq.score_from is not None and out.positions[j] - seq.score_from + 1 < len(st["logprobs"]):
                 continue  # recomputed after a preemption: this row was scored before
-            if st.get("full_rows") is not None:
-                st["full_rows"].append(res.logp[jj].cpu())
+            if st.get("forced") is not None:
+                self._keep_rows(st, res.logp[jj])
             if seq.first_token_time is None:
                 seq.first_token_time = now
             self._stats.generation_tokens += 1
@@ -234,6 +240,16 @@ class Engine:
                 self._finish(seq, reason, last=delta)
             elif seq.on_delta is not None and delta is not None:
                 seq.on_delta(delta)
+
+    @staticmethod
+    def _keep_rows(st: dict, logp_row: torch.Tensor) -> None:
+        """A scored row's full log-softmax and/or its values at the gather ids, copied out (a view would keep
+        the whole [rows, V] chunk it came from alive).  Row ``t`` is the one about to be recorded."""
+        t = len(st["logprobs"])
+        if st.get("full_rows") is not None:
+            st["full_rows"][t].copy_(logp_row)
+        if st.get("gather") is not None:
+            st["gathered"][t] = logp_row.index_select(0, st["gather"][t].to(logp_row.device)).float().cpu()
 
     def _finish(self, seq: Seq, reason: str, last: Optional[StreamDelta] = None, error: Optional[str] = None) -> None:
         self.scheduler.finish(seq, reason)
@@ -251,7 +267,7 @@ class Engine:
                 log.exception("on_delta callback failed for %s", seq.request_id)
 
     # ----------------------------------------------------------------------------- blocking API
-    def _run_blocking(self, prompts, params_list, forced=None, full_rows=False, score_prefill=False) -> list[RequestOutput]:
+    def _run_blocking(self, prompts, params_list, forced=None, full_rows=False, score_prefill=False, gather=None) -> list[RequestOutput]:
         self.start()
         done = [threading.Event() for _ in prompts]
         outs: list[Optional[RequestOutput]] = [None] * len(prompts)
@@ -268,7 +284,7 @@ class Engine:
         try:
             for k, (ids, p) in enumerate(zip(prompts, params_list)):
                 rid = self.add_request(ids, p, on_delta=cb(k), _forced=forced[k] if forced else None, _full_rows=full_rows,
-                                       _score_prefill=score_prefill)
+                                       _score_prefill=score_prefill, _gather=gather[k] if gather else None)
                 seqs.append(self._seqs_snapshot(rid))
                 rids.append(rid)
             for ev in done:
@@ -304,9 +320,12 @@ class Engine:
                 self.abort(rid)
 
     def score(self, context_ids: list[int], continuation_ids: list[int], top_k: int = 0, full_distribution: bool = False,
-              mode: str = "prefill") -> ScoreResult:
+              mode: str = "prefill", gather_ids=None) -> ScoreResult:
         """Teacher-forced log-probs of ``continuation_ids`` after ``context_ids`` (see the module doc for
-        ``mode``; both modes give the same numbers up to float rounding)."""
+        ``mode``; both modes give the same numbers up to float rounding).  ``top_k`` (up to
+        ``MAX_SCORE_LOGPROBS``) is taken per row as rows are sampled; ``full_distribution`` keeps every row's
+        log-softmax ([T, V] float32: 2.4 GB for 4k tokens of a 150k vocabulary); ``gather_ids`` ([T, k] ids)
+        keeps only the log-probs at those ids (``gathered_logprobs``, [T, k])."""
         if mode not in SCORE_MODES:
             raise ValueError(f"score mode must be one of {', '.join(SCORE_MODES)}, got {mode!r}")
         if not continuation_ids:
@@ -315,18 +334,19 @@ class Engine:
             raise ValueError(f"context + continuation exceed the context length {self.max_model_len}")
         p = SamplingParams(max_tokens=len(continuation_ids), temperature=0.0, ignore_eos=True, logprobs=top_k or None)
         (out,), (seq,) = self._run_blocking([list(context_ids)], [p], forced=[list(continuation_ids)], full_rows=full_distribution,
-                                            score_prefill=mode == "prefill")
+                                            score_prefill=mode == "prefill",
+                                            gather=[gather_ids] if gather_ids is not None else None)
         if out.finish_reason not in ("length", "stop"):
             raise RuntimeError(f"scoring failed: {out.finish_reason}")
         st = seq.state
-        full = torch.stack(st["full_rows"]) if full_distribution else None
         return ScoreResult(
             token_ids=list(continuation_ids),
             logprobs=list(out.logprobs or []),
             greedy=list(st["greedy"]),
             top_ids=st["top_ids"] if top_k else None,
             top_logprobs=st["top_lps"] if top_k else None,
-            full_logprobs=full,
+            full_logprobs=st["full_rows"] if full_distribution else None,
+            gathered_logprobs=st.get("gathered") if gather_ids is not None else None,
         )
 
     # ---------------------------------------------------------------------------------- counters
@@ -362,3 +382,13 @@ class Engine:
             "max_model_len": self.max_model_len,
             "capacity": {**self.capacity.__dict__},
         }
+
+
+def _gather_index(ids, rows: int, vocab: int) -> torch.Tensor:
+    """``ids`` ([T, k] token ids per scored position) as a CPU int64 tensor, checked against the request."""
+    t = torch.as_tensor(ids, dtype=torch.int64)
+    if t.dim() != 2 or t.shape[0] != rows:
+        raise ValueError(f"gather_ids must be [{rows}, k] (one row per continuation token), got {list(t.shape)}")
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+        raise ValueError(f"gather_ids must be in [0, {vocab})")
+    return t

@@ -130,9 +130,11 @@ class EngineProtocol(Protocol):
         """Blocking batch generation through the scheduler (outputs in input order)."""
 
     def score(
-        self, context_ids: list[int], continuation_ids: list[int], top_k: int = 0, full_distribution: bool = False
+        self, context_ids: list[int], continuation_ids: list[int], top_k: int = 0, full_distribution: bool = False,
+        mode: str = "prefill", gather_ids=None,
     ):
         """Teacher-forced scoring -> kvbench.core.client.ScoreResult (continuation logprobs, greedy flags,
-        optional top-k and full log-softmax rows), computed through the paged cache in the configured format."""
+        optional top-k and full log-softmax rows, or with ``gather_ids`` ([T, k] ids) only the log-probs at
+        those ids), computed through the paged cache in the configured format."""
 
     def stats(self) -> EngineStats: ...

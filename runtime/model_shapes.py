@@ -33,6 +33,7 @@ SHAPES: dict[str, AttentionShape] = {
     s.name: s
     for s in (
         AttentionShape("smollm2-135m", 30, 9, 3, 64, 576, 8192),
+        AttentionShape("llama-3.2-1b", 16, 32, 8, 64, 2048, 131072),
         AttentionShape("llama-3-8b", 32, 32, 8, 128, 4096, 8192),
         AttentionShape("llama-3-70b", 80, 64, 8, 128, 8192, 8192),
         AttentionShape("qwen3-8b", 36, 32, 8, 128, 4096, 40960),

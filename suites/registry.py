@@ -121,6 +121,7 @@ class FidelityContext:
     exact: bool = False
     top_k: int = 64
     greedy_tokens: int = 32
+    key: Optional[object] = None  # the reference's identity for the cache key (a dict, or a callable giving one: harness/fidelity_key.py)
 
 
 @dataclass
@@ -142,7 +143,7 @@ def run_suite(name: str, client: Client, opts: SuiteOptions, ctx: Optional[RunCo
         from kvbench.suites.fidelity import FidelitySuite, Reference
 
         f = ctx.fidelity
-        suite = FidelitySuite(Reference(f.label, f.make_client), f.cache_dir, f.top_k, f.greedy_tokens, f.exact)
+        suite = FidelitySuite(Reference(f.label, f.make_client, f.key), f.cache_dir, f.top_k, f.greedy_tokens, f.exact)
         return suite.run(client, opts)
     from kvbench.suites.runner import run_generation
 

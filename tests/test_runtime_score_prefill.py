@@ -232,7 +232,7 @@ def test_scoring_shares_steps_with_generation(models):
         assert [seqs[rid_g].output_ids, seqs[rid_g2].output_ids] == [o.token_ids for o in solo_g]
         solo = e.score(CTX, CONT, top_k=5, full_distribution=True)
         assert s.state["greedy"] == solo.greedy and s.state["top_ids"] == solo.top_ids
-        full = torch.stack(s.state["full_rows"])
+        full = s.state["full_rows"]  # one [T, V] tensor, filled row by row
         assert _kl_max(solo.full_logprobs, full) < 2e-5
         out = e.out.request_output(s, type("D", (), {"finish_reason": "length"})())
         assert out.prompt_token_ids == CTX and out.token_ids == CONT and len(out.logprobs) == len(CONT)

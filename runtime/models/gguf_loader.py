@@ -16,7 +16,7 @@ import torch
 
 from kvbench.runtime.models.config import ModelConfig
 
-__all__ = ["read_gguf_metadata", "gguf_config", "load_gguf", "load_gguf_cached"]
+__all__ = ["read_gguf_metadata", "gguf_config", "load_gguf", "load_gguf_cached", "read_safetensors"]
 
 _ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED = ("llama", "mistral")  # q/k rows permuted by llama.cpp's converter
@@ -159,7 +159,7 @@ def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32,
     import json
     import os
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from kvbench.runtime.default_model import cache_dir
 
@@ -171,9 +171,9 @@ def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32,
         on_part("reading the dequantized cache")
         try:
             cfg = ModelConfig(**json.loads((d / "config.json").read_text()))
-            state = load_file(str(d / "model.safetensors"))
-            # copy out of the file mapping: page faults on mapped weights slow every matmul
-            return cfg, {k: v.to(dtype, copy=True) for k, v in state.items()}
+            # read into fresh memory, not a file mapping: page faults on mapped weights slow every matmul, and
+            # mapped pages next to a copy would double the load's peak RSS
+            return cfg, read_safetensors(d / "model.safetensors", dtype)
         except Exception:  # damaged cache entry: rebuild below
             pass
     on_part("dequantizing")
@@ -189,3 +189,39 @@ def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32,
     except OSError:  # the cache is an optimisation only
         pass
     return cfg, {k: v.to(dtype) for k, v in state.items()}
+
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
+
+
+def read_safetensors(path: str | Path, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, read one by one with plain reads into memory of their own (no
+    mapping of the file, so the load's peak is one copy of the weights plus one tensor); floating tensors
+    converted to ``dtype`` when given.  Nothing in the file is executed (a JSON header and raw bytes)."""
+    import json
+    import struct
+
+    out: dict[str, torch.Tensor] = {}
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in _ST_DTYPES:
+                raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}, not one of {', '.join(_ST_DTYPES)}")
+            start, end = info["data_offsets"]
+            t = torch.empty(info["shape"], dtype=_ST_DTYPES[info["dtype"]])
+            buf = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+            if len(buf) != end - start:
+                raise ValueError(f"{path}: tensor {name} holds {end - start} bytes for shape {info['shape']}")
+            f.seek(8 + n + start)
+            got = 0
+            while got < len(buf):
+                k = f.readinto(buf[got:])
+                if not k:
+                    raise ValueError(f"{path}: truncated at tensor {name}")
+                got += k
+            out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return out

@@ -35,6 +35,17 @@ def _llama3_8b() -> ModelConfig:
     )
 
 
+def _llama32_1b() -> ModelConfig:
+    """Llama-3.2-1B's published config (tied input/output embeddings; 1.24e9 parameters)."""
+    return ModelConfig(
+        arch="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+        intermediate_size=8192, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, tie_word_embeddings=True,
+    )
+
+
 def _qwen3_8b() -> ModelConfig:
     return ModelConfig(
         arch="qwen3", hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -66,7 +77,7 @@ def _deepseek(name: str, intermediate: int):
 
 
 SYNTHETIC_PRESETS = {
-    "llama-3-8b": _llama3_8b, "qwen3-8b": _qwen3_8b, "gpt-oss-20b": _gpt_oss_20b,
+    "llama-3-8b": _llama3_8b, "llama-3.2-1b": _llama32_1b, "qwen3-8b": _qwen3_8b, "gpt-oss-20b": _gpt_oss_20b,
     "deepseek-v2-lite": _deepseek("deepseek-v2-lite", 10944), "deepseek-v3": _deepseek("deepseek-v3", 18432),
 }
 _ALIASES = {"layers": "num_layers", "vocab": "vocab_size", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads"}
