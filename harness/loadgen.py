@@ -6,7 +6,8 @@ concurrency cap, after ``warmup`` untimed requests, and returns ``(summary, reco
 of ``loadgen_metrics.summarize`` plus run facts, and one record per request in the ``requests.jsonl``
 schema (DESIGN §10).  Token counts come from the server's ``usage``, else from a tokenizer, else from the
 number of streamed chunks (``summary["token_count_source"]`` says which).  The client's own event-loop
-lag is sampled during the run (``client_lag_ms``) so a saturated client shows up in the numbers.
+lag is sampled during the run (``client_lag_ms``) so a saturated client shows up in the numbers, and the
+machine's load around it (``machine_load``: load averages, own CPU time, the share other processes took).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvbench.harness.loadgen_datasets import DATASETS, LoadItem, random_items, sharegpt_items
+from kvbench.harness.loadgen_machine import MachineProbe
 from kvbench.harness.loadgen_metrics import describe_ms, summarize, tpot_of
 
 APIS = ("completions", "chat")
@@ -255,10 +257,12 @@ def run_load(base_url: str, model: Optional[str], cfg: LoadConfig) -> tuple[dict
         # event loop and show up as client-side latency in TTFT / ITL.
         gc.collect()
         gc.freeze()
+        probe = MachineProbe.start()  # load averages and CPU shares around the test (harness/loadgen_machine.py)
         try:
             summary, records = asyncio.run(_run_async(base_url, model, cfg, items, tokenizer))
         finally:
             gc.unfreeze()
+        summary["machine_load"] = probe.stop()
     finally:
         if tokenizer is not None:
             tokenizer.close()

@@ -11,6 +11,11 @@
   fall back to ``load.config``) and the server's ``/metrics`` samples (``load.server_metrics``: most requests
   running, most running while none waited, peak KV usage, preemptions during the run).
 
+With repeated load tests (``load.repeats``; each request record carries its ``repeat``) every repeat is
+recomputed from its own records and the repeats are combined (``core.serving_repeats``): medians, counts added
+up, ``spread[key] = {min, max}`` and ``repeats``; ``machine_load`` is the worst repeat's machine load (load
+averages, share of the CPU other processes took).  A store from before repeats is one repeat.
+
 Unknown values are None.  ``request_rate`` and ``max_concurrency`` are ``math.inf`` when the run had no limit
 (``"inf"`` and None in the store).
 """
@@ -21,8 +26,11 @@ import math
 from typing import Optional
 
 from kvbench.core.serving_metrics import summarize
+from kvbench.core.serving_repeats import combine_machine, combine_summaries, group_by_repeat
 from kvbench.reports.analysis import Analysis
 from kvbench.reports.load import CellData
+from kvbench.reports.serving_spread import (WarnedTable, fmt_ratio, machine_text, machine_warning, single_repeat_warning,
+                                            slo_unmet, spread_warning)
 from kvbench.reports.tables import Table, _series, fmt_num, fmt_pct
 
 __all__ = ["serving_summary", "serving_tables", "LATENCY_METRICS", "LATENCY_STATS", "SETTING_KEYS", "SERVER_KEYS"]
@@ -59,6 +67,28 @@ def _duration(load: dict, records: list[dict]) -> float:
     return d if d > 0 else 1e-9
 
 
+def _per_repeat_loads(load: dict) -> list[dict]:
+    per = load.get("per_repeat")
+    return [p if isinstance(p, dict) else {} for p in per] if isinstance(per, list) else []
+
+
+def _combined(records: list[dict], load: dict, slo: Optional[dict], bucket_s: float) -> dict:
+    """Each repeat recomputed from its own records (its duration from ``load.per_repeat``), then combined
+    (``core.serving_repeats.combine_summaries``); a store from before repeats is one repeat."""
+    groups = group_by_repeat(records) or {0: []}
+    per_load = _per_repeat_loads(load)
+    sums = []
+    for i, recs in groups.items():
+        own = per_load[i] if i < len(per_load) else (load if len(groups) == 1 else {})
+        sums.append(summarize(recs, _duration(own, recs), slo, bucket_s))
+    out = combine_summaries(sums)
+    machine = [p.get("machine_load") for p in per_load]
+    if not any(isinstance(m, dict) for m in machine):
+        machine = [load.get("machine_load")]  # one load test's record (kvbench load), or none (older stores)
+    out["machine_load"] = combine_machine(machine)
+    return out
+
+
 def serving_summary(cell: CellData) -> dict:
     """One flat dict of a cell's serving metrics (see the module docstring; None = unknown)."""
     records = list(cell.requests or [])
@@ -67,7 +97,10 @@ def serving_summary(cell: CellData) -> dict:
     slo = {k: v for k, v in (slo or {}).items() if v is not None} or None
     _, bucket = _setting(load, "bucket_s")
     bucket_s = _number(bucket) or 1.0
-    out = summarize(records, _duration(load, records), slo, bucket_s)
+    out = _combined(records, load, slo, bucket_s)
+    target = (cell.summary or {}).get("target")
+    if out["machine_load"] and isinstance(target, dict) and target.get("type") == "endpoint":
+        out["machine_load"]["others_include_server"] = True  # a server kvbench did not start is not its own CPU
     out["slo"] = dict(slo) if slo else None
     out.setdefault("good_requests", None)
     out.setdefault("request_goodput", None)
@@ -115,15 +148,48 @@ def _ordered(a: Analysis) -> list[tuple[CellData, dict]]:
     return sorted(a.serving, key=lambda t: (t[0].run, _series(t[0], False), t[0].concurrency or 0))
 
 
+def _baseline_of(a: Analysis, cell: CellData) -> Optional[dict]:
+    """The baseline series' serving dict at ``cell``'s concurrency in its run (None for the baseline's own cells)."""
+    base = a.baseline
+    if base is None or cell.aa_control or cell.series_config == base.series_config:
+        return None
+    return next((s for c, s in a.serving if c.run == cell.run and not c.aa_control
+                 and c.series_config == base.series_config and c.concurrency == cell.concurrency), None)
+
+
+def _with_range(s: dict, key: str, digits: int) -> str:
+    sp = (s.get("spread") or {}).get(key) or {}
+    text = fmt_num(s.get(key), digits)
+    if (s.get("repeats") or 1) > 1 and sp.get("min") is not None and sp.get("max") is not None:
+        text += f" ({fmt_num(sp['min'], digits)}–{fmt_num(sp['max'], digits)})"
+    return text
+
+
+def _load_warnings(a: Analysis) -> list[str]:
+    out = [w for w in (single_repeat_warning(s for _, s in a.serving),) if w]
+    for cell, s in _ordered(a):
+        base = _baseline_of(a, cell)
+        if base is not None:
+            out += [w for w in (spread_warning(_conc(cell, s), base, s, f" for {_series(cell, False)}"),) if w]
+            unmet = slo_unmet(base, s)
+            if unmet and s.get("request_goodput") is not None:
+                out.append(f"serving: goodput at c={_conc(cell, s)} for {_series(cell, False)}: {unmet}; "
+                           "no goodput ratio is shown")
+    loaded = machine_warning((cell.short, s) for cell, s in _ordered(a))
+    return list(dict.fromkeys(out + ([loaded] if loaded else [])))
+
+
 def load_table(a: Analysis) -> Table:
     rows = []
     for cell, s in _ordered(a):
+        base = _baseline_of(a, cell)
         rows.append([
             _series(cell, False), _conc(cell, s), _limit(s.get("request_rate")), _limit(s.get("burstiness")),
-            f"{s['completed']}/{s['failed']}", fmt_num(s["request_throughput"], 2), fmt_num(s["output_throughput"]),
+            f"{s['completed']}/{s['failed']}", _with_range(s, "request_throughput", 2), _with_range(s, "output_throughput", 1),
+            "—" if base is None else fmt_ratio(base, s, "output_throughput"),
             fmt_num(s["total_token_throughput"]), fmt_num(s.get("request_goodput"), 2),
             fmt_num(s.get("peak_concurrency")), fmt_num(s.get("max_running_without_queueing"), 0),
-            fmt_pct(s.get("kv_usage_max")), fmt_num(s.get("preemptions"), 0),
+            fmt_pct(s.get("kv_usage_max")), fmt_num(s.get("preemptions"), 0), str(s.get("repeats") or 1), machine_text(s),
         ])
     slos = {tuple(sorted(s["slo"].items())) for _, s in a.serving if s.get("slo")}
     if len(slos) == 1:
@@ -132,15 +198,22 @@ def load_table(a: Analysis) -> Table:
         goodput = "requests per second meeting the SLO each cell's load test recorded"
     else:
         goodput = "needs an SLO (none was recorded)"
-    return Table(
+    return WarnedTable(
         "Serving: load and throughput",
-        ["series", "conc.", "rate (req/s)", "burstiness", "ok/failed", "req/s", "out tok/s", "total tok/s",
-         "goodput req/s", "peak conc.", "max running w/o queue", "peak KV", "preemptions"], rows,
+        ["series", "conc.", "rate (req/s)", "burstiness", "ok/failed", "req/s", "out tok/s", "out tok/s × base",
+         "total tok/s", "goodput req/s", "peak conc.", "max running w/o queue", "peak KV", "preemptions", "repeats",
+         "machine load"], rows,
         note="conc.: the load test's concurrency cap; rate: configured arrival rate (∞ = all requests at once); "
              "burstiness: gamma shape of the inter-arrival times (1 = Poisson). Throughputs, goodput and peak "
              f"concurrency (most requests in flight at the client) are recomputed from requests.jsonl; goodput: {goodput}. "
+             "With several repeats (load.repeats) a figure is the median over the repeats, with the lowest and highest "
+             "repeat in parentheses, and ok/failed adds the repeats up; × base: median / the baseline's median at the "
+             "same concurrency, with the range over every pairing of a repeat with a baseline repeat. "
              "Max running w/o queue (most requests running while none waited), peak KV usage and preemptions during "
-             "the run come from the server's /metrics samples (— when it exports none).")
+             "the run come from the server's /metrics samples (— when it exports none). Machine load: the largest "
+             "share of the CPU other processes took during a repeat (/proc/stat minus this process and its servers) "
+             "and the highest 1-minute load average over the CPU count (it counts the engine's own threads too).",
+        warnings=_load_warnings(a))
 
 
 def latency_table(a: Analysis) -> Table:

@@ -147,9 +147,11 @@ def test_serving_tables_rows_and_old_store_dashes():
     load_t, lat_t = serving_tables(a)
     assert load_t.title == "Serving: load and throughput" and lat_t.title == "Serving: latency (ms)"
     rows = {r[0]: r for r in load_t.rows}
-    assert rows["fp8_e4m3"] == ["fp8_e4m3", "8", "4", "0.5", "4/1", "1.60", "5.2", "45.2", "1.20", "4", "5", "42.0%", "3"]
+    # no baseline: no "× base" ratio; one repeat, no machine-load record
+    assert rows["fp8_e4m3"] == ["fp8_e4m3", "8", "4", "0.5", "4/1", "1.60", "5.2", "—", "45.2", "1.20", "4", "5", "42.0%",
+                                "3", "1", "—"]
     # an old store: no settings, no SLO, no /metrics summary -> dashes; the conc. column falls back to the cell's
-    assert rows["bf16"] == ["bf16", "4", "—", "—", "4/1", "1.60", "5.2", "45.2", "—", "4", "—", "—", "—"]
+    assert rows["bf16"] == ["bf16", "4", "—", "—", "4/1", "1.60", "5.2", "—", "45.2", "—", "4", "—", "—", "—", "1", "—"]
     assert "TPOT ≤ 500 ms, TTFT ≤ 400 ms" in load_t.note
     # latency: long form, one row per cell and metric, in the order TTFT, TPOT, ITL, E2E
     assert lat_t.columns == ["series", "conc.", "metric", "mean", "median", "p90", "p95", "p99"]

@@ -2,9 +2,10 @@
 
     kvbench load --max-concurrency 1,4,16 --num-prompts 64 --input-len 64 --output-len 16 --out runs/load
 
-One run per concurrency level; each prints the "Serving Benchmark Result" block and, with ``--out``,
-writes ``OUT/c<N>/summary.json`` and ``OUT/c<N>/requests.jsonl`` (plus ``OUT/summary.json`` with every
-level), atomically.
+One run per concurrency level (``--repeats N``: N runs with the same prompts); each prints the "Serving
+Benchmark Result" block (medians over the repeats), the spread across repeats and the machine's load, and, with
+``--out``, writes ``OUT/c<N>/summary.json`` and ``OUT/c<N>/requests.jsonl`` (records tagged with their
+``repeat``; plus ``OUT/summary.json`` with every level), atomically.
 """
 
 from __future__ import annotations
@@ -56,10 +57,13 @@ def register(app: typer.Typer) -> None:
         api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Bearer token"),
         out: Optional[str] = typer.Option(None, "--out", help="Directory for summary.json and requests.jsonl"),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
+        repeats: int = typer.Option(1, "--repeats", help="Run each level N times with the same prompts; prints the "
+                                    "median and the min–max spread", min=1),
     ) -> None:
         from pathlib import Path
 
-        from kvbench.harness.loadgen import LoadConfig, discover_model, format_block, run_load, server_root, write_outputs
+        from kvbench.harness.loadgen import LoadConfig, discover_model, format_block, server_root, write_outputs
+        from kvbench.harness.loadgen_repeats import run_repeats, spread_lines
 
         levels = _levels(max_concurrency)
         try:
@@ -85,11 +89,13 @@ def register(app: typer.Typer) -> None:
         summaries = []
         for cfg in configs:
             try:
-                summary, records = run_load(base_url, model, cfg)
+                summary, records = run_repeats(base_url, model, cfg, repeats)
             except (RuntimeError, ValueError) as e:
                 typer.echo(f"kvbench load: error: load test failed: {e}", err=True)  # a run failure: exit 1
                 raise typer.Exit(1) from None
             typer.echo(format_block(summary))
+            for line in spread_lines(summary):
+                typer.echo(line)
             if out:
                 write_outputs(str(Path(out) / f"c{cfg.max_concurrency or 'inf'}"), summary, records)
             summaries.append(summary)
