@@ -14,10 +14,11 @@ import typer
 from kvbench.core.plugins import PluginError, load_plugins
 from kvbench.harness import __version__
 from kvbench.harness.cli_errors import KvbenchGroup, report_error
+from kvbench.harness.term import Typer
 
 COMMANDS = ("serve", "eval", "load", "sweep", "report", "compare", "gate", "bench", "capacity", "formats", "diagnose")
 
-app = typer.Typer(
+app = Typer(  # commands and groups with kvbench's help layout (harness/term.py)
     name="kvbench",
     help="What does fp8 or nvfp4 KV cost in accuracy, and what does it buy in speed and capacity?",
     no_args_is_help=True,

@@ -30,6 +30,7 @@ from typer.core import TyperGroup
 from typer.exceptions import Abort
 
 from kvbench.harness.errors import UserError
+from kvbench.harness.term import HelpLayout
 
 PROG = "kvbench"
 USAGE_EXIT = 2
@@ -149,9 +150,9 @@ def warning_display():
         _SEEN_TEXTS.clear()
 
 
-class KvbenchGroup(TyperGroup):
+class KvbenchGroup(HelpLayout, TyperGroup):
     """The root ``kvbench`` group: runs the command without click's standalone handling and reports errors
-    as :func:`report_error` lines (see the module docstring)."""
+    as :func:`report_error` lines (see the module docstring); its help has kvbench's layout (harness/term.py)."""
 
     def main(self, args: Optional[Sequence[str]] = None, prog_name: Optional[str] = None,
              complete_var: Optional[str] = None, standalone_mode: bool = True, **extra: Any) -> Any:

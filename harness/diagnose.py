@@ -344,10 +344,11 @@ def _map_name(kv_dtype: str, skip: Optional[str], fmts: Sequence[str]) -> str:
 
 def _capacity_basis(cfg: EngineConfig, loaded, settings: DiagnoseSettings) -> tuple[float, int]:
     """(KV budget in bytes, context per sequence) of the capacity rows: the settings', else the engine's."""
+    from kvbench.runtime.config import context_length
     from kvbench.runtime.models.engine_setup import engine_device, kv_budget_bytes
 
     m = loaded.config
-    ctx = settings.context_len or min(cfg.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
+    ctx = settings.context_len or context_length(cfg.max_model_len, m.max_position_embeddings)  # refuses, never cuts
     budget = settings.budget_bytes
     if budget is None:
         budget = kv_budget_bytes(cfg, engine_device(cfg), loaded)

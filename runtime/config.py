@@ -222,3 +222,26 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**d)
+
+
+# ------------------------------------------------------------------------------ context length
+def context_length(requested: Optional[int], model_max: int, model: str = "the model") -> int:
+    """The engine's context length: ``max_model_len`` when given, else the model's own (its
+    ``max_position_embeddings``).  A request above the model's own is refused, never cut down."""
+    if requested is None:
+        return int(model_max)
+    if requested > model_max:
+        raise ConfigError(
+            f"--max-model-len (max_model_len) {requested} is above the longest context {model} supports: "
+            f"{model_max} tokens (max_position_embeddings in its config); give at most {model_max}", "max_model_len")
+    return int(requested)
+
+
+def context_in_cache(max_len: int, cache_tokens: int, requested: Optional[int]) -> tuple[int, Optional[str]]:
+    """(context length, a note or None): ``max_len`` cut to what the KV cache holds, with a note saying so
+    (the engine logs it as a warning; the cut is never silent)."""
+    if cache_tokens >= max_len:
+        return max_len, None
+    asked = f"--max-model-len {requested}" if requested is not None else f"the model's context of {max_len} tokens"
+    return cache_tokens, (f"the KV cache holds {cache_tokens} tokens, fewer than {asked}: the context is "
+                          f"{cache_tokens} tokens; raise --kv-budget-gb / --mem-fraction for a longer one")

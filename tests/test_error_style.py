@@ -129,7 +129,7 @@ def test_github_actions_annotation(tmp_path):
     r = CliRunner().invoke(app, ["capacity", "--context", "0"], env={"GITHUB_ACTIONS": "false"})
     check_one_error_line(r, "kvbench capacity")
     assert "::error" not in r.stdout
-    # the gate writes its own annotation (always): not a second one
+    # under GitHub Actions the gate writes its own annotation: not a second one
     r = CliRunner().invoke(app, ["gate", str(tmp_path / "nope")], env=env)
     check_one_error_line(r, "kvbench gate")
     assert [ln for ln in r.stdout.splitlines() if ln.startswith("::error")] == [

@@ -8,7 +8,9 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    bench = typer.Typer(help="Benchmarks on a CUDA device: kernels (paged decode / prefill / append, MLA), mla (the MLA latent-cache kernels).", no_args_is_help=True)
+    from kvbench.harness.term import Typer
+
+    bench = Typer(help="Benchmarks on a CUDA device: kernels (paged decode / prefill / append, MLA), mla (the MLA latent-cache kernels).", no_args_is_help=True)
     app.add_typer(bench, name="bench")
 
     @bench.command("kernels")

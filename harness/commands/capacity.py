@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 
+from kvbench.core.formats import AUTO_FORMAT, ENGINE_ALIASES, names_text
 from kvbench.harness.errors import UserError
 
 
@@ -123,7 +124,7 @@ def capacity_rows(model_shape: str, kv_budget_gb: float, context: int, page_size
     """One row per KV format: bytes per token, pages, tokens and max concurrency in ``kv_budget_gb`` GiB
     (per GPU when ``tp`` > 1: the rows' ``tp`` / ``kv_heads_per_gpu`` / ``split`` say how).  With
     ``skip_layers`` / ``layer_dtypes`` one mixed row (main format ``kv_dtype``) follows that format's row."""
-    from kvbench.core.formats import format_names
+    from kvbench.core.formats import canonical_format, format_names
     from kvbench.runtime.kv_cache import plan_capacity
 
     # the flags' own names in the messages; plan_capacity checks the same for library callers
@@ -133,6 +134,7 @@ def capacity_rows(model_shape: str, kv_budget_gb: float, context: int, page_size
         raise ValueError(f"--context must be > 0, got {context}")
     if page_size <= 0 or page_size & (page_size - 1):
         raise ValueError(f"--page-size must be a positive power of two (as the engine requires), got {page_size}")
+    kv_dtype = _canonical("--kv-dtype", canonical_format, kv_dtype)  # checked with or without a mixed row
     shape, whole, note = resolve_shape(model_shape, model_config, tp)
     extra = {"model": whole.name, "tp": tp, "kv_heads_per_gpu": 1 if shape.mla_latent_dim else shape.num_kv_heads,
              "split": note}
@@ -161,7 +163,7 @@ def register(app: typer.Typer) -> None:
         model_config: Optional[str] = typer.Option(None, "--model-config", help="A model's config.json, or its directory: the shape to plan for (instead of --model-shape)."),
         tp: int = typer.Option(1, "--tp", "--tensor-parallel-size", help="GPUs the kv heads are split over; the numbers are per GPU with --kv-budget-gb per GPU (fewer kv heads than GPUs: replicated, one per GPU; MLA latents: whole on each GPU)."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-        kv_dtype: str = typer.Option("fp8_e4m3", "--kv-dtype", "--kv-cache-dtype", help="Main format of the mixed row (with --kv-dtype-skip-layers / --kv-layer-dtypes)."),
+        kv_dtype: str = typer.Option("fp8_e4m3", "--kv-dtype", "--kv-cache-dtype", help=f"Main format of the mixed row (with --kv-dtype-skip-layers / --kv-layer-dtypes): {names_text()}, or an engine spelling ({', '.join((AUTO_FORMAT, *ENGINE_ALIASES))})."),
         skip_layers: Optional[str] = typer.Option(None, "--kv-dtype-skip-layers", "--kv-cache-dtype-skip-layers", metavar="LAYERS", help="Add a mixed row: these layers in bf16, the rest in --kv-dtype (0,1,31 / 0-3 / sliding_window; one argument)."),
         layer_dtypes: Optional[str] = typer.Option(None, "--kv-layer-dtypes", metavar="LAYERS:FORMAT;...", help="Add a mixed row: other formats per layer group, the rest in --kv-dtype (e.g. '0-3:nvfp4;31:bf16')."),
     ) -> None:

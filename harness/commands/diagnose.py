@@ -43,6 +43,7 @@ def register(app: typer.Typer) -> None:
         """Per-layer and per-head KV error (K and V), each layer's KL contribution, and a checked skip-layer suggestion."""
         from kvbench.core.io import atomic_write_json, atomic_write_text
         from kvbench.harness.diagnose import DiagnoseSettings, check_diagnosable, diagnosis_texts, load_for, run_diagnosis
+        from kvbench.runtime.config import context_length
 
         out_dir = Path(out)
         if (out_dir / "diagnostics.json").exists() and not overwrite:
@@ -63,7 +64,7 @@ def register(app: typer.Typer) -> None:
         say = lambda s: print(f"diagnose: {s}", file=sys.stderr, flush=True)  # noqa: E731
         loaded = load_for(engine)
         m = loaded.config
-        max_len = min(engine.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
+        max_len = context_length(engine.max_model_len, m.max_position_embeddings, loaded.model_id)  # refuses a longer one
         counter = SimpleNamespace(engine=SimpleNamespace(tokenizer=loaded.tokenizer))  # token counts for long texts
         try:
             texts, label = diagnosis_texts(loaded.tokenizer, counter, limit, data_dir, text_tokens, haystack_file, max_len)

@@ -12,8 +12,10 @@ both written atomically.  Request flags (--reasoning-effort, --top-p, --top-k, -
 ``--out`` and ``--data-dir`` are checked before the model loads; a directory that already holds results is
 refused unless ``--overwrite`` is given, and a run that fails before producing any record writes nothing
 (earlier results stay as they were).  The fidelity reference is the same engine
-configuration with bf16 KV, unit scales and torch backends; its top-k figures are cached per (model,
-reference, texts) in ``--fidelity-cache`` (default ``$KVBENCH_CACHE/fidelity``, ``~/.cache/kvbench/fidelity``).
+configuration with bf16 KV, unit scales and torch backends (with ``--endpoint`` too: the reference is the
+embedded engine); its top-k figures are cached per (model identity, logits-relevant settings, texts) in
+``--fidelity-cache`` (default ``$KVBENCH_CACHE/fidelity``, ``~/.cache/kvbench/fidelity``), capped by
+``KVBENCH_FIDELITY_CACHE_MAX_MB`` (suites/fidelity_cache.py; harness/fidelity_key.py says what the key holds).
 """
 
 from __future__ import annotations
@@ -338,12 +340,18 @@ def register(app: typer.Typer) -> None:
         def make_reference():
             if not endpoint and ref_cfg == engine:
                 return _Borrowed(client)
-            from kvbench.harness.engine_client import EngineClient
+            from kvbench.harness.engine_client import sharing_client
 
-            return EngineClient(ref_cfg)
+            return sharing_client(ref_cfg, None if endpoint else client)  # the candidate's weights, not a second copy
+
+        def reference_key() -> dict:  # the cache key's view of the reference: model identity + logits settings
+            from kvbench.harness.fidelity_key import embedded_reference_key
+
+            return embedded_reference_key(ref_cfg).to_dict()
 
         ctx = RunContext(
-            fidelity=FidelityContext(label, make_reference, _cache_dir(fidelity_cache), fidelity_exact, fidelity_top_k, greedy_tokens),
+            fidelity=FidelityContext(label, make_reference, _cache_dir(fidelity_cache), fidelity_exact, fidelity_top_k, greedy_tokens,
+                                     key=reference_key),
             lm_eval_include=lm_eval_include,
         )
         records: list[dict] = []

@@ -13,7 +13,7 @@ from kvbench.core.formats import get_spec
 from kvbench.runtime.attention.base import BackendOptions, build_rope_cache
 from kvbench.runtime.attention.registry import check_supported, create_backend
 from kvbench.core.layer_formats import layer_dtypes_summary, resolve_layer_dtypes
-from kvbench.runtime.config import ConfigError, EngineConfig, KVCacheSpec
+from kvbench.runtime.config import ConfigError, EngineConfig, KVCacheSpec, context_in_cache, context_length
 from kvbench.runtime.engine_api import CapacityReport
 from kvbench.runtime.kv_cache import PagedKVCache, bytes_per_token, plan_capacity
 from kvbench.runtime.models.loader import LoadedModel, load_model, model_is_mla
@@ -174,7 +174,7 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
     layer_dtypes = _layer_dtypes(cfg, m)
     for f in dict.fromkeys(layer_dtypes or ()):  # every format of a mixed cache runs on both backends
         check_supported(cfg.prefill_backend, cfg.decode_backend, f, mla)
-    max_len = min(cfg.max_model_len or m.max_position_embeddings, m.max_position_embeddings)
+    max_len = context_length(cfg.max_model_len, m.max_position_embeddings, loaded.model_id)
     rope = build_rope_cache(m.rope_dim, max(max_len, 1), m.rope_theta, m.rope_scaling, m.rope_style, device)
     spec: KVCacheSpec = m.kv_spec(cfg.kv_dtype, cfg.page_size, cfg.kv_layout)
     if layer_dtypes is not None:
@@ -185,7 +185,9 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
     plan = plan_capacity(spec, budget, max(max_len, 1))
     if plan.num_pages < 1:
         raise ValueError(f"KV budget {budget / 2**30:.3f} GiB holds no page of {cfg.page_size} tokens ({bytes_per_token(spec):.0f} B/token)")
-    max_len = min(max_len, plan.tokens)
+    max_len, note = context_in_cache(max_len, plan.tokens, cfg.max_model_len)
+    if note:
+        log.warning(note)
     plan = plan_capacity(spec, plan.num_pages * cfg.page_size * plan.bytes_per_token, max_len)
     cache = PagedKVCache(spec, plan.num_pages, device=device)
     # MLA: one latent plane whose k_scale serves as K and V scale
