@@ -17,7 +17,10 @@ context, or a haystack file too short are errors before any request is sent.
 
 Prompt styles: ``completion`` = header + context + question + answer prefix (RULER's form); ``chat`` = one
 user turn with header + context + question, no answer prefix.  Generation is greedy with the task's budget
-(niah 128, vt 30, cwe 120, fwe 50 tokens; ``--max-tokens`` overrides) and stops at the end of the turn.
+(niah 128, vt 30, cwe 120, fwe 50 tokens, raised to the complete answer + 8 where that is longer: chat vt;
+``--max-tokens`` overrides) and stops at the end of the turn.  A ``--max-tokens`` that cannot hold a task's
+complete answer in the target's tokenizer (the values, and in chat the answer sentence around them) is refused
+before any request; each record carries ``answer_tokens``, that answer's length.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from kvbench.suites.ruler_tasks import (AUTO_HAYSTACK, MAX_TOKENS, Instance, mak
 
 log = logging.getLogger(__name__)
 NAME = "ruler"
+ANSWER_ROOM = 8  # tokens beyond a complete answer in a task's own budget: the model's wording, the end of turn
 
 
 def tolerance(length: int) -> int:
@@ -68,6 +72,7 @@ class RulerTask(GenerationTask):
         self._hay: dict[str, tuple[Haystack, TokenIndex]] = {}
         self._lock = threading.Lock()
         self._max_tokens: Optional[int] = None
+        self._budgets: dict[str, int] = {}  # per-task budgets without --max-tokens (fit_budgets)
 
     # ------------------------------------------------------------------------------ haystacks
     def haystack_kind(self, task: str) -> str:
@@ -131,13 +136,56 @@ class RulerTask(GenerationTask):
             raise SuiteError(f"ruler: task {inst.task} at length {length}: {e}") from None
         return n, tokens, self.request(inst, n, params)
 
-    # ------------------------------------------------------------------------------ GenerationTask
+    # ------------------------------------------------------------------------------ answer budgets
     def budget(self, task: str) -> int:
-        return self._max_tokens if self._max_tokens is not None else MAX_TOKENS[task]
+        """max_tokens when given, else the task's own budget, raised to hold its complete answer (``fit_budgets``)."""
+        if self._max_tokens is not None:
+            return self._max_tokens
+        return self._budgets.get(task, MAX_TOKENS[task])
+
+    def fit_budgets(self, seed: int) -> None:
+        """Each task's budget without --max-tokens: RULER's (niah 128, vt 30, ...), or the complete answer plus
+        ``ANSWER_ROOM`` tokens where that is longer (a chat model restating vt's sentence needs ~55 tokens)."""
+        self._budgets = {}
+        for task in self.p.tasks:
+            depth = self.p.depths[0] if task in DEPTH_TASKS else None
+            inst = self.instance(task, self.p.context_lengths[0], depth, item_seed(seed, NAME, f"{task}-budget", 0))
+            self._budgets[task] = max(MAX_TOKENS[task], self.answer_tokens(inst) + ANSWER_ROOM)
+
+    def answer_tokens(self, inst: Instance) -> int:
+        """Tokens of the shortest complete answer, in the target's tokenizer: the values after the prompt's answer
+        prefix (completion prompts end with it), or in chat the answer sentence with its values (chat models
+        restate the question's phrase before the values)."""
+        values = ", ".join(inst.answers)
+        if self.style == "chat":
+            phrase = inst.answer_prefix.strip().removeprefix("Answer:").strip()
+            return len(self.tok.encode(f"{phrase} {values}."))
+        return len(self.tok.encode(f" {values}"))
+
+    def check_budget(self, inst: Instance, length: int) -> None:
+        """Refuse a generation budget that cannot hold the task's answers (every answer would be cut off)."""
+        need, have = self.answer_tokens(inst), self.budget(inst.task)
+        if need > have:
+            raise SuiteInputError(
+                f"ruler: max_tokens {have} cannot hold a complete answer of task {inst.task} at length {length}: "
+                f"{need} tokens with this tokenizer ({self.style} prompts, {len(inst.answers)} value(s)); raise "
+                f"max_tokens to at least {need} (with room for the model's own wording), or leave it unset for the "
+                f"task's budget, which holds it")
+
+    def _longer_context(self, need: int) -> str:
+        """How the target gets a context of ``need`` tokens: a bigger KV cache when the cache is what cut its
+        context, else a longer --max-model-len (the embedded engine refuses one above the model's own)."""
+        if self.kv_tokens and self.kv_tokens <= self.max_model_len:
+            return f"a KV cache of at least {need} tokens (it holds {self.kv_tokens}; raise --kv-budget-gb / --mem-fraction)"
+        return (f"--max-model-len {need} or more where the model supports it (the embedded engine refuses more than "
+                f"the model's max_position_embeddings)")
+
+    # ------------------------------------------------------------------------------ GenerationTask
 
     def load_items(self, opts: SuiteOptions) -> tuple[list[Item], str]:
         self._max_tokens = opts.max_tokens
         limit = opts.limit if opts.limit is not None else DEFAULT_LIMIT
+        self.fit_budgets(opts.seed)
         if self.max_model_len:
             for length in self.p.context_lengths:
                 for task in self.p.tasks:
@@ -145,7 +193,7 @@ class RulerTask(GenerationTask):
                         raise SuiteInputError(
                             f"ruler: context length {length} + {self.budget(task)} generated tokens ({task}) exceeds the "
                             f"target's context of {self.max_model_len} tokens; use lengths up to "
-                            f"{self.max_model_len - self.budget(task)} or raise --max-model-len")
+                            f"{self.max_model_len - self.budget(task)}, or {self._longer_context(length + self.budget(task))}")
         else:
             log.warning("ruler: the target reports no max_model_len; lengths are not checked against its context")
         if self.kv_tokens:
@@ -164,7 +212,9 @@ class RulerTask(GenerationTask):
                         items.append(Item(iid, "", {"task": task, "length": length, "depth": depth}))
                 # fit one instance per (task, length) now: bad lengths and short files fail before any request
                 first = items[first]
-                self.fit(self.instance(task, length, first.data["depth"], item_seed(opts.seed, NAME, first.item_id, 0)), length)
+                inst = self.instance(task, length, first.data["depth"], item_seed(opts.seed, NAME, first.item_id, 0))
+                self.fit(inst, length)
+                self.check_budget(inst, length)
         hay = self.p.haystack_file or self.p.haystack
         return items, f"synthetic (ruler tasks {','.join(self.p.tasks)}; haystack {hay}; tokenizer {self.tok.name})"
 
@@ -172,13 +222,17 @@ class RulerTask(GenerationTask):
         d = item.data
         inst = self.instance(d["task"], d["length"], d["depth"], seed)
         n, tokens, req = self.fit(inst, d["length"])
-        data = {**d, "answers": inst.answers, "context_tokens": tokens, "fill": n, "request": req}
+        need = self.answer_tokens(inst)
+        if need > self.budget(d["task"]):
+            log.warning("ruler: %s needs %d answer tokens, above max_tokens %d: its answer will be cut off",
+                        item.item_id, need, self.budget(d["task"]))
+        data = {**d, "answers": inst.answers, "context_tokens": tokens, "fill": n, "request": req, "answer_tokens": need}
         return Item(item.item_id, ", ".join(inst.answers), data)
 
     def build(self, item: Item, repeat: int, params: SamplingParams) -> GenRequest:
         req: GenRequest = item.data["request"]
         if self._max_tokens is None:
-            params = replace(params, max_tokens=MAX_TOKENS[item.data["task"]])
+            params = replace(params, max_tokens=self.budget(item.data["task"]))
         return replace(req, params=params)
 
     def score(self, item: Item, output: str) -> Scored:
@@ -189,10 +243,11 @@ class RulerTask(GenerationTask):
     def record_fields(self, item: Item) -> dict:
         d = item.data
         return {"task": d["task"], "context_length": d["length"], "context_tokens": d.get("context_tokens"),
-                "depth": d["depth"], "answers": list(d.get("answers") or [])}
+                "depth": d["depth"], "answers": list(d.get("answers") or []), "answer_tokens": d.get("answer_tokens")}
 
     def describe_params(self, opts: SuiteOptions) -> str:
-        budget = f"max{opts.max_tokens}" if opts.max_tokens is not None else "max-niah128-vt30-cwe120-fwe50"
+        budget = (f"max{opts.max_tokens}" if opts.max_tokens is not None else
+                  "max-" + "-".join(f"{t}{self.budget(t)}" for t in self.p.tasks))
         t = self.params(opts, 0).temperature
         return f"{'greedy' if t == 0 else f't{t:g}'}:{budget}"
 

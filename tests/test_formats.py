@@ -246,3 +246,18 @@ def test_scale_from_amax():
     assert math.isclose(scale_from_amax("nvfp4", torch.tensor(6 * 448.0 * 0.5)).item(), 0.5)
     assert scale_from_amax("bf16", torch.tensor(5.0)).item() == 1.0
     assert scale_from_amax("fp8_e4m3", torch.tensor(0.0)).item() == 1.0  # nothing observed
+
+
+def test_nvfp4_host_table_equals_the_arithmetic_decode():
+    """The CPU path reads packed bytes through a 256-entry table; it must give dequantize_e2m1's values for
+    every byte (both nibbles, signs, zero and ±6), and the whole nvfp4 dequant must not change."""
+    from kvbench.kernels.formats import _e2m1_values, dequantize_e2m1, unpack_nibbles
+
+    every = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    assert torch.equal(_e2m1_values(every), dequantize_e2m1(unpack_nibbles(every)))
+    fmt = get_format("nvfp4")
+    x = torch.randn(9, 3, 64) * 4
+    q = fmt.quantize(x, torch.tensor(0.02))
+    arithmetic = dequantize_e2m1(unpack_nibbles(q.data)).reshape(9, 3, 4, 16)
+    want = (arithmetic * q.block_scale.float().unsqueeze(-1) * torch.tensor(0.02)).reshape(9, 3, 64)
+    assert torch.equal(fmt.dequantize(q, torch.tensor(0.02)), want)

@@ -354,7 +354,9 @@ def test_query_scale_changes_quantized_attention(tmp_path):
                 lps[name, mode] = e.score([1, 2, 3, 4, 5, 6], [7, 8, 9, 10]).logprobs
             finally:
                 e.shutdown()
-    assert lps["unit", "none"] == lps["tiny", "none"]
+    # unused: equal up to float32 rounding (two separately loaded models may differ in the last bit, since the
+    # CPU kernels' vector paths depend on where the weights sit in memory), far below the saturated difference
+    assert max(abs(x - y) for x, y in zip(lps["unit", "none"], lps["tiny", "none"])) < 1e-5
     assert max(abs(x - y) for x, y in zip(lps["unit", "both"], lps["tiny", "both"])) > 1e-3
 
 

@@ -136,11 +136,21 @@ def test_generation_budget_per_task():
         task = "vt" if "VAR" in (req.prompt or "") else "niah"
         budgets.setdefault(task, set()).add(req.params.max_tokens)
         assert req.params.temperature == 0.0
-    assert budgets == {"niah": {128}, "vt": {30}}
+    # RULER's budgets (niah 128, vt 30), raised to the complete answer + 8 where that is longer
+    assert budgets["niah"] == {128} and len(budgets["vt"]) == 1 and min(budgets["vt"]) >= 30
+    res = run(ScriptedClient())
+    assert all(r["answer_tokens"] <= 128 if r["task"] != "vt" else r["answer_tokens"] + 8 <= min(budgets["vt"])
+               for r in res.records)
     client = ScriptedClient()
-    res = run_suite("ruler", client, SuiteOptions(limit=1, progress=False, max_tokens=7,
+    res = run_suite("ruler", client, SuiteOptions(limit=1, progress=False, max_tokens=64,
                                                   extra={"context_lengths": [512], "tasks": ["vt"]}))
-    assert {r.params.max_tokens for r in client.requests} == {7} and "max7" in res.records[0]["protocol"]
+    assert {r.params.max_tokens for r in client.requests} == {64} and "max64" in res.records[0]["protocol"]
+    # a budget that cannot hold the answer is refused before any request
+    client = ScriptedClient()
+    with pytest.raises(SuiteError, match="max_tokens 7 cannot hold a complete answer of task vt"):
+        run_suite("ruler", client, SuiteOptions(limit=1, progress=False, max_tokens=7,
+                                                extra={"context_lengths": [512], "tasks": ["vt"]}))
+    assert not client.requests
 
 
 def test_scores_follow_the_output():
