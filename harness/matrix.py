@@ -36,7 +36,8 @@ class Cell:
         """Cells with the same group share one engine / server launch."""
         c = self.config
         return (c["model"], c["target"], c["prefill_backend"], c["decode_backend"], c["kv_dtype"], c["kv_scales"],
-                tuple(sorted(c.get("options", {}).items())), c.get("scales_file"), c.get("extra_args"))
+                tuple(sorted(c.get("options", {}).items())), c.get("scales_file"), c.get("extra_args"),
+                bool(c.get("aa_control")))  # an A/A control never shares its original's engine
 
     @property
     def concurrency(self) -> int:
@@ -125,22 +126,37 @@ def aa_concurrency(sweep: SweepConfig) -> int:
 
 
 def _aa_control_cells(sweep: SweepConfig, cells: list[Cell]) -> list[Cell]:
-    """The baseline's accuracy cell once more, with ``aa_control: true`` in its config (so its own key).
+    """The A/A controls: the baseline's accuracy cell once more (and, with ``aa_control: all`` or a list of
+    selectors, those accuracy cells too), each with ``aa_control: true`` in its config (so its own key).
 
-    It runs last, in a fresh engine, at a different concurrency (``aa_concurrency``), so the paired
-    comparison baseline vs control measures the stack's nondeterminism (batching, scheduling, float
-    reductions) — the floor under any delta (reports/discriminative.py)."""
+    They run last, each in a fresh engine, at a different concurrency (``aa_concurrency``), so the paired
+    comparison of a cell with its control measures the stack's nondeterminism for that configuration
+    (batching, scheduling, float reductions; a quantized cache can turn a last-bit difference into a
+    different token) — the floor under any delta (reports/discriminative.py)."""
     acc = [c for c in cells if c.run_accuracy]
     if not acc or not sweep.suites:
         return []
     base = [c for c in acc if matches(c.config, sweep.baseline)] if sweep.baseline else acc
     if not base:
         raise SweepConfigError(f"aa_control: no accuracy cell matches the baseline {sweep.baseline}")
-    b = base[0]
+    chosen = [base[0]] + [c for c in acc if c is not base[0] and _wants_control(sweep.aa_control, c)]
     conc = aa_concurrency(sweep)
-    cfg = {**b.config, "aa_control": True, "concurrency": conc}
-    label = b.label.replace(f"c={b.config['concurrency']}", f"c={conc}") + " A/A"
-    return [Cell(key=canonical_key(cfg), label=label, config=cfg, index=len(cells), run_accuracy=True, run_load=False)]
+    out = []
+    for b in chosen:
+        cfg = {**b.config, "aa_control": True, "concurrency": conc}
+        label = b.label.replace(f"c={b.config['concurrency']}", f"c={conc}") + " A/A"
+        out.append(Cell(key=canonical_key(cfg), label=label, config=cfg, index=len(cells) + len(out), run_accuracy=True,
+                        run_load=False))
+    return out
+
+
+def _wants_control(aa, cell: Cell) -> bool:
+    """Whether ``aa_control`` (True: the baseline only; "all"; or a list of selectors) asks for ``cell``."""
+    if aa == "all":
+        return True
+    if isinstance(aa, list):
+        return any(matches(cell.config, parse_selector(s)) for s in aa)
+    return False
 
 
 def select(cells: list[Cell], selector: Optional[str]) -> list[Cell]:

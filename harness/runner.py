@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from kvbench.core.memory import release_memory, rss_bytes
 from kvbench.harness.cell_work import CellWork, DefaultWork, FidelityRef  # noqa: F401 - re-exported
 from kvbench.harness.fidelity_refs import _BorrowedClient, FidelityGuardedWork, FidelityRefs  # noqa: F401 - re-exported
 from kvbench.harness.matrix import Cell, engine_options, expand, groups, select
@@ -39,6 +40,7 @@ from kvbench.harness.store import STATUS_DONE, STATUS_FAILED, RunStore, atomic_w
 from kvbench.harness.sweep_config import SweepConfig, SweepConfigError
 from kvbench.harness.sweep_display import SweepDisplay as _Display
 from kvbench.harness.targets import TargetSession, open_target, reap_stale
+from kvbench.reports.load import PRIMARY_SCORES
 
 log = logging.getLogger(__name__)
 
@@ -156,12 +158,21 @@ def _run_groups(sweep, store, plans: list[GroupPlan], work, refs, opener, displa
             with lock:
                 outcome.done.extend(mine.done)
                 outcome.failed.extend(mine.failed)
+            _release_group_memory(plan)
 
     sched.run(plans, run_one)
     if parallel > 1:
         pos = {c.key: i for i, c in enumerate(outcome.selected)}
         outcome.done.sort(key=lambda k: pos.get(k, -1))
         outcome.failed.sort(key=lambda k: pos.get(k, -1))
+
+
+def _release_group_memory(plan: GroupPlan) -> None:
+    """After a cell group (its target closed, its frame gone): free what it left, so a sweep's peak is its
+    largest group's, not the sum (core/memory.py: callable caches that pin an in-process server's engine,
+    garbage cycles, the C allocator's free pages)."""
+    freed = release_memory()
+    log.debug("cell group of %s: released %.2f GB; RSS now %.2f GB", plan.cells[0].label, freed / 1e9, rss_bytes() / 1e9)
 
 
 def _cell_devices(store: RunStore, cells: list[Cell]) -> dict[str, Optional[list[int]]]:
@@ -323,7 +334,10 @@ def _brief(summary: dict) -> str:
     for name, s in summary["suites"].items():
         errors = int(s.get("errors") or 0)
         tail = f" ({errors} error{'s' if errors != 1 else ''})" if errors else ""  # failed requests, apart from accuracy
-        if "accuracy" in s:
+        primary = PRIMARY_SCORES.get(name)  # the figure the report and the gate use (ruler: scores.ruler)
+        if primary and isinstance(s.get(primary), (int, float)):
+            parts.append(f"{name} {s[primary]:.3f}{tail}")
+        elif "accuracy" in s:
             parts.append(f"{name} {s['accuracy']:.3f}{tail}")
         elif errors and not s.get("answered"):
             parts.append(f"{name} —{tail}")

@@ -20,7 +20,7 @@ from kvbench.harness.config_checks import (SweepConfigError, _bool, _check_keys,
                                            _mapping, _num, _str)
 from kvbench.harness.launch_options import parse_target_options, sniff_engine_kind
 from kvbench.harness.request_options import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S
-from kvbench.harness.store import OPTION_KEYS
+from kvbench.harness.store import OPTION_KEYS, parse_selector
 from kvbench.harness.sweep_axes import (BackendPair, check_targets, entries, kv_ident, parse_backend_entry,
                                         parse_combos, parse_kv_entry)
 from kvbench.harness.sweep_specs import (CELL_KEYS, DEFAULT_MODEL, KV_ENTRY_OPTIONS, SLO_KEYS, GateSpec, KVSpec,
@@ -50,8 +50,9 @@ class SweepConfig:
     description: str = ""
     seed: int = 0
     # a second copy of the baseline's accuracy cell, in a fresh engine at ``aa_concurrency`` (different
-    # batching): the run's noise floor (reports/discriminative.py); on by default when the sweep has suites
-    aa_control: bool = True
+    # batching): the run's noise floor (reports/discriminative.py); on by default when the sweep has suites.
+    # "all" (or a list of cell selectors) reruns those accuracy cells too: each candidate's own noise floor
+    aa_control: Any = True
     aa_concurrency: Optional[int] = None  # None: half the accuracy concurrency (2 when that is 1)
     source: Optional[str] = None  # the file it came from (not part of to_dict)
     combos: Optional[list] = None  # axes.combos: [(BackendPair, KVSpec)] run instead of backends x kv
@@ -113,6 +114,22 @@ def _engine_keys() -> tuple[str, ...]:
     from kvbench.runtime.config import EngineConfig
 
     return tuple(f.name for f in fields(EngineConfig) if f.name not in _AXIS_ENGINE_KEYS)
+
+
+def _aa_control(v: Any) -> Any:
+    """``aa_control``: true / false (the baseline's control), "all" (every accuracy cell's), or a list of cell
+    selectors ("kv_dtype=nvfp4") whose accuracy cells get a control besides the baseline's."""
+    if v == "all" or isinstance(v, bool):
+        return v
+    if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+        for i, sel in enumerate(v):
+            try:
+                parse_selector(sel)
+            except ValueError as e:
+                raise SweepConfigError(f"aa_control[{i}]: {e}") from None
+        return list(v)
+    raise SweepConfigError(f"aa_control: expected true, false, \"all\" or a list of cell selectors such as "
+                           f"[\"kv_dtype=nvfp4\"], got {v!r}")
 
 
 def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
@@ -185,7 +202,7 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
         data_dir=data_dir,
         description=str(raw.get("description", "")),
         seed=_int(raw.get("seed", 0), "seed"),
-        aa_control=_bool(raw.get("aa_control", bool(suites)), "aa_control"),
+        aa_control=_aa_control(raw.get("aa_control", bool(suites))),
         aa_concurrency=None if raw.get("aa_concurrency") is None else _int(raw["aa_concurrency"], "aa_concurrency", 1),
         source=source,
         combos=combos,

@@ -191,7 +191,8 @@ def _ruler_params(params: dict, path: str) -> None:
 class LoadSpec:
     """The load test of every cell (concurrency comes from the cell).  ``num_prompts`` per cell is
     ``max(num_prompts, prompts_per_concurrency * concurrency)``; ``seed`` is varied per cell so cells never
-    reuse each other's prompts (no cross-cell prefix-cache hits)."""
+    reuse each other's prompts (no cross-cell prefix-cache hits).  ``repeats``: how many times each cell's load
+    test runs (same prompts; the report shows the spread across repeats; 1 = no spread measured)."""
 
     enabled: bool = True
     num_prompts: int = 16
@@ -209,6 +210,7 @@ class LoadSpec:
     seed: int = 0
     timeout_s: float = 600.0  # per request
     metrics_interval_s: float = 0.5  # server /metrics sampling period; 0 = off
+    repeats: int = 1  # load tests per cell (harness/loadgen_repeats.py)
 
 
 _LOAD_KEYS = tuple(LoadSpec.__dataclass_fields__)
@@ -221,7 +223,8 @@ def _load(d: Any, path: str) -> LoadSpec:
     for k in ("enabled", "ignore_eos"):
         if k in d:
             setattr(s, k, _bool(d[k], f"{path}.{k}"))
-    for k, lo in (("num_prompts", 1), ("prompts_per_concurrency", 0), ("input_len", 1), ("output_len", 1), ("warmup", 0), ("seed", 0)):
+    for k, lo in (("num_prompts", 1), ("prompts_per_concurrency", 0), ("input_len", 1), ("output_len", 1), ("warmup", 0), ("seed", 0),
+                  ("repeats", 1)):
         if k in d:
             setattr(s, k, _int(d[k], f"{path}.{k}", lo))
     if "range_ratio" in d:
@@ -261,9 +264,13 @@ class GateSpec:
     confidence: float = 0.95
     max_invalid_rate_increase: Optional[float] = None
     max_truncation_rate_increase: Optional[float] = None
-    max_kl_mean: Optional[float] = None  # fidelity: mean per-token KL vs the reference
+    # fidelity limits against the reference: a number sets one, false turns it off, None keeps the default
+    # (reports/gate_types.py; docs/verdict.md "Default limits")
+    max_kl_mean: Any = None  # mean per-token KL
     metrics: Optional[list] = None
     max_error_rate: Optional[float] = None  # failed requests per cell and gated suite (default 0.01)
+    max_ppl_ratio: Any = None  # candidate / reference perplexity
+    min_top1_agreement: Any = None  # share of positions whose top-1 token matches the reference's
 
 
 _GATE_KEYS = tuple(GateSpec.__dataclass_fields__)
@@ -287,8 +294,13 @@ def _gate(d: Any, path: str, suites: list[SuiteSpec]) -> GateSpec:
         g.confidence = _num(d["confidence"], f"{path}.confidence")
         if not 0.5 <= g.confidence < 1:
             _fail(f"{path}.confidence", f"expected a number in [0.5, 1), got {g.confidence}")
-    for k in ("max_invalid_rate_increase", "max_truncation_rate_increase", "max_kl_mean", "max_error_rate"):
+    for k in ("max_invalid_rate_increase", "max_truncation_rate_increase", "max_error_rate"):
         if d.get(k) is not None:
+            setattr(g, k, _num(d[k], f"{path}.{k}"))
+    for k in ("max_kl_mean", "max_ppl_ratio", "min_top1_agreement"):
+        if d.get(k) is False or d.get(k) == "off":
+            setattr(g, k, False)
+        elif d.get(k) is not None:
             setattr(g, k, _num(d[k], f"{path}.{k}"))
     if d.get("metrics") is not None:
         g.metrics = [_str(m, f"{path}.metrics[{i}]") for i, m in enumerate(_list(d["metrics"], f"{path}.metrics"))]

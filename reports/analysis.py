@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from kvbench.reports import stats
 from kvbench.reports.load import (FIDELITY_SUITE, CellData, accuracy_suites, error_counts, error_keys, item_scores,
-                                  paired_scores, primary_metric, suite_metrics)
+                                  original_of, paired_scores, primary_metric, suite_metrics)
 from kvbench.reports.long_context import LengthRow, RecoveryRow, length_row, length_suites, recovery_row
 from kvbench.reports.position import PositionRow, position_row
 
@@ -220,7 +220,8 @@ def analyze(
         if cell.requests:
             a.serving.append((cell, _serving(cell)))
     for cell in done:
-        base = baseline_for(cell)
+        # an A/A control is compared with the cell it reruns (the baseline's, or a candidate's own)
+        base = (original_of(done, cell) or baseline_for(cell)) if cell.aa_control else baseline_for(cell)
         if base is None or base is cell or not cell.items:
             continue
         for suite in accuracy_suites(cell):

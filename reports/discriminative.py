@@ -1,22 +1,28 @@
 """Can a metric tell formats apart here?  The status of a gate check (``classify``) and the A/A noise floor.
 
-A non-inferiority check certifies "the candidate loses at most δ".  That certificate means nothing when the
-metric could not have shown a loss, and the gate then refuses to certify (status ``not discriminative``,
-the gate's own exit reason) instead of printing a zero delta:
+A non-inferiority check certifies "the candidate loses at most δ".  That certificate means nothing when no
+candidate result could have failed it, and the gate then refuses to certify (status ``not discriminative``,
+the gate's own exit reason) instead of printing a zero delta.  That is the case only when:
 
-* **floor**: the baseline scores 0, or less than the margin δ: no candidate can drop by more than the
-  baseline has, so the check cannot fail (GSM8K at 0% on a tiny model);
-* **ceiling**: the baseline scores 100% on every item: the items are too easy for this model to show a
-  loss, and a candidate that did not fail conclusively is not certified by them (a conclusive failure at the
-  ceiling stays a failure: the metric did tell the formats apart);
-* **noise** (the run has an A/A control: the baseline's accuracy cell run again in a fresh engine under
-  different batching): the baseline differs from its own rerun by at least the margin (the stack's
-  nondeterminism is as large as what the gate tries to bound), or a candidate's conclusive drop is no larger
-  than the A/A difference (the metric moves that much by chance).  The invalid-answer and truncation rate
-  checks follow the same noise rule against their allowed increase.
+* **floor**: the baseline scores at most the margin δ (0% on GSM8K for a tiny model): no candidate can drop
+  by more than the baseline has, so the check cannot fail;
+* **ceiling, on both sides**: the baseline *and* the candidate score 100% on every item: the items are too
+  easy for this model to show a loss — unless another candidate of the same run provably lost on them
+  (``Check.loss_shown_by``), which shows they can.  A candidate that dropped from a 100% baseline did show
+  one: that is an ordinary comparison (FAIL when the interval proves the loss, else INCONCLUSIVE with a plan);
+* **noise** (the run has an A/A control: a cell run again in a fresh engine under different batching): the
+  baseline or the candidate differs from its own rerun by at least the margin (the stack's nondeterminism is
+  as large as what the gate tries to bound), or a candidate's drop past the margin is no larger than that
+  A/A difference (the metric moves that much by chance).
+
+The invalid-answer and truncation rate checks follow the same rules turned over: a rate cannot rise by more
+than ``1 − baseline rate``, so a baseline whose rate is within the allowed increase of 100% leaves the check
+unable to fail (every answer of the baseline already cut off, say), and the A/A rule applies against the
+allowed increase.
 
 Everything else is ``pass`` / ``fail`` (conclusive: the whole one-sided interval past the threshold) /
-``inconclusive`` (the interval holds the threshold: more items would decide).
+``inconclusive`` (the interval holds the threshold: more items would decide).  ``floor_cause`` says when the
+baseline's own truncation or invalid answers explain a floor, and which setting to change.
 """
 
 from __future__ import annotations
@@ -25,16 +31,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from kvbench.reports import stats
-from kvbench.reports.load import CellData, RunData, error_keys, item_scores
+from kvbench.reports.load import CellData, RunData, error_keys, is_error, item_scores, same_but_batching
 from kvbench.reports.long_context import length_suites, paired_auc, parse_length_metric, scores_by_length
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvbench.reports.gate import Check, GateThresholds
 
 __all__ = ["Noise", "aa_cell_for", "noise_for", "classify", "scores", "errored", "at_floor", "at_ceiling",
-           "delta_blind"]
+           "rate_cannot_rise", "floor_cause", "delta_blind"]
 
+RATE_KINDS = ("invalid rate", "truncation rate")
+LOWER_LIMIT_KINDS = ("top-1 agreement",)  # fidelity checks with a minimum; the others have a maximum
 _CEILING = 1.0 - 1e-12
+_EPS = 1e-12
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class Noise:
     ci: tuple[float, float]  # two-sided interval of that difference
     n: int  # (item, repeat) pairs
     agreement: Optional[float] = None  # share of pairs with the same score
+    subject: str = "the baseline"  # whose rerun: "the baseline", "the candidate"
 
 
 def scores(cell: CellData, suite: str, metric: str, drop: frozenset = frozenset()) -> dict:
@@ -63,16 +73,11 @@ def errored(base: CellData, cand: CellData, suite: str) -> frozenset:
     return frozenset(error_keys(base, suite) | error_keys(cand, suite))
 
 
-def _same_config(a: dict, b: dict) -> bool:
-    skip = ("aa_control", "concurrency")
-    return {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
-
-
 def aa_cell_for(run: RunData, base: CellData) -> Optional[CellData]:
-    """The A/A control of ``base``: a done cell with items, ``aa_control`` set, and the baseline's config
-    otherwise (its concurrency may differ: the control runs under different batching)."""
+    """The A/A control of ``base`` (the baseline or a candidate): a done cell with items, ``aa_control`` set,
+    and ``base``'s config otherwise (its concurrency may differ: the control runs under different batching)."""
     for c in run.done_cells:
-        if c.aa_control and c.items and c is not base and c.run == base.run and _same_config(c.config, base.config):
+        if c.aa_control and c.items and c is not base and c.run == base.run and same_but_batching(c.config, base.config):
             return c
     return None
 
@@ -98,12 +103,54 @@ def noise_for(base: CellData, aa: CellData, suite: str, metric: str, t: "GateThr
 
 
 def at_floor(base_value: Optional[float], margin: float) -> bool:
-    """The baseline leaves no room for a drop beyond the margin (0, or below δ)."""
-    return base_value is not None and (base_value <= 0.0 or base_value < margin)
+    """The baseline leaves no room for a drop beyond the margin: 0, or at most δ (a drop of exactly δ is not
+    past the margin, so a baseline of δ cannot fail either)."""
+    return base_value is not None and (base_value <= 0.0 or base_value <= margin + _EPS)
 
 
-def at_ceiling(base_value: Optional[float]) -> bool:
-    return base_value is not None and base_value >= _CEILING
+def at_ceiling(value: Optional[float]) -> bool:
+    """100% on every item."""
+    return value is not None and value >= _CEILING
+
+
+def rate_cannot_rise(base_rate: Optional[float], allowed: float) -> bool:
+    """A rate check that cannot fail: the baseline's rate is so high that no candidate can exceed it by more
+    than the allowed increase (the rate's own ceiling)."""
+    return base_rate is not None and base_rate >= 1.0 - allowed - _EPS
+
+
+def floor_cause(base: CellData, suite: str) -> str:
+    """What in the baseline's own records explains a floor, and the setting to change ('' when nothing does):
+    answers cut off at ``max_tokens`` (with the budget that would have fitted them, where the records can
+    tell), or answers that finished without an extractable answer."""
+    recs = [r for r in base.items if r.get("suite") == suite and not is_error(r)]
+    if not recs:
+        return ""
+    wrong = [r for r in recs if not r.get("correct")]
+    cut = [r for r in wrong if r.get("finish_reason") == "length"]
+    if wrong and len(cut) * 2 >= len(wrong):
+        return _truncation_advice(suite, recs, cut)
+    invalid = [r for r in wrong if r.get("invalid")]
+    if wrong and len(invalid) * 2 >= len(wrong):
+        return (f"{len(invalid)} of {len(recs)} baseline answers finished without an answer the suite could extract: "
+                f"check {suite}'s prompt style and answer format for this model (the records' raw_output shows them)")
+    return ""
+
+
+def _truncation_advice(suite: str, recs: list[dict], cut: list[dict]) -> str:
+    budgets = sorted({int((r.get("request_options") or {}).get("max_tokens") or r.get("output_tokens") or 0) for r in cut})
+    limit = budgets[-1] if budgets else 0
+    head = (f"{len(cut)} of {len(recs)} baseline answers were cut off at max_tokens={limit}: raise {suite}'s "
+            f"max_tokens (max_tokens: under the suite in the sweep config, --max-tokens for kvbench eval)")
+    need = [int(r["answer_tokens"]) for r in recs if isinstance(r.get("answer_tokens"), int)]
+    if need:
+        return f"{head}; the expected answers need up to {max(need)} tokens, so max_tokens {max(need)} would have fitted them"
+    done = [int(r.get("output_tokens") or 0) for r in recs if r.get("finish_reason") == "stop"]
+    if done:
+        return (f"{head}; the {len(done)} answers that finished used up to {max(done)} tokens, the cut-off ones "
+                f"more than {limit}")
+    return (f"{head}; none finished within {limit} tokens, so these records cannot say how many would suffice: "
+            f"rerun a few items with a larger budget (e.g. --max-tokens {4 * max(limit, 1)}) to see")
 
 
 def delta_blind(base_mean: float, cand_mean: float) -> str:
@@ -122,7 +169,7 @@ def _pct(x: float) -> str:
 
 def _pp(x: float) -> str:
     v = round(100 * x, 1) + 0.0
-    return f"{v:+.1f} pp"
+    return f"{v:+.1f} pp".replace("-", "−")  # the minus sign of the card's tables
 
 
 def _accuracy_status(c: "Check") -> tuple[str, str]:
@@ -131,26 +178,36 @@ def _accuracy_status(c: "Check") -> tuple[str, str]:
     if c.passed is False:
         if (noise is not None and c.delta is not None and c.delta <= -margin and abs(noise.delta) >= abs(c.delta)):
             return "not discriminative", (f"the drop {_pp(c.delta)} is no larger than the A/A control's difference "
-                                          f"{_pp(noise.delta)}: the metric moves that much between two runs of the baseline")
+                                          f"{_pp(noise.delta)}: the metric moves that much between two runs of "
+                                          f"{noise.subject}")
         if not c.inconclusive:
             far = "" if c.far_bound is None else f"the upper bound {_pp(c.far_bound)} of Δ is below "
             return "fail", f"{far}−δ {_pp(c.threshold)}: the candidate loses more than the margin (Δ {_pp(c.delta)})"
     if at_floor(c.base_value, margin):
         return "not discriminative", (f"baseline at the floor ({_pct(c.base_value)}, margin δ {_pct(margin)}): no "
                                       "candidate can drop by more than the margin, so this metric cannot fail; "
-                                      "use a task the model can do")
-    if at_ceiling(c.base_value):
-        return "not discriminative", ("baseline at the ceiling (100% on every item): these items are too easy to show "
-                                      "a loss; use harder items (longer contexts, a harder suite)")
+                                      + (c.floor_cause or "use a task the model can do"))
+    if at_ceiling(c.base_value) and at_ceiling(c.cand_value) and not c.loss_shown_by:
+        return "not discriminative", ("baseline and candidate both at the ceiling (100% on every item): these items "
+                                      "are too easy to show a loss; use harder items (longer contexts, a harder suite)")
     if noise is not None and margin > 0 and abs(noise.delta) >= margin:
-        return "not discriminative", (f"the A/A control differs from the baseline by {_pp(noise.delta)}, at least "
-                                      f"the margin δ {_pct(margin)}: the stack's own nondeterminism is as large as "
-                                      "what the gate would certify")
+        return "not discriminative", (f"the A/A control of {noise.subject} differs from it by {_pp(noise.delta)}, at "
+                                      f"least the margin δ {_pct(margin)}: the stack's own nondeterminism is as large "
+                                      "as what the gate would certify")
     if c.passed:
-        return "pass", ""
+        return "pass", (f"both at 100%, and these items can show a loss: {c.loss_shown_by} lost on them"
+                        if c.loss_shown_by and at_ceiling(c.base_value) and at_ceiling(c.cand_value) else "")
+    return "inconclusive", _inconclusive_reason(c)
+
+
+def _inconclusive_reason(c: "Check") -> str:
+    """Which side of −δ the estimate is on, and what more items would do."""
     far = _pp(c.far_bound) if c.far_bound is not None else "?"
-    return "inconclusive", (f"Δ {_pp(c.delta)}: its interval [{_pp(c.bound)}, {far}] holds −δ = {_pp(c.threshold)}; "
-                            "more items would decide (kvbench gate --plan)")
+    interval = f"its one-sided bounds [{_pp(c.bound)}, {far}] hold −δ = {_pp(c.threshold)}"
+    if c.delta is not None and c.threshold is not None and c.delta < c.threshold:
+        return (f"Δ {_pp(c.delta)} is past the margin, but {interval}: the loss is not proven; more items would "
+                "confirm it (kvbench gate --plan)")
+    return f"Δ {_pp(c.delta)}: {interval}; more items would decide (kvbench gate --plan)"
 
 
 def _rate_noise(c: "Check") -> str:
@@ -160,11 +217,46 @@ def _rate_noise(c: "Check") -> str:
     if n is None or c.delta is None or c.threshold is None:
         return ""
     if c.threshold > 0 and abs(n.delta) >= c.threshold:
-        return (f"the A/A control moves the rate by {_pp(n.delta)}, at least the allowed increase "
+        return (f"the A/A control of {n.subject} moves the rate by {_pp(n.delta)}, at least the allowed increase "
                 f"{_pp(c.threshold)}: the stack's own nondeterminism is as large as the limit")
     if c.delta >= c.threshold and abs(n.delta) >= abs(c.delta):
         return (f"the increase {_pp(c.delta)} is no larger than the A/A control's difference {_pp(n.delta)}")
     return ""
+
+
+def _rate_status(c: "Check") -> tuple[str, str]:
+    """Invalid and truncation rates: the accuracy rules turned over (the rate's ceiling is its floor)."""
+    if c.passed is False and _rate_noise(c):
+        return "not discriminative", _rate_noise(c)
+    if c.passed is False and not c.inconclusive:
+        return "fail", (f"the {c.kind}'s increase {_pp(c.delta)} has its lower bound {_pp(c.far_bound)} above the "
+                        f"allowed {_pp(c.threshold)}" if c.far_bound is not None else "")
+    if rate_cannot_rise(c.base_value, c.threshold or 0.0):
+        return "not discriminative", (f"the baseline's {c.kind} is {_pct(c.base_value)}: no candidate can raise it by "
+                                      f"more than the allowed {_pp(c.threshold)}, so this check cannot fail"
+                                      + (f"; {c.floor_cause}" if c.floor_cause else ""))
+    if c.passed:
+        return "pass", ""
+    side = "past" if c.delta is not None and c.threshold is not None and c.delta > c.threshold else "within"
+    return "inconclusive", (f"the increase {_pp(c.delta)} is {side} the allowed {_pp(c.threshold)}, and its interval "
+                            "holds the limit: more items would decide")
+
+
+def _limit_status(c: "Check") -> tuple[str, str]:
+    """Fidelity checks against a fixed limit (KL and perplexity ratio at most, top-1 agreement at least)."""
+    if c.passed:
+        return "pass", ""
+    if c.inconclusive:
+        return "inconclusive", f"the {c.kind}'s interval holds the limit {_limit(c, c.threshold)}: more texts would decide"
+    at_least = c.kind in LOWER_LIMIT_KINDS
+    return "fail", (f"the {c.kind}'s {'upper' if at_least else 'lower'} bound {_limit(c, c.far_bound)} is "
+                    f"{'below the minimum' if at_least else 'above the maximum'} {_limit(c, c.threshold)}")
+
+
+def _limit(c: "Check", v: Optional[float]) -> str:
+    if v is None:
+        return "?"
+    return _pct(v) if c.kind in LOWER_LIMIT_KINDS else (f"{v:.4g}×" if c.kind == "perplexity ratio" else f"{v:.4g}")
 
 
 def classify(c: "Check") -> "Check":
@@ -177,16 +269,8 @@ def classify(c: "Check") -> "Check":
         c.status = "pass" if c.passed else "fail"
         c.reason = "" if c.passed else (f"{c.subject} error rate {_pct(c.cand_value)} over the limit "
                                         f"{_pct(c.threshold)}: failed requests, not wrong answers")
-    elif c.kind in ("invalid rate", "truncation rate") and c.passed is False and _rate_noise(c):
-        c.status, c.reason = "not discriminative", _rate_noise(c)
-    elif c.passed:
-        c.status, c.reason = "pass", ""
-    elif c.inconclusive:
-        c.status, c.reason = "inconclusive", "the interval holds the limit: more items would decide"
+    elif c.kind in RATE_KINDS:
+        c.status, c.reason = _rate_status(c)
     else:
-        c.status = "fail"
-        c.reason = (f"the fidelity KL's lower bound {c.far_bound:.4g} is above the maximum {c.threshold:g}"
-                    if c.kind == "fidelity KL" else
-                    f"the {c.kind}'s increase {_pp(c.delta)} has its lower bound {_pp(c.far_bound)} above the allowed "
-                    f"{_pp(c.threshold)}" if c.far_bound is not None else "")
+        c.status, c.reason = _limit_status(c)
     return c

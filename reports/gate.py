@@ -50,11 +50,12 @@ here); this module computes the checks.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Optional
 
 from kvbench.reports import stats
-from kvbench.reports.analysis import fidelity_kl
-from kvbench.reports.discriminative import aa_cell_for, classify, errored, noise_for, scores
+from kvbench.reports.analysis import fidelity_records
+from kvbench.reports.discriminative import Noise, aa_cell_for, classify, errored, floor_cause, noise_for, scores
 from kvbench.reports.gate_types import (  # noqa: F401 - re-exported for importers of this module
     _STATUS_WORD,
     _WORD_ORDER,
@@ -185,19 +186,61 @@ def _error_checks(base: CellData, cand: CellData, suite: str, t: GateThresholds)
     return out
 
 
-def _kl_check(cand: CellData, t: GateThresholds) -> Optional[Check]:
-    vals, weights = fidelity_kl(cand)
-    if not vals:
-        if t.max_kl_mean is not None:
-            raise GateError(f"max_kl_mean is set but candidate {cand.short} has no fidelity records")
+def _fidelity_checks(cand: CellData, t: GateThresholds) -> list[Check]:
+    """KL (at most ``max_kl_mean``), perplexity ratio (at most ``max_ppl_ratio``) and top-1 agreement (at least
+    ``min_top1_agreement``) against the bf16 reference, each a token-weighted mean over the texts with its
+    one-sided t bound over texts; informational (reported, not gated) when its limit is None."""
+    recs = fidelity_records(cand)
+    limits = (("fidelity KL", t.max_kl_mean), ("perplexity ratio", t.max_ppl_ratio),
+              ("top-1 agreement", t.min_top1_agreement))
+    if not recs:
+        named = [k for k, v in limits if v is not None]
+        if named and t.fidelity_required:
+            raise GateError(f"{', '.join(named)} limits are set but candidate {cand.short} has no fidelity records")
+        return []
+    w = [float(r.get("n_tokens") or 1) for r in recs]
+    out = []
+    for kind, limit in limits:
+        vals = _fidelity_values(recs, kind)
+        if vals is None:
+            continue
+        if any(math.isnan(v) for v in vals):
+            raise GateError(f"candidate {cand.short} has NaN fidelity {kind}")
+        out.append(_limit_check(cand, kind, vals, w, limit, t.confidence))
+    return out
+
+
+def _fidelity_values(recs: list[dict], kind: str) -> Optional[list[float]]:
+    """Per-text values whose token-weighted mean the check bounds: KL, Δ NLL (log of the perplexity ratio),
+    and the share of positions whose top-1 token disagrees (1 − agreement)."""
+    keys = {"fidelity KL": ("kl_mean",), "perplexity ratio": ("nll_cand", "nll_ref"), "top-1 agreement": ("top1_agree",)}[kind]
+    if not all(all(r.get(k) is not None for k in keys) for r in recs):
         return None
-    if any(math.isnan(v) for v in vals):
-        raise GateError(f"candidate {cand.short} has NaN fidelity KL")
-    mean, upper = stats.weighted_mean_upper(vals, weights, t.confidence)
-    passed = None if t.max_kl_mean is None else upper <= t.max_kl_mean
+    if kind == "fidelity KL":
+        return [float(r["kl_mean"]) for r in recs]
+    if kind == "perplexity ratio":
+        return [float(r["nll_cand"]) - float(r["nll_ref"]) for r in recs]
+    return [1.0 - float(r["top1_agree"]) for r in recs]
+
+
+def _limit_check(cand: CellData, kind: str, vals: list[float], w: list[float], limit: Optional[float],
+                 confidence: float) -> Check:
+    mean, upper = stats.weighted_mean_upper(vals, w, confidence)
     lower = mean - (upper - mean) if math.isfinite(upper) else -math.inf  # the t bound is symmetric
-    return Check(cand, "fidelity KL", FIDELITY_SUITE, "kl_mean", None, mean, None, upper, t.max_kl_mean, len(vals), passed,
-                 far_bound=lower)
+    if kind == "perplexity ratio":  # bounds on the mean Δ NLL, reported as ratios
+        mean, upper, lower = math.exp(mean), (math.exp(upper) if math.isfinite(upper) else math.inf), math.exp(lower)
+    if kind == "top-1 agreement":  # bounds on the disagreement, turned over
+        mean, upper, lower = 1.0 - mean, 1.0 - lower, 1.0 - upper
+        bound, far = lower, upper  # the lower bound must clear the minimum; the upper bound below it fails
+        passed = None if limit is None else bound >= limit
+    else:
+        bound, far = upper, lower
+        passed = None if limit is None else bound <= limit
+    return Check(cand, kind, FIDELITY_SUITE, _FIDELITY_METRIC[kind], None, mean, None, bound, limit, len(vals), passed,
+                 far_bound=far)
+
+
+_FIDELITY_METRIC = {"fidelity KL": "kl_mean", "perplexity ratio": "ppl_ratio", "top-1 agreement": "top1_agree"}
 
 
 def _auc_check(base: CellData, cand: CellData, suite: str, t: GateThresholds) -> Check:
@@ -238,30 +281,59 @@ def _accuracy_check(base: CellData, cand: CellData, suite: str, metric: str, t: 
                  n_error_pairs=len(drop))
 
 
-def gate_one(base: CellData, cand: CellData, t: GateThresholds, aa: Optional[CellData] = None) -> list[Check]:
-    """Every check of one candidate against the baseline (``aa``: the A/A control cell, for the noise)."""
+def gate_one(base: CellData, cand: CellData, t: GateThresholds, aa: Optional[CellData] = None,
+             cand_aa: Optional[CellData] = None) -> list[Check]:
+    """Every check of one candidate against the baseline (``aa`` / ``cand_aa``: the A/A controls of the
+    baseline and of the candidate, for the noise floor), classified on its own evidence."""
+    return [classify(chk) for chk in _checks(base, cand, t, aa, cand_aa)]
+
+
+def _checks(base: CellData, cand: CellData, t: GateThresholds, aa: Optional[CellData],
+            cand_aa: Optional[CellData]) -> list[Check]:
+    """The checks of one candidate, computed but not yet classified."""
     checks: list[Check] = []
     specs = _metric_specs(t, base)
+    controls = [(base, aa, "the baseline"), (cand, cand_aa, "the candidate")]
+    causes = {suite: floor_cause(base, suite) for suite in dict.fromkeys(s for s, _ in specs)}
     for suite, metric in specs:
         chk = _accuracy_check(base, cand, suite, metric, t)
-        if aa is not None:
-            chk.noise = noise_for(base, aa, suite, metric, t)
+        chk.noises, chk.floor_cause = _noises(controls, suite, metric, t), causes[suite]
         checks.append(chk)
-    for suite in dict.fromkeys(s for s, _ in specs):
+    for suite in causes:
         checks += _error_checks(base, cand, suite, t)
         for metric, kind, allowed in (("invalid", "invalid rate", t.max_invalid_rate_increase),
                                       ("truncated", "truncation rate", t.max_truncation_rate_increase)):
             chk = _rate_check(base, cand, suite, metric, kind, allowed, t)
             if chk:
-                if aa is not None:
-                    chk.noise = noise_for(base, aa, suite, metric, t)
+                chk.noises, chk.floor_cause = _noises(controls, suite, metric, t), causes[suite]
                 checks.append(chk)
-    kl = _kl_check(cand, t)
-    if kl:
-        checks.append(kl)
-    for chk in checks:
-        classify(chk)
+    checks += _fidelity_checks(cand, t)
     return checks
+
+
+def _mark_losses_shown(checks: list[Check]) -> None:
+    """Items on which the baseline scores 100% can still show a loss: where another candidate of the run lost
+    on them provably (the upper bound of its Δ below 0), a candidate at 100% too is judged on its interval like
+    any other, instead of being called not discriminative (``Check.loss_shown_by``)."""
+    shown: dict[tuple[str, str], str] = {}
+    for c in checks:
+        if c.kind == "accuracy" and c.far_bound is not None and c.far_bound < 0:
+            shown.setdefault((c.suite, c.metric), c.candidate.short)
+    for c in checks:
+        by = shown.get((c.suite, c.metric))
+        if c.kind == "accuracy" and by is not None and by != c.candidate.short:
+            c.loss_shown_by = by
+
+
+def _noises(controls, suite: str, metric: str, t: GateThresholds) -> list[Noise]:
+    """The A/A differences of the cells that have a control (the baseline's, the candidate's)."""
+    out = []
+    for cell, control, subject in controls:
+        if control is not None:
+            n = noise_for(cell, control, suite, metric, t)
+            if n is not None:
+                out.append(replace(n, subject=subject))
+    return out
 
 
 def run_gate(run: RunData, baseline: str, candidate: Optional[str], t: GateThresholds) -> GateResult:
@@ -282,8 +354,13 @@ def run_gate(run: RunData, baseline: str, candidate: Optional[str], t: GateThres
         if not cands:
             raise GateError(f"--candidate {candidate!r} matches only the baseline cell")
     aa = aa_cell_for(run, base) if t.use_aa else None
-    checks = [chk for cand in cands for chk in gate_one(base, cand, t, aa if aa not in cands else None)]
-    return GateResult(base, cands, checks, t, aa)
+    cand_aa = {c.key: aa_cell_for(run, c) for c in cands} if t.use_aa else {}
+    checks = [chk for cand in cands for chk in _checks(base, cand, t, aa if aa not in cands else None,
+                                                       cand_aa.get(cand.key))]
+    _mark_losses_shown(checks)
+    for chk in checks:
+        classify(chk)
+    return GateResult(base, cands, checks, t, aa, {k: v for k, v in cand_aa.items() if v is not None})
 
 
 from kvbench.reports.gate_output import GATE_COLUMNS, check_row, format_table, summary_line, to_json  # noqa: E402

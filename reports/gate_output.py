@@ -33,7 +33,8 @@ def pp(x: Optional[float], sign: bool = True) -> str:
 
 def _plain(c) -> bool:
     """A check on the suite's primary metric (or a rate / KL check): named by its kind alone."""
-    return c.metric in ("correct", "invalid", "truncated", "error", "kl_mean") or c.metric == primary_metric(c.suite)
+    return (c.metric in ("correct", "invalid", "truncated", "error", "kl_mean", "ppl_ratio", "top1_agree")
+            or c.metric == primary_metric(c.suite))
 
 
 def _metric_name(metric: str) -> str:
@@ -52,10 +53,15 @@ def check_row(c, conf: float) -> list[str]:
     if c.kind == "accuracy":
         bound, thr = f"LB{side} {pp(c.bound)}", f"> {pp(c.threshold)}"
         vals = [pct(c.base_value), pct(c.cand_value), pp(c.delta)]
-    elif c.kind == "fidelity KL":
-        bound = f"UB{side} {c.bound:.4g}"
-        thr = "not gated" if c.threshold is None else f"<= {c.threshold:g}"
-        vals = ["—", f"{c.cand_value:.4g}", "—"]
+    elif c.kind in ("fidelity KL", "perplexity ratio"):
+        unit = "×" if c.kind == "perplexity ratio" else ""
+        bound = f"UB{side} {c.bound:.4g}{unit}"
+        thr = "not gated" if c.threshold is None else f"<= {c.threshold:g}{unit}"
+        vals = ["—", f"{c.cand_value:.4g}{unit}", "—"]
+    elif c.kind == "top-1 agreement":
+        bound = f"LB{side} {pct(c.bound)}"
+        thr = "not gated" if c.threshold is None else f">= {pct(c.threshold)}"
+        vals = ["—", pct(c.cand_value), "—"]
     elif c.kind == "error rate":
         bound, thr = "—", f"<= {pct(c.threshold)}"
         vals = ["—", pct(c.cand_value), "—"]
@@ -92,14 +98,16 @@ def _failure_text(c) -> str:
         return f"{name} NOT DISCRIMINATIVE ({c.reason})"
     if c.kind == "accuracy":
         detail = f"LB {pp(c.bound)} <= {pp(c.threshold)}"
-    elif c.kind == "fidelity KL":
+    elif c.kind in ("fidelity KL", "perplexity ratio"):
         detail = f"UB {c.bound:.4g} > {c.threshold:g}"
+    elif c.kind == "top-1 agreement":
+        detail = f"LB {pct(c.bound)} < {pct(c.threshold)}"
     elif c.kind == "error rate":
         detail = f"{pct(c.cand_value)} > {pct(c.threshold)}"
     else:
         detail = f"UB {pp(c.bound)} >= {pp(c.threshold)}"
     if c.status == "inconclusive":
-        detail += " (inconclusive: the point estimate is within the margin; more items would decide: kvbench gate --plan)"
+        detail += f" (inconclusive: {c.reason})"
     return f"{name} {detail}"
 
 

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from kvbench.reports import stats
-from kvbench.reports.discriminative import Noise
+from kvbench.reports.discriminative import LOWER_LIMIT_KINDS, Noise
 from kvbench.reports.load import CellData
 
 __all__ = ["GateError", "GateThresholds", "Check", "GateResult", "merge_gate_config", "EXIT_PASS", "EXIT_FAIL",
            "EXIT_ERROR", "EXIT_INCONCLUSIVE", "EXIT_NOT_DISCRIMINATIVE", "PASS", "FAIL", "INCONCLUSIVE",
            "NOT_DISCRIMINATIVE", "WORD_EXIT", "worst_word", "DEFAULT_MAX_DROP", "DEFAULT_MAX_RATE_INCREASE",
-           "DEFAULT_MAX_ERROR_RATE"]
+           "DEFAULT_MAX_ERROR_RATE", "DEFAULT_MAX_KL_MEAN", "DEFAULT_MAX_PPL_RATIO", "FIDELITY_KINDS", "FIDELITY_LIMITS"]
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE, EXIT_NOT_DISCRIMINATIVE = 0, 1, 2, 3, 4
 PASS, FAIL, INCONCLUSIVE, NOT_DISCRIMINATIVE = "PASS", "FAIL", "INCONCLUSIVE", "NOT DISCRIMINATIVE"
@@ -27,6 +27,13 @@ _STATUS_WORD = {"fail": FAIL, "not discriminative": NOT_DISCRIMINATIVE, "inconcl
 DEFAULT_MAX_DROP = 0.05
 DEFAULT_MAX_RATE_INCREASE = 0.05
 DEFAULT_MAX_ERROR_RATE = 0.01
+FIDELITY_KINDS = ("fidelity KL", "perplexity ratio", "top-1 agreement")
+# Fidelity limits (docs/verdict.md "Default limits"): +2% perplexity is the "near-lossless" bar of KV-cache
+# quantization work; the KL limit is the same bar in KL terms (on text the reference model itself would write,
+# the expected rise in log-perplexity equals the KL, and log(1.02) = 0.0198).
+DEFAULT_MAX_PPL_RATIO = 1.02
+DEFAULT_MAX_KL_MEAN = 0.02
+FIDELITY_LIMITS = ("max_kl_mean", "max_ppl_ratio", "min_top1_agreement")
 
 
 class GateError(RuntimeError):
@@ -41,7 +48,10 @@ class GateThresholds:
     max_invalid_rate_increase: float = DEFAULT_MAX_RATE_INCREASE
     max_truncation_rate_increase: float = DEFAULT_MAX_RATE_INCREASE
     max_error_rate: float = DEFAULT_MAX_ERROR_RATE  # failed requests / all requests of a gated suite, per cell
-    max_kl_mean: Optional[float] = None  # None: KL is reported, not gated
+    max_kl_mean: Optional[float] = DEFAULT_MAX_KL_MEAN  # None: reported, not gated (docs/verdict.md: the defaults)
+    max_ppl_ratio: Optional[float] = DEFAULT_MAX_PPL_RATIO
+    min_top1_agreement: Optional[float] = None
+    fidelity_required: bool = False  # a fidelity limit was set explicitly: a candidate without fidelity records is an error
     metrics: Optional[list[str]] = None  # "suite" or "suite:metric"; None = every accuracy suite, primary metric
     method: str = "bootstrap"  # lower-bound method: "bootstrap" (paired, seeded) or "t"
     n_boot: int = 10_000
@@ -61,7 +71,8 @@ class GateThresholds:
         for name, v in [("max_drop", self.default_max_drop), *((f"max_drop.{k}", v) for k, v in self.max_drop.items()),
                         ("max_invalid_rate_increase", self.max_invalid_rate_increase),
                         ("max_truncation_rate_increase", self.max_truncation_rate_increase),
-                        ("max_error_rate", self.max_error_rate), ("max_kl_mean", self.max_kl_mean)]:
+                        ("max_error_rate", self.max_error_rate), ("max_kl_mean", self.max_kl_mean),
+                        ("max_ppl_ratio", self.max_ppl_ratio), ("min_top1_agreement", self.min_top1_agreement)]:
             if v is not None and (not isinstance(v, (int, float)) or math.isnan(v) or v < 0):
                 raise GateError(f"{name} must be a number >= 0, got {v!r}")
         for name, flag, v in (("max_invalid_rate_increase", "--max-invalid-increase", self.max_invalid_rate_increase),
@@ -69,6 +80,10 @@ class GateThresholds:
                               ("max_error_rate", "--max-error-rate", self.max_error_rate)):
             if v is not None and v > 1:
                 raise GateError(f"{name} ({flag}) must be a fraction in [0, 1] (0.05 = 5 points), got {v!r}")
+        if self.max_ppl_ratio is not None and self.max_ppl_ratio < 1:
+            raise GateError(f"max_ppl_ratio is a ratio candidate / reference perplexity (1.02 = +2%), got {self.max_ppl_ratio!r}")
+        if self.min_top1_agreement is not None and self.min_top1_agreement > 1:
+            raise GateError(f"min_top1_agreement is a fraction in [0, 1] (0.9 = 90%), got {self.min_top1_agreement!r}")
         if self.method not in ("bootstrap", "t"):
             raise GateError(f"method must be 'bootstrap' or 't', got {self.method!r}")
         return self
@@ -92,9 +107,16 @@ def merge_gate_config(t: GateThresholds, gate: Optional[dict]) -> GateThresholds
                 t.max_drop[str(k)] = float(v)
     elif md is not None:
         raise GateError(f"gate.max_drop must be a number or a mapping suite -> number, got {md!r}")
-    for k in ("confidence", "max_invalid_rate_increase", "max_truncation_rate_increase", "max_error_rate", "max_kl_mean"):
+    for k in ("confidence", "max_invalid_rate_increase", "max_truncation_rate_increase", "max_error_rate"):
         if gate.get(k) is not None:
             setattr(t, k, float(gate[k]))
+    for k in FIDELITY_LIMITS:  # a number sets the limit (and requires fidelity records), false turns it off
+        v = gate.get(k)
+        if v is False or v == "off":
+            setattr(t, k, None)
+        elif v is not None:
+            setattr(t, k, float(v))
+            t.fidelity_required = True
     if gate.get("metrics"):
         t.metrics = [str(m) for m in gate["metrics"]]
     return t.validate()
@@ -103,7 +125,7 @@ def merge_gate_config(t: GateThresholds, gate: Optional[dict]) -> GateThresholds
 @dataclass
 class Check:
     candidate: CellData
-    kind: str  # "accuracy" | "invalid rate" | "truncation rate" | "error rate" | "fidelity KL"
+    kind: str  # "accuracy" | "invalid rate" | "truncation rate" | "error rate" | one of FIDELITY_KINDS
     suite: str
     metric: str
     base_value: Optional[float]
@@ -118,9 +140,21 @@ class Check:
     ci: Optional[tuple[float, float]] = None  # accuracy: two-sided interval of Δ
     n_error_pairs: int = 0  # (item, repeat) keys left out because either cell's request failed
     subject: str = "candidate"  # error rate: whose rate ("candidate" or "baseline")
-    noise: Optional[Noise] = None  # the A/A control's Δ on this metric, when the run has one
+    noises: list = field(default_factory=list)  # the A/A controls' Δs on this metric (baseline's, candidate's)
     status: str = ""  # "pass" | "fail" | "inconclusive" | "not discriminative" | "info" (set by ``classify``)
     reason: str = ""  # why the status is what it is, in words (not discriminative, error rate)
+    floor_cause: str = ""  # accuracy and rates: what in the baseline's own records explains a floor, and the fix
+    loss_shown_by: Optional[str] = None  # another candidate that provably lost on these items (reports/gate.py)
+
+    @property
+    def noise(self) -> Optional[Noise]:
+        """The noise floor of this comparison: the larger A/A difference of the two cells' controls (either
+        cell's own rerun moving the metric by that much is enough to make a difference that size noise)."""
+        return max(self.noises, key=lambda n: abs(n.delta), default=None)
+
+    @noise.setter
+    def noise(self, value: Optional[Noise]) -> None:
+        self.noises = [] if value is None else [value]
 
     @property
     def gated(self) -> bool:
@@ -133,9 +167,11 @@ class Check:
         if self.kind == "error rate" or self.threshold is None:
             return False
         if self.far_bound is not None:
-            return self.far_bound >= self.threshold if self.kind == "accuracy" else self.far_bound <= self.threshold
-        if self.kind == "fidelity KL":
-            return self.cand_value <= self.threshold
+            if self.kind == "accuracy" or self.kind in LOWER_LIMIT_KINDS:
+                return self.far_bound >= self.threshold
+            return self.far_bound <= self.threshold
+        if self.kind in FIDELITY_KINDS:
+            return self.cand_value >= self.threshold if self.kind in LOWER_LIMIT_KINDS else self.cand_value <= self.threshold
         if self.delta is None:
             return False
         return self.delta > self.threshold if self.kind == "accuracy" else self.delta < self.threshold
@@ -156,7 +192,8 @@ class GateResult:
     candidates: list[CellData]
     checks: list[Check]
     thresholds: GateThresholds
-    aa: Optional[CellData] = None  # the A/A control cell the noise came from
+    aa: Optional[CellData] = None  # the baseline's A/A control cell
+    cand_aa: dict = field(default_factory=dict)  # candidate key -> its own A/A control cell, where the run has one
 
     def checks_of(self, cand: CellData) -> list[Check]:
         return [c for c in self.checks if c.candidate is cand]

@@ -39,7 +39,7 @@ h1{font-size:1.7em;border-bottom:2px solid #e1e4e8;padding-bottom:.3em}
 h2{font-size:1.3em;margin-top:2em;border-bottom:1px solid #e1e4e8;padding-bottom:.2em}
 h3{font-size:1.05em;margin-top:1.4em}
 table{border-collapse:collapse;margin:.6em 0;font-size:.86em;font-variant-numeric:tabular-nums}
-th,td{border:1px solid #d0d7de;padding:.3em .6em;text-align:right;white-space:nowrap}
+th,td{border:1px solid #d0d7de;padding:.3em .6em;text-align:right;white-space:normal;overflow-wrap:break-word}
 th{background:#f6f8fa;text-align:center}
 td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}
 tr:nth-child(even) td{background:#fbfcfd}

@@ -275,6 +275,21 @@ def primary_metric(suite: str) -> str:
     return PRIMARY_SCORES.get(suite, "correct")
 
 
+def same_but_batching(a: dict, b: dict) -> bool:
+    """Two cell configs that differ at most in concurrency and ``aa_control``: a cell and its A/A control."""
+    skip = ("aa_control", "concurrency")
+    return {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
+
+
+def original_of(cells: list["CellData"], control: "CellData") -> Optional["CellData"]:
+    """The cell an A/A control reruns: done, with items, not a control, same run and config but batching."""
+    for c in cells:
+        if (c.done and c.items and not c.aa_control and c.run == control.run
+                and same_but_batching(c.config, control.config)):
+            return c
+    return None
+
+
 def is_error(rec: dict) -> bool:
     """Whether an item record is a failed request (timeout, HTTP error, dropped stream ...), not an answer: it
     holds an ``error`` message, or (stores written before that field) its finish_reason is ``error``."""

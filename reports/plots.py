@@ -157,15 +157,34 @@ def delta_plot(a: Analysis, path: Path, max_drop: Optional[float] = None) -> boo
 
 
 def serving_plot(a: Analysis, path: Path) -> bool:
-    """Output throughput against concurrency per format series and, with a baseline series, relative to it."""
+    """Output throughput against concurrency per format series and, with a baseline series, relative to it; with
+    repeated load tests the bars span the lowest to the highest repeat (and, relative, every pairing of a repeat
+    with a baseline repeat: ``reports.serving_spread.ratio_range``)."""
+    from kvbench.reports.serving_spread import ratio_range
+
     series: dict[str, list] = {}
+    dicts: dict[tuple[str, int], dict] = {}
     for cell, s in a.serving:
         if not cell.aa_control:
             series.setdefault(_series_label(cell), []).append((cell.concurrency or 0, float(s["output_throughput"])))
+            dicts[(_series_label(cell), cell.concurrency or 0)] = s
     if not series:
         return False
     base_name = next((_series_label(c) for c, _ in a.serving if is_baseline_series(a, c)), None)
     base = dict(series[base_name]) if base_name else {}
+
+    def bars(name: str, pts: list, rel: bool):
+        """Error bar lengths (below, above) of each point, or None when no point has repeats."""
+        out = []
+        for c, v in pts:
+            s = dicts.get((name, c), {})
+            if rel:
+                rng = ratio_range(dicts.get((base_name, c), {}), s, "output_throughput")
+            else:
+                sp = (s.get("spread") or {}).get("output_throughput") or {}
+                rng = (sp["min"], sp["max"]) if (s.get("repeats") or 1) > 1 and "min" in sp and "max" in sp else None
+            out.append((v - rng[0], rng[1] - v) if rng else (0.0, 0.0))
+        return [[max(0.0, lo) for lo, _ in out], [max(0.0, hi) for _, hi in out]] if any(any(x) for x in out) else None
     fig = _figure(13 if base else 7.5, 4.6)
     axes = fig.subplots(1, 2 if base else 1, squeeze=False)[0]
     levels = sorted({c for pts in series.values() for c, _ in pts})
@@ -175,12 +194,12 @@ def serving_plot(a: Analysis, path: Path) -> bool:
         pts.sort(key=lambda t: t[0])
         color = colors.get(name, _COLORS[i % len(_COLORS)])
         label = name + (" (baseline)" if name == base_name else "")
-        axes[0].plot(dodge([c for c, _ in pts], i, len(series), log_x, levels), [v for _, v in pts], "o-", color=color,
-                     label=label)
+        axes[0].errorbar(dodge([c for c, _ in pts], i, len(series), log_x, levels), [v for _, v in pts],
+                         yerr=bars(name, pts, False), fmt="o-", color=color, label=label, capsize=3)
         if base:
             rel = [(c, v / base[c]) for c, v in pts if base.get(c)]
-            axes[1].plot(dodge([c for c, _ in rel], i, len(series), log_x, levels), [v for _, v in rel], "o-",
-                         color=color, label=label)
+            axes[1].errorbar(dodge([c for c, _ in rel], i, len(series), log_x, levels), [v for _, v in rel],
+                             yerr=bars(name, rel, True), fmt="o-", color=color, label=label, capsize=3)
     titles = [("Output throughput", "output tokens/s")]
     if base:
         titles.append((f"Throughput relative to {base_name}", "× baseline throughput"))

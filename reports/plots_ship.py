@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from kvbench.reports import stats
 from kvbench.reports.analysis import Analysis
+from kvbench.reports.capacity import load_request_sizes, planned_at_request
 from kvbench.reports.load import primary_metric
 from kvbench.reports.plots import (
     _COLORS,
@@ -235,7 +236,11 @@ def capacity_plot(a: Analysis, path: Path) -> bool:
     ax.grid(axis="x", alpha=0.3)
     if two:
         ax = axes[1]
-        planned = [cap.get("max_concurrency") for _, cap, _ in rows]
+        sizes = load_request_sizes(a)
+        # planned at the load test's own request size, so the two bars count the same requests
+        planned = [planned_at_request(cap, *sizes[series_key(cell)]) if series_key(cell) in sizes
+                   else cap.get("max_concurrency") for cell, cap, _ in rows]
+        req = {sizes[series_key(cell)][0] for cell, _, _ in rows if series_key(cell) in sizes}
         ctx = {cap.get("context_len") for _, cap, _ in rows} - {None}
         top = max([float(v) for v in planned + meas if v is not None] or [1.0])
         tested = _tested_concurrency(a)
@@ -254,8 +259,12 @@ def capacity_plot(a: Analysis, path: Path) -> bool:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(axis="y", labelleft=False)
         ax.set_xlabel("concurrent requests")
-        ctx_note = f" (capacity ÷ {next(iter(ctx)):,}-token context)" if len(ctx) == 1 else ""
-        ax.set_title(f"Max concurrency: planned{ctx_note} vs measured", fontsize=10)
+        if req:
+            note = (f" for the load test's {next(iter(req)):,}-token requests" if len(req) == 1 else
+                    " for each series' load-test requests")
+        else:
+            note = f" (capacity ÷ {next(iter(ctx)):,}-token context)" if len(ctx) == 1 else ""
+        ax.set_title(f"Max concurrency{note}: planned vs measured", fontsize=10)
         ax.legend([Patch(facecolor="#999999", alpha=0.45, hatch="//", edgecolor="#555555"), Patch(facecolor="#555555")],
                   ["planned max concurrency", "measured max running without queueing (≥: at the highest tested)"],
                   fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncols=2, frameon=False)

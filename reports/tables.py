@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,7 +15,7 @@ from kvbench.reports.analysis import Analysis
 from kvbench.reports.discriminative import delta_blind
 from kvbench.reports.load import CellData, accuracy_suites, error_counts, kv_text, primary_metric
 
-__all__ = ["Table", "fmt_pct", "fmt_pp", "fmt_p", "fmt_num", "fmt_errors", "all_tables"]
+__all__ = ["Table", "html_text", "fmt_pct", "fmt_pp", "fmt_p", "fmt_num", "fmt_errors", "all_tables"]
 
 
 # ------------------------------------------------------------------------------ formatting
@@ -47,6 +48,14 @@ def fmt_num(x, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
+_CODE_SPAN = re.compile(r"`([^`]+)`")
+
+
+def html_text(s: str) -> str:
+    """``s`` escaped for HTML, with markdown's `code` spans as <code> elements (never literal backticks)."""
+    return _CODE_SPAN.sub(r"<code>\1</code>", html.escape(s))
+
+
 @dataclass
 class Table:
     title: str
@@ -75,13 +84,13 @@ class Table:
         if not self.rows:
             out.append("<p class='empty'>No data.</p>")
         else:
-            out.append("<table><thead><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in self.columns) + "</tr></thead><tbody>")
+            out.append("<table><thead><tr>" + "".join(f"<th>{html_text(c)}</th>" for c in self.columns) + "</tr></thead><tbody>")
             for row in self.rows:
                 cls = " class='fail'" if any(str(v) == "FAIL" for v in row) else ""
-                out.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>")
+                out.append(f"<tr{cls}>" + "".join(f"<td>{html_text(str(v))}</td>" for v in row) + "</tr>")
             out.append("</tbody></table>")
         if self.note:
-            out.append(f"<p class='note'>{html.escape(self.note)}</p>")
+            out.append(f"<p class='note'>{html_text(self.note)}</p>")
         return "\n".join(out)
 
 
@@ -184,10 +193,12 @@ def aa_table(a: Analysis) -> Table:
         rows.append([r.suite, r.cell.short, r.base.short, fmt_num(d.n_pairs), fmt_pp(d.delta),
                      f"[{fmt_pp(d.ci_lo)}, {fmt_pp(d.ci_hi)}]", f"{fmt_p(d.p_value)} ({d.p_method})", disc,
                      fmt_pct(r.output_agreement)])
-    return Table("A/A control (baseline run twice): measured nondeterminism", ["suite", "cell", "baseline", "pairs", "Δ",
+    return Table("A/A controls (a cell run twice): measured nondeterminism", ["suite", "control", "original", "pairs", "Δ",
                  f"{conf} CI", "p", "lost/gained", "identical outputs"], rows,
-                 note="Any difference here comes from nondeterminism of the stack itself (batching, kernels, sampling); "
-                      "deltas of the same size in other cells are not attributable to the KV format.")
+                 note="Each control reruns a cell (the baseline, or a candidate) in a fresh engine under different batching; "
+                      "any difference here comes from nondeterminism of the stack itself (batching, kernels, sampling, "
+                      "a quantized cache rounding a last-bit difference into another token). Deltas of the same size "
+                      "are not attributable to the KV format.")
 
 
 def _g(x: float) -> str:

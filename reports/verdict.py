@@ -25,6 +25,8 @@ from kvbench.reports.discriminative import errored, scores
 from kvbench.reports.gate import (Check, GateError, GateResult, GateThresholds, merge_gate_config, run_gate)
 from kvbench.reports.load import CellData, RunData, primary_metric, selector_text
 from kvbench.reports.long_context import RecoveryRow
+from kvbench.reports.capacity import load_request_sizes, planned_at_request
+from kvbench.reports.plots import series_key
 
 __all__ = ["Ratio", "SuiteLine", "ServingLine", "Capacity", "Verdict", "Verdicts", "build_verdicts", "paired_ratio", "verdict_records",
            "cell_selector", "LATENCY_KEYS"]
@@ -87,6 +89,24 @@ class ServingLine:
         r = self.ratio(key)
         return None if r is None else r - 1.0
 
+    def ratio_range(self, key: str) -> Optional[tuple[float, float]]:
+        """Lowest and highest candidate-repeat / baseline-repeat ratio; None with one load repeat per cell
+        (``reports.serving_spread``)."""
+        from kvbench.reports.serving_spread import ratio_range
+
+        return ratio_range(self.base, self.cand, key)
+
+    def warnings(self) -> list[str]:
+        """A ratio within the run-to-run spread, an SLO the baseline does not meet (the loaded-machine warning
+        covers every line of a card at once: ``reports.serving_spread.machine_warning``)."""
+        from kvbench.reports.serving_spread import slo_unmet, spread_warning
+
+        n = self.concurrency
+        unmet = slo_unmet(self.base, self.cand) if self.cand.get("request_goodput") is not None else None
+        out = [spread_warning(n, self.base, self.cand),
+               f"serving: goodput at c={n}: {unmet}; no goodput ratio is shown" if unmet else None]
+        return [w for w in out if w]
+
 
 @dataclass
 class Capacity:
@@ -98,6 +118,10 @@ class Capacity:
     cand_running: Optional[float] = None
     base_tested: Optional[int] = None  # the highest concurrency the series was loaded at: a measured value equal
     cand_tested: Optional[int] = None  # to it is a lower bound (the server may hold more)
+    context_len: Optional[int] = None  # the context the planned max concurrency is counted at
+    request_tokens: Optional[int] = None  # prompt + output tokens of the load test's requests
+    base_at_request: Optional[int] = None  # planned concurrent requests of that size (the measured one's peer)
+    cand_at_request: Optional[int] = None
 
     @staticmethod
     def _r(c, b) -> Optional[float]:
@@ -132,9 +156,12 @@ class Verdict:
         def name(c: Check) -> str:
             if c.kind == "accuracy":
                 return c.suite if c.metric in ("correct", primary_metric(c.suite)) else f"{c.suite}:{c.metric}"
-            return f"{c.suite} {check_name(c)}"
+            named = check_name(c)
+            return named if named.startswith(c.suite) else f"{c.suite} {named}"  # "fidelity KL", not "fidelity fidelity KL"
 
-        return [f"{name(c)}: {c.reason}" for c in self.checks if c.gated and c.status != "pass" and c.reason]
+        # every reason a check gives: why it did not pass, or a pass that needs saying (full marks on items
+        # another candidate lost on)
+        return [f"{name(c)}: {c.reason}" for c in self.checks if c.gated and c.reason]
 
 
 @dataclass
@@ -199,10 +226,15 @@ def _capacity(a: Analysis, base: CellData, cand: CellData) -> Capacity:
     for c, cap, _ in a.capacity:
         if c.run != cand.run:
             continue
+        size = load_request_sizes(a).get(series_key(c))
+        at_request = planned_at_request(cap, *size) if size else None
         if c.series_config == base.series_config:
             out.base_tokens, out.base_max_concurrency = cap.get("tokens"), cap.get("max_concurrency")
+            out.base_at_request = at_request
         if c.series_config == cand.series_config:
             out.cand_tokens, out.cand_max_concurrency = cap.get("tokens"), cap.get("max_concurrency")
+            out.cand_at_request, out.context_len = at_request, cap.get("context_len")
+            out.request_tokens = size[0] if size else None
 
     def measured(cell: CellData) -> Optional[float]:
         vals = [s.get("max_running_without_queueing") for s in _series_cells(a, cell).values()]
@@ -292,6 +324,8 @@ def verdict_records(v: Optional[Verdicts]) -> dict[str, list[dict]]:
         for s in card.serving:
             for key in ("request_throughput", "output_throughput", "request_goodput"):
                 row[f"c{s.concurrency}:{key}_ratio"] = s.ratio(key)
+                lo, hi = s.ratio_range(key) or (None, None)  # over the load repeats (None: one repeat)
+                row[f"c{s.concurrency}:{key}_ratio_lo"], row[f"c{s.concurrency}:{key}_ratio_hi"] = lo, hi
             for m, q in LATENCY_KEYS:
                 row[f"c{s.concurrency}:{q}_{m}_ms_change"] = s.change(f"{q}_{m}_ms")
         cards.append(row)

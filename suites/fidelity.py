@@ -25,12 +25,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 
 from kvbench.core.client import Client, ScoreRequest
 from kvbench.core.io import prompt_hash
+from kvbench.core.memory import release_memory
 from kvbench.suites.base import SuiteError, SuiteOptions, SuiteResult, summarize_records
 from kvbench.suites.fidelity_metrics import (
     argmax_ids,
@@ -44,16 +45,15 @@ from kvbench.suites.fidelity_metrics import (
     kl_topk_tail,
     pooled_summary,
 )
+from kvbench.suites.fidelity_cache import ReferenceCache, entry_key, max_bytes_from_env
 from kvbench.suites.fidelity_ref import (
     API_TOP_K,
     RefText,
     Text,
-    cache_key,
     compute_reference,
+    exact_budget_from_env,
     greedy_request,
-    load_reference,
     reference_one,
-    save_reference,
     to_numpy,
 )
 from kvbench.suites.fidelity_texts import Counter, build_long_texts, long_text_spec, token_counter
@@ -65,11 +65,19 @@ DEFAULT_TEXTS = 32
 
 @dataclass
 class Reference:
-    """Where reference figures come from: a label naming the configuration (part of the cache key)
-    and a factory for its client (called only on a cache miss or for an exact run)."""
+    """Where reference figures come from: a label naming the configuration (in the protocol string), a
+    factory for its client (called only on a cache miss or for an exact run) and the cache key's view of it,
+    ``{"model": identity, "settings": {...}}`` (harness/fidelity_key.py; None: the label alone keys the cache)."""
 
     label: str
     make_client: Callable[[], Client]
+    key: Union[dict, Callable[[], dict], None] = None  # a callable is called once, when the cache is first used
+
+    def cache_identity(self) -> Union[dict, str]:
+        """The key's view of the reference (``key``, computed on first use), or the label when there is none."""
+        if callable(self.key):
+            self.key = self.key()
+        return self.key or self.label
 
 
 def gsm8k_texts(opts: SuiteOptions) -> list[Text]:
@@ -129,38 +137,60 @@ class FidelitySuite:
         self.texts_label = f"texts={label}"
         return texts
 
+    def _cache(self) -> Optional[ReferenceCache]:
+        return ReferenceCache(self.cache_dir, max_bytes_from_env()) if self.cache_dir is not None else None
+
     def _cached_references(self, texts: list[Text], opts: SuiteOptions) -> list[RefText]:
-        key = cache_key(self.reference.label, texts, self.top_k, self.greedy_tokens)
-        if self.cache_dir is not None:
-            cached = load_reference(self.cache_dir, key)
+        cache = self._cache()
+        if cache is not None:
+            ident = self.reference.cache_identity()
+            key = entry_key(ident, texts, self.top_k, self.greedy_tokens)
+            cached = cache.load(key)
             if cached is not None:
-                log.info("fidelity reference from cache %s/%s", self.cache_dir, key)
+                log.info("fidelity reference from cache %s/%s", self.cache_dir, key.name)
                 return cached
+            why = cache.explain_miss(key, ident.get("model") if isinstance(ident, dict) else None)
+            if why:
+                log.warning("fidelity reference: model file changed since the cached reference (%s); rebuilding", why)
         client = self.reference.make_client()
         try:
             refs = compute_reference(client, texts, self.top_k, self.greedy_tokens, False, self._concurrency(opts))
         finally:
             client.close()
+            del client
+            release_memory()  # the reference engine's weights and cache, before the candidate runs
         self._save(texts, refs)
         return refs
 
     def _save(self, texts: list[Text], refs: list[RefText]) -> None:
-        if self.cache_dir is not None:
-            key = cache_key(self.reference.label, texts, self.top_k, self.greedy_tokens)
-            meta = {"reference": self.reference.label, "top_k": self.top_k, "greedy_tokens": self.greedy_tokens}
-            save_reference(self.cache_dir, key, refs, meta)
+        cache = self._cache()
+        if cache is not None:
+            ident = self.reference.cache_identity()
+            key = entry_key(ident, texts, self.top_k, self.greedy_tokens)
+            meta = {"reference": self.reference.label, "reference_key": ident if isinstance(ident, dict) else None,
+                    "top_k": self.top_k, "greedy_tokens": self.greedy_tokens, "texts": len(texts)}
+            cache.save(key, refs, meta)
 
     def protocol(self, opts: SuiteOptions, method: str, n: int) -> str:
         return f"kvbench:fidelity:v1:{self.texts_label}:n{n}:ref={self.reference.label}:kl={method}:top{self.top_k}:greedy{self.greedy_tokens}"
 
     def _one(self, client: Client, text: Text, ref: RefText, opts: SuiteOptions, n: int, buckets) -> CandidateOut:
         t0 = time.perf_counter()
-        res = client.score(ScoreRequest(text.context, text.continuation, top_k=min(self.top_k, API_TOP_K), full_distribution=True))
+        # full rows only for exact KL; otherwise an in-process candidate gathers its log-probs at the reference's
+        # top-k ids and its own argmax as it computes rows (no [T, V] tensor); a client that ignores that
+        # returns full rows, an API its own top-k
+        reduce = ref.full is None
+        res = client.score(ScoreRequest(text.context, text.continuation, top_k=min(self.top_k, API_TOP_K), full_distribution=True,
+                                        full_top_k=1 if reduce else 0, gather_ids=ref.top_ids if reduce else None))
         if list(res.token_ids) != [int(x) for x in ref.token_ids]:
             raise SuiteError(f"{text.item_id}: candidate tokenizes the text differently from the reference")
         ref_argmax = argmax_ids(ref.top_ids, ref.top_lp)
         extra: dict[str, float] = {}
-        if res.full_logprobs is not None:
+        gathered = getattr(res, "gathered_logprobs", None)
+        if res.full_logprobs is None and gathered is not None and res.top_ids is not None:
+            cand_argmax = np.asarray(res.top_ids, dtype=np.int64)[:, 0]
+            kl, method = kl_topk_tail(ref.top_lp, to_numpy(gathered)), f"top{ref.top_ids.shape[1]}+tail"
+        elif res.full_logprobs is not None:
             full = to_numpy(res.full_logprobs)
             cand_argmax = full.argmax(axis=-1)
             approx = kl_topk_tail(ref.top_lp, np.take_along_axis(full, ref.top_ids, axis=-1))
@@ -204,6 +234,35 @@ class FidelitySuite:
         }
         return CandidateOut(record, kl, top1, ref.logprobs, cand_lp, div, offset)
 
+    def _run_exact(self, client: Client, texts: list[Text], opts: SuiteOptions, buckets, workers: int) -> list[CandidateOut]:
+        """Reference live next to the candidate, full rows on both sides; the rows alive at once are bounded by
+        ``KVBENCH_FIDELITY_EXACT_MAX_MB`` (``RowBudget``).  The reference's top-k is cached as usual."""
+        try:
+            budget = exact_budget_from_env()
+        except ValueError as e:
+            raise SuiteError(str(e)) from None
+        ref_client = self.reference.make_client()
+        refs: list[Optional[RefText]] = [None] * len(texts)
+
+        def both(i: int) -> CandidateOut:
+            with budget.hold(len(texts[i].context) + len(texts[i].continuation)) as learn:
+                ref = reference_one(ref_client, texts[i], self.top_k, self.greedy_tokens, True)
+                learn(2 * int(getattr(ref.full, "nbytes", 0)))  # the candidate's rows are as large
+                out = self._one(client, texts[i], ref, opts, len(texts), buckets)
+                ref.full = None
+            refs[i] = ref
+            return out
+
+        try:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                outs = list(pool.map(both, range(len(texts))))
+        finally:
+            ref_client.close()
+            del ref_client
+            release_memory()
+        self._save(texts, [r for r in refs if r is not None])
+        return outs
+
     def run(self, client: Client, opts: SuiteOptions) -> SuiteResult:
         texts = self._texts(client, opts)
         if not texts:
@@ -215,22 +274,7 @@ class FidelitySuite:
             raise SuiteError(f"fidelity: {e}") from None
         workers = max(1, min(self._concurrency(opts), len(texts)))
         if self.exact:  # reference live, text by text, so full rows of only a few texts are alive at once
-            ref_client = self.reference.make_client()
-            refs: list[Optional[RefText]] = [None] * len(texts)
-
-            def both(i: int) -> CandidateOut:
-                ref = reference_one(ref_client, texts[i], self.top_k, self.greedy_tokens, True)
-                out = self._one(client, texts[i], ref, opts, len(texts), buckets)
-                ref.full = None
-                refs[i] = ref
-                return out
-
-            try:
-                with ThreadPoolExecutor(max_workers=workers) as pool:
-                    outs = list(pool.map(both, range(len(texts))))
-            finally:
-                ref_client.close()
-            self._save(texts, [r for r in refs if r is not None])
+            outs = self._run_exact(client, texts, opts, buckets, workers)
         else:
             refs_c = self._cached_references(texts, opts)
             if [r.item_id for r in refs_c] != [t.item_id for t in texts]:

@@ -17,12 +17,12 @@ from kvbench.reports.load import item_scores, load_run, select
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reports_load import make_run  # noqa: E402
 
-BIG = dict(n_gsm8k=300, n_aime=30, concurrency=(1,), aa_flip=0.01)
+BIG = dict(n_gsm8k=300, n_aime=30, concurrency=(1,), aa_flip=0.01, kl_scale=0.005)  # KL well within the default limit
 DROPS = {"bf16": 0.0, "fp8_e4m3": 0.005, "nvfp4": 0.2}
 
 
-def gate(*args, env=None):
-    r = CliRunner().invoke(app, ["gate", *map(str, args)], env=env)
+def gate(*args, env=None):  # with the workflow-command lines these tests read (off GitHub Actions too)
+    r = CliRunner().invoke(app, ["gate", "--annotations", *map(str, args)], env=env)
     return r.exit_code, r.stdout
 
 
@@ -117,7 +117,7 @@ def test_github_step_summary_is_appended(run, tmp_path):
     (["--candidate", "kv_dtype=nvfp4", "--method", "magic"], "method"),
 ])
 def test_usage_errors_exit_2(run, args, needle):
-    r = CliRunner().invoke(app, ["gate", str(run), *args])
+    r = CliRunner().invoke(app, ["gate", str(run), "--annotations", *args])
     assert r.exit_code == 2, r.stdout
     assert needle in r.stdout + r.stderr
     assert "::error title=kvbench gate::" in r.stdout

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_reports_load import make_run  # noqa: E402
 
 
-def gate(*args):
-    r = CliRunner().invoke(app, ["gate", *map(str, args)])
+def gate(*args):  # with the workflow-command lines these tests read (off GitHub Actions too)
+    r = CliRunner().invoke(app, ["gate", "--annotations", *map(str, args)])
     return r.exit_code, r.stdout + r.stderr
 
 

@@ -95,9 +95,9 @@ def test_engine_options_merge_sweep_target_and_cell():
 
 def test_default_config_matrix():
     cells = expand(load_config(CONFIGS / "default.yaml"))
-    assert len(cells) == 13  # 4 formats x 3 concurrencies + the A/A control (on by default)
-    assert len(groups(cells)) == 5  # the A/A control runs last, in a fresh engine
-    assert sum(c.run_accuracy for c in cells) == 5
+    assert len(cells) == 10  # 3 formats x 3 concurrencies + the A/A control (on by default)
+    assert len(groups(cells)) == 4  # the A/A control runs last, in a fresh engine
+    assert sum(c.run_accuracy for c in cells) == 4
     aa = cells[-1]
     assert aa.config["aa_control"] is True and aa.config["kv_dtype"] == "bf16" and aa.config["concurrency"] == 8
 
@@ -141,3 +141,28 @@ def test_a_pair_the_engine_cannot_run_is_refused_at_load():
                                 {"backends": "triton+flashinfer", "kv": "bf16"}], "concurrency": [4]})
     product = sweep(axes={"backends": ["torch", "triton+flashinfer"], "kv": ["bf16"], "concurrency": [4]})
     assert {c.key for c in expand(product)} <= {c.key for c in expand(ok)}
+
+
+def test_aa_control_for_candidates():
+    """``aa_control: all`` reruns every accuracy cell (each candidate's own noise floor), a list of selectors
+    the baseline's and those; each control runs in a fresh engine (its own group), after every other cell."""
+    import pytest
+
+    from kvbench.harness.matrix import expand
+    from kvbench.harness.sweep_config import SweepConfigError, parse_config
+
+    raw = {"axes": {"kv": ["bf16", "fp8_e4m3", "nvfp4"], "concurrency": [1, 4]}, "accuracy_concurrency": 4,
+           "baseline": {"kv_dtype": "bf16"}, "suites": [{"name": "gsm8k", "limit": 2}]}
+    cells = expand(parse_config({**raw, "aa_control": "all"}))
+    controls = [c for c in cells if c.config.get("aa_control")]
+    assert [c.config["kv_dtype"] for c in controls] == ["bf16", "fp8_e4m3", "nvfp4"]
+    assert cells[-3:] == controls and all(c.config["concurrency"] == 2 and not c.run_load for c in controls)
+    originals = {c.config["kv_dtype"]: c for c in cells if c.run_accuracy and not c.config.get("aa_control")}
+    for c in controls:
+        assert c.group != originals[c.config["kv_dtype"]].group  # never the original's engine
+        assert c.label == originals[c.config["kv_dtype"]].label.replace("c=4", "c=2") + " A/A"
+    listed = expand(parse_config({**raw, "aa_control": ["kv_dtype=nvfp4"]}))
+    assert [c.config["kv_dtype"] for c in listed if c.config.get("aa_control")] == ["bf16", "nvfp4"]
+    for bad in ("some", ["kv_dtype"], []):
+        with pytest.raises(SweepConfigError, match="aa_control"):
+            parse_config({**raw, "aa_control": bad})
