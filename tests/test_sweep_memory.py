@@ -6,6 +6,8 @@ suite opens the bf16 reference engine itself."""
 
 from __future__ import annotations
 
+import json
+
 import weakref
 from pathlib import Path
 
@@ -60,10 +62,14 @@ def _run(tmp_path, monkeypatch):
     from kvbench.harness.runner import run_sweep
     from kvbench.harness.targets import open_target
 
-    if not (DATA / "gsm8k_test.jsonl").exists():
-        pytest.skip(f"test data missing: {DATA}/gsm8k_test.jsonl")
     tracker = Tracker(monkeypatch)
     cfg = _config()
+    if not (DATA / "gsm8k_test.jsonl").exists():  # a fresh clone without ../shared: fidelity texts of our own
+        rows = [{"question": f"Tom has {i} apples and buys {i + 3} more. How many now?",
+                 "answer": f"Tom has {i} + {i + 3} = {2 * i + 3} apples.\n#### {2 * i + 3}"} for i in range(8)]
+        (tmp_path / "data").mkdir(exist_ok=True)
+        (tmp_path / "data" / "gsm8k_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        cfg.data_dir = str(tmp_path / "data")
 
     def opener(spec, cell_config, engine_kwargs, log_path, **kw):
         if not Path(log_path).stem.startswith("reference-"):
