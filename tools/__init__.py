@@ -7,4 +7,7 @@
 - ``mla_check``     MLA latent-cache kernels: checks and benchmarks (``kvbench bench mla``)
 - ``engine_perf``   engine decode step, capacity and backend matrix (``python -m kvbench.tools.engine_perf``)
 - ``streaming``     rows printed as they are measured, with a progress line on stderr
+- ``engine_bundle`` an engine (vLLM) carried to a machine without a package index, in parts (standard library
+  only: ``python3 tools/engine_bundle.py build|unpack|verify|env``; manifests in ``tools/bundles/``)
+- ``gguf_to_hf``    a GGUF checkpoint as an HF directory for engines that load those (``python -m kvbench.tools.gguf_to_hf``)
 """
