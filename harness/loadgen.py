@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from kvbench.harness.loadgen_datasets import DATASETS, LoadItem, random_items, sharegpt_items
+from kvbench.harness.loadgen_datasets import DATASETS, LoadItem, custom_items, random_items, sharegpt_items
 from kvbench.harness.loadgen_machine import MachineProbe
 from kvbench.harness.loadgen_metrics import describe_ms, summarize, tpot_of
 
@@ -33,7 +33,7 @@ class LoadConfig:
     max_concurrency: Optional[int] = None  # None = unbounded
     request_rate: float = math.inf  # requests per second; inf = all at once
     burstiness: float = 1.0  # gamma shape of inter-arrival times; 1 = Poisson
-    dataset: str = "random"  # random | fixed | sharegpt
+    dataset: str = "random"  # random | fixed | sharegpt | custom
     input_len: int = 256
     output_len: int = 64
     range_ratio: float = 0.0
@@ -66,8 +66,8 @@ class LoadConfig:
             raise ValueError(f"burstiness must be positive, got {self.burstiness}")
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset={self.dataset!r}; choose one of {', '.join(DATASETS)}")
-        if self.dataset == "sharegpt" and not self.dataset_path:
-            raise ValueError("the sharegpt dataset needs dataset_path (--dataset-path)")
+        if self.dataset in ("sharegpt", "custom") and not self.dataset_path:
+            raise ValueError(f"the {self.dataset} dataset needs dataset_path (--dataset-path)")
         if self.api not in APIS:
             raise ValueError(f"api={self.api!r}; choose one of {', '.join(APIS)}")
         if self.warmup < 0 or self.timeout_s <= 0 or self.metrics_interval_s < 0 or self.bucket_s <= 0:
@@ -101,6 +101,8 @@ def build_items(cfg: LoadConfig, tokenizer) -> list[LoadItem]:
         return sharegpt_items(
             cfg.dataset_path, n, cfg.seed, cfg.salt, tokenizer, cfg.output_len if tokenizer is None else None
         )
+    if cfg.dataset == "custom":
+        return custom_items(cfg.dataset_path, n, cfg.output_len, cfg.salt, tokenizer)
     vocab = cfg.vocab_size or (tokenizer.vocab_size if tokenizer is not None else 32000)
     ratio = 0.0 if cfg.dataset == "fixed" else cfg.range_ratio
     return random_items(
@@ -149,7 +151,7 @@ def load_settings(cfg: LoadConfig, tokenizer=None) -> dict:
     ``max_concurrency`` None means no cap.  A length the dataset does not fix is None: ShareGPT prompts
     keep their own lengths, and their outputs too when a tokenizer measures them.
     """
-    sharegpt = cfg.dataset == "sharegpt"
+    sharegpt = cfg.dataset in ("sharegpt", "custom")  # lengths are the file's
     return {
         "request_rate": "inf" if math.isinf(cfg.request_rate) else float(cfg.request_rate),
         "burstiness": float(cfg.burstiness),

@@ -1,4 +1,6 @@
-"""Seeded request datasets for the load generator: random lengths, fixed lengths, ShareGPT files.
+"""Seeded request datasets for the load generator: random lengths, fixed lengths, ShareGPT files, and
+``custom`` JSONL files of ``{"prompt": text, "output_tokens": n}`` lines (the format of ``vllm bench serve
+--dataset-name custom``, so both clients can send the same prompts).
 
 A dataset yields ``LoadItem``s.  Prompts are token-id lists when the lengths must be exact (random and
 fixed datasets on the completions API, which OpenAI-compatible servers accept as ``prompt``), or text
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Protocol, Sequence, Union
 
-DATASETS = ("random", "fixed", "sharegpt")
+DATASETS = ("random", "fixed", "sharegpt", "custom")
 
 
 class TextTokenizer(Protocol):
@@ -139,4 +141,36 @@ def sharegpt_items(
         items.append(LoadItem(prompt, n_in, n_out))
     if len(items) < num_prompts:
         raise ValueError(f"ShareGPT file {path} yields only {len(items)} usable prompts, {num_prompts} asked")
+    return items
+
+
+def custom_items(path: str, num_prompts: int, output_len: int, salt: str = "",
+                 tokenizer: Optional[TextTokenizer] = None) -> list[LoadItem]:
+    """The first ``num_prompts`` lines of a JSONL file, in file order: ``prompt`` (text, required) and
+    ``output_tokens`` (optional; ``output_len`` otherwise).  Input lengths are counted with ``tokenizer``
+    when there is one.  A ``salt`` is prefixed as in the ShareGPT dataset."""
+    items: list[LoadItem] = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read custom dataset {path}: {e}") from None
+    for n, line in enumerate(lines, 1):
+        if len(items) >= num_prompts:
+            break
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{path}:{n}: each line needs a non-empty 'prompt' string")
+        n_out = row.get("output_tokens", output_len)
+        if not isinstance(n_out, int) or isinstance(n_out, bool) or n_out < 1:
+            raise ValueError(f"{path}:{n}: 'output_tokens' must be a positive integer, got {n_out!r}")
+        text = f"[{salt}] {prompt}" if salt else prompt
+        items.append(LoadItem(text, len(tokenizer.encode(text)) if tokenizer is not None else None, n_out))
+    if len(items) < num_prompts:
+        raise ValueError(f"custom dataset {path} holds {len(items)} prompts, {num_prompts} asked")
     return items

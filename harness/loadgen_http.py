@@ -28,6 +28,7 @@ class StreamOutcome:
     usage: Optional[dict] = None
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    role_pending: bool = False  # a chat role chunk was timed as the first token; its content chunk follows
 
 
 def build_payload(api: str, model: str, prompt, max_tokens: int, temperature: float, ignore_eos: bool) -> dict:
@@ -239,6 +240,19 @@ def _piece(api: str, choice: dict) -> Optional[str]:
     return choice.get("text")
 
 
+def _token_event(api: str, choice: dict) -> bool:
+    """A chunk that carries a generated token even when its text is empty: a byte-level BPE token that ends
+    inside a UTF-8 character decodes to "" until the next one, and the chat role chunk comes with the first
+    token.  ``vllm bench serve`` times every chunk with a choice the same way (its TTFT is the first such chunk);
+    a closing chunk with only a finish reason and no text is not a token."""
+    if choice.get("finish_reason"):
+        return False
+    if api == "chat":
+        delta = choice.get("delta") or {}
+        return any(k in delta for k in ("content", "role", "reasoning_content", "reasoning"))
+    return choice.get("text") is not None
+
+
 def _event(api: str, data: bytes, now: float, out: StreamOutcome, parts: list[str]) -> bool:
     """Handle one SSE ``data:`` payload received at ``now``; True when the stream is over."""
     if data == b"[DONE]":
@@ -252,8 +266,14 @@ def _event(api: str, data: bytes, now: float, out: StreamOutcome, parts: list[st
         out.usage = obj["usage"]
     for choice in obj.get("choices") or ():
         piece = _piece(api, choice)
+        if piece or _token_event(api, choice):
+            delta = choice.get("delta") or {}
+            if out.role_pending:  # the first token's own chunk, right behind its role chunk: already timed
+                out.role_pending = False
+            else:
+                out.chunk_times.append(now)
+                out.role_pending = api == "chat" and "role" in delta and not piece and not out.role_pending
         if piece:
-            out.chunk_times.append(now)
             parts.append(piece)
         if choice.get("finish_reason"):
             out.finish_reason = choice["finish_reason"]

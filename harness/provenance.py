@@ -66,7 +66,34 @@ def device_info() -> dict:
             info["cuda"] = torch.version.cuda
     except Exception:  # torch missing or broken: the manifest still gets written
         pass
+    if "gpus" not in info:  # a sweep of server targets never loads torch: ask the driver (the GPUs launched servers use)
+        smi = nvidia_smi()
+        if smi:
+            info["gpus"] = [g["name"] for g in smi]
+            info["gpu_memory_mib"] = [g["memory_mib"] for g in smi]
+            info["driver"] = smi[0]["driver"]
     return info
+
+
+def nvidia_smi() -> list[dict]:
+    """``[{name, memory_mib, driver}]`` per GPU from ``nvidia-smi`` ([] without one or on any failure)."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return []
+    try:
+        r = subprocess.run([exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    out = []
+    for line in r.stdout.splitlines() if r.returncode == 0 else []:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[1].isdigit():
+            out.append({"name": parts[0], "memory_mib": int(parts[1]), "driver": parts[2]})
+    return out
 
 
 def manifest_base(sweep: SweepConfig) -> dict:

@@ -37,7 +37,7 @@ What the engines print (read in their public source; the line shapes, not the co
 * ``kvbench serve`` (``CapacityReport.log_line``): ``KV cache: 41424 tokens (nvfp4, 0.250 GiB), max
   concurrency 17 at context 2304``.
 * ``/metrics``: ``vllm:cache_config_info{block_size="16",cache_dtype="fp8",num_gpu_blocks="27319",...} 1.0``
-  (``log_metrics_info``); SGLang ``sglang:max_total_num_tokens`` and ``cache_config_info{page_size, num_pages}``
+  (``log_metrics_info``; 0.26 adds ``kv_cache_size_tokens`` and ``kv_cache_memory_bytes``); SGLang ``sglang:max_total_num_tokens`` and ``cache_config_info{page_size, num_pages}``
   (``python/sglang/srt/metrics/collector.py``).
 
 Lines may carry ANSI colours, logger prefixes and rank tags; a log holding several launches (kvbench writes a
@@ -76,8 +76,8 @@ _VLLM_CONC = re.compile(r"Maximum concurrency for\s*" + _NUM + r"\s*tokens per r
 _VLLM_V0_BLOCKS = re.compile(r"#\s*(?:GPU|cuda|xpu|hpu|npu|rocm|tpu)\s+blocks:\s*" + _NUM, re.IGNORECASE)
 _VLLM_INIT_BLOCKS = re.compile(r"num_gpu_blocks is:\s*" + _NUM)
 _VLLM_KV_MEM = re.compile(r"Available KV cache memory:\s*(-?\d+(?:\.\d+)?)\s*GiB")
-_VLLM_CONFIG = re.compile(r"Initializing an? (?:V1 )?LLM engine \(v([\w.+-]+)\) with config: (.*)")
-_VLLM_VERSION = re.compile(r"vLLM API server version\s+([\w.+-]+)")
+_VLLM_CONFIG = re.compile(r"Initializing an? (V1 )?LLM engine \(v([\w.+-]+)\) with config: (.*)")
+_VLLM_VERSION = re.compile(r"(?:vLLM API server version|[\u2580-\u259f]\s+version)\s+([\w.+-]+)")  # 0.26: an ASCII-art banner
 _VLLM_ARGS = re.compile(r"non-default args: (\{.*\})")  # vllm/entrypoints/utils.py log_non_default_args
 _BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)  # vLLM's BlockSize choices
 # kvbench serve
@@ -88,7 +88,7 @@ _KVB_LINE = re.compile(r"KV cache:\s*(\d+) tokens \(([\w.]+),\s*" + _FLOAT + r"\
 _MARKERS = (
     ("sglang", ("KV Cache is allocated", "max_total_num_token", "server_args=ServerArgs")),
     ("vllm", ("KV cache size:", "# GPU blocks", "# cuda blocks", "Maximum concurrency for", "vLLM API server",
-              "LLM engine (v")),
+              "LLM engine (v", "Starting vLLM server")),
 )
 
 
@@ -202,8 +202,8 @@ def _vllm(lines: list[str]) -> Optional[dict]:
     kv_gib: list[float] = []
     for ln in lines:
         if m := _VLLM_CONFIG.search(ln):
-            out["version"] = m.group(1)
-            cfg = m.group(2)
+            out["version"], out["v1"] = m.group(2), bool(m.group(1))
+            cfg = m.group(3)
             for key, name in (("max_seq_len", "max_model_len"), ("tensor_parallel_size", "tp_size"),
                               ("pipeline_parallel_size", "pp_size"), ("data_parallel_size", "dp_size")):
                 if v := re.search(rf"\b{key}=(\d+)", cfg):
@@ -313,6 +313,11 @@ def parse_metrics_capacity(text: str) -> dict:
                     out[key] = int(labels[label])
             if labels.get("cache_dtype"):
                 out["kv_cache_dtype"] = labels["cache_dtype"]
+            # 0.26 labels the pool itself: kv_cache_size_tokens, kv_cache_memory_bytes (when given), max concurrency
+            if labels.get("kv_cache_size_tokens", "").isdigit():
+                out["tokens"] = int(labels["kv_cache_size_tokens"])
+            if labels.get("kv_cache_memory_bytes", "").isdigit():
+                out["kv_bytes"] = int(labels["kv_cache_memory_bytes"])
         elif name in ("cache_config_info", "sglang:cache_config_info"):
             for key in ("page_size", "num_pages"):
                 if labels.get(key, "").isdigit():
@@ -379,4 +384,54 @@ def server_capacity(log_path: Optional[Path], base_url: Optional[str] = None, en
                 metrics = parse_metrics_capacity(r.text)
         except Exception:  # noqa: BLE001 - a server without /metrics is fine
             metrics = {}
-    return merge_capacity(cap, metrics, kv_dtype)
+    return admission_limit(merge_capacity(cap, metrics, kv_dtype))
+
+
+# vLLM V1's admission limit when --max-num-seqs is not given: 1024 for the API server on GPUs with >= 70 GiB
+# that are not A100s, 256 otherwise (vllm/engine/arg_utils.py get_batch_defaults, 0.8 through 0.26 at least).
+VLLM_DEFAULT_MAX_NUM_SEQS = ((70 * 1024, 1024), (0, 256))
+
+
+def _first_gpu() -> Optional[dict]:
+    import os
+
+    from kvbench.harness.provenance import nvidia_smi
+
+    gpus = nvidia_smi()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if visible.isdigit() and int(visible) < len(gpus):
+        return gpus[int(visible)]
+    return gpus[0] if gpus else None
+
+
+def _vllm_v1(cap: dict) -> bool:
+    """The server ran vLLM's V1 engine: it said so, or its version is past V0's removal (0.11)."""
+    if cap.get("v1") is not None:
+        return bool(cap["v1"])
+    m = re.match(r"(\d+)\.(\d+)", str(cap.get("version") or ""))
+    return bool(m) and (int(m.group(1)), int(m.group(2))) >= (0, 11)
+
+
+def admission_limit(cap: Optional[dict], gpu: Optional[dict] = None) -> Optional[dict]:
+    """Cap ``max_concurrency`` by the server's admission limit (sglang max_running_requests, vLLM max_num_seqs)
+    and keep the KV pool's own figure as ``max_concurrency_kv``.  A V1 vLLM that printed no max_num_seqs runs
+    with its default, which depends on the GPU (``gpu``: ``{name, memory_mib}``; default: nvidia-smi's first
+    visible GPU, the one a launched server uses); ``max_num_seqs_source`` says where the figure came from."""
+    if not cap:
+        return cap
+    if cap.get("engine") == "vllm" and cap.get("max_num_seqs") is None and _vllm_v1(cap):
+        gpu = gpu if gpu is not None else _first_gpu()
+        if gpu:
+            name, mem = str(gpu.get("name", "")), int(gpu.get("memory_mib") or 0)
+            limit = next(n for floor, n in VLLM_DEFAULT_MAX_NUM_SEQS if mem >= floor and not (floor and "A100" in name))
+            cap["max_num_seqs"] = limit
+            cap["max_num_seqs_source"] = f"vLLM's default on {name} ({mem:,} MiB): --max-num-seqs not given"
+        else:
+            cap["max_num_seqs_source"] = "unknown: --max-num-seqs not given and no GPU seen (vLLM's default is 256 or 1024)"
+    elif cap.get("max_num_seqs") is not None:
+        cap.setdefault("max_num_seqs_source", "server log")
+    limit = next((cap[k] for k in ("max_running_requests", "max_num_seqs") if isinstance(cap.get(k), int) and cap[k] > 0), None)
+    if limit is not None and isinstance(cap.get("max_concurrency"), int):
+        cap["max_concurrency_kv"] = cap["max_concurrency"]
+        cap["max_concurrency"] = min(cap["max_concurrency"], limit)
+    return cap

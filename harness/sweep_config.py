@@ -11,6 +11,8 @@ here: ``kvbench sweep --help`` imports this module.
 from __future__ import annotations
 
 import math
+import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -28,6 +30,22 @@ from kvbench.harness.sweep_specs import (CELL_KEYS, DEFAULT_MODEL, KV_ENTRY_OPTI
 
 __all__ = ["SweepConfig", "SweepConfigError", "parse_config", "load_config", "CELL_KEYS", "DEFAULT_MODEL",
            "SuiteSpec", "TargetSpec"]
+
+
+_ENV_REF = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+
+
+def expand_env(text: str, path: str) -> str:
+    """``${VAR}`` and ``${VAR:-default}`` in a config value (a model path that differs between machines);
+    an unset variable without a default is a config error naming it."""
+    def sub(m: re.Match) -> str:
+        value = os.environ.get(m.group(1))
+        if value:
+            return value
+        if m.group(2) is not None:
+            return m.group(2)
+        _fail(path, f"${{{m.group(1)}}} is not set (set it, or write ${{{m.group(1)}:-default}})")
+    return _ENV_REF.sub(sub, text)
 
 
 # ------------------------------------------------------------------------------ the config
@@ -59,6 +77,7 @@ class SweepConfig:
     implicit_axes: tuple = ()  # "backends" / "kv" when the config gives none (targets run their defaults)
     # per-layer diagnostics in quantized embedded accuracy cells (harness/cell_diagnostics.py); None = off
     diagnostics: Optional[Any] = None
+
 
     def to_dict(self) -> dict:
         """Plain, JSON-safe form (recorded in the manifest; compared on --resume).  Keys added to the schema
@@ -144,7 +163,7 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
 
     model = raw.get("model", DEFAULT_MODEL)
     models = [model] if not isinstance(model, list) else model
-    models = [DEFAULT_MODEL if m is None else _str(m, f"model[{i}]") for i, m in enumerate(_list(models, "model"))]
+    models = [DEFAULT_MODEL if m is None else expand_env(_str(m, f"model[{i}]"), f"model[{i}]") for i, m in enumerate(_list(models, "model"))]
 
     targets_raw = raw.get("targets", [{"name": "embedded", "type": "embedded"}])
     targets = [_target_with_launch(t, f"targets[{i}]", engine_keys) for i, t in enumerate(_list(targets_raw, "targets"))]
@@ -219,7 +238,10 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
 
 def _target_with_launch(d: Any, path: str, engine_keys: tuple[str, ...]) -> TargetSpec:
     """A target with its launch options (``engine_kind``, ``option_flags``, ``extra_args``, ``tp_size``,
-    ``devices``) and its own ``backends`` list."""
+    ``devices``) and its own ``backends`` list.  ``${VAR}`` / ``${VAR:-default}`` in ``launch`` and ``base_url``
+    are environment variables, expanded before the ``{placeholder}`` check."""
+    if isinstance(d, dict):
+        d = {**d, **{k: expand_env(d[k], f"{path}.{k}") for k in ("launch", "base_url") if isinstance(d.get(k), str)}}
     t = _target(d, path, engine_keys)
     parse_target_options(t, d, path)
     if d.get("backends") is not None:

@@ -17,7 +17,7 @@ from kvbench.suites.registry import is_suite_name, suite_names
 # KV formats, scale policies and backends: the tables of kvbench.core (format_names(), KV_SCALE_POLICIES,
 # backend_names()); suites: kvbench.suites.registry (suite_names())
 TARGET_TYPES = ("embedded", "server", "endpoint")
-LOAD_DATASETS = ("random", "fixed", "sharegpt")
+LOAD_DATASETS = ("random", "fixed", "sharegpt", "custom")
 LOAD_APIS = ("completions", "chat")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 CELL_KEYS = ("model", "target", "prefill_backend", "decode_backend", "kv_dtype", "kv_scales", "concurrency")
@@ -247,8 +247,8 @@ def _load(d: Any, path: str) -> LoadSpec:
         s.api = _choice(d["api"], LOAD_APIS, f"{path}.api")
     if d.get("dataset_path") is not None:
         s.dataset_path = _str(d["dataset_path"], f"{path}.dataset_path")
-    if s.dataset == "sharegpt" and not s.dataset_path:
-        _fail(f"{path}.dataset_path", "the sharegpt dataset needs dataset_path")
+    if s.dataset in ("sharegpt", "custom") and not s.dataset_path:
+        _fail(f"{path}.dataset_path", f"the {s.dataset} dataset needs dataset_path")
     return s
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -74,9 +75,32 @@ def flush_cache(base_url: str, spec: Optional[str], api_key: Optional[str] = Non
 
     method, path = spec.split()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.request(method, f"{base_url}{path}", headers=headers, timeout=60.0)
-    if r.status_code >= 400:
-        raise TargetError(f"{method} {base_url}{path} (prefix-cache flush) answered HTTP {r.status_code}: {r.text[:200]}")
+    delay = 0.25
+    for attempt in range(FLUSH_ATTEMPTS):
+        r = httpx.request(method, f"{base_url}{path}", headers=headers, timeout=60.0)
+        if r.status_code >= 400:
+            raise TargetError(f"{method} {base_url}{path} (prefix-cache flush) answered HTTP {r.status_code}: {r.text[:200]}")
+        if _flush_succeeded(r):
+            return
+        if attempt + 1 < FLUSH_ATTEMPTS:
+            time.sleep(delay)
+            delay = min(delay * 2, 4.0)
+    raise TargetError(f"{method} {base_url}{path} (prefix-cache flush) answered {r.text[:200]!r} {FLUSH_ATTEMPTS} times: "
+                      "the server kept its prefix cache (vLLM refuses while blocks are held by running requests); "
+                      "the next cell would reuse cached prefixes")
+
+
+FLUSH_ATTEMPTS = 8  # vLLM's reset fails while requests still hold blocks (aborted streams are freed within a step or two)
+
+
+def _flush_succeeded(r) -> bool:
+    """A 2xx flush answer that does not say it failed: vLLM answers ``{"success": false}`` with HTTP 200 while
+    blocks are held (vllm/entrypoints/serve/dev/cache/api_router.py); sglang answers plain text."""
+    try:
+        body = r.json()
+    except ValueError:
+        return True
+    return not (isinstance(body, dict) and body.get("success") is False)
 
 
 class TargetSession:

@@ -68,6 +68,31 @@ def _short(v) -> str:
     return str(v)
 
 
+def device_text(d: dict) -> str:
+    """The run's machine in one line, GPUs first: ``NVIDIA H200 (143771 MiB), driver 580.159.03, CUDA 13.0;
+    CPU AMD EPYC 9654 ×16; host h``."""
+    if not isinstance(d, dict):
+        return _short(d)
+    parts = []
+    gpus = d.get("gpus") or []
+    if gpus:
+        mem = d.get("gpu_memory_mib") or []
+        names = [f"{g} ({m} MiB)" if m else str(g) for g, m in zip(gpus, list(mem) + [None] * len(gpus))]
+        groups: dict = {}
+        for n in names:
+            groups[n] = groups.get(n, 0) + 1
+        text = ", ".join(f"{n} ×{k}" if k > 1 else n for n, k in groups.items())
+        text += "".join(f", {label} {d[key]}" for key, label in (("driver", "driver"), ("cuda", "CUDA")) if d.get(key))
+        parts.append(text)
+    else:
+        parts.append("no GPU seen")
+    if d.get("cpu") or d.get("cpu_count"):
+        parts.append(f"CPU {d.get('cpu') or '?'} ×{d.get('cpu_count') or '?'}")
+    if d.get("host"):
+        parts.append(f"host {d['host']}")
+    return "; ".join(parts)
+
+
 def run_meta(run: RunData) -> list[tuple[str, str]]:
     """Rows describing a run at the top of a report."""
     m, cfg = run.manifest, run.config
@@ -76,8 +101,10 @@ def run_meta(run: RunData) -> list[tuple[str, str]]:
         rows.append(("config", str(cfg["name"])))
     for key, label in (("created", "created"), ("date", "date"), ("git", "git"), ("git_sha", "git"), ("device", "device")):
         if m.get(key) not in (None, "", {}):
-            rows.append((label, _short(m[key])))
+            rows.append((label, device_text(m[key]) if key == "device" else _short(m[key])))
     done = len(run.done_cells)
     failed = sum(1 for c in run.cells if c.status == "failed")
-    rows.append(("cells", f"{done} done, {failed} failed, {len(run.cells) - done - failed} unfinished, of {len(run.cells)}"))
+    planned = {c.get("key") for c in m.get("cells") or [] if isinstance(c, dict) and c.get("key")}
+    total = len(planned | {c.key for c in run.cells})  # the manifest's plan: cells never started count as unfinished
+    rows.append(("cells", f"{done} done, {failed} failed, {total - done - failed} unfinished, of {total}"))
     return rows

@@ -184,9 +184,12 @@ async def run_job(ctx: JobContext, request: Request, req: ParsedRequest, chat: b
     if req.stream:
         async def sse():
             try:
+                # the echoed prompt goes first; a chat role otherwise comes with the first token (as vLLM sends it),
+                # so a client timing the first chunk times the first token
+                role_due = set() if req.echo else {c.index for c in choices} if chat else set()
                 for c in choices:
-                    if chat or req.echo:
-                        yield chunk(c, c.text, lp_block(c, [], [], [], True) if req.echo else None, c.finish_reason, first=True)
+                    if req.echo:
+                        yield chunk(c, c.text, lp_block(c, [], [], [], True), c.finish_reason, first=True)
                 while not job.done:
                     d = await job.next()
                     c = choices[job.index[d.request_id]]
@@ -198,7 +201,8 @@ async def run_job(ctx: JobContext, request: Request, req: ParsedRequest, chat: b
                     if d.text or d.token_ids or fr:
                         lp = lp_block(c, d.token_ids, d.logprobs or [], d.top_logprobs or [], False, len(c.text))
                         c.text += d.text  # streamed so far (text_offset of the next chunk)
-                        yield chunk(c, d.text, lp, fr)
+                        yield chunk(c, d.text, lp, fr, first=c.index in role_due)
+                        role_due.discard(c.index)
                 if req.include_usage:
                     yield sse_event({"id": base, "object": obj + ".chunk" if chat else obj, "created": created, "model": model_id, "choices": [], "usage": usage()})
                 yield "data: [DONE]\n\n"

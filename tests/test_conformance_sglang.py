@@ -80,7 +80,8 @@ def test_sglang_sweep_conformance(tmp_path):
         assert cap["tokens"] == cap["max_total_num_tokens"] == expected_tokens(kv_bytes, tp=2)
         assert cap["tp_size"] == 2 and cap["kv_bytes_ranks"] == 2  # both ranks' pools counted once each
         assert (cap["max_running_requests"], cap["context_len"], cap["page_size"]) == (4, 4096, 1)
-        assert cap["kv_dtype"] == c.config["kv_dtype"] and cap["max_concurrency"] == cap["tokens"] // 4096
+        assert cap["kv_dtype"] == c.config["kv_dtype"] and cap["max_concurrency_kv"] == cap["tokens"] // 4096
+        assert cap["max_concurrency"] == 4  # capped by --max-running-requests 4
         assert cap["bytes_per_token"] == pytest.approx(2 * 4 * 2 * 64 * kv_bytes, rel=0.02)
         assert cap["metrics"]["max_total_num_tokens"] == cap["tokens"]  # /metrics agrees with the log
     by_kv = {c.config["kv_dtype"]: c.capacity["tokens"] for c in cells}

@@ -107,10 +107,12 @@ def test_vllm_sweep_conformance(tmp_path):
     for c in cells:
         cap = c.capacity
         kv_bytes = 1 if c.config["kv_dtype"] == "fp8_e4m3" else 2
-        assert cap["engine"] == "vllm" and cap["source"] == "server log+metrics" and cap["version"] == "0.12.0"
+        assert cap["engine"] == "vllm" and cap["source"] == "server log+metrics" and cap["version"] == "0.26.0"
         assert cap["tokens"] == expected_tokens(kv_bytes) and cap["num_gpu_blocks"] == cap["num_pages"] == cap["tokens"] // 16
         assert (cap["block_size"], cap["page_size"], cap["context_len"]) == (16, 16, 4096)
-        assert cap["max_concurrency"] == cap["tokens"] // 4096 and cap["kv_dtype"] == c.config["kv_dtype"]
+        # the KV pool's figure, and the one the server can run: capped by its admission limit (--max-num-seqs 4)
+        assert cap["max_concurrency_kv"] == cap["tokens"] // 4096 and cap["max_concurrency"] == min(4, cap["tokens"] // 4096)
+        assert cap["kv_dtype"] == c.config["kv_dtype"] and cap["max_num_seqs_source"] == "server log"
         assert cap["kv_cache_dtype"] == KV_MAP.get(c.config["kv_dtype"], c.config["kv_dtype"])
         assert cap["kv_bytes"] == 2**30 and cap["bytes_per_token"] == 2 * 4 * 2 * 64 * kv_bytes
         assert cap["metrics"]["num_gpu_blocks"] == cap["num_gpu_blocks"] and cap["metrics"]["block_size"] == 16
@@ -163,7 +165,11 @@ def test_vllm_generations(tmp_path, style, fields):
     assert ("# GPU blocks:" in cell.server_log) == v0 and ("GPU KV cache size:" in cell.server_log) != v0
     cap = cell.capacity
     assert cap["tokens"] == expected_tokens(1) and cap["num_gpu_blocks"] == cap["tokens"] // 16 and cap["block_size"] == 16
-    assert cap["context_len"] == 4096 and cap["max_concurrency"] == cap["tokens"] // 4096
+    assert cap["context_len"] == 4096
+    if v0:  # V0 printed no non-default args: the admission limit is unknown and the KV pool's figure stands
+        assert cap["max_concurrency"] == cap["tokens"] // 4096 and "max_concurrency_kv" not in cap
+    else:  # capped by --max-num-seqs 4
+        assert cap["max_concurrency_kv"] == cap["tokens"] // 4096 and cap["max_concurrency"] == 4
     assert ("kv_bytes" in cap) != v0  # V0 prints no KV memory line
     assert {(r["suite"], r["item_id"]): r["correct"] for r in cell.items} == EXPECTED_CORRECT
     for r in cell.items:  # no target request here: gpqa goes without reasoning_effort (the fake's medium), aime asks high

@@ -3,6 +3,7 @@ after the stream (bad JSON and error events still end up in the outcome)."""
 
 from __future__ import annotations
 
+import json
 import asyncio
 
 from kvbench.harness.loadgen_http import HttpPool, stream_request
@@ -77,3 +78,37 @@ def test_bad_json_and_error_events_are_reported_after_the_stream():
                        b'{"choices":[{"index":0,"text":"z"}]}', b"[DONE]"))
     # the stream's own error ends the outcome: later events are not counted
     assert all(o.error == "boom" and o.text == "a" and len(o.chunk_times) == 1 for o in outs)
+
+
+def _times(api: str, events: list[tuple[float, dict]]):
+    from kvbench.harness.loadgen_http import StreamOutcome, _event
+
+    out, parts = StreamOutcome(request_id="r", start=0.0), []
+    for t, obj in events:
+        _event(api, json.dumps(obj).encode(), t, out, parts)
+    return out.chunk_times, "".join(parts)
+
+
+def test_a_token_that_decodes_to_nothing_is_timed_like_vllm_bench_serve():
+    """A byte-level BPE token ending inside a UTF-8 character streams as text "" (seen on vLLM 0.26 with random
+    outputs): it is a token, so TTFT is its chunk, as `vllm bench serve` times it.  A closing chunk with only a
+    finish reason and the usage chunk are not tokens."""
+    cmpl = lambda text, fr=None: {"choices": [{"index": 0, "text": text, "finish_reason": fr}]}  # noqa: E731
+    times, text = _times("completions", [(1.0, cmpl("")), (1.1, cmpl("\u00e9")), (1.2, cmpl(" b", "length")),
+                                         (1.3, {"choices": [], "usage": {"completion_tokens": 3}})])
+    assert times == [1.0, 1.1, 1.2] and text == "\u00e9 b"
+    times, _ = _times("completions", [(1.0, cmpl("a")), (1.1, cmpl("", "stop"))])  # finish-only chunk after the last token
+    assert times == [1.0]
+
+
+def test_a_chat_role_chunk_times_the_first_token_once():
+    """vLLM sends the role (content "") and the first token's content back to back at the first token: one timed
+    event, at the role chunk; a role sent together with content is one event too."""
+    delta = lambda d, fr=None: {"choices": [{"index": 0, "delta": d, "finish_reason": fr}]}  # noqa: E731
+    times, text = _times("chat", [(2.0, delta({"role": "assistant", "content": ""})), (2.001, delta({"content": "Hi"})),
+                                  (2.1, delta({"content": " there"})), (2.2, delta({}, "length"))])
+    assert times == [2.0, 2.1] and text == "Hi there"
+    times, _ = _times("chat", [(3.0, delta({"role": "assistant", "content": "Hi"})), (3.1, delta({"content": "!"}))])
+    assert times == [3.0, 3.1]
+    times, _ = _times("chat", [(4.0, delta({"reasoning": "think"})), (4.1, delta({"content": "ok"}))])
+    assert times == [4.0, 4.1]

@@ -160,3 +160,50 @@ def test_the_vllm_recipe_runs_end_to_end_against_the_fake_vllm(tmp_path):
         assert a["kv_cache_dtype"] in ("fp8_e4m3", "auto") and a["calculate_kv_scales"] == fp8
         seen.add((a["attention_backend"], a["kv_cache_dtype"]))
     assert seen == {("FLASHINFER", "auto"), ("FLASHINFER", "fp8_e4m3"), ("FLASH_ATTN", "auto"), ("FLASH_ATTN", "fp8_e4m3")}
+
+
+def test_the_smol_vllm_recipe_launches_the_fake_with_every_flag_the_real_run_used(tmp_path, monkeypatch):
+    """configs/vllm-fp8-kv-smol.yaml ran on a real vLLM 0.26 (docs/external-engines.md "A real vLLM"): its launch
+    line (--max-num-seqs, --gpu-memory-utilization, --enforce-eager, --seed, --calculate-kv-scales on one fp8
+    entry) passes the fake's copy of vLLM's argparse, and the admission limit it sets caps the reported
+    concurrency."""
+    import sys
+
+    import yaml
+
+    sys.path.insert(0, str(Path(__file__).parent / "fake_engines"))
+    from conformance import FAKE_VLLM, PYTHON, fake_args, make_model, read_cells, run
+
+    raw = yaml.safe_load((CONFIGS / "vllm-fp8-kv-smol.yaml").read_text())
+    t = raw["targets"][0]
+    t["launch"] = t["launch"].replace("vllm serve", f"{PYTHON} {FAKE_VLLM} serve")
+    t["health_timeout_s"] = 30
+    monkeypatch.setenv("KVBENCH_SMOL_HF", str(make_model(tmp_path)))
+    raw.update(aa_control=False, suites=[], gate=None, accuracy_concurrency=2)
+    raw["axes"]["concurrency"] = [2]
+    raw["load"].update(num_prompts=4, prompts_per_concurrency=0, input_len=16, output_len=8, warmup=0)
+    raw.pop("gate")
+    out = run(raw, tmp_path / "run")
+    cells = read_cells(tmp_path / "run")
+    assert out.ok and len(cells) == 3, out.failed
+    launched = sorted(((a["args"]["kv_cache_dtype"], a["args"]["calculate_kv_scales"], a["args"]["max_num_seqs"],
+                        a["args"]["enforce_eager"]) for c in cells for a in fake_args(c.server_log)))
+    assert launched == [("auto", False, 128, True), ("fp8_e4m3", False, 128, True), ("fp8_e4m3", True, 128, True)]
+    assert all(c.capacity["max_num_seqs"] == 128 and c.capacity["max_concurrency"] <= 128 for c in cells)
+
+
+def test_the_engine_against_vllm_sweep_expands_both_engines_on_one_shape(tmp_path, monkeypatch):
+    """configs/vllm-vs-kvbench-8b.yaml: the same 12 load cells for vLLM (dummy weights, FLASH_ATTN) and kvbench
+    serve (synthetic shape, triton) at the same KV memory; paths from the environment, expanded in the launch."""
+    (tmp_path / "dummy").mkdir()
+    (tmp_path / "dummy" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    monkeypatch.setenv("KVBENCH_LLAMA8B_DUMMY", str(tmp_path / "dummy"))
+    monkeypatch.setenv("KVBENCH_SMOL_HF", "/models/smol-tok")
+    r = CliRunner().invoke(app, ["sweep", str(CONFIGS / "vllm-vs-kvbench-8b.yaml"), "--dry-run", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert lines[-1].startswith("12 cells")
+    cmds = [ln for ln in lines if ln.startswith("  $ ")]
+    assert sum("--tokenizer /models/smol-tok" in c and "--kv-cache-memory-bytes 42949672960" in c for c in cmds) == 2
+    assert sum("kvbench serve --model synthetic:llama-3-8b,vocab=49152" in c and "--kv-budget-gb 40" in c for c in cmds) == 2
+    assert any("--kv-cache-dtype fp8 " in c for c in cmds) and any("--kv-dtype fp8_e4m3" in c for c in cmds)

@@ -37,8 +37,9 @@ def register(app: typer.Typer) -> None:
         num_prompts: int = typer.Option(64, "--num-prompts", help="Timed requests per level", min=1),
         request_rate: float = typer.Option(math.inf, "--request-rate", help="Requests per second (inf = all at once)"),
         burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape of inter-arrivals (1 = Poisson)"),
-        dataset: str = typer.Option("random", "--dataset", help="random, fixed or sharegpt"),
-        dataset_path: Optional[str] = typer.Option(None, "--dataset-path", help="ShareGPT-format JSON file"),
+        dataset: str = typer.Option("random", "--dataset", help="random, fixed, sharegpt or custom"),
+        dataset_path: Optional[str] = typer.Option(None, "--dataset-path", help="ShareGPT-format JSON file, or a custom "
+                                                    "JSONL of {\"prompt\", \"output_tokens\"} lines (vllm bench's format)"),
         input_len: int = typer.Option(256, "--input-len", help="Prompt tokens (random/fixed)", min=1),
         output_len: int = typer.Option(64, "--output-len", help="Output tokens", min=1),
         range_ratio: float = typer.Option(0.0, "--range-ratio", help="Lengths uniform in [L(1-r), L(1+r)]"),

@@ -203,6 +203,10 @@ class EngineStyle:
     tokenize: bool = False
     check_model_name: bool = False
     context_error: Callable[[int, int, int], str] = lambda limit, prompt, new: f"context length {limit} exceeded"
+    context_param: Optional[str] = None  # the error's param (vLLM 0.26: "input_tokens")
+    bad_json: Optional[Callable[[Exception], tuple]] = None  # (message, type, param) for an unparsable body
+    flush_json: bool = False
+    value_suffix: bool = False  # vLLM 0.26 ends a parameter error with "(parameter=NAME, value=VALUE)"  # the flush answers {"success": bool} (vLLM 0.26: false while requests hold blocks)
     extra_card: dict = field(default_factory=dict)
 
 
@@ -248,6 +252,8 @@ def build_app(style: EngineStyle, sched: Scheduler):
             text = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
                     "requests, the operation will not be performed.)\n")
             return PlainTextResponse(text, status_code=200 if sched.running + sched.waiting == 0 else 400)
+        if style.flush_json:
+            return JSONResponse({"success": sched.running + sched.waiting == 0})
         return Response(status_code=200)
 
     async def tokenize(request: Request):
@@ -261,6 +267,9 @@ def build_app(style: EngineStyle, sched: Scheduler):
         try:
             body = await request.json()
         except ValueError as e:
+            if style.bad_json is not None:
+                msg, typ, param = style.bad_json(e)
+                return error(msg, typ, 400, param)
             return error(f"invalid JSON body: {e}")
         request_log(request.url.path, body)
         if not isinstance(body, dict):
@@ -276,14 +285,15 @@ def build_app(style: EngineStyle, sched: Scheduler):
             return error(f"reasoning_effort: Input should be 'low', 'medium' or 'high' (got {effort!r})", param="reasoning_effort")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         temperature = body.get("temperature")
+        tail = (lambda name, v: f" (parameter={name}, value={v})") if style.value_suffix else (lambda name, v: "")
         if not isinstance(max_tokens, int) or max_tokens < 1:
-            return error(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+            return error(f"max_tokens must be at least 1, got {max_tokens}.{tail('max_tokens', max_tokens)}", param="max_tokens")
         if temperature is not None and (not isinstance(temperature, (int, float)) or temperature < 0):
-            return error(f"temperature must be non-negative, got {temperature}.", param="temperature")
+            return error(f"temperature must be non-negative, got {temperature}.{tail('temperature', temperature)}", param="temperature")
         text = prompt_text(body)
         n_prompt = count_tokens(text) if chat else count_tokens(body["prompt"])
         if n_prompt + max_tokens > style.max_model_len:
-            return error(style.context_error(style.max_model_len, n_prompt, max_tokens))
+            return error(style.context_error(style.max_model_len, n_prompt, max_tokens), param=style.context_param)
         fields = style.reasoning_fields if chat else ()
         pieces, finish = output_pieces(text, max_tokens, bool(body.get("ignore_eos")), effort,
                                        fields[0] if fields else None, chat)
@@ -314,10 +324,10 @@ def build_app(style: EngineStyle, sched: Scheduler):
 
         async def events():
             n = 0
-            if chat:
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
             async for kind, piece in sched.generate(n_prompt, pieces):
                 n += 1
+                if chat and n == 1:  # the role comes with the first token, as the engines send it
+                    yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
                 last = n == len(pieces)
                 if chat:
                     delta = {f: piece for f in fields} if kind == "reasoning" else {"content": piece}

@@ -59,7 +59,7 @@ BACKENDS = ["FLASH_ATTN", "TRITON_ATTN", "XFORMERS", "ROCM_ATTN", "ROCM_AITER_FA
             "PALLAS", "NO_ATTENTION"]
 REASONING_PARSERS = ["deepseek_r1", "deepseek_v3", "qwen3", "granite", "glm45", "openai_gptoss", "mistral", "hunyuan_a13b",
                      "step3", "seed_oss", "minimax_m2", "ernie45"]
-VERSIONS = {"legacy": "0.6.6", "v1": "0.11.0", "latest": "0.12.0"}
+VERSIONS = {"legacy": "0.6.6", "v1": "0.11.0", "latest": "0.26.0"}
 DEFAULT_GPU_UTIL = 0.9
 GiB = 2**30
 
@@ -104,6 +104,10 @@ def parser(style: str) -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int)
     s.add_argument("--max-num-batched-tokens", type=int)
     s.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_UTIL)
+    s.add_argument("--kv-cache-memory-bytes", type=int)
+    s.add_argument("--load-format", default="auto", choices=["auto", "pt", "safetensors", "npcache", "dummy", "tensorizer",
+                                                            "sharded_state", "gguf", "bitsandbytes", "mistral", "runai_streamer"])
+    s.add_argument("--tokenizer")
     s.add_argument("--block-size", type=int, choices=[1, 8, 16, 32, 64, 128, 256])
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     s.add_argument("--attention-backend", type=str.upper, choices=BACKENDS)
@@ -131,19 +135,23 @@ def main(argv: list[str]) -> None:
     if path is None:
         parser(style).parse_args(["serve", "--help"])
     legacy = style == "legacy"
-    level = "\x1b[32mINFO\x1b[0m" if style == "latest" else "INFO"
+    latest = style == "latest"  # vLLM 0.26.0's own lines (tests/fixtures/vllm-0.26/, from a real H200 run)
+    level = "\x1b[32mINFO\x1b[0m" if style == "v1-colour" else "INFO"
     api = "" if legacy else f"(APIServer pid={os.getpid()}) "
-    core = "" if legacy else f"(EngineCore_DP0 pid={os.getpid()}) "
+    core = "" if legacy else (f"(EngineCore pid={os.getpid()}) " if latest else f"(EngineCore_DP0 pid={os.getpid()}) ")
 
     def info(prefix: str, where: str, msg: str) -> None:
         emit(f"{prefix}{level} 01-02 03:04:05 [{where}] {msg}" if not legacy else f"INFO 01-02 03:04:05 {where}] {msg}")
 
     emit(fake_args_line("vllm", args, argv))
-    info(api, "api_server.py:1896", f"vLLM API server version {version}")
+    if latest:
+        info(api, "api_utils.py:345", f" \u2584\u2584 \u2584\u2588 \u2588     \u2588     \u2588 \u2580\u2584\u2580 \u2588  version {version}")
+    else:
+        info(api, "api_server.py:1896", f"vLLM API server version {version}")
     if not legacy:
         defaults = vars(parser(style).parse_args(["serve"]))
         changed = {k: v for k, v in vars(args).items() if v != defaults.get(k) and k != "subcommand"}
-        info(api, "utils.py:233", f"non-default args: {changed}")
+        info(api, "api_utils.py:273" if latest else "utils.py:233", f"non-default args: {changed}")
     model = load_model(path)
     if model is None:
         fail_model_path([f"{api}Traceback (most recent call last):", f'{api}  File "vllm/entrypoints/cli/main.py", line 54, in main',
@@ -159,7 +167,8 @@ def main(argv: list[str]) -> None:
     kv = "bfloat16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     max_len = args.max_model_len or model.max_len
     tp, pp, block = args.tensor_parallel_size, args.pipeline_parallel_size, args.block_size or 16
-    budget = kv_budget_bytes(args.gpu_memory_utilization, DEFAULT_GPU_UTIL, tp * pp)
+    budget = args.kv_cache_memory_bytes * tp * pp if args.kv_cache_memory_bytes else \
+        kv_budget_bytes(args.gpu_memory_utilization, DEFAULT_GPU_UTIL, tp * pp)
     blocks = int(budget // (kv_bytes_per_token(model, kv, args.kv_cache_dtype_skip_layers) * block))
     tokens = blocks * block
     conc = tokens / max_len
@@ -177,13 +186,22 @@ def main(argv: list[str]) -> None:
         info("", "gpu_executor.py:122", f"# GPU blocks: {blocks}, # CPU blocks: 2048")
         info("", "gpu_executor.py:126", f"Maximum concurrency for {max_len} tokens per request: {conc:.2f}x")
     else:
+        if latest:
+            if backend == "FLASH_ATTN":
+                info(core, "flash_attn.py:776", "Using FlashAttention version 3")
+            info(core, "model_runner.py:305", "Model loading took 0.25 GiB and 0.10 seconds")
         for rank in range(tp * pp):
+            if args.kv_cache_memory_bytes:  # vLLM sizes the pool from the flag and prints no memory line
+                break
             worker = core if tp * pp == 1 else f"(Worker_TP{rank} pid={os.getpid()}) "
-            info(worker, "gpu_worker.py:298", f"Available KV cache memory: {budget / (tp * pp) / GiB:.2f} GiB")
-        info(core, "kv_cache_utils.py:1087", f"GPU KV cache size: {tokens:,} tokens")
-        info(core, "kv_cache_utils.py:1091", f"Maximum concurrency for {max_len:,} tokens per request: {conc:.2f}x")
-        info(core, "core.py:210", "init engine (profile, create kv cache, warmup model) took 0.50 seconds")
-        info(api, "loggers.py:147", f"Engine 000: vllm cache_config_info with initialization after num_gpu_blocks is: {blocks}")
+            info(worker, "gpu_worker.py:560" if latest else "gpu_worker.py:298", f"Available KV cache memory: {budget / (tp * pp) / GiB:.2f} GiB")
+        info(core, "kv_cache_utils.py:2177" if latest else "kv_cache_utils.py:1087", f"GPU KV cache size: {tokens:,} tokens")
+        info(core, "kv_cache_utils.py:2178" if latest else "kv_cache_utils.py:1091", f"Maximum concurrency for {max_len:,} tokens per request: {conc:.2f}x")
+        if latest:
+            info(core, "core.py:340", "init engine (profile, create kv cache, warmup model) took 0.50 s (compilation: 0.00 s)")
+        else:
+            info(core, "core.py:210", "init engine (profile, create kv cache, warmup model) took 0.50 seconds")
+            info(api, "loggers.py:147", f"Engine 000: vllm cache_config_info with initialization after num_gpu_blocks is: {blocks}")
     sched = Scheduler(max_seqs, tokens, float(os.environ.get("FAKE_TOKEN_DELAY_S", "0.004")))
     labels = f'model_name="{served}"' if legacy else f'engine="0",model_name="{served}"'
     usage_names = {"legacy": ["gpu_cache_usage_perc"], "v1": ["gpu_cache_usage_perc", "kv_cache_usage_perc"]}.get(style, ["kv_cache_usage_perc"])
@@ -201,12 +219,25 @@ def main(argv: list[str]) -> None:
                f'enable_prefix_caching="{args.enable_prefix_caching is not False}",gpu_memory_utilization="{args.gpu_memory_utilization}",'
                f'kv_cache_dtype_skip_layers="{args.kv_cache_dtype_skip_layers}",'
                f'num_cpu_blocks="None",num_gpu_blocks="{blocks}",num_gpu_blocks_override="None"')
+        if latest:  # 0.26 adds the pool itself to the info labels
+            cfg += (f',engine="0",kv_cache_max_concurrency="{conc}",kv_cache_memory_bytes="{args.kv_cache_memory_bytes}",'
+                    f'kv_cache_size_tokens="{tokens}"')
         out += ["# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{cfg}}} 1.0"]
         return "\n".join(out) + "\n"
 
     def context_error(limit: int, prompt: int, new: int) -> str:
+        if latest:
+            return (f"This model's maximum context length is {limit} tokens. However, you requested {new} output tokens and "
+                    f"your prompt contains at least {prompt} input tokens, for a total of at least {prompt + new} tokens. "
+                    "Please reduce the length of the input prompt or the number of requested output tokens. "
+                    f"(parameter=input_tokens, value={prompt})")
         return (f"This model's maximum context length is {limit} tokens. However, you requested {prompt + new} tokens "
                 f"({prompt} in the messages, {new} in the completion). Please reduce the length of the messages or completion.")
+
+    def bad_json(e: Exception) -> tuple:
+        why = getattr(e, "msg", str(e))  # FastAPI's request validation error, as vLLM 0.26 returns it
+        return (f"1 validation error:\n  {{'type': 'json_invalid', 'loc': ('body', 1), 'msg': 'JSON decode error', "
+                f"'input': {{}}, 'ctx': {{'error': '{why}'}}}}", "Bad Request", "body.1")
 
     def error_body(msg: str, typ: str, code: int, param):
         flat = {"message": msg, "type": typ, "param": param, "code": code}
@@ -218,8 +249,11 @@ def main(argv: list[str]) -> None:
         reasoning_fields=fields if args.reasoning_parser else (), error_body=error_body, metrics_text=metrics_text,
         owned_by="vllm", flush_route=(("POST",), "/reset_prefix_cache"),
         flush_enabled=os.environ.get("VLLM_SERVER_DEV_MODE") == "1", tokenize=True, check_model_name=True,
-        context_error=context_error, extra_card={"permission": []})
-    info(api, "api_server.py:1971", f"Starting vLLM API server 0 on http://{args.host}:{args.port}")
+        bad_json=bad_json if latest else None, context_error=context_error, context_param="input_tokens" if latest else None, flush_json=latest, value_suffix=latest, extra_card={"permission": []})
+    if latest:
+        info(api, "api_server.py:677", f"Starting vLLM server on http://{args.host}:{args.port}")
+    else:
+        info(api, "api_server.py:1971", f"Starting vLLM API server 0 on http://{args.host}:{args.port}")
     emit(f"{api}INFO:     Application startup complete.")
     serve(build_app(app_style, sched), args.host, args.port)
 
