@@ -1,4 +1,4 @@
-"""The attention backend table: which backend runs which KV format in which phase (DESIGN §6).
+"""The attention backend table: which backend runs which KV format in which phase (docs/design.md §6).
 
 Declarative and torch-free: config validation, the CLI and `kvbench formats` read it without importing
 a kernel.  The runtime's attention registry (``kvbench.runtime.attention.registry``) attaches an

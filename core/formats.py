@@ -1,4 +1,4 @@
-"""The KV format table: the one place a KV-cache format is declared (DESIGN §4).
+"""The KV format table: the one place a KV-cache format is declared (docs/design.md §4).
 
 Each entry says how a K or V head vector is laid out in the cache: the element code and its storage
 dtype, how codes are packed into bytes, the block scales along ``head_dim``, whether a per-layer (or
@@ -149,7 +149,7 @@ def _short(storage: str) -> str:
             "bfloat16": "bf16"}.get(storage, storage)
 
 
-# where a quantized format's tensor scales come from (DESIGN §4): 1.0, the checkpoint's k_scale/v_scale, or a
+# where a quantized format's tensor scales come from (docs/design.md §4): 1.0, the checkpoint's k_scale/v_scale, or a
 # calibration run in bf16
 KV_SCALE_POLICIES = ("unit", "checkpoint", "calibrate")
 

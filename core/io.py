@@ -1,4 +1,4 @@
-"""Atomic file writes, JSON lines and the short hashes records and cell keys use (DESIGN §10).
+"""Atomic file writes, JSON lines and the short hashes records and cell keys use (docs/design.md §10).
 
 Every file is written to a temporary file in the same directory, fsynced, then renamed over the target,
 so a crash leaves either the old file or the new one, never a torn one.

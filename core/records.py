@@ -1,4 +1,4 @@
-"""Record schemas: the fields every per-item and per-request record carries (DESIGN §8, §10).
+"""Record schemas: the fields every per-item and per-request record carries (docs/design.md §8, §10).
 
 Suites write item records (``suites/base.py`` ``make_record``), the load generator writes request
 records; reports and the gate read them.  A record may carry more fields (error fields, suite-specific

@@ -1,6 +1,6 @@
-"""Serving metrics from per-request load-test records (DESIGN §9).
+"""Serving metrics from per-request load-test records (docs/design.md §9).
 
-Everything here is a pure function of the records (the ``requests.jsonl`` schema of DESIGN §10), so
+Everything here is a pure function of the records (the ``requests.jsonl`` schema of docs/design.md §10), so
 reports can recompute a summary from the store without re-running anything:
 
 - TTFT: time from sending the request to the first streamed chunk carrying output.

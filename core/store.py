@@ -1,4 +1,4 @@
-"""The run directory (DESIGN §10) and the selectors over its cells.
+"""The run directory (docs/design.md §10) and the selectors over its cells.
 
     RUN/manifest.json
     RUN/cells/<key>/cell.json  items.jsonl  requests.jsonl  capacity.json  summary.json  status

@@ -1,10 +1,10 @@
-"""Serving load generator against any OpenAI-compatible endpoint (DESIGN §9).
+"""Serving load generator against any OpenAI-compatible endpoint (docs/design.md §9).
 
 ``run_load(base_url, model, LoadConfig)`` sends a seeded dataset of streamed requests with gamma
 inter-arrivals (``burstiness`` 1 = Poisson; ``request_rate`` inf = all at once) under an optional
 concurrency cap, after ``warmup`` untimed requests, and returns ``(summary, records)``: the metric summary
 of ``loadgen_metrics.summarize`` plus run facts, and one record per request in the ``requests.jsonl``
-schema (DESIGN §10).  Token counts come from the server's ``usage``, else from a tokenizer, else from the
+schema (docs/design.md §10).  Token counts come from the server's ``usage``, else from a tokenizer, else from the
 number of streamed chunks (``summary["token_count_source"]`` says which).  The client's own event-loop
 lag is sampled during the run (``client_lag_ms``) so a saturated client shows up in the numbers, and the
 machine's load around it (``machine_load``: load averages, own CPU time, the share other processes took).

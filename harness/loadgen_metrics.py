@@ -1,4 +1,4 @@
-"""Serving metrics from per-request load-test records (DESIGN §9): re-exported from
+"""Serving metrics from per-request load-test records (docs/design.md §9): re-exported from
 ``kvbench.core.serving_metrics`` (reports recompute summaries from the store with the same functions)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Engine flags shared by ``serve``, ``eval`` and ``bench`` (DESIGN §11).
+"""Engine flags shared by ``serve``, ``eval`` and ``bench`` (docs/design.md §11).
 
 ``@engine_options`` adds the flags to a typer command's signature and hands the command one
 ``engine: EngineConfig`` argument instead, so every command spells the flags the same way.

@@ -1,4 +1,4 @@
-"""Run directory and record schemas (DESIGN §10): re-exported from the ground floor.
+"""Run directory and record schemas (docs/design.md §10): re-exported from the ground floor.
 
 The run directory lives in ``kvbench.core.store``, the atomic writes and hashes in ``kvbench.core.io``,
 the record field names in ``kvbench.core.records``; this module keeps the names the harness and its

@@ -1,6 +1,6 @@
 """KV-cache formats: the numerics spec, as a torch reference.
 
-Every kernel that stores or reads the cache must agree bit for bit with this file (DESIGN §4).
+Every kernel that stores or reads the cache must agree bit for bit with this file (docs/design.md §4).
 
 A format's name and layout are declared once, in ``kvbench.core.formats`` (the table); this module
 attaches its numerics (``register_numerics(name, quantize, dequantize)``) and builds the ``KVFormat``

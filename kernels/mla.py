@@ -3,7 +3,7 @@
 DeepSeek-style MLA keeps one compressed latent per token, ``c_kv`` (``kv_lora_rank`` values, e.g. 512),
 plus a decoupled RoPE key ``k_pe`` (``rope_dim`` values, e.g. 64) shared by all heads.  In the paged pool
 that is a single cache "head" (``H_kv = 1``) of head dim ``kv_lora_rank + rope_dim`` (576), stored in any
-KV format (DESIGN §4): per layer ``data [num_pages + 1, page_size, 1, Dp]`` and, for nvfp4,
+KV format (docs/design.md §4): per layer ``data [num_pages + 1, page_size, 1, Dp]`` and, for nvfp4,
 ``block_scale [num_pages + 1, page_size, 1, D/16]`` (the 16-element blocks tile the latent and the rope
 part separately, since both are multiples of 16).  One per-layer scale set, ``k_scale [1]``, serves the
 latent's use as K and as V (``v_scale`` is unused for MLA).

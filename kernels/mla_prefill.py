@@ -2,7 +2,7 @@
 
 The new tokens of a sequence attend, causally, to its cached prefix — read from the quantized latent
 pages — and to their own latent and rope keys in compute precision (not round-tripped through the cache
-format; DESIGN "attention semantics").  All heads share the latent (one KV head), so a program's rows are
+format; docs/design.md §6 "Prefill / extend").  All heads share the latent (one KV head), so a program's rows are
 (token, head) pairs: ``TB`` tokens × ``HB`` heads, each latent tile serving every row.  Output is
 ``o_lat [T, H, rank]``.
 

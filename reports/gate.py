@@ -1,4 +1,4 @@
-"""Non-inferiority gate (DESIGN §10): candidate cell(s) against a baseline cell of one run.
+"""Non-inferiority gate (docs/design.md §10): candidate cell(s) against a baseline cell of one run.
 
 A gated accuracy metric passes when the one-sided lower confidence bound of (candidate − baseline),
 paired on (item, repeat), is above −δ.  Invalid-answer and truncation rates pass when the one-sided upper

@@ -1,4 +1,4 @@
-"""Confidence intervals (DESIGN §10): one cell's accuracy and the difference of two paired proportions.
+"""Confidence intervals (docs/design.md §10): one cell's accuracy and the difference of two paired proportions.
 
 * one cell: a Wilson interval when every question was asked once (K=1, 0/1 scores), a Student-t interval
   over per-question means otherwise (K>1, or fractional scores) — ``estimate``; a one-sided upper bound of

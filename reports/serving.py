@@ -1,4 +1,4 @@
-"""Serving metrics of a cell for reports (DESIGN §9, §10): ``serving_summary`` and the two serving tables.
+"""Serving metrics of a cell for reports (docs/design.md §9, §10): ``serving_summary`` and the two serving tables.
 
 ``serving_summary(cell)`` is one flat dict per cell:
 

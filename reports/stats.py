@@ -1,4 +1,4 @@
-"""Statistics for accuracy comparisons (DESIGN §10).
+"""Statistics for accuracy comparisons (docs/design.md §10).
 
 * one cell's accuracy: a Wilson interval when every question was asked once (K=1, 0/1 scores), a
   Student-t interval over per-question means otherwise (K>1, or fractional scores);

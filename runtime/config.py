@@ -130,7 +130,7 @@ class KVCacheSpec:
 
 @dataclass
 class EngineConfig:
-    """Everything that decides how the embedded engine runs (DESIGN §11 flags map 1:1 onto fields)."""
+    """Everything that decides how the embedded engine runs (docs/design.md §11 flags map 1:1 onto fields)."""
 
     model: Optional[str] = None  # path, GGUF file, preset or synthetic shape; None = default model
     kv_dtype: str = "bf16"

@@ -1,4 +1,4 @@
-"""KV scale policies: ``unit``, ``checkpoint``, ``calibrate`` (DESIGN §4).
+"""KV scale policies: ``unit``, ``checkpoint``, ``calibrate`` (docs/design.md §4).
 
 A policy yields ``KVScales``: fp32 dequant multipliers ``k``/``v`` of shape ``[num_layers]`` (per layer) or
 ``[num_layers, H_kv]`` (per kv-head).  ``PagedKVCache.set_scales`` copies them to the device in place.

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over the embedded engine (DESIGN §7).
+"""OpenAI-compatible HTTP server over the embedded engine (docs/design.md §7).
 
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming and not, ``usage``,
 ``logprobs``, ``echo``, ``stop``, ``seed``, ``n``; extensions ``ignore_eos``, ``min_tokens``, ``top_k``,

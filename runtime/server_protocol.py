@@ -1,4 +1,4 @@
-"""Request parsing/validation and response rendering for the OpenAI-compatible server (DESIGN §7).
+"""Request parsing/validation and response rendering for the OpenAI-compatible server (docs/design.md §7).
 
 ``parse_body`` checks a raw body; ``parse_completion`` / ``parse_chat`` turn it into a ``ParsedRequest``
 (or raise ``ApiError``, a 4xx with an OpenAI-style error body); ``render_logprobs``, ``sse_event`` and

@@ -1,4 +1,4 @@
-"""Suite protocol: items → requests → extraction and scoring → per-item records (DESIGN §8, §10).
+"""Suite protocol: items → requests → extraction and scoring → per-item records (docs/design.md §8, §10).
 
 A generation suite is a small class: ``load_items`` (from ``--data-dir`` or the hub), ``build`` (a
 ``GenRequest``, completion or chat), ``score`` (extracted answer, primary ``correct``, named scores).

@@ -1,4 +1,4 @@
-"""Checks and benchmarks of the kernels and the engine, on top of the library (DESIGN §9): nothing in
+"""Checks and benchmarks of the kernels and the engine, on top of the library (docs/design.md §9): nothing in
 ``kvbench.kernels`` / ``runtime`` / ``suites`` / ``reports`` / ``core`` imports them.
 
 - ``kernel_check``  Triton KV kernels against float64 references (``python -m kvbench.tools.kernel_check``)

@@ -12,7 +12,7 @@ random bytes for the caches) before each run; errors are ``‖out − ref‖ / �
 NaN never passes.  Append kernels are compared bit for bit (``exact=True``, the GPU); on the CPU
 interpreter, whose float32→fp8 cast mis-rounds values that round up to a power of two, an fp8 value
 may be exactly half its reference when the reference is a power of two, and nvfp4 codes are then
-checked against the block scale the kernel chose (DESIGN §12).
+checked against the block scale the kernel chose (docs/design.md §12).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`kvbench load`: the serving load generator against any OpenAI-compatible endpoint (DESIGN §9).
+"""`kvbench load`: the serving load generator against any OpenAI-compatible endpoint (docs/design.md §9).
 
     kvbench load --max-concurrency 1,4,16 --num-prompts 64 --input-len 64 --output-len 16 --out runs/load
 

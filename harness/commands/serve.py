@@ -1,4 +1,4 @@
-"""`kvbench serve`: the embedded engine behind an OpenAI-compatible HTTP server (DESIGN §7).
+"""`kvbench serve`: the embedded engine behind an OpenAI-compatible HTTP server (docs/design.md §7).
 
     kvbench serve                                   # default model on CPU, http://127.0.0.1:8000/v1
     kvbench serve --model synthetic:llama-3-8b --kv-dtype fp8_e4m3 --kv-scales calibrate --port 8001

@@ -3,7 +3,7 @@
 The model calls one backend per layer with **pre-RoPE** ``q``, ``k``, ``v``; the backend applies RoPE,
 quantizes and appends the new K/V to the paged cache (``runtime/kv_cache.py`` layout) and computes
 attention, returning ``[T, num_heads * head_dim]``.  Doing the three in one call is what lets a backend
-fuse them (DESIGN §6, "fused append").
+fuse them (docs/design.md §6, "fused append").
 
 Semantics shared by every backend (so they agree on numbers):
 
