@@ -1,4 +1,4 @@
-"""KV format numerics (DESIGN §4), checked against brute-force references built from the grids."""
+"""KV format numerics (docs/design.md §4), checked against brute-force references built from the grids."""
 
 import math
 

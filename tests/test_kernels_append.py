@@ -1,5 +1,5 @@
 """Fused and unfused RoPE + quantize + append kernels (Triton, CPU interpreter) against the reference,
-bit for bit.  The interpreter's own float32→bf16/fp8 casts do not round to nearest even (DESIGN §12),
+bit for bit.  The interpreter's own float32→bf16/fp8 casts do not round to nearest even (docs/design.md §12),
 so under the interpreter the kernels round in float32 arithmetic before casting (``EXACT``); the GPU
 uses the hardware casts, and ``python -m kvbench.tools.kernel_check`` compares those bit for bit there."""
 

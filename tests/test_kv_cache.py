@@ -1,4 +1,4 @@
-"""Paged KV cache: allocator, slot mapping, write/gather, scratch page, capacity (DESIGN §5)."""
+"""Paged KV cache: allocator, slot mapping, write/gather, scratch page, capacity (docs/design.md §5)."""
 
 import random
 

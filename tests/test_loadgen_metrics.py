@@ -1,4 +1,4 @@
-"""Serving metrics exactly as DESIGN §9 defines them, on hand-made records; datasets and config checks."""
+"""Serving metrics exactly as docs/design.md §9 defines them, on hand-made records; datasets and config checks."""
 
 from __future__ import annotations
 

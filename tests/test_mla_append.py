@@ -1,6 +1,6 @@
 """Fused MLA RoPE + quantize + append (Triton, CPU interpreter) and the unfused torch path.
 
-The CPU interpreter's float32→bf16/fp8 casts are not the GPU's (DESIGN §12), so stored codes are
+The CPU interpreter's float32→bf16/fp8 casts are not the GPU's (docs/design.md §12), so stored codes are
 compared within one step of the format's grid (plus the interpreter's known halving at a power-of-two
 round-up); the bit-exact comparison against kernels/formats.py runs on the GPU (tools/mla_check.py).  fp16
 storage and the nvfp4 element codes (given the kernel's own block scale) are compared exactly.

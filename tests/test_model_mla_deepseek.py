@@ -188,7 +188,7 @@ def test_torch_backend_matches_float64_deepseek_attention(loaded):
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
 def test_triton_backend_matches_torch_backend(loaded, kv_dtype):
-    # The interpreter's float32->bf16 and ->fp8 casts are not the GPU's (DESIGN §12): those formats append
+    # The interpreter's float32->bf16 and ->fp8 casts are not the GPU's (docs/design.md §12): those formats append
     # through the unfused torch quantizer here, so both backends store identical bytes and the attention
     # kernels are what is compared; fp16 (exact casts) uses the fused append kernel.
     # Quantized formats: a latent element on a rounding boundary of the grid may round differently after a
@@ -224,7 +224,7 @@ def test_quantize_query_rounds_the_absorbed_query_on_both_backends(loaded):
     for k in ref:
         assert _rel(ref[k], plain[k]) > 2.5e-2, k  # fp8 queries are a visible accuracy loss, not hidden
         # prefill returns the compute dtype; decode with fp8 queries returns bfloat16, which the
-        # interpreter rounds by truncation (DESIGN §12)
+        # interpreter rounds by truncation (docs/design.md §12)
         assert _rel(got[k], ref[k]) < (5e-3 if k.startswith(("prefill", "extend")) else 2e-2), k
 
 

@@ -1,7 +1,7 @@
 """Synthetic runs written through harness/store.py, and reading them back (reports/load.py).
 
 ``make_run`` is shared with the gate and report tests: it writes a run directory with the exact record
-schemas of DESIGN §10, from seeded random numbers, with a planted accuracy drop per KV format.
+schemas of docs/design.md §10, from seeded random numbers, with a planted accuracy drop per KV format.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def _greedy(n: int) -> SamplingParams:
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp16"])
 def test_concurrent_greedy_identical_on_torch_and_triton(loaded, kv_dtype):
-    # bf16: the interpreter's float32->bf16 cast truncates (DESIGN §12), so the Triton engine appends
+    # bf16: the interpreter's float32->bf16 cast truncates (docs/design.md §12), so the Triton engine appends
     # through the unfused torch quantizer; fp16 casts are exact and use the fused append kernel.
     fused = kv_dtype == "fp16"
     outs = {}
