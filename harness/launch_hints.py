@@ -36,6 +36,9 @@ NO_FLAG = {("sglang", "kv_skip_layers"), ("sglang", "kv_layer_dtypes"), ("vllm",
 _LAYER_OPTIONS = ("kv_skip_layers", "kv_layer_dtypes")
 
 
+AUTO_KV = "auto"  # the KV dtype that passes nothing: the engine's own default cache dtype
+DEFAULT_BACKEND = "default"  # the backend name that passes nothing: the engine's own choice
+
 def hint(spec, option: str, fmt: str) -> str:
     """``fmt`` filled with the engine's hint for ``option`` ('' when there is none)."""
     h = HINTS.get(spec.engine_kind, {}).get(option)
@@ -54,11 +57,10 @@ def _no_flag(spec, name: str, option: str, what: str) -> str:
             "axes.combos or leave the entry out)")
 
 
-def unexpressed(spec, name: str, option: str, value: Optional[str], same: bool) -> str:
+def unexpressed(spec, name: str, option: str, value: Optional[str], same: bool, placeholders: tuple) -> str:
     """The message for a cell whose ``option`` (set to ``value``) reaches neither a placeholder nor an
-    ``option_flags`` entry of target ``spec`` (``same``: its prefill and decode backends are one)."""
-    from kvbench.harness.launch_options import AUTO_KV, DEFAULT_BACKEND, OPTION_PLACEHOLDERS
-
+    ``option_flags`` entry of target ``spec`` (``same``: its prefill and decode backends are one;
+    ``placeholders``: the launch placeholders that carry a cell option)."""
     what = f"{option} {value!r}"
     if (spec.engine_kind, option) in NO_FLAG:
         return _no_flag(spec, name, option, what)
@@ -73,7 +75,7 @@ def unexpressed(spec, name: str, option: str, value: Optional[str], same: bool) 
     elif option == "scales_file" or option in _LAYER_OPTIONS:
         fix = f"pass it with option_flags: {{{option}: '--flag {{value}}'}} (rendered only when an entry sets it)" \
               + hint(spec, option, "; for {kind}: {hint}")
-    elif option in OPTION_PLACEHOLDERS:
+    elif option in placeholders:
         fix = f"add {{{option}}} to the launch template or an option_flags entry " \
               f"({option}: '--flag {{value}}', or {{{value}: '--flag'}})" + hint(spec, option, "; for {kind}: {hint}")
     else:
@@ -81,7 +83,7 @@ def unexpressed(spec, name: str, option: str, value: Optional[str], same: bool) 
     if option == "kv_scales":
         fix += ("; when the server gets these scales without any flag (e.g. scales it loads from the checkpoint on "
                 f"its own), say so: option_flags: {{kv_scales: {{{value}: ''}}}}")
-    where = "has no " + (f"{{{option}}} and its option_flags no {option!r} entry" if option in OPTION_PLACEHOLDERS
+    where = "has no " + (f"{{{option}}} and its option_flags no {option!r} entry" if option in placeholders
                          else f"{option!r} entry in its option_flags")
     return (f"{what} does not reach {name}: its launch {where}, so the server would run without it while the "
             f"cell says {value!r}; {fix}")

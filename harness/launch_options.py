@@ -43,14 +43,13 @@ from typing import Any, Optional
 
 from kvbench.core.formats import KV_SCALE_POLICIES, format_names
 from kvbench.harness.config_checks import _check_keys, _choice, _fail, _int, _list, _mapping
+from kvbench.harness.launch_hints import AUTO_KV, DEFAULT_BACKEND
 from kvbench.harness.launch_hints import hint as _hint
 from kvbench.harness.launch_hints import unexpressed as _unexpressed
 from kvbench.harness.layer_options import vllm_skip_words
 from kvbench.runtime.config import QUERY_QUANT_MODES
 
 ENGINE_KINDS = ("sglang", "vllm", "kvbench", "generic")
-AUTO_KV = "auto"  # the KV dtype that passes nothing: the engine's own default cache dtype
-DEFAULT_BACKEND = "default"  # the backend name that passes nothing: the engine's own choice
 # the cell options a server launch may carry, with the value that passes nothing
 OPTION_DEFAULTS = {
     "kv_dtype": AUTO_KV, "kv_scales": "unit", "scales_file": None, "prefill_backend": DEFAULT_BACKEND,
@@ -280,7 +279,7 @@ def check_cell(spec, tpath: str, cell: dict, where: dict[str, str]) -> None:
         path = where.get(option, tpath)
         if not ok:
             if value != OPTION_DEFAULTS[option]:
-                _fail(path, _unexpressed(spec, name, option, value, pre == dec))
+                _fail(path, _unexpressed(spec, name, option, value, pre == dec, OPTION_PLACEHOLDERS))
             continue
         if value is not None and option in ENTRY_KEYS:
             try:

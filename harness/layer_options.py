@@ -61,7 +61,7 @@ def _model_config(ref: Optional[str]):
             f = p / "config.json"
             if not (p.is_dir() and f.is_file()):
                 return None
-            from kvbench.runtime.models.config import from_hf_config
+            from kvbench.runtime.models.hf_config import from_hf_config
 
             raw = json.loads(f.read_text(encoding="utf-8"))
             if not isinstance(raw, dict):

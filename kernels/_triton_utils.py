@@ -13,10 +13,8 @@ import triton.language as tl
 
 from kvbench.kernels.formats import get_format
 
-# Format codes passed to kernels as constexpr.
-FMT_PLAIN = 0  # bf16 / fp16: stored as is
-FMT_FP8 = 1  # float8_e4m3fn / float8_e5m2 with a per-head fp32 scale
-FMT_NVFP4 = 2  # e2m1 pairs in a byte + e4m3 block scale per 16 + per-head fp32 global
+# Format codes passed to kernels as constexpr: one table, derived from the format specs (format_codes.py).
+from kvbench.kernels.format_codes import FMT_FP8, FMT_NVFP4, FMT_PLAIN, format_code  # noqa: E402,F401
 
 # Launch option that keeps ``a*b + c`` as two rounded operations (no FMA contraction), so the
 # float32 RoPE matches the torch reference bit for bit.
@@ -25,15 +23,6 @@ NO_FMA = {"enable_fp_fusion": False}
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def format_code(kv_format: str) -> int:
-    name = get_format(kv_format).name
-    if name in ("bf16", "fp16"):
-        return FMT_PLAIN
-    if name == "nvfp4":
-        return FMT_NVFP4
-    return FMT_FP8
 
 
 def dot_code(dtype: torch.dtype) -> int:

@@ -14,12 +14,13 @@ The kernels work in the absorbed form: ``q_lat[h] = W_UK[h]ᵀ · q_nope[h]`` (`
 over the latent + rope keys, output in latent space, then ``out[h] = W_UV[h] · o_lat[h]``
 (``unabsorb_output``).  ``kernels/mla_reference.py`` checks them against the non-absorbed float64 form.
 
-Entry points (re-exported here):
+This module holds the cache layout and the projections; the kernels live beside it and import it (never the
+other way round, so importing the layout does not import triton):
 
-* ``mla_append`` (fused Triton: RoPE on q_pe and k_pe, quantize latent + k_pe, write by slot mapping,
-  optional fp8 q) and ``mla_append_unfused`` (torch RoPE, ``formats.quantize``, indexed store);
-* ``mla_decode`` (split-K over pages, dequant in registers, many heads per program);
-* ``mla_prefill`` (new tokens over a quantized cached prefix plus their own latent, causal).
+* ``kernels.mla_append``: ``mla_append`` (fused Triton: RoPE on q_pe and k_pe, quantize latent + k_pe, write by
+  slot mapping, optional fp8 q) and ``mla_append_unfused`` (torch RoPE, ``formats.quantize``, indexed store);
+* ``kernels.mla_decode``: ``mla_decode`` (split-K over pages, dequant in registers, many heads per program);
+* ``kernels.mla_prefill``: ``mla_prefill`` (new tokens over a quantized cached prefix plus their own latent, causal).
 """
 
 from __future__ import annotations
@@ -34,28 +35,15 @@ __all__ = [
     "split_kv_b",
     "absorb_query",
     "unabsorb_output",
-    "mla_append",
-    "mla_append_unfused",
-    "mla_decode",
-    "mla_prefill",
 ]
 
-# Format codes shared by the Triton kernels (constexpr FMT).
-FMT_PLAIN, FMT_FP8, FMT_NVFP4 = 0, 1, 2
+# Format codes shared by the Triton kernels (constexpr FMT): the one table of kernels/format_codes.py.
+from kvbench.kernels.format_codes import FMT_FP8, FMT_NVFP4, FMT_PLAIN  # noqa: E402,F401
+from kvbench.kernels.format_codes import format_code as fmt_code  # noqa: E402,F401 - the MLA kernels' name
 
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
-
-
-def fmt_code(name: str) -> int:
-    if name in ("bf16", "fp16"):
-        return FMT_PLAIN
-    if name in ("fp8_e4m3", "fp8_e5m2"):
-        return FMT_FP8
-    if name == "nvfp4":
-        return FMT_NVFP4
-    raise ValueError(f"unknown KV format {name!r} for MLA; supported: bf16, fp16, fp8_e4m3, fp8_e5m2, nvfp4")
 
 
 @dataclass(frozen=True)
@@ -184,16 +172,3 @@ def unabsorb_output(o_lat, w_uv):
     import torch
 
     return torch.einsum("thr,hvr->thv", o_lat, w_uv.to(o_lat.dtype))
-
-
-def __getattr__(name: str):
-    # Lazy re-exports, so importing the layout does not import triton.
-    if name in ("mla_append", "mla_append_unfused"):
-        from kvbench.kernels import mla_append as m
-    elif name == "mla_decode":
-        from kvbench.kernels import mla_decode as m
-    elif name == "mla_prefill":
-        from kvbench.kernels import mla_prefill as m
-    else:
-        raise AttributeError(name)
-    return getattr(m, name)

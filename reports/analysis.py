@@ -182,7 +182,7 @@ def mismatch_warning(base: CellData, cell: CellData, suite: str, d: stats.Paired
 def _serving(cell: CellData) -> dict:
     """The cell's serving metrics: ``reports.serving.serving_summary`` (recomputed from requests.jsonl, with the
     load settings and server /metrics values of summary.json)."""
-    from kvbench.reports.serving import serving_summary  # imported here: reports.serving imports this module
+    from kvbench.reports.serving_summary import serving_summary  # imported here: reports.serving imports this module
 
     return serving_summary(cell)
 

@@ -19,7 +19,8 @@ from typing import Iterable, Optional, Union
 from kvbench.core.io import atomic_write_text
 from kvbench.reports.diagnostics_plots import (DIAGNOSTICS_SCHEMA, heads_matrix, layer_mean, layer_rows,
                                                skip_layer_indices, write_diagnostics_plots)
-from kvbench.reports.html import _CSS, _img
+from kvbench.reports.html_style import CSS as _CSS
+from kvbench.reports.html_style import img as _img
 from kvbench.reports.tables import Table, fmt_num
 
 __all__ = ["section_title", "summary_text", "top_layers", "top_layers_table", "capacity_table", "render_markdown",

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvbench.reports.analysis import Analysis
 from kvbench.reports.long_context import Heatmap, heatmap, length_label
-from kvbench.reports.plots import _color, _figure, _save, dodge
+from kvbench.reports.plot_style import _color, _figure, _save, dodge
 from kvbench.reports.position import bucket_label
 
 __all__ = ["length_plot", "heatmap_plot", "position_plot", "write_long_context_plots"]

@@ -138,7 +138,7 @@ def serving_rows(pair: CellPair) -> list[dict]:
     """Per serving metric of a matched pair with request records on both sides: values, ratio b / a."""
     if not (pair.a.requests and pair.b.requests):
         return []
-    from kvbench.reports.serving import serving_summary
+    from kvbench.reports.serving_summary import serving_summary
 
     sa, sb = serving_summary(pair.a), serving_summary(pair.b)
     rows = []

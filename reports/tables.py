@@ -15,7 +15,7 @@ from kvbench.reports.analysis import Analysis
 from kvbench.reports.discriminative import delta_blind
 from kvbench.reports.load import CellData, accuracy_suites, error_counts, kv_text, primary_metric
 
-__all__ = ["Table", "html_text", "fmt_pct", "fmt_pp", "fmt_p", "fmt_num", "fmt_errors", "all_tables"]
+__all__ = ["Table", "html_text", "fmt_pct", "fmt_pp", "fmt_p", "fmt_num", "fmt_errors"]
 
 
 # ------------------------------------------------------------------------------ formatting
@@ -220,13 +220,6 @@ def fidelity_table(a: Analysis) -> Table:
                       "continuation first differs from the reference's (the greedy window length when it never does).")
 
 
-def serving_table(a: Analysis) -> Table:
-    """The "Serving: load and throughput" table (``reports.serving.serving_tables`` gives it with the latency one)."""
-    from kvbench.reports.serving import serving_tables  # imported here: reports.serving imports this module
-
-    return serving_tables(a)[0]
-
-
 def _running_limit(cap: dict):
     """The server's admission limit on running requests (sglang max_running_requests, vLLM max_num_seqs)."""
     for k in ("max_running_requests", "max_num_seqs"):
@@ -257,11 +250,3 @@ def capacity_table(a: Analysis) -> Table:
                 "/metrics; the running limit is its admission limit (sglang max_running_requests, vLLM max_num_seqs), "
                 "which caps concurrency before the KV pool does when it is smaller than max concurrency.")
     return Table("KV capacity by format", header, rows, note=note)
-
-
-def all_tables(a: Analysis) -> list[Table]:
-    from kvbench.reports.long_context_tables import long_context_tables, position_table
-    from kvbench.reports.serving import serving_tables
-
-    return [accuracy_table(a), delta_table(a), aa_table(a), *long_context_tables(a), fidelity_table(a), position_table(a),
-            *serving_tables(a), capacity_table(a), cells_table(a)]

@@ -155,7 +155,7 @@ def test_unsupported_backends_fail_at_start_up(loaded):
 
 
 def test_moe_checkpoint_is_refused():
-    from kvbench.runtime.models.config import from_hf_config
+    from kvbench.runtime.models.hf_config import from_hf_config
 
     cfg = {"architectures": ["DeepseekV2ForCausalLM"], "num_hidden_layers": 27, "n_routed_experts": 64,
            "first_k_dense_replace": 1, "hidden_size": 2048}
@@ -164,7 +164,7 @@ def test_moe_checkpoint_is_refused():
 
 
 def test_dense_deepseek_hf_config():
-    from kvbench.runtime.models.config import from_hf_config
+    from kvbench.runtime.models.hf_config import from_hf_config
     from kvbench.runtime.models.deepseek_config import mla_softmax_scale
 
     cfg = from_hf_config({

@@ -128,16 +128,17 @@ def test_kernel_check_cases_stream_and_a_crash_is_a_failed_case():
 
 
 def test_kernel_check_grid_is_labelled_before_it_runs():
+    from kvbench.tools import kernel_check
     from kvbench.tools.common import kernel_formats
     from kvbench.tools.kernel_check_grid import gpu_cases
 
-    cases = list(gpu_cases())
+    cases = list(gpu_cases(kernel_check))
     assert len(cases) == 307  # docs/kernels.md: 307 cases with the five built-in formats
     assert kernel_formats() == ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
     assert all(callable(t) and isinstance(lab, str) and lab for lab, t in cases)
     assert cases[0][0].startswith("append bf16 T=1 32/8 D=128 page=16 neox")
     assert sum(lab.startswith("decode fp8_e4m3") for lab, _ in cases) == 9 + 3
-    assert len(list(gpu_cases(quick=True))) < len(cases)
+    assert len(list(gpu_cases(kernel_check, quick=True))) < len(cases)
 
 
 def _fake_bench(monkeypatch, tmp_path, flashinfer_ok=True):

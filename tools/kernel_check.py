@@ -359,7 +359,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("no CUDA device: the GPU check needs one (the CPU tests run the same checks at small shapes)")
         return 2
     t0 = time.time()
-    results = run_cases(list(gpu_cases(args.quick)))
+    results = run_cases(list(gpu_cases(sys.modules[__name__], args.quick)))
     failed = [c for c in results if not c.ok]
     summary = f"{len(results) - len(failed)}/{len(results)} passed on {torch.cuda.get_device_name()} in {time.time() - t0:.0f} s"
     print(summary, flush=True)

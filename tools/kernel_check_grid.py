@@ -9,8 +9,6 @@ from typing import Callable, Iterator
 import torch
 
 from kvbench.tools.common import kernel_formats
-from kvbench.tools.kernel_check import (check_append, check_decode, check_prefill, check_prefill_q_split,
-                                       check_prefill_workspace)
 
 __all__ = ["SHAPES", "gpu_cases"]
 
@@ -29,9 +27,12 @@ def _feat(window=None, sinks=False, q8=False, layout="NHD") -> str:
                     f" {layout}" if layout != "NHD" else ""))
 
 
-def gpu_cases(quick: bool = False) -> Iterator[tuple[str, Callable]]:
+def gpu_cases(checks, quick: bool = False) -> Iterator[tuple[str, Callable]]:
     """Every case of the GPU run, in order, as ``(label, thunk)``; seeds are drawn here, so a case is the
     same whichever cases ran before it."""
+    # the check functions come from the caller (kvbench.tools.kernel_check), which runs these cases
+    check_append, check_decode, check_prefill = checks.check_append, checks.check_decode, checks.check_prefill
+    check_prefill_q_split, check_prefill_workspace = checks.check_prefill_q_split, checks.check_prefill_workspace
     gen = torch.Generator().manual_seed(1234)
 
     def seed() -> int:

@@ -239,7 +239,7 @@ def step_serve_vllm(args) -> None:
                "--gpu-memory-utilization", "0.45"] + (["--enforce-eager"] if args.eager else [])
         procs.append((kv, port, spawn(cmd, env, logfile, port), logfile, time.time()))
     for kv, port, p, logfile, t0 in procs:
-        up = wait_health(f"http://127.0.0.1:{port}", p, 540, logfile)
+        wait_health(f"http://127.0.0.1:{port}", p, 540, logfile)
         log(f"vllm {kv} healthy after {time.time() - t0:.0f} s")
         save(out, f"vllm-{kv}-startup.json", {"startup_s": round(time.time() - t0, 1)})
         shutil.copy2(logfile, out / logfile.name)
@@ -254,7 +254,6 @@ def step_serve_kvbench(args) -> None:
         cmd = ["kvbench", "serve", "--model", "synthetic:llama-3-8b,vocab=49152", "--served-model-name", SERVED,
                "--kv-dtype", KVB_KV[kv], "--kv-scales", "unit", "--backend", "triton", "--kv-budget-gb", str(KV_GIB),
                "--max-running", "256", "--max-batched-tokens", "8192", "--max-model-len", str(MAX_LEN), "--port", str(port)]
-        t0 = time.time()
         _, up = start_server(cmd, env, logfile, port, 540)
         log(f"kvbench {kv} healthy after {up:.0f} s")
         save(out, f"kvbench-{kv}-startup.json", {"startup_s": round(up, 1)})

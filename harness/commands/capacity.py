@@ -61,7 +61,7 @@ def shape_windows(model_shape: str, model_config: Optional[str], num_layers: int
         if isinstance(cfg, dict) and isinstance(cfg.get("layer_types"), list) and cfg.get("sliding_window"):
             windows = [int(cfg["sliding_window"]) if t == "sliding_attention" else None for t in cfg["layer_types"]]
         elif isinstance(cfg, dict):
-            from kvbench.runtime.models.config import from_hf_config
+            from kvbench.runtime.models.hf_config import from_hf_config
 
             try:
                 windows = from_hf_config(cfg).sliding_windows

@@ -56,6 +56,7 @@ __all__ = [
     "build_rope_cache",
     "query_fp8",
     "query_fp8_rows",
+    "stored_new_kv",
 ]
 
 
@@ -293,3 +294,15 @@ def apply_rope(x: "torch.Tensor", positions: "torch.Tensor", rope: RopeCache) ->
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     return torch.cat((out, rest), dim=-1).to(x.dtype)
+
+
+def stored_new_kv(cache, layer_idx: int, meta: AttentionMetadata, k_new: torch.Tensor, v_new: torch.Tensor):
+    """``k_new``/``v_new`` ``[T, H_kv, D]`` with the rows of round-trip sequences (``meta.roundtrip_rows``)
+    replaced by their K/V as stored in the pages (dequantized, cast to the inputs' dtypes).  Call after the
+    step's append.  Other rows, padding included, keep their compute-precision values."""
+    if meta.roundtrip_rows is None:
+        return k_new, v_new
+    import torch  # lazily, as this module's other helpers
+    kk, vv = cache.read_slots(layer_idx, meta.slot_mapping, torch.float32)
+    m = meta.roundtrip_rows.to(k_new.device)[:, None, None]
+    return torch.where(m, kk.to(k_new.dtype), k_new), torch.where(m, vv.to(v_new.dtype), v_new)

@@ -24,7 +24,7 @@ def rope_latent(q_pe: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata)
 
 
 def torch_forward_mla(backend, q_nope, q_pe, c_kv, k_pe, layer: MLAAttentionLayer, cache, meta: AttentionMetadata) -> torch.Tensor:
-    from kvbench.runtime.attention.torch_backend import attend_chunked, quantize_query_fp8, seq_kv
+    from kvbench.runtime.attention.torch_ops import attend_chunked, quantize_query_fp8, seq_kv
 
     st = backend.step_plan(meta, cache)
     T, H = q_nope.shape[:2]

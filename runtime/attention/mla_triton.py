@@ -71,7 +71,7 @@ def triton_forward_mla(backend, q_nope, q_pe, c_kv, k_pe, layer: MLAAttentionLay
         from kvbench.kernels.mla_prefill import mla_prefill
 
         if meta.has_roundtrip:  # decode semantics: these rows see their latent as stored
-            from kvbench.runtime.attention.triton_backend import stored_new_kv
+            from kvbench.runtime.attention.base import stored_new_kv
 
             lat = torch.cat((c_kv, k_rot.to(c_kv.dtype)), dim=-1)[:, None]
             lat, _ = stored_new_kv(cache, layer.layer_idx, meta, lat, lat)

@@ -24,21 +24,11 @@ from typing import ClassVar
 import torch
 
 from kvbench.core.backends import is_supported
-from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, RopeCache, query_fp8, query_fp8_rows
+from kvbench.runtime.attention.base import (AttentionLayer, AttentionMetadata, BackendOptions, RopeCache, query_fp8,
+                                            query_fp8_rows, stored_new_kv)
 
 __all__ = ["TritonBackend", "stored_new_kv"]
 
-
-
-def stored_new_kv(cache, layer_idx: int, meta: AttentionMetadata, k_new: torch.Tensor, v_new: torch.Tensor):
-    """``k_new``/``v_new`` ``[T, H_kv, D]`` with the rows of round-trip sequences (``meta.roundtrip_rows``)
-    replaced by their K/V as stored in the pages (dequantized, cast to the inputs' dtypes).  Call after the
-    step's append.  Other rows, padding included, keep their compute-precision values."""
-    if meta.roundtrip_rows is None:
-        return k_new, v_new
-    kk, vv = cache.read_slots(layer_idx, meta.slot_mapping, torch.float32)
-    m = meta.roundtrip_rows.to(k_new.device)[:, None, None]
-    return torch.where(m, kk.to(k_new.dtype), k_new), torch.where(m, vv.to(v_new.dtype), v_new)
 
 
 class TritonBackend:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-__all__ = ["ModelConfig", "SUPPORTED_ARCHS", "from_hf_config"]
+__all__ = ["ModelConfig", "SUPPORTED_ARCHS", "MLA_ARCHS", "llama_from_hf_config"]
 
 # HF ``architectures`` / ``model_type`` values the llama-family implementation covers.
 SUPPORTED_ARCHS = {
@@ -109,14 +109,15 @@ def _get(d: dict, *names: str, default: Any = None) -> Any:
     return default
 
 
-def from_hf_config(cfg: dict) -> ModelConfig:
-    """ModelConfig from a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3; DeepSeek-V2/V3
-    attention when the checkpoint has no mixture of experts)."""
-    archs = cfg.get("architectures") or []
-    if any(a in MLA_ARCHS for a in archs) or cfg.get("model_type") in ("deepseek_v2", "deepseek_v3"):
-        from kvbench.runtime.models.deepseek_config import from_hf_deepseek
+def is_mla_config(cfg: dict) -> bool:
+    """A DeepSeek-V2/V3 (MLA) ``config.json``: runtime/models/deepseek_config.py reads it."""
+    return any(a in MLA_ARCHS for a in cfg.get("architectures") or []) or cfg.get("model_type") in ("deepseek_v2", "deepseek_v3")
 
-        return from_hf_deepseek(cfg)
+
+def llama_from_hf_config(cfg: dict) -> ModelConfig:
+    """ModelConfig from a Hugging Face ``config.json`` dict of the llama family (Llama, Mistral, Qwen2, Qwen3);
+    ``runtime.models.hf_config.from_hf_config`` sends MLA configs elsewhere first."""
+    archs = cfg.get("architectures") or []
     arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
     if arch is None:
         mt = cfg.get("model_type")

@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from kvbench.runtime.models.config import ModelConfig, from_hf_config
+from kvbench.runtime.models.config import ModelConfig
+from kvbench.runtime.models.hf_config import from_hf_config
 
 __all__ = ["load_hf_dir", "CheckpointScales"]
 
