@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
-from kvbench.harness.client import Client
+from kvbench.core.client import Client
 from kvbench.harness.matrix import Cell
 from kvbench.harness.sweep_config import SuiteSpec, SweepConfig
 

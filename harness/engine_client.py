@@ -1,4 +1,4 @@
-"""``EngineClient``: the ``Client`` protocol (harness/client.py) over the embedded engine, in-process.
+"""``EngineClient``: the ``Client`` protocol (core/client.py) over the embedded engine, in-process.
 
 Completion requests tokenize the raw prompt (with the tokenizer's special tokens, e.g. BOS); chat
 requests render the tokenizer's chat template.  Scoring tokenizes context and continuation separately
@@ -19,7 +19,7 @@ import inspect
 import time
 from typing import Iterator, Optional
 
-from kvbench.harness.client import GenRequest, GenResult, ScoreRequest, ScoreResult
+from kvbench.core.client import GenRequest, GenResult, ScoreRequest, ScoreResult
 from kvbench.harness.request_options import RequestOptionsError
 from kvbench.runtime.config import EngineConfig
 
@@ -119,7 +119,7 @@ class EngineClient:
     def tokenizer(self):
         """The engine's own tokenizer as a ``harness.prompt_tokenizer.PromptTokenizer``; its ``prompt_ids``
         is exactly what ``generate`` sends."""
-        from kvbench.harness.prompt_tokenizer import HFPromptTokenizer
+        from kvbench.suites.prompt_tokenizer import HFPromptTokenizer
 
         return HFPromptTokenizer(self.engine.tokenizer, f"engine:{self.model_id}", prompt_ids=self._prompt_ids)
 

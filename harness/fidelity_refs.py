@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from kvbench.harness.cell_work import CellWork, FidelityRef
-from kvbench.harness.client import Client
+from kvbench.core.client import Client
 from kvbench.harness.matrix import Cell, cell_config, engine_options
-from kvbench.harness.store import canonical_key
+from kvbench.core.io import canonical_key
 from kvbench.harness.sweep_config import SuiteSpec, SweepConfig
 from kvbench.harness.targets import TargetSession
 

@@ -22,7 +22,7 @@ from typing import Optional
 
 from kvbench.harness.loadgen_datasets import DATASETS, LoadItem, custom_items, random_items, sharegpt_items
 from kvbench.harness.loadgen_machine import MachineProbe
-from kvbench.harness.loadgen_metrics import describe_ms, summarize, tpot_of
+from kvbench.core.serving_metrics import describe_ms, summarize, tpot_of
 
 APIS = ("completions", "chat")
 
@@ -320,7 +320,7 @@ def format_block(summary: dict) -> str:
 
 def write_outputs(out_dir: str, summary: dict, records: list[dict]) -> None:
     """``out_dir/summary.json`` and ``out_dir/requests.jsonl`` (one record per line), each written atomically."""
-    from kvbench.harness.store import atomic_write_json, atomic_write_jsonl
+    from kvbench.core.io import atomic_write_json, atomic_write_jsonl
 
     d = Path(out_dir)
     atomic_write_jsonl(d / "requests.jsonl", records)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvbench.harness.layer_options import LAYER_OPTIONS, layers_label
-from kvbench.harness.store import OPTION_KEYS, canonical_key, matches, parse_selector
+from kvbench.core.store import OPTION_KEYS, matches, parse_selector
+from kvbench.core.io import canonical_key
 from kvbench.harness.sweep_axes import cell_fields, entries
 from kvbench.harness.sweep_config import CELL_KEYS, DEFAULT_MODEL, SweepConfig, SweepConfigError
 

@@ -1,4 +1,4 @@
-"""``OpenAIClient``: the ``Client`` protocol (harness/client.py) over any OpenAI-compatible HTTP server.
+"""``OpenAIClient``: the ``Client`` protocol (core/client.py) over any OpenAI-compatible HTTP server.
 
 ``generate`` uses ``/v1/completions`` (raw prompt) or ``/v1/chat/completions`` (messages); ``stream``
 yields text pieces from SSE; ``score`` teacher-forces a continuation through ``/v1/completions`` with
@@ -25,7 +25,7 @@ import random
 import time
 from typing import Iterator, Optional
 
-from kvbench.harness.client import GenRequest, GenResult, RequestFailed, SamplingParams, ScoreRequest, ScoreResult
+from kvbench.core.client import GenRequest, GenResult, RequestFailed, SamplingParams, ScoreRequest, ScoreResult
 
 
 def _root(base_url: str) -> str:
@@ -305,7 +305,7 @@ class OpenAIClient:
     def tokenizer(self):
         """The server's tokenizer through its ``/tokenize`` route (``harness.prompt_tokenizer``); raises
         ``PromptTokenizerError`` (saying to pass ``--tokenizer``) when the server has none."""
-        from kvbench.harness.prompt_tokenizer import RemotePromptTokenizer
+        from kvbench.suites.prompt_tokenizer import RemotePromptTokenizer
 
         if getattr(self, "_prompt_tokenizer", None) is None:
             auth = self._http.headers.get("Authorization", "")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvbench.harness.matrix import Cell
-from kvbench.harness.store import STATUS_DONE, RunStore
+from kvbench.core.store import STATUS_DONE, RunStore
 from kvbench.harness.sweep_config import SweepConfig, SweepConfigError
 
 

@@ -36,7 +36,8 @@ from kvbench.harness.provenance import (  # noqa: F401 - re-exported
     package_versions,
 )
 from kvbench.harness.run_dir import RunInUseError, RunLock, _check_resume  # noqa: F401 - re-exported
-from kvbench.harness.store import STATUS_DONE, STATUS_FAILED, RunStore, atomic_write_text, remove_stale_temp_files
+from kvbench.core.store import STATUS_DONE, STATUS_FAILED, RunStore
+from kvbench.core.io import atomic_write_text, remove_stale_temp_files
 from kvbench.harness.sweep_config import SweepConfig, SweepConfigError
 from kvbench.harness.sweep_display import SweepDisplay as _Display
 from kvbench.harness.targets import TargetSession, open_target, reap_stale

@@ -22,7 +22,7 @@ from kvbench.harness.config_checks import (SweepConfigError, _bool, _check_keys,
                                            _mapping, _num, _str)
 from kvbench.harness.launch_options import parse_target_options, sniff_engine_kind
 from kvbench.harness.request_options import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S
-from kvbench.harness.store import OPTION_KEYS, parse_selector
+from kvbench.core.store import OPTION_KEYS, parse_selector
 from kvbench.harness.sweep_axes import (BackendPair, check_targets, entries, kv_ident, parse_backend_entry,
                                         parse_combos, parse_kv_entry)
 from kvbench.harness.sweep_specs import (CELL_KEYS, DEFAULT_MODEL, KV_ENTRY_OPTIONS, SLO_KEYS, GateSpec, KVSpec,

@@ -1,4 +1,4 @@
-"""Targets: where a cell's tokens come from.  Every target yields a ``Client`` (harness/client.py).
+"""Targets: where a cell's tokens come from.  Every target yields a ``Client`` (core/client.py).
 
 * ``embedded``: the in-process engine, ``EngineClient(EngineConfig)``; for the load test an
   OpenAI-compatible server (runtime/server.py) is started in-process on a free loopback port.
@@ -23,7 +23,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from kvbench.harness.client import Client
+from kvbench.core.client import Client
 from kvbench.harness.processes import (  # noqa: F401 - re-exported for importers of this module
     _CAUSE_MARKS,
     _PRCTL,

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from kvbench.core.formats import ENGINE_ALIASES, canonical_format, format_names
 from kvbench.harness.launch_options import EXTERNAL_BACKENDS, external_backend_engines
 from kvbench.harness.options import ENGINE_ALIAS_PARAMS, ENGINE_PARAMS, engine_options
-from kvbench.harness.store import canonical_key
+from kvbench.core.io import canonical_key
 
 _seen: list = []
 _app = typer.Typer()

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
-from kvbench.harness.store import RunStore, canonical_key
+from kvbench.core.store import RunStore
+from kvbench.core.io import canonical_key
 from kvbench.reports.compare import compare_analysis
 from kvbench.reports.load import load_run
 from kvbench.reports.run_diff import config_diff, diff_runs, format_diff, match_keys

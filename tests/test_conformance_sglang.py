@@ -200,7 +200,7 @@ def test_mistyped_flag_fails_like_argparse_and_metrics_need_enable_metrics(tmp_p
 def test_session_of_an_sglang_server_errors_and_capacity(tmp_path):
     """open_server straight: the engine's 400 body reaches the client as an http error with its message; the
     session's capacity() reads this launch's lines (not an earlier launch's in the same log) and /metrics."""
-    from kvbench.harness.client import GenRequest, SamplingParams
+    from kvbench.core.client import GenRequest, SamplingParams
     from kvbench.harness.sweep_config import parse_config
     from kvbench.harness.targets import open_server
 

@@ -67,21 +67,14 @@ def test_runtime_registry_reads_the_table():
     assert table["triton"]["prefill"] == list(format_names())
 
 
-def test_old_homes_re_export_the_floor():
-    import kvbench.core.client as cc
-    import kvbench.core.io as cio
-    import kvbench.core.store as cs
-    import kvbench.harness.client as hc
-    import kvbench.harness.loadgen_metrics as hl
-    import kvbench.harness.request_options as hr
-    import kvbench.harness.store as hs
-    import kvbench.runtime.engine_api as ea
-    from kvbench.core import request_options as cr
-    from kvbench.core import serving_metrics as sm
+def test_the_old_re_export_homes_are_gone():
+    """Each core name has one import path (issue 42): the shims that re-exported the floor were removed."""
+    import importlib
 
-    assert hc.SamplingParams is cc.SamplingParams is ea.SamplingParams and hc.Client is cc.Client
-    assert hs.RunStore is cs.RunStore and hs.atomic_write_json is cio.atomic_write_json and hs.prompt_hash is cio.prompt_hash
-    assert hr.apply_request is cr.apply_request and hl.summarize is sm.summarize
+    for old in ("kvbench.harness.client", "kvbench.harness.store", "kvbench.harness.loadgen_metrics",
+                "kvbench.harness.prompt_tokenizer", "kvbench.runtime.tokenizer"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
 
 
 def test_records_schema():

@@ -166,7 +166,7 @@ def test_command_writes_diagnosis_report_and_a_confirm_sweep_that_loads(tmp_path
 def test_sweep_cells_carry_diagnostics_and_the_report_draws_them(tmp_path):
     from kvbench.harness.matrix import expand
     from kvbench.harness.runner import run_sweep
-    from kvbench.harness.store import RunStore
+    from kvbench.core.store import RunStore
     from kvbench.harness.sweep_config import SweepConfigError, parse_config
     from kvbench.harness.cli import app
 

@@ -29,7 +29,7 @@ def run(*args, **kw) -> subprocess.CompletedProcess:
 def make_wheel(cache: Path, name: str, version: str, files: dict[str, str], requires=()) -> Path:
     """A minimal pure-Python wheel (py3-none-any) with a RECORD pip accepts."""
     dist = f"{name}-{version}.dist-info"
-    meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
     entries = dict(files)
     entries[f"{dist}/METADATA"] = "\n".join(meta) + "\n"
     entries[f"{dist}/WHEEL"] = "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
@@ -126,12 +126,9 @@ def test_a_corrupted_or_missing_part_is_refused_by_name(bundle):
 
 
 def test_elf_needed_reads_shared_library_dependencies():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import engine_bundle
-    finally:
-        sys.path.pop(0)
     import numpy
+
+    from kvbench.tools import engine_bundle_checks as engine_bundle
 
     libs = sorted(Path(numpy.__file__).parent.rglob("_multiarray_umath*.so"))
     assert libs, "numpy's extension module not found"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvbench.harness.client import GenRequest, GenResult, RequestFailed, classify_error
+from kvbench.core.client import GenRequest, GenResult, RequestFailed, classify_error
 from kvbench.reports import stats
 from kvbench.reports.analysis import analyze
 from kvbench.reports.load import (CellData, accuracy_suites, error_counts, error_keys, is_error, item_scores,

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_errors_apart import EchoTask  # noqa: E402
 from test_server_fakes import serve  # noqa: E402
 
-from kvbench.harness.client import GenRequest, RequestFailed, SamplingParams  # noqa: E402
+from kvbench.core.client import GenRequest, RequestFailed, SamplingParams  # noqa: E402
 from kvbench.harness.openai_client import OpenAIClient  # noqa: E402
 from kvbench.suites.base import SuiteOptions  # noqa: E402
 from kvbench.suites.runner import run_generation  # noqa: E402
@@ -156,7 +156,7 @@ def test_lm_eval_bridge_records_failed_generations(tmp_path):
     pytest.importorskip("lm_eval")
     import yaml
 
-    from kvbench.harness.client import GenResult
+    from kvbench.core.client import GenResult
     from kvbench.suites.fake import FakeClient
     from kvbench.suites.registry import RunContext, run_suite
 
@@ -195,7 +195,7 @@ def test_lm_eval_bridge_records_failed_scoring(tmp_path):
     pytest.importorskip("lm_eval")
     import yaml
 
-    from kvbench.harness.client import ScoreRequest
+    from kvbench.core.client import ScoreRequest
     from kvbench.suites.fake import FakeClient
     from kvbench.suites.registry import RunContext, run_suite
 

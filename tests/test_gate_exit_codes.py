@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
-from kvbench.harness.store import RunStore, read_jsonl
+from kvbench.core.store import RunStore
+from kvbench.core.io import read_jsonl
 from kvbench.reports import stats
 from kvbench.reports.load import item_scores, load_run, select
 

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from kvbench.harness.cell_work import DefaultWork
 from kvbench.harness.cli import app
 from kvbench.harness.runner import run_sweep
-from kvbench.harness.store import RunStore, read_jsonl
+from kvbench.core.store import RunStore
+from kvbench.core.io import read_jsonl
 from kvbench.harness.sweep_config import parse_config
 from kvbench.harness.targets import TargetSession
 from kvbench.reports import stats

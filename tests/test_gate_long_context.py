@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
 from kvbench.harness.config_checks import SweepConfigError
-from kvbench.harness.store import RunStore, read_jsonl
+from kvbench.core.store import RunStore
+from kvbench.core.io import read_jsonl
 from kvbench.harness.sweep_specs import SuiteSpec, _gate
 from kvbench.reports import stats
 from kvbench.reports.load import item_scores, load_run, select

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kvbench.harness.client import GenResult
+from kvbench.core.client import GenResult
 from kvbench.suites import data
 from kvbench.suites.base import SuiteOptions
 from kvbench.suites.data import DataError

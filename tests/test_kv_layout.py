@@ -86,7 +86,7 @@ def test_layout_errors_are_clear():
 def test_engine_layouts_give_the_same_tokens():
     """The default model, torch backend, fp8 KV: HND and NHD pages give identical greedy tokens and
     log-probs (the same values, stored elsewhere)."""
-    from kvbench.harness.client import SamplingParams
+    from kvbench.core.client import SamplingParams
     from kvbench.runtime.engine import Engine
     from kvbench.runtime.models.loader import load_model
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvbench.harness.matrix import expand, groups
 from kvbench.harness.runner import run_sweep
-from kvbench.harness.store import RunStore
+from kvbench.core.store import RunStore
 from kvbench.harness.sweep_config import SweepConfigError, load_config, parse_config
 from kvbench.harness.targets import TargetSession
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvbench.harness.loadgen import LoadConfig, format_block, jsonable
 from kvbench.harness.loadgen_datasets import random_items, sharegpt_items
-from kvbench.harness.loadgen_metrics import peak_concurrency, peak_output_throughput, percentile, summarize
+from kvbench.core.serving_metrics import peak_concurrency, peak_output_throughput, percentile, summarize
 from kvbench.harness.loadgen_server_metrics import parse_prometheus
 
 

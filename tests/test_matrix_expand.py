@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.harness.matrix import engine_options, expand, groups, select
-from kvbench.harness.store import canonical_key
+from kvbench.core.io import canonical_key
 from kvbench.harness.sweep_config import CELL_KEYS, SweepConfigError, load_config, parse_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

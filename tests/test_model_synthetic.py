@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.harness.client import SamplingParams
+from kvbench.core.client import SamplingParams
 from kvbench.runtime.attention.base import AttentionMetadata
 from kvbench.runtime.config import EngineConfig
 from kvbench.runtime.engine import Engine

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from test_server_fakes import FakeEngine, FakeTokenizer, expected_ids, serve  # noqa: E402
 
-from kvbench.harness.client import Client, GenRequest, SamplingParams, ScoreRequest  # noqa: E402
+from kvbench.core.client import Client, GenRequest, SamplingParams, ScoreRequest  # noqa: E402
 from kvbench.harness.openai_client import OpenAIClient  # noqa: E402
 from kvbench.runtime.server import create_app  # noqa: E402
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvbench.harness import store
+from kvbench.core import io as kio
+from kvbench.core import store
 from kvbench.harness.cli import app
 from kvbench.harness.commands import eval as eval_cmd
 from kvbench.suites.fake import FakeClient
@@ -237,9 +238,9 @@ def _kill_mid_write(target: Path) -> None:
     """A child process SIGKILLed inside atomic_write_bytes, after its temporary file exists."""
     code = (
         "import os, signal, sys\n"
-        "from kvbench.harness import store\n"
-        "store.os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)\n"
-        "store.atomic_write_text(sys.argv[1], 'new')\n"
+        "from kvbench.core import io as kio\n"
+        "kio.os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "kio.atomic_write_text(sys.argv[1], 'new')\n"
     )
     r = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=60)
     assert r.returncode == -9, r.stderr
@@ -263,14 +264,14 @@ def test_remove_stale_temp_files_after_sigkill(tmp_path):
     (cell / ".l.abcdefgh.tmp").symlink_to(cell / "items.jsonl")  # nor a symlink
 
     top = list(tmp_path.glob(".manifest.json.*.tmp"))
-    assert store.remove_stale_temp_files(tmp_path) == top  # not recursive: the top level only
+    assert kio.remove_stale_temp_files(tmp_path) == top  # not recursive: the top level only
     assert not top[0].exists() and stale[0].exists()
-    removed = store.remove_stale_temp_files(tmp_path, recursive=True)
+    removed = kio.remove_stale_temp_files(tmp_path, recursive=True)
     assert removed == stale and not stale[0].exists()
     assert all(p.exists() for p in keep) and (cell / ".d.abcdefgh.tmp").is_dir() and (cell / ".l.abcdefgh.tmp").is_symlink()
     assert (cell / "summary.json").read_text() == "old"
-    assert store.remove_stale_temp_files(tmp_path, recursive=True) == []
-    assert store.remove_stale_temp_files(tmp_path / "missing") == []
+    assert kio.remove_stale_temp_files(tmp_path, recursive=True) == []
+    assert kio.remove_stale_temp_files(tmp_path / "missing") == []
     # and the target can be written again
-    store.atomic_write_text(cell / "summary.json", "new")
+    kio.atomic_write_text(cell / "summary.json", "new")
     assert (cell / "summary.json").read_text() == "new"

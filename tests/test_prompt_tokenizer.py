@@ -8,9 +8,8 @@ import json
 import httpx
 import pytest
 
-from kvbench.harness.client import GenRequest
-from kvbench.harness.prompt_tokenizer import (HFPromptTokenizer, JsonPromptTokenizer, PromptTokenizerError,
-                                              RemotePromptTokenizer, load_prompt_tokenizer, render_chat_template)
+from kvbench.core.client import GenRequest
+from kvbench.suites.prompt_tokenizer import (HFPromptTokenizer, JsonPromptTokenizer, PromptTokenizerError, RemotePromptTokenizer, load_prompt_tokenizer, render_chat_template)
 
 TEMPLATE = ("{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

@@ -25,7 +25,7 @@ import logging
 import pytest
 import torch
 
-from kvbench.harness.client import SamplingParams
+from kvbench.core.client import SamplingParams
 from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, apply_rope, build_rope_cache, query_fp8
 from kvbench.runtime.attention.torch_backend import TorchBackend
 from kvbench.runtime.config import ConfigError, EngineConfig, KVCacheSpec, QUERY_QUANT_MODES

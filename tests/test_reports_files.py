@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
-from kvbench.harness.store import RunStore
+from kvbench.core.store import RunStore
 from kvbench.reports import stats
 from kvbench.reports.compare import compare_analysis, load_runs, report_analysis
 from kvbench.reports.load import item_scores, load_run

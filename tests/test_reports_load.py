@@ -1,4 +1,4 @@
-"""Synthetic runs written through harness/store.py, and reading them back (reports/load.py).
+"""Synthetic runs written through core/store.py, and reading them back (reports/load.py).
 
 ``make_run`` is shared with the gate and report tests: it writes a run directory with the exact record
 schemas of docs/design.md §10, from seeded random numbers, with a planted accuracy drop per KV format.
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.harness.store import RunStore, canonical_key
+from kvbench.core.store import RunStore
+from kvbench.core.io import canonical_key
 from kvbench.reports.load import RunLoadError, accuracy_suites, item_scores, load_run, select, suite_metrics
 
 DEFAULT_DROPS = {"bf16": 0.0, "fp8_e4m3": 0.02, "nvfp4": 0.35}

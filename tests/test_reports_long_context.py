@@ -16,7 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
-from kvbench.harness.store import RunStore, canonical_key
+from kvbench.core.store import RunStore
+from kvbench.core.io import canonical_key
 from kvbench.reports import stats
 from kvbench.reports.compare import report_analysis
 from kvbench.reports.load import accuracy_suites, item_scores, load_run, suite_metrics

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvbench.harness.client import GenRequest, GenResult, SamplingParams
+from kvbench.core.client import GenRequest, GenResult, SamplingParams
 from kvbench.harness.request_options import RequestOptionsError, apply_request, merge_requests
 from kvbench.harness.sweep_config import SweepConfigError, parse_config
 from kvbench.suites.base import SuiteError, SuiteOptions
@@ -228,7 +228,7 @@ def _hf_tokenizer(template):
     from tokenizers import models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from kvbench.runtime.tokenizer import Tokenizer
+    from kvbench.core.tokenizer import Tokenizer
 
     raw = RawTokenizer(models.WordLevel({"[UNK]": 0, "hi": 1, "|": 2, "low": 3, "high": 4, "none": 5}, unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()

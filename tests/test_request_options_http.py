@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from test_server_fakes import serve  # noqa: E402
 
-from kvbench.harness.client import GenRequest, RequestFailed, SamplingParams  # noqa: E402
+from kvbench.core.client import GenRequest, RequestFailed, SamplingParams  # noqa: E402
 from kvbench.harness.openai_client import OpenAIClient  # noqa: E402
 from kvbench.suites.base import GenerationTask, Item, Scored, SuiteOptions  # noqa: E402
 from kvbench.suites.runner import run_generation  # noqa: E402

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from kvbench.harness.prompt_tokenizer import HFPromptTokenizer, JsonPromptTokenizer
+from kvbench.suites.prompt_tokenizer import HFPromptTokenizer, JsonPromptTokenizer
 from kvbench.suites.base import Item, SuiteError, SuiteOptions, item_seed, request_text
 from kvbench.suites.ruler import RulerTask, tolerance
 from kvbench.suites.ruler_params import TASKS, parse_params
@@ -302,7 +302,7 @@ def test_chat_style_needs_a_chat_template(toks):
 @pytest.mark.slow
 def test_default_model_tokenizer_lengths_and_depth():
     from kvbench.runtime.default_model import default_model_path
-    from kvbench.runtime.tokenizer import load_tokenizer
+    from kvbench.core.tokenizer import load_tokenizer
 
     path = default_model_path(quiet=True)
     tok = HFPromptTokenizer(load_tokenizer(path.parent, path.name), "default")

@@ -13,10 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
-from kvbench.harness.client import GenRequest, GenResult
+from kvbench.core.client import GenRequest, GenResult
 from kvbench.harness.commands import eval as eval_cmd
-from kvbench.harness.prompt_tokenizer import JsonPromptTokenizer
-from kvbench.harness.store import ITEM_FIELDS
+from kvbench.suites.prompt_tokenizer import JsonPromptTokenizer
+from kvbench.core.records import ITEM_FIELDS
 from kvbench.harness.sweep_config import SweepConfigError, parse_config
 from kvbench.suites.base import SuiteError, SuiteInputError, SuiteOptions
 from kvbench.suites.registry import run_suite

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from kvbench.harness.client import GenRequest, SamplingParams, ScoreRequest
+from kvbench.core.client import GenRequest, SamplingParams, ScoreRequest
 from kvbench.runtime.config import EngineConfig
 from kvbench.runtime.engine import Engine
 
@@ -239,7 +239,7 @@ def test_no_page_leaks_after_mixed_endings(loaded):
 
 # ------------------------------------------------------------------------------------ client
 def test_engine_client_generate_stream_score(engine):
-    from kvbench.harness.client import Client
+    from kvbench.core.client import Client
     from kvbench.harness.engine_client import EngineClient
 
     c = EngineClient(engine=engine)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvbench.harness.client import SamplingParams
+from kvbench.core.client import SamplingParams
 from kvbench.runtime.attention.base import UnsupportedBackend
 from kvbench.runtime.config import EngineConfig
 from kvbench.runtime.engine import Engine

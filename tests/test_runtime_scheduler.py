@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from kvbench.harness.client import SamplingParams
+from kvbench.core.client import SamplingParams
 from kvbench.runtime.kv_cache import PageAllocator
 from kvbench.runtime.scheduler import Scheduler, Sequence
 

@@ -24,7 +24,7 @@ import math
 import pytest
 import torch
 
-from kvbench.harness.client import SamplingParams
+from kvbench.core.client import SamplingParams
 from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, build_rope_cache
 from kvbench.runtime.attention.torch_backend import TorchBackend
 from kvbench.runtime.config import EngineConfig, KVCacheSpec

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from kvbench.harness.client import ScoreResult
+from kvbench.core.client import ScoreResult
 from kvbench.runtime.engine_api import CapacityReport, EngineStats, SamplingParams, StreamDelta
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"

@@ -263,7 +263,7 @@ def _byte_level_bpe(corpus: list[str]):
     from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from kvbench.runtime.tokenizer import Tokenizer
+    from kvbench.core.tokenizer import Tokenizer
 
     rt = RustTokenizer(models.BPE())
     rt.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -299,7 +299,7 @@ def test_min_token_count_is_a_true_lower_bound_for_byte_level_bpe():
 
 
 def test_byte_level_bound_refuses_tokenizers_it_cannot_bound():
-    from kvbench.runtime.tokenizer import _BYTE_CHARS, byte_level_token_bound
+    from kvbench.core.tokenizer import _BYTE_CHARS, byte_level_token_bound
 
     vocab = {c: i for i, c in enumerate(_BYTE_CHARS.values())} | {"Ġthe": 300, "################": 301}
     base = {"normalizer": None, "pre_tokenizer": {"type": "ByteLevel"}, "model": {"type": "BPE", "vocab": vocab},
@@ -321,7 +321,7 @@ def test_byte_level_bound_refuses_tokenizers_it_cannot_bound():
 @pytest.mark.slow
 def test_min_token_count_on_the_default_model_tokenizer():
     from kvbench.runtime.default_model import default_model_path
-    from kvbench.runtime.tokenizer import load_tokenizer
+    from kvbench.core.tokenizer import load_tokenizer
 
     path = default_model_path()
     tok = load_tokenizer(path.parent, gguf_file=path.name)

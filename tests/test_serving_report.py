@@ -19,7 +19,7 @@ from test_reports_load import make_run  # noqa: E402
 
 from kvbench.harness.loadgen import LoadConfig, jsonable, load_settings  # noqa: E402
 from kvbench.harness.loadgen_server_metrics import MetricsSampler, counter_increase  # noqa: E402
-from kvbench.harness.store import RunStore  # noqa: E402
+from kvbench.core.store import RunStore  # noqa: E402
 from kvbench.reports.analysis import Analysis  # noqa: E402
 from kvbench.reports.compare import report_analysis  # noqa: E402
 from kvbench.reports.load import CellData, load_run  # noqa: E402

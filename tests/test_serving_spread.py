@@ -16,7 +16,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from test_verdict_paths import _records, cli  # noqa: E402
 
-from kvbench.harness.store import RunStore, canonical_key  # noqa: E402
+from kvbench.core.store import RunStore  # noqa: E402
+from kvbench.core.io import canonical_key  # noqa: E402
 from kvbench.reports.load import CellData  # noqa: E402
 from kvbench.reports.serving import serving_summary  # noqa: E402
 from kvbench.reports.serving_spread import (WarnedTable, fmt_ratio, goodput_text, machine_text,  # noqa: E402

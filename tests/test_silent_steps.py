@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from kvbench.harness import runner as runner_mod
 from kvbench.harness.cli import app
-from kvbench.harness.store import RunStore
+from kvbench.core.store import RunStore
 from kvbench.harness.sweep_display import SweepDisplay, eta_seconds, format_eta
 from kvbench.harness.sweep_hints import resume_command
 from kvbench.harness.targets import TargetSession

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
 from kvbench.harness.commands import eval as eval_cmd
-from kvbench.harness.store import ITEM_FIELDS
+from kvbench.core.records import ITEM_FIELDS
 from kvbench.suites.fake import FakeClient
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -89,7 +89,7 @@ def test_eval_bad_input(tmp_path, fake):
 
 
 def test_fidelity_table(tmp_path):
-    from kvbench.harness.store import atomic_write_json
+    from kvbench.core.io import atomic_write_json
     from kvbench.suites.fidelity_table import table
 
     fid = {"kl_mean": 0.0123, "kl_p99": 0.2, "kl_max": 1.5, "top1_agree": 0.97, "ppl_ref": 2.0, "ppl_cand": 2.1,
@@ -107,7 +107,7 @@ def test_fidelity_table(tmp_path):
 
 
 def test_fidelity_paired(tmp_path):
-    from kvbench.harness.store import atomic_write_jsonl
+    from kvbench.core.io import atomic_write_jsonl
     from kvbench.suites.fidelity_table import paired
 
     keys = ("kl_mean", "nll_cand", "top1_agree", "first_divergence")

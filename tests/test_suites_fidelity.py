@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbench.harness.store import ITEM_FIELDS
+from kvbench.core.records import ITEM_FIELDS
 from kvbench.suites.base import SuiteOptions
 from kvbench.suites.fake import VOCAB, FakeClient
 from kvbench.suites.fidelity import FidelitySuite, Reference
@@ -141,7 +141,7 @@ def test_exact_mode_matches_approximation(tmp_path):
     assert ap.summary["kl_mean"] == pytest.approx(ex.summary["kl_mean_topk"], rel=1e-9)  # both token-weighted
     # exact KL equals an independent computation for the first text
     t = _texts(SuiteOptions())[0]
-    from kvbench.harness.client import ScoreRequest
+    from kvbench.core.client import ScoreRequest
 
     r = FakeClient(seed=0).score(ScoreRequest(t.context, t.continuation, full_distribution=True))
     c = cand.score(ScoreRequest(t.context, t.continuation, full_distribution=True))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.harness.client import GenResult
-from kvbench.harness.store import ITEM_FIELDS
+from kvbench.core.client import GenResult
+from kvbench.core.records import ITEM_FIELDS
 from kvbench.suites.aime import pass_at_k
 from kvbench.suites.base import SuiteError, SuiteOptions
 from kvbench.suites.fake import FakeClient

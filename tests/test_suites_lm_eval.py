@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvbench.harness.store import ITEM_FIELDS, prompt_hash
+from kvbench.core.records import ITEM_FIELDS
+from kvbench.core.io import prompt_hash
 from kvbench.suites.base import SuiteOptions
 from kvbench.suites.fake import FakeClient
 from kvbench.suites.registry import run_suite, RunContext
@@ -109,7 +110,7 @@ def test_bridge_loglikelihood(tmp_path):
     assert len(res.records) == 2
     for r, row in zip(res.records, rows):
         # the fake model's log-likelihoods decide the choice; recompute them independently
-        from kvbench.harness.client import ScoreRequest
+        from kvbench.core.client import ScoreRequest
 
         lls = [client.score(ScoreRequest(row["q"], " " + c)).total_logprob for c in row["choices"]]
         best = max(range(2), key=lambda i: lls[i])

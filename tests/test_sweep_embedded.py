@@ -9,7 +9,8 @@ import pytest
 
 from kvbench.harness.matrix import expand
 from kvbench.harness.runner import run_sweep
-from kvbench.harness.store import ITEM_FIELDS, REQUEST_FIELDS, RunStore
+from kvbench.core.records import ITEM_FIELDS, REQUEST_FIELDS
+from kvbench.core.store import RunStore
 from kvbench.harness.sweep_config import parse_config
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

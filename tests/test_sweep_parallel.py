@@ -22,7 +22,7 @@ from kvbench.harness.cli import app
 from kvbench.harness.matrix import expand, groups
 from kvbench.harness.parallel import GroupScheduler, parse_devices, plan_groups, simulate, visible_devices
 from kvbench.harness.runner import run_sweep
-from kvbench.harness.store import RunStore
+from kvbench.core.store import RunStore
 from kvbench.harness.sweep_config import SweepConfigError, parse_config
 from kvbench.harness.targets import TargetSession, free_port
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from kvbench.harness.matrix import expand
-from kvbench.harness.store import RunStore
+from kvbench.core.store import RunStore
 from kvbench.harness.sweep_config import parse_config
 
 RAW = {

@@ -21,7 +21,7 @@ from kvbench.harness import runner as runner_mod
 from kvbench.harness.cli import app
 from kvbench.harness.matrix import expand
 from kvbench.harness.runner import RunInUseError, RunLock, run_sweep
-from kvbench.harness.store import RunStore
+from kvbench.core.store import RunStore
 from kvbench.harness.sweep_config import SweepConfigError, parse_config
 from kvbench.harness.targets import TargetSession
 

@@ -9,10 +9,11 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvbench.harness import store as store_mod
+from kvbench.core import io as store_mod  # the atomic writes (a crash mid-write is simulated there)
 from kvbench.harness.matrix import expand
 from kvbench.harness.runner import run_sweep
-from kvbench.harness.store import RunStore, atomic_write_json
+from kvbench.core.store import RunStore
+from kvbench.core.io import atomic_write_json
 from kvbench.harness.sweep_config import SweepConfigError, parse_config
 from kvbench.harness.targets import TargetSession
 

@@ -158,7 +158,7 @@ def test_orphans_of_a_killed_sweep_are_reaped(tmp_path):
 def test_kvbench_serve_through_a_launch_template(tmp_path):
     """Start `kvbench serve` (with a stray child in its process group), wait for /health, drive it with
     generate and a small load test, then check the log was captured and the whole group is gone."""
-    from kvbench.harness.client import GenRequest, SamplingParams
+    from kvbench.core.client import GenRequest, SamplingParams
     from kvbench.harness.loadgen import LoadConfig, run_load
 
     launch = (

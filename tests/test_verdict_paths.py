@@ -13,7 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
-from kvbench.harness.store import RunStore, canonical_key
+from kvbench.core.store import RunStore
+from kvbench.core.io import canonical_key
 from kvbench.reports.gate import WORD_EXIT, GateThresholds, run_gate
 from kvbench.reports.gate_plan import plan_result
 from kvbench.reports.load import load_run

@@ -23,7 +23,8 @@ import httpx
 import pytest
 
 from kvbench.harness import targets
-from kvbench.harness.server_capacity import admission_limit, merge_capacity, parse_metrics_capacity, parse_startup_log
+from kvbench.harness.server_admission import admission_limit
+from kvbench.harness.server_capacity import merge_capacity, parse_metrics_capacity, parse_startup_log
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "vllm-0.26"
 FAKE = Path(__file__).resolve().parent / "fake_engines" / "fake_vllm.py"

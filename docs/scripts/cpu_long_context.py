@@ -83,7 +83,7 @@ def run_agree(case: dict) -> dict:
     """Score one text in four ways on one loaded model and compare them pairwise."""
     import torch
 
-    from kvbench.harness.client import SamplingParams
+    from kvbench.core.client import SamplingParams
     from kvbench.runtime.config import EngineConfig
     from kvbench.runtime.engine import Engine
     from kvbench.runtime.models.loader import load_model
@@ -123,7 +123,7 @@ def run_one(case: dict) -> dict:
     """One case in this process."""
     import torch
 
-    from kvbench.harness.client import SamplingParams
+    from kvbench.core.client import SamplingParams
     from kvbench.runtime.config import EngineConfig
     from kvbench.runtime.engine import Engine
 

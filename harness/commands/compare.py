@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
         n_boot: int = typer.Option(10_000, "--bootstrap", help="Paired-bootstrap resamples."),
         seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
     ) -> None:
-        from kvbench.harness.store import OutDirError, check_out_dir
+        from kvbench.core.store import OutDirError, check_out_dir
         from kvbench.reports.compare import compare_analysis, load_runs, run_meta
         from kvbench.reports.html import ReportMeta, write_report
         from kvbench.reports.load import RunLoadError

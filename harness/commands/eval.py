@@ -146,7 +146,7 @@ def _usage_error(msg: str) -> None:
 
 def _check_paths(data_dir: Optional[str], out: Optional[str], overwrite: bool) -> Optional[Path]:
     """Fail fast (before the model loads) on a --data-dir or --out that cannot work; returns --out as a Path."""
-    from kvbench.harness.store import OutDirError, check_out_dir
+    from kvbench.core.store import OutDirError, check_out_dir
 
     if data_dir is not None:
         d = Path(data_dir)
@@ -284,7 +284,7 @@ def register(app: typer.Typer) -> None:
         import logging
         from dataclasses import replace
 
-        from kvbench.harness.store import atomic_write_json, atomic_write_jsonl, canonical_key
+        from kvbench.core.io import atomic_write_json, atomic_write_jsonl, canonical_key
         from kvbench.suites.base import SuiteError, SuiteInputError, SuiteOptions
         from kvbench.suites.data import DataError
         from kvbench.suites.registry import FidelityContext, RunContext, resolve, run_suite

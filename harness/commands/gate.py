@@ -122,7 +122,7 @@ def register(app: typer.Typer) -> None:
         json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the decision as JSON here."),
         annotations: Optional[bool] = typer.Option(None, "--annotations/--no-annotations", show_default=False, help="Print the summary line and errors as GitHub Actions workflow commands (::notice:: / ::warning:: / ::error::). Default: only under GitHub Actions (GITHUB_ACTIONS=true); elsewhere a plain 'kvbench gate: ...' line."),
     ) -> None:
-        from kvbench.harness.store import atomic_write_json
+        from kvbench.core.io import atomic_write_json
         from kvbench.reports.gate import GateError, GateThresholds, format_table, merge_gate_config, run_gate, summary_line, to_json
         from kvbench.reports.load import RunLoadError, load_run
 

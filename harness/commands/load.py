@@ -101,7 +101,7 @@ def register(app: typer.Typer) -> None:
                 write_outputs(str(Path(out) / f"c{cfg.max_concurrency or 'inf'}"), summary, records)
             summaries.append(summary)
         if out:
-            from kvbench.harness.store import atomic_write_json
+            from kvbench.core.io import atomic_write_json
 
             atomic_write_json(Path(out) / "summary.json", {"levels": summaries})
             typer.echo(f"wrote {out}/summary.json and c<N>/requests.jsonl")

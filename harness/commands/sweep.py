@@ -15,7 +15,7 @@ DATA_DIR_ENV = "KVBENCH_DATA_DIR"  # suites.data.DATA_DIR_ENV (not imported: --h
 
 def _check_run_dir(run_dir: Path) -> None:
     """A run directory must be a directory or creatable (``store.check_out_dir``), as a config error."""
-    from kvbench.harness.store import OutDirError, check_out_dir
+    from kvbench.core.store import OutDirError, check_out_dir
     from kvbench.harness.sweep_config import SweepConfigError
 
     try:

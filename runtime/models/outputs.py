@@ -11,7 +11,7 @@ from typing import Optional
 
 from kvbench.runtime.engine_api import RequestOutput, StreamDelta
 from kvbench.runtime.scheduler import Sequence
-from kvbench.runtime.tokenizer import IncrementalDetokenizer
+from kvbench.core.tokenizer import IncrementalDetokenizer
 
 __all__ = ["OutputProcessor"]
 
