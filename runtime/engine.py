@@ -30,7 +30,7 @@ from kvbench.runtime.engine_api import CapacityReport, EngineStats, RequestOutpu
 from kvbench.runtime.models.engine_setup import build_engine_parts
 from kvbench.runtime.models.outputs import OutputProcessor
 from kvbench.runtime.sampling import MAX_REQUEST_LOGPROBS, MAX_SCORE_LOGPROBS, SampleRow, sample, validate_params
-from kvbench.runtime.scheduler import Scheduler, Sequence as Seq
+from kvbench.runtime.scheduler import Scheduler, SeqStatus, Sequence as Seq
 
 __all__ = ["Engine", "SCORE_MODES", "LOGIT_ROWS"]
 
@@ -177,7 +177,7 @@ class Engine:
                 self.scheduler.add(x)
             else:
                 seq = self._seqs.get(x)
-                if seq is not None and seq.status != "finished":
+                if seq is not None and seq.status != SeqStatus.FINISHED:
                     self._finish(seq, "abort")
 
     # ------------------------------------------------------------------------------------ step
@@ -220,7 +220,7 @@ class Engine:
         now = time.monotonic()
         for jj, j in enumerate(range(a, b)):
             seq = batch.seqs[out.seq_idx[j]]
-            if seq.status == "finished":
+            if seq.status == SeqStatus.FINISHED:
                 continue
             st = seq.state
             if seq.score_from is not None and out.positions[j] - seq.score_from + 1 < len(st["logprobs"]):

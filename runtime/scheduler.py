@@ -23,12 +23,25 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable, Optional
 
 from kvbench.core.client import SamplingParams
 from kvbench.runtime.kv_cache import PageAllocator, pages_needed
 
-__all__ = ["Sequence", "ScheduledBatch", "Scheduler"]
+__all__ = ["Sequence", "SeqStatus", "ScheduledBatch", "Scheduler"]
+
+
+class SeqStatus(str, Enum):
+    """Where a sequence is: queued (new, or preempted and to be recomputed), holding pages and stepping, or done.
+    A ``str`` enum, so records and logs that print it keep the plain words."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -40,7 +53,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
-    status: str = "waiting"  # waiting | running | finished
+    status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
     order: int = -1  # admission priority (arrival order), set by the scheduler
@@ -78,7 +91,7 @@ class Sequence:
 
     @property
     def in_decode(self) -> bool:
-        return self.status == "running" and self.pending == 1 and self.num_cached >= len(self.prompt_ids) > 0
+        return self.status == SeqStatus.RUNNING and self.pending == 1 and self.num_cached >= len(self.prompt_ids) > 0
 
     def chunk_len(self, budget: int) -> int:
         """New tokens of this sequence's next prefill chunk under ``budget``: never past ``score_from``
@@ -113,7 +126,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------- queue ops
     def add(self, seq: Sequence) -> None:
-        seq.status = "waiting"
+        seq.status = SeqStatus.WAITING
         seq.order = self._next_order
         self._next_order += 1
         self.waiting.append(seq)
@@ -123,7 +136,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and free its pages (idempotent)."""
-        if seq.status == "finished":
+        if seq.status == SeqStatus.FINISHED:
             return
         self._release(seq)
         if seq in self.running:
@@ -133,7 +146,7 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
-        seq.status = "finished"
+        seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
 
@@ -156,7 +169,7 @@ class Scheduler:
         """Back to the waiting queue (in arrival order), to be recomputed from scratch."""
         self.running.remove(victim)
         self._release(victim)
-        victim.status = "waiting"
+        victim.status = SeqStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
         i = 0
@@ -192,7 +205,7 @@ class Scheduler:
                 break
             if seq.in_decode or seq.pending <= 0:
                 continue
-            if seq.status != "running":
+            if seq.status != SeqStatus.RUNNING:
                 continue  # preempted by an older sequence earlier in this loop
             n = seq.chunk_len(budget)
             if not self._make_room(seq, seq.num_cached + n):
@@ -208,7 +221,7 @@ class Scheduler:
             if not self._grow(seq, seq.num_tokens):
                 break  # not enough free pages: wait for running sequences to finish
             self.waiting.popleft()
-            seq.status = "running"
+            seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)
             q_lens.append(n)
@@ -218,11 +231,11 @@ class Scheduler:
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
         seqs: list[Sequence] = []
         for seq in list(self.running):
-            if seq.status != "running" or not seq.in_decode:
+            if seq.status != SeqStatus.RUNNING or not seq.in_decode:
                 continue
             if self._make_room(seq, seq.num_tokens):
                 seqs.append(seq)
-        seqs = [s for s in seqs if s.status == "running"]
+        seqs = [s for s in seqs if s.status == SeqStatus.RUNNING]
         if not seqs:
             return None
         return ScheduledBatch("decode", seqs, [1] * len(seqs))

@@ -100,3 +100,11 @@ def test_chunked_prefill_respects_budget():
         sizes.append(batch.q_lens[0])
         s.num_cached += batch.q_lens[0]
     assert sizes == [10, 10, 5]
+
+
+def test_sequence_status_is_an_enum_that_still_reads_as_its_word():
+    from kvbench.runtime.scheduler import SeqStatus
+
+    s = Sequence("x", [1, 2], SamplingParams(max_tokens=1))
+    assert s.status is SeqStatus.WAITING and s.status == "waiting" and str(s.status) == "waiting"
+    assert [m.value for m in SeqStatus] == ["waiting", "running", "finished"]
