@@ -267,12 +267,11 @@ def _event(api: str, data: bytes, now: float, out: StreamOutcome, parts: list[st
     for choice in obj.get("choices") or ():
         piece = _piece(api, choice)
         if piece or _token_event(api, choice):
-            delta = choice.get("delta") or {}
             if out.role_pending:  # the first token's own chunk, right behind its role chunk: already timed
                 out.role_pending = False
             else:
                 out.chunk_times.append(now)
-                out.role_pending = api == "chat" and "role" in delta and not piece and not out.role_pending
+                out.role_pending = api == "chat" and "role" in (choice.get("delta") or {}) and not piece
         if piece:
             parts.append(piece)
         if choice.get("finish_reason"):

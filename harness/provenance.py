@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 from typing import Optional
 
@@ -75,8 +77,10 @@ def device_info() -> dict:
     return info
 
 
+@functools.lru_cache(maxsize=1)
 def nvidia_smi() -> list[dict]:
-    """``[{name, memory_mib, driver}]`` per GPU from ``nvidia-smi`` ([] without one or on any failure)."""
+    """``[{name, memory_mib, driver}]`` per GPU from ``nvidia-smi`` ([] without one or on any failure); asked
+    once per process (the provenance and every server cell's admission default read it)."""
     import shutil
     import subprocess
 

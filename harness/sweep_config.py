@@ -78,7 +78,6 @@ class SweepConfig:
     # per-layer diagnostics in quantized embedded accuracy cells (harness/cell_diagnostics.py); None = off
     diagnostics: Optional[Any] = None
 
-
     def to_dict(self) -> dict:
         """Plain, JSON-safe form (recorded in the manifest; compared on --resume).  Keys added to the schema
         later are left out while they hold their defaults, so the manifests of earlier runs still compare

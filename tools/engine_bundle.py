@@ -141,7 +141,7 @@ def pack(out: Path, site: Path, extra: list[Path], manifest: dict, part_mb: floa
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         tmp = Path(tmp)
         xz = tmp / "site.tar.xz"
-        with tarfile.open(xz, "w:xz", preset=9 | lzma.PRESET_EXTREME if os.environ.get("BUNDLE_XZ_EXTREME") else 9) as t:
+        with tarfile.open(xz, "w:xz", preset=9) as t:
             t.add(site, arcname=".")
         (tmp / "bundle.json").write_text(json.dumps(manifest, indent=1))
         archive = tmp / ARCHIVE

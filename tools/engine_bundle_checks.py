@@ -50,8 +50,8 @@ def _marker_ok(marker: str, env: dict) -> bool:
 
 
 def unmet_requirements(manifest: dict, wheels: list[Path]) -> dict[str, list[str]]:
-    """``{requirement: [wheels needing it]}`` for runtime requirements (no extras) that are neither in the
-    bundle nor in the manifest's ``target_has``."""
+    """``{requirement: [wheels needing it]}`` for runtime requirements (no extras, markers true on the target)
+    that are neither in the bundle nor in the manifest's ``target_has``."""
     import re
 
     bundled = {_norm(w.name.split("-")[0]) for w in wheels}
@@ -59,15 +59,7 @@ def unmet_requirements(manifest: dict, wheels: list[Path]) -> dict[str, list[str
     env = _marker_env(manifest)
     unmet: dict[str, list[str]] = {}
     for w in wheels:
-        for line in _metadata(w):
-            if not line.startswith("Requires-Dist:"):
-                continue
-            req, _, marker = line[len("Requires-Dist:"):].strip().partition(";")
-            if "extra" in marker:
-                continue
-            if not _marker_ok(marker.strip(), env):
-                continue
-            name = _norm(re.split(r"[=<>!~ \[(]", req.strip(), 1)[0])
+        for name in _requires(w, env):
             if name not in bundled and name not in on_target:
                 unmet.setdefault(name, []).append(w.name.split("-")[0])
     return unmet

@@ -17,7 +17,7 @@ Steps (each one call of a few minutes; state lives under --work, default /tmp/kv
 
   python docs/scripts/vllm_gpu.py setup && python docs/scripts/vllm_gpu.py accuracy --out $OUT
 
-Everything a step measures goes to --out (JSON + logs) and to WORK/results.
+Everything a step measures goes to --out (JSON + logs); `pack NAME` archives it with the server logs.
 docs/external-engines.md ("A real vLLM") and docs/performance.md ("kvbench's engine against vLLM") hold what it
 showed and the commands.
 """
@@ -119,9 +119,6 @@ def wait_health(url: str, proc: subprocess.Popen | None, timeout: float, logfile
 def save(out: Path, name: str, data) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps(data, indent=1) if not isinstance(data, str) else data)
-    res = WORK / "results"
-    res.mkdir(parents=True, exist_ok=True)
-    (res / name).write_text((out / name).read_text())
 
 
 # ------------------------------------------------------------------------------------------------- steps
