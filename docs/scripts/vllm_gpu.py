@@ -6,6 +6,7 @@ Steps (each one call of a few minutes; state lives under --work, default /tmp/kv
   setup                    unpack + verify the vLLM bundle, convert the default model's GGUF to an HF directory
                            (tools/gguf_to_hf.py), write the Llama-3-8B-shaped dummy directory
   accuracy                 kvbench sweep configs/vllm-fp8-kv-smol.yaml on the real weights, then report and gate
+  sweep                    kvbench sweep configs/vllm-vs-kvbench-8b.yaml (both engines, one sweep), then report
   serve-vllm KV...         start vLLM servers on the dummy 8B shape (one per KV format, same KV memory) and leave
                            them running for `measure`
   serve-kvbench KV         start `kvbench serve` on the same shape, KV format and KV memory
@@ -166,6 +167,30 @@ def step_accuracy(args) -> None:
     log(f"gate exit {g.returncode}")
 
 
+def step_sweep(args) -> None:
+    """configs/vllm-vs-kvbench-8b.yaml: both engines in one kvbench sweep (a launched server per engine and KV
+    format), then report; --resume continues a sweep an earlier call left unfinished."""
+    env = bundle_env()
+    env["PYTHONPATH"] = f"{WORK / 'kvb'}:{VP / 'site'}:{env.get('PYTHONPATH', '')}"
+    env.update(KVBENCH_LLAMA8B_DUMMY=str(DUMMY), KVBENCH_SMOL_HF=str(SMOL))
+    run = Path(args.out) / "run-vs"
+    t0 = time.time()
+    cmd = ["kvbench", "sweep", str(REPO / "configs/vllm-vs-kvbench-8b.yaml"), "--out", str(run), "--no-progress"]
+    cmd += ["--resume"] if (run / "manifest.json").exists() else []
+    log("$ " + " ".join(cmd))
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:  # Ctrl-C: the sweep stops its servers; finished cells stay for --resume
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    log(f"sweep call took {time.time() - t0:.0f} s")
+    sh(["kvbench", "report", str(run)], env=env, check=False)
+
+
 def _probe_requests(base: str, model: str) -> dict:
     """Raw answers of the real server to what kvbench sends and to bad requests."""
     def call(method, path, body=None, raw=False):
@@ -314,18 +339,26 @@ def step_measure(args) -> None:
             "--input-len", "8192", "--output-len", "128", "--dataset", "random", "--warmup", "2", "--no-progress",
             "--tokenizer", "none", "--salt", f"{kv}-long", "--out", str(out / "kvb-random-long")], env=env, check=False)
     if engine == "vllm" and not args.skip_clients:
-        for c, n in levels:  # the same text prompts through both clients
-            flush()
-            sh(["kvbench", "load", "--base-url", base, "--model", SERVED, "--max-concurrency", str(c), "--num-prompts", str(n),
-                "--dataset", "custom", "--dataset-path", str(prompts), "--output-len", "128", "--warmup", "0",
-                "--no-progress", "--out", str(out / f"kvb-custom-c{c}")], env=env, check=False)
-            flush()
-            sh(["vllm", "bench", "serve", "--backend", "vllm", "--base-url", base, "--endpoint", "/v1/completions",
-                "--model", SERVED, "--tokenizer", str(SMOL), "--dataset-name", "custom", "--dataset-path", str(prompts),
-                "--custom-output-len", "128", "--skip-chat-template", "--disable-shuffle", "--num-prompts", str(n),
-                "--max-concurrency", str(c), "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-                "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", f"vllm-custom-c{c}.json"],
-               env=env, check=False, timeout=400)
+        # the same text prompts through both clients, 4 warm-up requests each, in the order kvbench, vllm, vllm,
+        # kvbench, ... (repeat r runs them reversed when r is odd) so neither client always goes first
+        for c, n in levels:
+            for r in range(args.repeats):
+                order = ("kvbench", "vllm") if r % 2 == 0 else ("vllm", "kvbench")
+                for client in order:
+                    flush()
+                    if client == "kvbench":
+                        sh(["kvbench", "load", "--base-url", base, "--model", SERVED, "--max-concurrency", str(c),
+                            "--num-prompts", str(n), "--dataset", "custom", "--dataset-path", str(prompts),
+                            "--output-len", "128", "--warmup", "4", "--no-progress",
+                            "--out", str(out / f"kvb-custom-c{c}-r{r}")], env=env, check=False)
+                    else:
+                        sh(["vllm", "bench", "serve", "--backend", "vllm", "--base-url", base, "--endpoint",
+                            "/v1/completions", "--model", SERVED, "--tokenizer", str(SMOL), "--dataset-name", "custom",
+                            "--dataset-path", str(prompts), "--custom-output-len", "128", "--skip-chat-template",
+                            "--disable-shuffle", "--num-prompts", str(n), "--num-warmups", "4", "--max-concurrency", str(c),
+                            "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+                            "--save-result", "--save-detailed", "--result-dir", str(out),
+                            "--result-filename", f"vllm-custom-c{c}-r{r}.json"], env=env, check=False, timeout=400)
     if engine == "vllm":
         try:
             save(out, "metrics.txt", urllib.request.urlopen(base + "/metrics", timeout=10).read().decode())
@@ -362,6 +395,8 @@ def main() -> None:
     r = sub.add_parser("receive")
     r.add_argument("parts", nargs="+")
     sub.add_parser("setup")
+    sw = sub.add_parser("sweep")
+    sw.add_argument("--timeout", type=float, default=None, help="stop the sweep after this many seconds (resume later)")
     a = sub.add_parser("accuracy")
     a.add_argument("--data-dir", default=str(REPO / ".scratch/data"))
     v = sub.add_parser("serve-vllm")
@@ -376,11 +411,12 @@ def main() -> None:
     m.add_argument("--long", action="store_true", help="also 8192-token prompts at concurrency 16")
     m.add_argument("--skip-clients", action="store_true", help="no client comparison (vLLM only)")
     m.add_argument("--clients-only", action="store_true", help="only the client comparison (vLLM only)")
+    m.add_argument("--repeats", type=int, default=2, help="client comparison runs per client and level (alternating order)")
     sub.add_parser("stop")
     pk = sub.add_parser("pack")
     pk.add_argument("name")
     args = ap.parse_args()
-    steps = {"receive": step_receive, "setup": step_setup, "accuracy": step_accuracy,
+    steps = {"receive": step_receive, "setup": step_setup, "accuracy": step_accuracy, "sweep": step_sweep,
              "serve-vllm": step_serve_vllm, "serve-kvbench": step_serve_kvbench, "measure": step_measure, "stop": step_stop, "pack": step_pack}
     steps[args.step](args)
 

@@ -26,22 +26,37 @@ def fmt(v, nd=1) -> str:
 
 
 def clients(out: Path, kv: str = "fp8") -> list[str]:
-    rows = ["| concurrency | client | req/s | out tok/s | mean TTFT ms | median TTFT ms | mean TPOT ms | median TPOT ms | "
-            "chunks / request (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+    """One row per client run (repeat r ran kvbench first when r is even, vllm first when odd), then each client's
+    mean over its repeats; files kvb-custom-cC-rR/ and vllm-custom-cC-rR.json (without -rR: one run, no warm-up)."""
+    rows = ["| concurrency | client | run | req/s | out tok/s | mean TTFT ms | median TTFT ms | mean TPOT ms | "
+            "median TPOT ms | chunks / request (mean) |", "|---|---|---|---|---|---|---|---|---|---|"]
     d = out / f"vllm-{kv}"
+    keys = ("request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
     for c in (16, 64, 256):
-        k, v = d / f"kvb-custom-c{c}" / "summary.json", d / f"vllm-custom-c{c}.json"
-        if not (k.exists() and v.exists()):
-            continue
-        s = level(k)
-        recs = [json.loads(x) for x in (d / f"kvb-custom-c{c}" / f"c{c}" / "requests.jsonl").read_text().splitlines()]
-        kch = st.mean(len(r["itl_s"]) + 1 for r in recs if r["success"])
-        b = json.loads(v.read_text())
-        vch = st.mean(len(x) + 1 for x in b["itls"])
-        rows.append(f"| {c} | kvbench load | {s['request_throughput']:.2f} | {s['output_throughput']:,.0f} | {fmt(s['mean_ttft_ms'])} | "
-                    f"{fmt(s['median_ttft_ms'])} | {fmt(s['mean_tpot_ms'], 2)} | {fmt(s['median_tpot_ms'], 2)} | {kch:.1f} |")
-        rows.append(f"| {c} | vllm bench serve | {b['request_throughput']:.2f} | {b['output_throughput']:,.0f} | {fmt(b['mean_ttft_ms'])} | "
-                    f"{fmt(b['median_ttft_ms'])} | {fmt(b['mean_tpot_ms'], 2)} | {fmt(b['median_tpot_ms'], 2)} | {vch:.1f} |")
+        runs = sorted({p.name.rsplit("-r", 1)[1] for p in d.glob(f"kvb-custom-c{c}-r*")}) or [""]
+        per = {"kvbench load": [], "vllm bench serve": []}
+        for r in runs:
+            sfx = f"-r{r}" if r else ""
+            k, v = d / f"kvb-custom-c{c}{sfx}", d / f"vllm-custom-c{c}{sfx}.json"
+            if not ((k / "summary.json").exists() and v.exists()):
+                continue
+            s = level(k / "summary.json")
+            recs = [json.loads(x) for x in (k / f"c{c}" / "requests.jsonl").read_text().splitlines()]
+            per["kvbench load"].append(({x: s[x] for x in keys}, st.mean(len(q["itl_s"]) + 1 for q in recs if q["success"]), r))
+            b = json.loads(v.read_text())
+            per["vllm bench serve"].append(({x: b[x] for x in keys}, st.mean(len(x) + 1 for x in b["itls"]), r))
+        for name, got in per.items():
+            for m, ch, r in got:
+                first = r == "" or (int(r) % 2 == 0) == (name == "kvbench load")
+                label = f"{r} ({'first' if first else 'second'})" if r else "1"
+                rows.append(f"| {c} | {name} | {label} | {m['request_throughput']:.2f} | {m['output_throughput']:,.0f} | "
+                            f"{fmt(m['mean_ttft_ms'])} | {fmt(m['median_ttft_ms'])} | {fmt(m['mean_tpot_ms'], 2)} | "
+                            f"{fmt(m['median_tpot_ms'], 2)} | {ch:.1f} |")
+            if len(got) > 1:
+                mean = {x: st.mean(g[0][x] for g in got) for x in keys}
+                rows.append(f"| {c} | **{name}** | mean of {len(got)} | {mean['request_throughput']:.2f} | "
+                            f"{mean['output_throughput']:,.0f} | {fmt(mean['mean_ttft_ms'])} | {fmt(mean['median_ttft_ms'])} | "
+                            f"{fmt(mean['mean_tpot_ms'], 2)} | {fmt(mean['median_tpot_ms'], 2)} | {st.mean(g[1] for g in got):.1f} |")
     return rows
 
 
