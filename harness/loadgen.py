@@ -167,7 +167,7 @@ def load_settings(cfg: LoadConfig, tokenizer=None) -> dict:
 async def _run_async(base_url: str, model: str, cfg: LoadConfig, items: list[LoadItem], tokenizer) -> tuple[dict, list[dict]]:
     import random
 
-    from kvbench.harness.loadgen_http import HttpPool, build_payload, stream_request
+    from kvbench.harness.loadgen_http import HttpPool, build_payload, parse_stream, send_stream, stream_request
     from kvbench.harness.loadgen_server_metrics import MetricsSampler
 
     root = server_root(base_url)
@@ -194,10 +194,12 @@ async def _run_async(base_url: str, model: str, cfg: LoadConfig, items: list[Loa
 
         async def one(i: int, payload: dict):
             if sem is None:
-                res = await stream_request(pool, path, payload, cfg.api, f"{prefix}-{i}")
+                sent = await send_stream(pool, path, payload, cfg.api, f"{prefix}-{i}")
             else:
-                async with sem:
-                    res = await stream_request(pool, path, payload, cfg.api, f"{prefix}-{i}")
+                async with sem:  # the slot is free the moment the response ends: parsing comes after
+                    sent = await send_stream(pool, path, payload, cfg.api, f"{prefix}-{i}")
+                await asyncio.sleep(0)  # the request waiting for the slot goes out before this one is parsed
+            res = parse_stream(sent)
             if bar is not None:
                 bar.update(1)
             return res

@@ -279,12 +279,24 @@ def _event(api: str, data: bytes, now: float, out: StreamOutcome, parts: list[st
     return False
 
 
-async def stream_request(pool: HttpPool, path: str, payload: dict, api: str, request_id: str) -> StreamOutcome:
-    """POST ``payload`` (``stream: true``) and time every output chunk; never raises for HTTP/stream errors."""
+@dataclass
+class SentStream:
+    """A finished HTTP exchange whose SSE events are not parsed yet (``parse_stream`` does that)."""
+
+    out: StreamOutcome
+    api: str
+    events: list  # (SSE data payload, receive time)
+    raw: list
+    request_error: Optional[str]
+
+
+async def send_stream(pool: HttpPool, path: str, payload: dict, api: str, request_id: str) -> SentStream:
+    """POST ``payload`` (``stream: true``) and timestamp every SSE event as it arrives; no JSON parsing, so a
+    caller holding a concurrency slot can give it back the moment the response ends (``parse_stream`` after).
+    Never raises for HTTP/stream errors."""
     body = json.dumps(payload).encode()
-    parts: list[str] = []
     raw: list[bytes] = []
-    events: list[tuple[bytes, float]] = []  # (SSE data payload, receive time), parsed after the stream
+    events: list[tuple[bytes, float]] = []
     state = {"buf": b"", "over": False}
     out = StreamOutcome(request_id=request_id, start=time.perf_counter())
 
@@ -318,15 +330,26 @@ async def stream_request(pool: HttpPool, path: str, payload: dict, api: str, req
     except (OSError, ConnectionError, asyncio.TimeoutError, ValueError) as e:
         request_error = f"{type(e).__name__}: {e}"
     out.end = time.perf_counter()
+    return SentStream(out, api, events, raw, request_error)
+
+
+def parse_stream(sent: SentStream) -> StreamOutcome:
+    """The outcome of a sent stream: token times, text, usage and finish reason from its events."""
+    out, parts = sent.out, []
     try:
-        for payload, now in events:
-            if _event(api, payload, now, out, parts):
+        for payload, now in sent.events:
+            if _event(sent.api, payload, now, out, parts):
                 break
     except ValueError as e:  # malformed JSON in a data line
         out.error = f"{type(e).__name__}: {e}"
-    if request_error is not None:  # a transport or HTTP failure outranks what the stream said
-        out.error = request_error
+    if sent.request_error is not None:  # a transport or HTTP failure outranks what the stream said
+        out.error = sent.request_error
     out.text = "".join(parts)
     if out.error is None and not out.chunk_times and out.finish_reason is None:
         out.error = "stream ended without output or finish_reason"
     return out
+
+
+async def stream_request(pool: HttpPool, path: str, payload: dict, api: str, request_id: str) -> StreamOutcome:
+    """POST ``payload`` (``stream: true``) and time every output chunk; never raises for HTTP/stream errors."""
+    return parse_stream(await send_stream(pool, path, payload, api, request_id))

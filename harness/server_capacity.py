@@ -35,7 +35,7 @@ What the engines print (read in their public source; the line shapes, not the co
   A newer merged form (``GPU KV cache size: N tokens, Maximum concurrency for L tokens per request: X.XXx``)
   is read as well.
 * ``kvbench serve`` (``CapacityReport.log_line``): ``KV cache: 41424 tokens (nvfp4, 0.250 GiB), max
-  concurrency 17 at context 2304``.
+  concurrency 17 at context 2304``, then ``scheduler: max running 64, max batched tokens 8192`` (its admission limit).
 * ``/metrics``: ``vllm:cache_config_info{block_size="16",cache_dtype="fp8",num_gpu_blocks="27319",...} 1.0``
   (``log_metrics_info``; 0.26 adds ``kv_cache_size_tokens`` and ``kv_cache_memory_bytes``); SGLang ``sglang:max_total_num_tokens`` and ``cache_config_info{page_size, num_pages}``
   (``python/sglang/srt/metrics/collector.py``).
@@ -83,6 +83,7 @@ _BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)  # vLLM's BlockSize choices
 # kvbench serve
 _KVB_LINE = re.compile(r"KV cache:\s*(\d+) tokens \(([\w.]+),\s*" + _FLOAT + r"\s*GiB\),\s*max concurrency\s*(\d+)"
                        r"\s*at context\s*(\d+)")
+_KVB_RUNNING = re.compile(r"scheduler: max running (\d+)")
 
 # what only that engine prints, then its bare name
 _MARKERS = (
@@ -258,9 +259,13 @@ def _vllm(lines: list[str]) -> Optional[dict]:
 def _kvbench(lines: list[str]) -> Optional[dict]:
     for ln in reversed(lines):
         if m := _KVB_LINE.search(ln):
-            return {"engine": "kvbench", "tokens": int(m.group(1)), "kv_cache_dtype": m.group(2),
-                    "kv_bytes": int(round(float(m.group(3)) * 2**30)), "max_concurrency": int(m.group(4)),
-                    "context_len": int(m.group(5))}
+            out = {"engine": "kvbench", "tokens": int(m.group(1)), "kv_cache_dtype": m.group(2),
+                   "kv_bytes": int(round(float(m.group(3)) * 2**30)), "max_concurrency": int(m.group(4)),
+                   "context_len": int(m.group(5))}
+            running = next((r for r in map(_KVB_RUNNING.search, lines) if r), None)
+            if running:  # the scheduler's admission limit (--max-running)
+                out["max_running_requests"] = int(running.group(1))
+            return out
     return None
 
 

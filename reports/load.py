@@ -5,6 +5,7 @@ Nothing here runs a model: a ``CellData`` is the records a sweep left in ``RUN/c
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,8 @@ def _varying_keys(cells: list[CellData]) -> list[str]:
             continue
         if len({repr(c.config.get(k)) for c in cells}) > 1 and k not in keys:
             keys.append(k)
+    if "prefill_backend" in keys and all(c.config.get("prefill_backend") == c.config.get("decode_backend") for c in cells):
+        keys = [k for k in keys if k != "decode_backend"]  # one backend for both phases in every cell: say it once
     return keys
 
 
@@ -390,7 +393,9 @@ def selector_text(sel: str | dict) -> str:
 
 def resolve_baseline(run: RunData, selector: Optional[str | dict] = None) -> Optional[CellData]:
     """The run's baseline cell: ``selector``, else the config's ``baseline``, else the first done bf16 (or
-    fp16) cell with item records, else the first done cell with item records; None when no cell has items.
+    fp16) cell with item records, else the first done cell with item records; None when no cell has items.  In a
+    run without item records (serving only) a selector may name a series (cells that differ only in concurrency):
+    its lowest-concurrency cell is the baseline that the serving ratios divide by.
 
     Raises ``RunLoadError`` when an explicit or configured selector matches no cell or several."""
     sel = selector if selector else run.config.get("baseline")
@@ -400,8 +405,12 @@ def resolve_baseline(run: RunData, selector: Optional[str | dict] = None) -> Opt
         if len(found) == 1:
             return found[0]
         if not found:
-            if selector is None and not with_items:
-                return None
+            if not with_items:  # a serving-only run: the selector names the series the serving ratios divide by
+                series = select(run.cells, sel)
+                if series and len({json.dumps(c.series_config, sort_keys=True, default=str) for c in series}) == 1:
+                    return min(series, key=lambda c: c.concurrency or 0)
+                if selector is None:
+                    return None
             raise RunLoadError(f"baseline {selector_text(sel)!r} matches no done cell with item records")
         raise RunLoadError(f"baseline {selector_text(sel)!r} matches {len(found)} cells "
                            f"({'; '.join(c.short for c in found)}); add keys to make it unique")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvbench.core.io import atomic_write_bytes
 from kvbench.reports.analysis import Analysis
+from kvbench.reports.tables import series_label
 
 __all__ = ["series_key", "is_baseline_series", "series_colors", "dodge"]
 
@@ -33,11 +34,6 @@ def _save(fig, path: Path) -> bool:
     return True
 
 
-def _series_label(cell) -> str:
-    c = cell.concurrency
-    return cell.short.replace(f" c={c}", "") if c is not None else cell.short
-
-
 def series_key(cell) -> tuple:
     """Identifies a format series (a cell's config without concurrency and A/A flag, and its run)."""
     return (cell.run, json.dumps(cell.series_config, sort_keys=True, default=str))
@@ -50,7 +46,7 @@ def is_baseline_series(a: Analysis, cell) -> bool:
 
 def series_colors(a: Analysis) -> dict[str, str]:
     """One colour per format series, the same in every figure."""
-    names = list(dict.fromkeys(_series_label(c) for c in a.cells if not c.aa_control))
+    names = list(dict.fromkeys(series_label(c) for c in a.cells if not c.aa_control))
     return {n: _COLORS[i % len(_COLORS)] for i, n in enumerate(names)}
 
 
@@ -67,4 +63,4 @@ def dodge(xs: list[float], i: int, n: int, log_x: bool, levels: list[float]) -> 
 def _color(a: Analysis, cell, i: int = 0) -> str:
     if cell.aa_control:
         return "#999999"
-    return series_colors(a).get(_series_label(cell), _COLORS[i % len(_COLORS)])
+    return series_colors(a).get(series_label(cell), _COLORS[i % len(_COLORS)])

@@ -21,7 +21,7 @@ from kvbench.reports.plot_style import (  # noqa: F401 - series_key / dodge / co
     _color,
     _figure,
     _save,
-    _series_label,
+    series_label,
     dodge,
     is_baseline_series,
     series_colors,
@@ -120,11 +120,11 @@ def serving_plot(a: Analysis, path: Path) -> bool:
     dicts: dict[tuple[str, int], dict] = {}
     for cell, s in a.serving:
         if not cell.aa_control:
-            series.setdefault(_series_label(cell), []).append((cell.concurrency or 0, float(s["output_throughput"])))
-            dicts[(_series_label(cell), cell.concurrency or 0)] = s
+            series.setdefault(series_label(cell), []).append((cell.concurrency or 0, float(s["output_throughput"])))
+            dicts[(series_label(cell), cell.concurrency or 0)] = s
     if not series:
         return False
-    base_name = next((_series_label(c) for c, _ in a.serving if is_baseline_series(a, c)), None)
+    base_name = next((series_label(c) for c, _ in a.serving if is_baseline_series(a, c)), None)
     base = dict(series[base_name]) if base_name else {}
 
     def bars(name: str, pts: list, rel: bool):

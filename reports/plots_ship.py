@@ -18,7 +18,7 @@ from kvbench.reports.plot_style import (
     _COLORS,
     _figure,
     _save,
-    _series_label,
+    series_label,
     dodge,
     is_baseline_series,
     series_colors,
@@ -87,7 +87,7 @@ def accuracy_throughput_points(a: Analysis) -> tuple[dict[str, list[ThroughputPo
         seen.add((r.suite, k))
         points.setdefault(r.suite, [])
         missing.setdefault(r.suite, [])
-        label = _series_label(r.cell)
+        label = series_label(r.cell)
         conc, s = top.get(k, (None, {}))
         tp = s.get("output_throughput")
         if tp is None or not math.isfinite(float(tp)):
@@ -215,8 +215,8 @@ def capacity_plot(a: Analysis, path: Path) -> bool:
     fig = _figure(13.5 if two else 8.0, 1.4 + 0.55 * len(rows))
     axes = fig.subplots(1, 2 if two else 1, squeeze=False, sharey=True)[0]
     ys = list(range(len(rows)))[::-1]
-    names = [_series_label(c) + (" (baseline)" if is_baseline_series(a, c) else "") for c, _, _ in rows]
-    cols = [colors.get(_series_label(c), _COLORS[i % len(_COLORS)]) for i, (c, _, _) in enumerate(rows)]
+    names = [series_label(c) + (" (baseline)" if is_baseline_series(a, c) else "") for c, _, _ in rows]
+    cols = [colors.get(series_label(c), _COLORS[i % len(_COLORS)]) for i, (c, _, _) in enumerate(rows)]
     ax = axes[0]
     tokens = [float(cap["tokens"]) for _, cap, _ in rows]
     ax.barh(ys, tokens, color=cols, height=0.6)
@@ -279,7 +279,7 @@ def latency_plot(a: Analysis, path: Path) -> bool:
     series: dict[str, list[tuple[int, dict]]] = {}
     for cell, s in a.serving:
         if not cell.aa_control:
-            series.setdefault(_series_label(cell), []).append((cell.concurrency or 0, s))
+            series.setdefault(series_label(cell), []).append((cell.concurrency or 0, s))
     if not series:
         return False
     colors = series_colors(a)
@@ -316,7 +316,7 @@ def latency_plot(a: Analysis, path: Path) -> bool:
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
     handles = [Line2D([], [], color=colors.get(name, _COLORS[i % len(_COLORS)]), lw=3) for i, name in enumerate(series)]
-    labels = [name + (" (baseline)" if any(is_baseline_series(a, c) for c, _ in a.serving if _series_label(c) == name)
+    labels = [name + (" (baseline)" if any(is_baseline_series(a, c) for c, _ in a.serving if series_label(c) == name)
                       else "") for name in series]
     handles += [Line2D([], [], color="#333333", ls=ls, marker=m, lw=2.0 if k == "median" else 1.3,
                        markerfacecolor="#333333" if k == "median" else "white")

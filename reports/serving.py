@@ -11,7 +11,7 @@ from kvbench.reports.load import CellData
 from kvbench.reports.serving_summary import LATENCY_METRICS, LATENCY_STATS, SERVER_KEYS, SETTING_KEYS, serving_summary
 from kvbench.reports.serving_spread import (WarnedTable, fmt_ratio, machine_text, machine_warning, single_repeat_warning,
                                             slo_unmet, spread_warning)
-from kvbench.reports.tables import Table, _series, fmt_num, fmt_pct
+from kvbench.reports.tables import Table, fmt_num, series_label, fmt_pct
 
 __all__ = ["serving_summary", "serving_tables", "LATENCY_METRICS", "LATENCY_STATS", "SETTING_KEYS", "SERVER_KEYS"]
 
@@ -33,7 +33,7 @@ def _slo_text(slo: dict) -> str:
 
 
 def _ordered(a: Analysis) -> list[tuple[CellData, dict]]:
-    return sorted(a.serving, key=lambda t: (t[0].run, _series(t[0], False), t[0].concurrency or 0))
+    return sorted(a.serving, key=lambda t: (t[0].run, series_label(t[0]), t[0].concurrency or 0))
 
 
 def _baseline_of(a: Analysis, cell: CellData) -> Optional[dict]:
@@ -58,10 +58,10 @@ def _load_warnings(a: Analysis) -> list[str]:
     for cell, s in _ordered(a):
         base = _baseline_of(a, cell)
         if base is not None:
-            out += [w for w in (spread_warning(_conc(cell, s), base, s, f" for {_series(cell, False)}"),) if w]
+            out += [w for w in (spread_warning(_conc(cell, s), base, s, f" for {series_label(cell)}"),) if w]
             unmet = slo_unmet(base, s)
             if unmet and s.get("request_goodput") is not None:
-                out.append(f"serving: goodput at c={_conc(cell, s)} for {_series(cell, False)}: {unmet}; "
+                out.append(f"serving: goodput at c={_conc(cell, s)} for {series_label(cell)}: {unmet}; "
                            "no goodput ratio is shown")
     loaded = machine_warning((cell.short, s) for cell, s in _ordered(a))
     return list(dict.fromkeys(out + ([loaded] if loaded else [])))
@@ -72,7 +72,7 @@ def load_table(a: Analysis) -> Table:
     for cell, s in _ordered(a):
         base = _baseline_of(a, cell)
         rows.append([
-            _series(cell, False), _conc(cell, s), _limit(s.get("request_rate")), _limit(s.get("burstiness")),
+            series_label(cell), _conc(cell, s), _limit(s.get("request_rate")), _limit(s.get("burstiness")),
             f"{s['completed']}/{s['failed']}", _with_range(s, "request_throughput", 2), _with_range(s, "output_throughput", 1),
             "—" if base is None else fmt_ratio(base, s, "output_throughput"),
             fmt_num(s["total_token_throughput"]), fmt_num(s.get("request_goodput"), 2),
@@ -109,7 +109,7 @@ def latency_table(a: Analysis) -> Table:
     for cell, s in _ordered(a):
         for key, name in LATENCY_METRICS:
             digits = 2 if key in ("tpot", "itl") else 1
-            rows.append([_series(cell, False), _conc(cell, s), name,
+            rows.append([series_label(cell), _conc(cell, s), name,
                          *(fmt_num(s.get(f"{stat}_{key}_ms"), digits) for stat in LATENCY_STATS)])
     return Table(
         "Serving: latency (ms)", ["series", "conc.", "metric", *LATENCY_STATS], rows,

@@ -97,9 +97,10 @@ class Table:
 # ------------------------------------------------------------------------------ tables
 
 
-def _series(cell: CellData, with_run: bool) -> str:
-    label = cell.short.replace(f" c={cell.concurrency}", "") if cell.concurrency is not None else cell.short
-    return label
+def series_label(cell: CellData) -> str:
+    """A cell's short label without its concurrency: the name of its format series in tables and plots."""
+    c = cell.concurrency
+    return cell.short.replace(f" c={c}", "") if c is not None else cell.short
 
 
 def cells_table(a: Analysis) -> Table:
@@ -233,7 +234,7 @@ def capacity_table(a: Analysis) -> Table:
     rows = []
     for cell, cap, ratio in a.capacity:
         kv_bytes = cap.get("kv_bytes")
-        row = [_series(cell, False), kv_text(cell.config, cap), fmt_num(cap.get("bytes_per_token"), 0),
+        row = [series_label(cell), kv_text(cell.config, cap), fmt_num(cap.get("bytes_per_token"), 0),
                fmt_num(cap.get("tokens")), f"{kv_bytes / 2**30:.3f}" if kv_bytes else "—",
                fmt_num(cap.get("context_len")), fmt_num(cap.get("max_concurrency")),
                f"{ratio:.2f}×" if ratio else "—"]

@@ -172,6 +172,9 @@ def run_server(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, lo
     cap = getattr(engine, "capacity", None)
     if cap is not None:
         print(cap.log_line(), flush=True)
+    cfg = getattr(engine, "config", None)
+    if cfg is not None and getattr(cfg, "max_running", None):  # the admission limit (harness/server_capacity.py reads it)
+        print(f"scheduler: max running {cfg.max_running}, max batched tokens {cfg.max_num_batched_tokens}", flush=True)
     app = create_app(engine, own_engine=True, max_body_bytes=max_body_bytes, prep_processes=prep_processes)
     limit = max_body_bytes if max_body_bytes is not None else default_max_body_bytes(engine.max_model_len)
     print(f"kvbench serving {engine.model_id} on http://{host}:{port}/v1 (request bodies up to {limit / 2**20:.1f} MiB)", flush=True)

@@ -112,3 +112,39 @@ def test_a_chat_role_chunk_times_the_first_token_once():
     assert times == [3.0, 3.1]
     times, _ = _times("chat", [(4.0, delta({"reasoning": "think"})), (4.1, delta({"content": "ok"}))])
     assert times == [4.0, 4.1]
+
+
+def test_a_finished_request_frees_its_slot_before_it_is_parsed(monkeypatch):
+    """Under a concurrency cap the next request goes out as soon as a response ends; parsing a finished stream
+    (a JSON parse per token) must not hold the slot, or every replacement request leaves late."""
+    import kvbench.harness.loadgen_http as http
+    from kvbench.harness.loadgen import LoadConfig, _run_async
+    from kvbench.harness.loadgen_datasets import LoadItem
+
+    ok = (b'{"choices":[{"index":0,"text":"a","finish_reason":"length"}],"usage":{"completion_tokens":1}}', b"[DONE]")
+    sent, seen_at_parse = [], []
+    send, parse = http.send_stream, http.parse_stream
+
+    async def counting_send(*a, **k):
+        sent.append(a[4])
+        return await send(*a, **k)
+
+    def recording_parse(s):
+        seen_at_parse.append((s.out.request_id, len(sent)))
+        return parse(s)
+
+    monkeypatch.setattr(http, "send_stream", counting_send)
+    monkeypatch.setattr(http, "parse_stream", recording_parse)
+
+    async def main():
+        server, port = await _serve(ok, [])
+        try:
+            cfg = LoadConfig(num_prompts=3, max_concurrency=1, warmup=0, metrics_interval_s=0, tokenizer="none")
+            return await _run_async(f"http://127.0.0.1:{port}", "m", cfg, [LoadItem("x", None, 1)] * 3, None)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+    first = [n for rid, n in seen_at_parse if rid.endswith("-0")]
+    assert first == [2], seen_at_parse  # request 1 was sent before request 0 was parsed

@@ -8,6 +8,7 @@ from dataclasses import fields
 import pytest
 
 from kvbench.harness.loadgen_server_metrics import parse_prometheus
+from kvbench.harness.server_admission import admission_limit
 from kvbench.harness.server_capacity import (merge_capacity, parse_metrics_capacity, parse_startup_log, server_capacity,
                                              sniff_engine)
 from kvbench.runtime.engine_api import CapacityReport
@@ -186,3 +187,14 @@ def test_prometheus_sums_queues_and_averages_kv_usage_over_engines():
             'vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:kv_cache_usage_perc{engine="1"} 0.7\n')
     got = parse_prometheus(text)
     assert got["vllm:num_requests_running"] == 7.0 and got["vllm:kv_cache_usage_perc"] == pytest.approx(0.6)
+
+
+def test_kvbench_serve_scheduler_line_gives_the_admission_limit():
+    report = CapacityReport(kv_dtype="fp8_e4m3", page_size=16, num_pages=40960, tokens=655360, bytes_per_token=65536.0,
+                            kv_bytes=40 * 2**30, context_len=9216, max_concurrency=71)
+    log = f"$ kvbench serve ...\n{report.log_line()}\nscheduler: max running 32, max batched tokens 8192\n"
+    cap = parse_startup_log(log)
+    assert cap["max_running_requests"] == 32
+    capped = admission_limit(dict(cap))
+    assert (capped["max_concurrency"], capped["max_concurrency_kv"]) == (32, 71)
+    assert "max_running_requests" not in parse_startup_log(f"{report.log_line()}\n")  # older servers: no limit known

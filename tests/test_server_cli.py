@@ -63,3 +63,7 @@ def test_serve_then_load(tmp_path):
             server.wait(10)
     log = server.stdout.read()
     assert "KV cache:" in log and "fp8_e4m3" in log
+    from kvbench.harness.server_capacity import parse_startup_log
+
+    cap = parse_startup_log(log)  # what a sweep's server target reads: the pool and the admission limit
+    assert cap["kv_cache_dtype"] == "fp8_e4m3" and cap["max_running_requests"] == 64

@@ -288,3 +288,40 @@ def test_load_summary_records_settings_and_preemptions():
     assert s["request_rate"] == 200.0 and s["max_concurrency"] == 3 and s["completed"] == 6
     assert s["good_requests"] == 6 and s["slo"] == {"ttft_ms": 10_000.0} and s["preemptions"] == 0
     assert s["max_running"] <= 2 and s["peak_concurrency"] <= 3
+
+
+def test_serving_only_run_two_engines_baseline_series_and_labels(tmp_path):
+    """A sweep of two server targets with load only (no item records), as configs/vllm-vs-kvbench-8b.yaml: the
+    configured baseline names a series, the × base column divides by it at each concurrency, and a label says a
+    backend once when it serves both phases."""
+    import random
+
+    from test_reports_load import _requests
+
+    from kvbench.core.io import canonical_key
+    from kvbench.reports.load import resolve_baseline
+    from kvbench.reports.serving import serving_tables
+
+    store = RunStore(tmp_path / "run")
+    store.write_manifest({"config": {"baseline": {"kv_dtype": "bf16", "target": "vllm"}}, "git_sha": "0" * 40})
+    for target, backend in (("vllm", "FLASH_ATTN"), ("kvbench", "triton")):
+        for kv in ("bf16", "fp8_e4m3"):
+            for conc in (4, 16):
+                cfg = {"model": "m", "target": target, "prefill_backend": backend, "decode_backend": backend,
+                       "kv_dtype": kv, "kv_scales": "unit", "concurrency": conc}
+                key = canonical_key(cfg)
+                store.init_cell(key, cfg, label=f"{target} {kv} c={conc}")
+                store.write_requests(key, _requests(kv, conc, random.Random(f"{target}{kv}{conc}")))
+                store.write_json(key, "summary", {"suites": {}, "load": {"max_concurrency": conc}, "capacity": {}, "error": None})
+                store.set_status(key, "done")
+    run = load_run(store.root)
+    base = resolve_baseline(run)
+    assert base is not None and base.config["target"] == "vllm" and base.config["kv_dtype"] == "bf16"
+    assert base.concurrency == 4 and not base.items
+    a = report_analysis(run, n_boot=50)
+    table = next(t for t in serving_tables(a) if "load and throughput" in t.title)
+    col = table.columns.index("out tok/s × base")
+    rows = {(r[0], r[1]): r[col] for r in table.rows}
+    assert ("vllm FLASH_ATTN bf16", "4") in rows and ("kvbench triton fp8_e4m3", "16") in rows  # backend said once
+    assert rows[("vllm FLASH_ATTN bf16", "4")] == "—"  # the baseline itself
+    assert rows[("kvbench triton bf16", "16")].endswith("×") and rows[("vllm FLASH_ATTN fp8_e4m3", "4")].endswith("×")

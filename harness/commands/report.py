@@ -29,6 +29,7 @@ def register(app: typer.Typer) -> None:
         from kvbench.reports.compare import report_analysis, run_meta
         from kvbench.reports.html import ReportMeta, write_report
         from kvbench.reports.load import RunLoadError, load_run, selector_text
+        from kvbench.reports.tables import series_label
 
         if not 0.5 < confidence < 1.0:
             _fail(f"--confidence must be in (0.5, 1), got {confidence}")
@@ -49,7 +50,13 @@ def register(app: typer.Typer) -> None:
         cmd = ["kvbench", "report", str(run), "--out", str(out_dir)] + (["--baseline", baseline] if baseline else [])
         meta_rows = run_meta(data)
         base = analysis.baseline
-        meta_rows.append(("baseline", f"{base.short} [{base.key}]" if base else "none (no cell has item records)"))
+        if base is None:
+            base_text = "none (no cell has item records)"
+        elif not base.items:  # a serving-only run: the configured series the serving ratios divide by
+            base_text = f"{series_label(base)} (serving only: the × base ratios divide by this series)"
+        else:
+            base_text = f"{base.short} [{base.key}]"
+        meta_rows.append(("baseline", base_text))
         meta_rows.append(("statistics", f"{100 * confidence:g}% intervals; paired deltas: Newcombe for 0/1 scores (K=1), else paired bootstrap {n_boot} resamples, seed {seed}; Holm; long-context AUC: bootstrap over questions within each length, same resamples and seed"))
         meta = ReportMeta(title=f"kvbench report: {data.config.get('name') or data.name}", command=shlex.join(cmd),
                           rows=meta_rows)
