@@ -42,6 +42,9 @@ class BackendSpec:
     # per-phase narrowing: ((phase, formats), ...); a phase not named here uses ``formats``
     phase_formats: tuple[tuple[str, tuple[str, ...]], ...] = ()
     mla: bool = False  # runs MLA (latent-cache) models, with the same formats
+    # the implementation, "module:Class" inside the runtime's attention package (runtime/attention/registry.py
+    # imports it when the engine builds the backend; core names it and imports nothing); "" = none yet
+    impl: str = ""
 
     def __post_init__(self) -> None:
         bad = [p for p in self.phases if p not in PHASES]
@@ -124,15 +127,16 @@ def add_backend_formats(backend: str, *names: str) -> BackendSpec:
 
 # ------------------------------------------------------------------------------ built-in backends
 register_backend(BackendSpec(
-    "torch", formats=None, mla=True,
+    "torch", formats=None, mla=True, impl="torch_backend:TorchBackend",
     description="reference: gather pages, dequantize, SDPA; any registered format; runs on CPU",
 ))
 register_backend(BackendSpec(
-    "triton", formats=BUILTIN_FORMATS, mla=True, needs="",
+    "triton", formats=BUILTIN_FORMATS, mla=True, needs="", impl="triton_backend:TritonBackend",
     description="Triton kernels: fused append, split-K decode, prefill over a quantized prefix",
 ))
 register_backend(BackendSpec(
     "flashinfer", formats=("bf16", "fp16", "fp8_e4m3", "fp8_e5m2"), needs="cuda+flashinfer",
+    impl="flashinfer_backend:FlashInferBackend",
     phase_formats=(("prefill", ("bf16", "fp16")),),
     description="FlashInfer paged kernels (GPU); no nvfp4, no sinks, no MLA",
 ))

@@ -18,10 +18,11 @@ from typing import Any, Iterable, Iterator, Optional
 
 from kvbench.core.io import StoreError, atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl
 from kvbench.core.records import SCHEMA_VERSION
+from kvbench.core.kv_config import is_kv_option, kv_option, list_valued_options
 
 __all__ = [
     "SCHEMA_VERSION", "STATUS_DONE", "STATUS_FAILED", "STATUS_RUNNING", "StoreError", "OutDirError",
-    "check_out_dir", "CellRef", "RunStore", "parse_selector", "matches", "select_cells", "OPTION_KEYS",
+    "check_out_dir", "CellRef", "RunStore", "parse_selector", "matches", "select_cells",
 ]
 
 STATUS_DONE = "done"
@@ -149,10 +150,8 @@ class RunStore:
 
 
 # ------------------------------------------------------------------------------- selectors
-# keys a selector may name inside a cell's ``options`` (its KV entry's engine options); values of the layer sets
+# a selector may name the KV options of a cell's ``options`` (kvbench.core.kv_config); values of the layer sets
 # hold commas (``kv_dtype_skip_layers=0,1,31``), so a bare selector part continues the previous value
-OPTION_KEYS = ("kv_scales_per_head", "quantize_query", "fused_append", "kv_dtype_skip_layers", "kv_layer_dtypes")
-_LIST_VALUED = ("kv_dtype_skip_layers", "kv_layer_dtypes")
 NONE_VALUES = ("none", "")  # a selector value that matches a cell without the option
 
 
@@ -163,7 +162,7 @@ def parse_selector(text: str) -> dict[str, str]:
     last = None
     for part in filter(None, (p.strip() for p in text.split(","))):
         if "=" not in part:
-            if last in _LIST_VALUED:
+            if last in list_valued_options():
                 out[last] += "," + part
                 continue
             raise ValueError(f"selector part {part!r} is not key=value (selector {text!r})")
@@ -181,10 +180,8 @@ def _option_matches(config: dict, key: str, want: str) -> bool:
         return have in (None, False, "none")
     if have is None:
         return False
-    if key in _LIST_VALUED:
-        from kvbench.core.layer_formats import canonical_layer_dtypes, canonical_skip_layers
-
-        canon = canonical_skip_layers if key == "kv_dtype_skip_layers" else canonical_layer_dtypes
+    if key in list_valued_options():  # layer sets compare canonically
+        canon = kv_option(key).parse
         try:
             return canon(want) == canon(have)
         except ValueError:
@@ -193,13 +190,13 @@ def _option_matches(config: dict, key: str, want: str) -> bool:
 
 
 def matches(config: dict, selector: dict[str, str]) -> bool:
-    """Every ``key=value`` holds for the cell config: top-level keys as strings, ``OPTION_KEYS`` in its
+    """Every ``key=value`` holds for the cell config: top-level keys as strings, KV options in its
     ``options`` (layer sets compared canonically; ``none`` = the option not set)."""
     for k, v in selector.items():
         if k in config:
             if str(config[k]) != v:
                 return False
-        elif k in OPTION_KEYS:
+        elif is_kv_option(k):
             if not _option_matches(config, k, str(v)):
                 return False
         else:

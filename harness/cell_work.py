@@ -42,11 +42,11 @@ class DefaultWork:
 
     def suite(self, spec: SuiteSpec, client: Client, cell: Cell, fidelity: FidelityRef) -> tuple[list[dict], dict]:
         from kvbench.suites.base import SuiteOptions
-        from kvbench.suites.registry import FidelityContext, RunContext, run_suite
+        from kvbench.suites.registry import FidelityContext, RunContext, needs_reference, run_suite
 
         params = dict(spec.params)
         ctx = RunContext()
-        if spec.name == "fidelity":
+        if needs_reference(spec.name):
             knobs = {k: params.pop(k) for k in _FIDELITY_KEYS if k in params}
             ctx.fidelity = FidelityContext(fidelity.label, fidelity.make_client, fidelity.cache_dir, key=fidelity.key, **knobs)
         opts = SuiteOptions(

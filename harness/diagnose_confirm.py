@@ -20,16 +20,9 @@ DEFAULT_RULER = {"name": "ruler", "limit": 1, "max_tokens": 32,
 
 
 def _kv_entry(cfg: EngineConfig, skip: Optional[str], layer_dtypes: Optional[str]) -> dict:
-    e = {"dtype": cfg.kv_dtype, "scales": cfg.kv_scales}
-    if cfg.kv_scales_per_head:
-        e["kv_scales_per_head"] = True
-    if cfg.quantize_query != "none":
-        e["quantize_query"] = cfg.quantize_query
-    if skip:
-        e["kv_dtype_skip_layers"] = skip
-    if layer_dtypes:
-        e["kv_layer_dtypes"] = layer_dtypes
-    return e
+    """The sweep KV entry of ``cfg``'s KV configuration with the given per-layer formats."""
+    kv = cfg.kv.with_options(kv_dtype_skip_layers=skip, kv_layer_dtypes=layer_dtypes)
+    return {"dtype": kv.dtype, "scales": kv.scales, **dict(kv.options)}
 
 
 def confirm_config(cfg: EngineConfig, diag: dict, fidelity_texts: int, ruler: Optional[dict] = None,

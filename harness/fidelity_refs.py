@@ -131,7 +131,9 @@ class FidelityGuardedWork:
         self.work, self.refs = work, refs
 
     def suite(self, spec: SuiteSpec, client: Client, cell: Cell, fidelity: FidelityRef):
-        if spec.name != "fidelity":
+        from kvbench.suites.registry import needs_reference
+
+        if not needs_reference(spec.name):
             return self.work.suite(spec, client, cell, fidelity)
         with self.refs.computing(fidelity.label, spec):
             return self.work.suite(spec, client, cell, fidelity)

@@ -47,21 +47,41 @@ from kvbench.harness.launch_hints import AUTO_KV, DEFAULT_BACKEND
 from kvbench.harness.launch_hints import hint as _hint
 from kvbench.harness.launch_hints import unexpressed as _unexpressed
 from kvbench.harness.layer_options import vllm_skip_words
-from kvbench.runtime.config import QUERY_QUANT_MODES
+from kvbench.core.kv_config import KV_OPTIONS
 
 ENGINE_KINDS = ("sglang", "vllm", "kvbench", "generic")
-# the cell options a server launch may carry, with the value that passes nothing
-OPTION_DEFAULTS = {
+# the cell options a server launch may carry, with the value that passes nothing: the cell's own keys, then the
+# KV options (kvbench.core.kv_config: each names its launch placeholder and text)
+_CELL_OPTION_DEFAULTS = {
     "kv_dtype": AUTO_KV, "kv_scales": "unit", "scales_file": None, "prefill_backend": DEFAULT_BACKEND,
-    "decode_backend": DEFAULT_BACKEND, "attention_backend": DEFAULT_BACKEND, "quantize_query": "none",
-    "kv_scales_per_head": "false", "fused_append": "true", "kv_skip_layers": None, "kv_layer_dtypes": None,
+    "decode_backend": DEFAULT_BACKEND, "attention_backend": DEFAULT_BACKEND,
 }
-OPTIONS = tuple(OPTION_DEFAULTS)
-# kv_scales_per_head / fused_append / kv_layer_dtypes: option_flags only
-OPTION_PLACEHOLDERS = (*OPTIONS[:7], "kv_skip_layers")
-# launch options that are a KV entry's option of another name (where errors point)
-ENTRY_KEYS = {"kv_skip_layers": "kv_dtype_skip_layers", "kv_layer_dtypes": "kv_layer_dtypes"}
-PLACEHOLDERS = ("model", "host", "port", "python", "tp_size", "devices", "extra_args", *OPTION_PLACEHOLDERS)
+_BASE_PLACEHOLDERS = ("model", "host", "port", "python", "tp_size", "devices", "extra_args")
+
+
+def option_defaults() -> dict[str, Optional[str]]:
+    """Every launch option with the value that passes nothing."""
+    return {**_CELL_OPTION_DEFAULTS, **{o.placeholder: o.launch_value(None) for o in KV_OPTIONS.values()}}
+
+
+def option_names() -> tuple[str, ...]:
+    return tuple(option_defaults())
+
+
+def option_placeholders() -> tuple[str, ...]:
+    """The options a launch template may name as ``{placeholder}`` (the other KV options: option_flags only)."""
+    return (*_CELL_OPTION_DEFAULTS, *(o.placeholder for o in KV_OPTIONS.values() if o.template))
+
+
+def placeholders() -> tuple[str, ...]:
+    return (*_BASE_PLACEHOLDERS, *option_placeholders())
+
+
+def entry_keys() -> dict[str, str]:
+    """Launch options whose values are layer sets, with the KV entry key they come from (where errors point)."""
+    return {o.placeholder: o.name for o in KV_OPTIONS.values() if o.per_layer}
+
+
 PORT_STAND_IN = "<port>"  # what --dry-run shows for a port picked per launch
 
 # attention backend names of the external engines (lower-case; vLLM writes them upper-case), so the embedded
@@ -90,17 +110,6 @@ class LaunchError(ValueError):
 
 
 # ------------------------------------------------------------------------------ values
-def query_quant_mode(value: Any) -> str:
-    """``quantize_query`` canonical mode: True -> both, False -> none, a mode name (any case) -> itself."""
-    if value is True:
-        return "both"
-    if value is False or value is None:
-        return "none"
-    if isinstance(value, str) and value.strip().lower() in QUERY_QUANT_MODES:
-        return value.strip().lower()
-    raise ValueError(f"{value!r} is not a quantize_query mode; choose one of: false, true, prefill, decode, both")
-
-
 def _bool_text(value: Any) -> str:
     return "true" if value else "false"
 
@@ -113,10 +122,7 @@ def option_values(cell: dict) -> dict[str, Optional[str]]:
     return {
         "kv_dtype": cell["kv_dtype"], "kv_scales": cell["kv_scales"], "scales_file": cell.get("scales_file"),
         "prefill_backend": pre, "decode_backend": dec, "attention_backend": pre if pre == dec else None,
-        "quantize_query": query_quant_mode(opts.get("quantize_query", False)),
-        "kv_scales_per_head": _bool_text(opts.get("kv_scales_per_head", False)),
-        "fused_append": _bool_text(opts.get("fused_append", True)),
-        "kv_skip_layers": opts.get("kv_dtype_skip_layers"), "kv_layer_dtypes": opts.get("kv_layer_dtypes"),
+        **{o.placeholder: o.launch_value(opts.get(o.name)) for o in KV_OPTIONS.values()},
     }
 
 
@@ -139,8 +145,9 @@ def _mapped(spec, option: str, value: str) -> str:
 def _flag_key(option: str, key: Any) -> str:
     """A value-keyed option_flags key as the cell's value text (YAML true/false -> true/false; quantize_query's
     true/false/both/none -> both/none)."""
-    if option == "quantize_query":
-        return query_quant_mode(key)
+    opt = next((o for o in KV_OPTIONS.values() if o.placeholder == option), None)
+    if opt is not None:
+        return opt.launch_key(key)
     return _bool_text(key) if isinstance(key, bool) else str(key)
 
 
@@ -177,8 +184,8 @@ def parse_target_options(t, d: dict, path: str) -> None:
         except ValueError as e:
             _fail(f"{path}.launch", f"not a valid template ({e}); write literal braces as {{{{ and }}}}")
         for f in fields:
-            if f not in PLACEHOLDERS:
-                _fail(f"{path}.launch", f"unknown placeholder {{{f}}}; allowed: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
+            if f not in placeholders():
+                _fail(f"{path}.launch", f"unknown placeholder {{{f}}}; allowed: {', '.join('{' + p + '}' for p in placeholders())}")
     kind = d.get("engine_kind")
     t.engine_kind = sniff_engine_kind(t.launch, t.type) if kind is None else _choice(kind, ENGINE_KINDS, f"{path}.engine_kind")
     if d.get("extra_args") is not None:
@@ -206,13 +213,14 @@ def shell_args(value: Any, path: str) -> str:
 
 def _key_choices() -> dict[str, tuple[str, ...]]:
     """The values an ``option_flags`` mapping may key (the format table is read at parse time)."""
-    return {"kv_dtype": (*format_names(), AUTO_KV), "kv_scales": KV_SCALE_POLICIES, "kv_scales_per_head": ("true", "false"),
-            "fused_append": ("true", "false")}
+    out = {"kv_dtype": (*format_names(), AUTO_KV), "kv_scales": KV_SCALE_POLICIES}
+    out.update({o.placeholder: o.flag_choices for o in KV_OPTIONS.values() if o.flag_choices})
+    return out
 
 
 def _option_flags(value: Any, path: str) -> dict:
     flags = dict(_mapping(value, path))
-    _check_keys(flags, OPTIONS, path)
+    _check_keys(flags, option_names(), path)
     out: dict = {}
     choices = _key_choices()
     for option, spec in flags.items():
@@ -226,7 +234,7 @@ def _option_flags(value: Any, path: str) -> dict:
                 _fail(p, f"the only placeholder here is {{value}} (the option's value), got {spec!r}")
             out[option] = shell_args(spec, p)
         elif isinstance(spec, dict):
-            if option == "scales_file" or option in ENTRY_KEYS:
+            if option == "scales_file" or option in entry_keys():
                 _fail(p, f'{"a file path" if option == "scales_file" else "a layer list"} cannot key a mapping; use a '
                          'template such as "--flag {value}"')
             m = {}
@@ -268,7 +276,7 @@ def check_cell(spec, tpath: str, cell: dict, where: dict[str, str]) -> None:
               f"prefill {pre!r} and decode {dec!r} differ, but {name} passes one backend for both phases "
               f"({{attention_backend}} in its launch template); use {{prefill_backend}} and {{decode_backend}} "
               f"instead{_hint(spec, 'prefill_backend', ' (for {kind}: {hint} ...)')}, or leave this entry out for this target")
-    for option in _CHECK_ORDER:
+    for option in _check_order():
         value = vals[option]
         if option in ("prefill_backend", "decode_backend"):
             ok = expressed(spec, option, fields) or (pre == dec and one)
@@ -278,10 +286,10 @@ def check_cell(spec, tpath: str, cell: dict, where: dict[str, str]) -> None:
             ok = expressed(spec, option, fields)
         path = where.get(option, tpath)
         if not ok:
-            if value != OPTION_DEFAULTS[option]:
-                _fail(path, _unexpressed(spec, name, option, value, pre == dec, OPTION_PLACEHOLDERS))
+            if value != option_defaults()[option]:
+                _fail(path, _unexpressed(spec, name, option, value, pre == dec, option_placeholders()))
             continue
-        if value is not None and option in ENTRY_KEYS:
+        if value is not None and option in entry_keys():
             try:
                 _quoted(spec, option, value)
             except ValueError as e:
@@ -295,13 +303,14 @@ def check_cell(spec, tpath: str, cell: dict, where: dict[str, str]) -> None:
         _mapping_value(spec, tpath, name, "attention_backend", pre, where.get("prefill_backend", tpath))
 
 
-_CHECK_ORDER = ("kv_dtype", "prefill_backend", "decode_backend", "scales_file", "kv_scales", "quantize_query",
-                "kv_scales_per_head", "fused_append", "kv_skip_layers", "kv_layer_dtypes")
+def _check_order() -> tuple[str, ...]:
+    return ("kv_dtype", "prefill_backend", "decode_backend", "scales_file", "kv_scales",
+            *(o.placeholder for o in KV_OPTIONS.values()))
 
 
 def _mapping_value(spec, tpath: str, name: str, option: str, value: Optional[str], path: str) -> None:
     m = spec.option_flags.get(option)
-    if not isinstance(m, dict) or value is None or value in m or value == OPTION_DEFAULTS[option]:
+    if not isinstance(m, dict) or value is None or value in m or value == option_defaults()[option]:
         return
     _fail(path, f"{option} {value!r} is not in {tpath}.option_flags.{option} of {name} (it maps "
                 f"{', '.join(map(repr, m)) or 'nothing'}); add {value}: '<launch arguments>' ('' when the server "
@@ -327,12 +336,12 @@ def option_flag_args(spec, cell: dict) -> list[str]:
         if isinstance(flag, dict):
             if value in flag:
                 args = flag[value]
-            elif value == OPTION_DEFAULTS[option]:
+            elif value == option_defaults()[option]:
                 args = ""
             else:
                 raise LaunchError(f"{option} {value!r} is not in the option_flags of target {spec.name!r} "
                                   f"(it maps {', '.join(map(repr, flag))})")
-        elif value == OPTION_DEFAULTS[option]:
+        elif value == option_defaults()[option]:
             args = ""
         else:
             try:
@@ -351,15 +360,15 @@ def render_command(spec, cell: dict, port: Any, devices: Optional[list[int]] = N
         fields = set(template_fields(spec.launch))
     except ValueError as e:
         raise LaunchError(f"launch template of target {spec.name!r} is not a valid template ({e})") from None
-    unknown = sorted(fields - set(PLACEHOLDERS))
+    unknown = sorted(fields - set(placeholders()))
     if unknown:
         raise LaunchError(f"launch template of target {spec.name!r} has an unknown placeholder {unknown[0]!r}; "
-                          f"allowed: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
+                          f"allowed: {', '.join('{' + p + '}' for p in placeholders())}")
     vals = option_values(cell)
     subs = {"model": shlex.quote(str(cell["model"])), "host": shlex.quote(spec.host),
             "port": port if port == PORT_STAND_IN else shlex.quote(str(port)), "python": shlex.quote(sys.executable),
             "tp_size": str(spec.tp_size), "devices": shlex.quote(_devices_text(spec, devices))}
-    for option in OPTION_PLACEHOLDERS:
+    for option in option_placeholders():
         if option not in fields:
             continue
         if vals[option] is None:

@@ -1,14 +1,13 @@
 """Mixed per-layer KV formats where the harness meets them: the two options (``kv_dtype_skip_layers``,
 ``kv_layer_dtypes``) as a sweep's KV entries, the engine flags and server launches carry them.
 
-* :func:`canonical_option` -- the canonical string of either option (``kvbench.core.layer_formats``), so
+* canonical values and labels of both options: ``kvbench.core.kv_config`` (``kv_option(name).parse``), so
   ``[31, 0, 1]``, ``"0,1,31"`` and ``"1,0,31"`` are one value (and one cell key).
 * :func:`model_layers` -- a model's layer count and sliding windows when they are cheap to know before
   anything loads (``synthetic:`` names, a local Hugging Face directory); None otherwise (the engine checks
   the layers when it starts).
 * :func:`check_model_layers` -- an option naming a layer the model does not have, or a pattern that matches
   none of its layers, is a ``ValueError`` saying which.
-* :func:`layers_label` -- the short text a cell label shows (``skip 0,1,31``).
 * :func:`vllm_skip_words` -- a skip set as vLLM's ``--kv-cache-dtype-skip-layers`` takes it (one word per
   layer index or pattern, no ranges).
 
@@ -19,22 +18,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from kvbench.core.layer_formats import (canonical_layer_dtypes, canonical_skip_layers, parse_layer_set,
-                                        resolve_layer_dtypes)
+from kvbench.core.kv_config import list_valued_options
+from kvbench.core.layer_formats import parse_layer_set, resolve_layer_dtypes
 
-__all__ = ["LAYER_OPTIONS", "canonical_option", "model_layers", "check_model_layers", "check_model_layers_overlap",
-           "layers_label", "vllm_skip_words"]
+__all__ = ["LAYER_OPTIONS", "model_layers", "check_model_layers", "check_model_layers_overlap", "vllm_skip_words"]
 
-LAYER_OPTIONS = ("kv_dtype_skip_layers", "kv_layer_dtypes")
-_CANON = {"kv_dtype_skip_layers": canonical_skip_layers, "kv_layer_dtypes": canonical_layer_dtypes}
-
-
-def canonical_option(name: str, value: Any) -> Optional[str]:
-    """The canonical string of ``kv_dtype_skip_layers`` / ``kv_layer_dtypes`` (None: nothing set).
-    ``ValueError`` with the reason for a bad spelling, layer or format."""
-    return _CANON[name](value)
+LAYER_OPTIONS = list_valued_options()  # kv_dtype_skip_layers, kv_layer_dtypes
 
 
 def model_layers(ref: Optional[str]) -> Optional[tuple[int, list]]:
@@ -100,17 +91,6 @@ def check_model_layers_overlap(skip_layers: Optional[str], layer_dtypes: Optiona
         both = sorted(skipped & set(parse_layer_set(layers)[0]))
         if both:
             raise ValueError(f"layer {both[0]} is in kv_dtype_skip_layers and kv_layer_dtypes; give it once")
-
-
-def layers_label(options: Optional[dict]) -> str:
-    """`` skip 0,1,31`` / `` layers 0-3:nvfp4;31:bf16`` for a cell's options ('' when it sets neither)."""
-    opts = options or {}
-    out = ""
-    if opts.get("kv_dtype_skip_layers"):
-        out += f" skip {opts['kv_dtype_skip_layers']}"
-    if opts.get("kv_layer_dtypes"):
-        out += f" layers {opts['kv_layer_dtypes']}"
-    return out
 
 
 def vllm_skip_words(skip_layers: Optional[str]) -> list[str]:

@@ -165,10 +165,7 @@ def load_settings(cfg: LoadConfig, tokenizer=None) -> dict:
 
 
 async def _run_async(base_url: str, model: str, cfg: LoadConfig, items: list[LoadItem], tokenizer) -> tuple[dict, list[dict]]:
-    import random
-
-    from kvbench.harness.loadgen_http import HttpPool, build_payload, parse_stream, send_stream, stream_request
-    from kvbench.harness.loadgen_server_metrics import MetricsSampler
+    from kvbench.harness.loadgen_http import HttpPool, build_payload
 
     root = server_root(base_url)
     path = "/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"
@@ -177,60 +174,85 @@ async def _run_async(base_url: str, model: str, cfg: LoadConfig, items: list[Loa
     pool = HttpPool(root, headers, cfg.timeout_s)
     side_pool = HttpPool(root, headers, 30.0)  # /metrics polls never queue behind requests
     try:
-        for i in range(cfg.warmup):
-            res = await stream_request(pool, path, payloads[i], cfg.api, f"warmup-{i}")
-            if res.error is not None:
-                raise RuntimeError(f"warm-up request to {root}{path} failed: {res.error}")
+        await _warm_up(pool, root, path, payloads, cfg)
         work = list(zip(items[cfg.warmup :], payloads[cfg.warmup :]))
         # connections for the first wave, opened before the clock starts (at most 512)
         await pool.preconnect(min(cfg.max_concurrency or len(work), len(work), 512))
-        prefix = cfg.salt or "load"
-        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-        bar = None
-        if cfg.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(work), desc=f"load c={cfg.max_concurrency or 'inf'}", leave=False)
-
-        async def one(i: int, payload: dict):
-            if sem is None:
-                sent = await send_stream(pool, path, payload, cfg.api, f"{prefix}-{i}")
-            else:
-                async with sem:  # the slot is free the moment the response ends: parsing comes after
-                    sent = await send_stream(pool, path, payload, cfg.api, f"{prefix}-{i}")
-                await asyncio.sleep(0)  # the request waiting for the slot goes out before this one is parsed
-            res = parse_stream(sent)
-            if bar is not None:
-                bar.update(1)
-            return res
-
-        stop = asyncio.Event()
-        lags: list[float] = []
-        t0 = time.perf_counter()
-        sampler = MetricsSampler(side_pool, "/metrics", cfg.metrics_interval_s, t0)
-        side = [asyncio.create_task(_lag_monitor(stop, lags))]
-        if cfg.metrics_interval_s > 0:
-            side.append(asyncio.create_task(sampler.run()))
-        rng = random.Random(cfg.seed)
-        tasks, due = [], t0
-        for i, (_, payload) in enumerate(work):
-            if i and math.isfinite(cfg.request_rate):
-                # arrivals on an absolute schedule: a late wake-up does not delay every later request
-                due += rng.gammavariate(cfg.burstiness, 1.0 / (cfg.request_rate * cfg.burstiness))
-                delay = due - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, payload)))
-        outcomes = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
-        stop.set()
-        sampler.stop()
-        await asyncio.gather(*side)
-        if bar is not None:
-            bar.close()
+        outcomes, t0, duration, lags, sampler = await _send_all(pool, side_pool, path, work, cfg)
     finally:
         pool.close()
         side_pool.close()
+    return _summary(work, outcomes, t0, duration, lags, sampler, cfg, tokenizer)
+
+
+async def _warm_up(pool, root: str, path: str, payloads: list[dict], cfg: LoadConfig) -> None:
+    """The untimed warm-up requests, one after another; a failed one stops the run."""
+    from kvbench.harness.loadgen_http import stream_request
+
+    for i in range(cfg.warmup):
+        res = await stream_request(pool, path, payloads[i], cfg.api, f"warmup-{i}")
+        if res.error is not None:
+            raise RuntimeError(f"warm-up request to {root}{path} failed: {res.error}")
+
+
+async def _send_all(pool, side_pool, path: str, work: list, cfg: LoadConfig):
+    """The timed run: every request of ``work`` on its arrival schedule under the concurrency cap, with the
+    event-loop lag and ``/metrics`` sampled beside it → ``(outcomes, t0, duration, lags, sampler)``."""
+    import random
+
+    from kvbench.harness.loadgen_http import parse_stream, send_stream
+    from kvbench.harness.loadgen_server_metrics import MetricsSampler
+
+    prefix = cfg.salt or "load"
+    sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    bar = None
+    if cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(work), desc=f"load c={cfg.max_concurrency or 'inf'}", leave=False)
+
+    async def one(i: int, payload: dict):
+        if sem is None:
+            sent = await send_stream(pool, path, payload, cfg.api, f"{prefix}-{i}")
+        else:
+            async with sem:  # the slot is free the moment the response ends: parsing comes after
+                sent = await send_stream(pool, path, payload, cfg.api, f"{prefix}-{i}")
+            await asyncio.sleep(0)  # the request waiting for the slot goes out before this one is parsed
+        res = parse_stream(sent)
+        if bar is not None:
+            bar.update(1)
+        return res
+
+    stop = asyncio.Event()
+    lags: list[float] = []
+    t0 = time.perf_counter()
+    sampler = MetricsSampler(side_pool, "/metrics", cfg.metrics_interval_s, t0)
+    side = [asyncio.create_task(_lag_monitor(stop, lags))]
+    if cfg.metrics_interval_s > 0:
+        side.append(asyncio.create_task(sampler.run()))
+    rng = random.Random(cfg.seed)
+    tasks, due = [], t0
+    for i, (_, payload) in enumerate(work):
+        if i and math.isfinite(cfg.request_rate):
+            # arrivals on an absolute schedule: a late wake-up does not delay every later request
+            due += rng.gammavariate(cfg.burstiness, 1.0 / (cfg.request_rate * cfg.burstiness))
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, payload)))
+    outcomes = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    stop.set()
+    sampler.stop()
+    await asyncio.gather(*side)
+    if bar is not None:
+        bar.close()
+    return outcomes, t0, duration, lags, sampler
+
+
+def _summary(work: list, outcomes, t0: float, duration: float, lags: list[float], sampler, cfg: LoadConfig,
+             tokenizer) -> tuple[dict, list[dict]]:
+    """The run's metric summary and run facts, and its request records (``_run_async``'s result)."""
     records, sources = [], set()
     for (item, _), oc in zip(work, outcomes):
         rec, src = _record(oc, item, t0, tokenizer)

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvbench.harness.layer_options import LAYER_OPTIONS, layers_label
-from kvbench.core.store import OPTION_KEYS, matches, parse_selector
+from kvbench.core.kv_config import KVConfig, is_kv_option, kv_option_names
+from kvbench.core.store import matches, parse_selector
 from kvbench.core.io import canonical_key
 from kvbench.harness.sweep_axes import cell_fields, entries
 from kvbench.harness.sweep_config import CELL_KEYS, DEFAULT_MODEL, SweepConfig, SweepConfigError
@@ -45,8 +45,13 @@ class Cell:
         return int(self.config["concurrency"])
 
     @property
+    def kv(self) -> KVConfig:
+        """The cell's KV configuration (format, scales, options, backends)."""
+        return KVConfig.from_cell(self.config)
+
+    @property
     def kv_label(self) -> str:
-        return _kv_label(self.config)
+        return self.kv.label()
 
 
 def cell_config(model: str, target: str, prefill: str, decode: str, kv_dtype: str, kv_scales: str,
@@ -66,14 +71,8 @@ def cell_config(model: str, target: str, prefill: str, decode: str, kv_dtype: st
 
 
 def _kv_label(cfg: dict) -> str:
-    """``fp8_e4m3/checkpoint@scales.json+quantize_query=decode skip 0,1,31``: dtype, scales (and file), options
-    set, then the per-layer formats (``skip`` = layers kept in bf16; ``layers`` = other formats per layer)."""
-    options = cfg.get("options", {})
-    opts = "".join(f"+{k}" if v is True else f"+{k}={v}" for k, v in sorted(options.items())
-                   if v and k not in LAYER_OPTIONS)
-    sf = cfg.get("scales_file")
-    return (f"{cfg['kv_dtype']}/{cfg['kv_scales']}{'@' + sf.rstrip('/').rsplit('/', 1)[-1] if sf else ''}{opts}"
-            f"{layers_label(options)}")
+    """``fp8_e4m3/checkpoint@scales.json+quantize_query=decode skip 0,1,31`` (``KVConfig.label``)."""
+    return KVConfig.from_cell(cfg).label()
 
 
 def _label(cfg: dict, show_model: bool, show_target: bool) -> str:
@@ -169,8 +168,8 @@ def select(cells: list[Cell], selector: Optional[str]) -> list[Cell]:
     except ValueError as e:
         raise SweepConfigError(f"--only: {e}") from None
     for k in sel:
-        if k not in CELL_KEYS and k not in OPTION_KEYS:
-            raise SweepConfigError(f"--only: unknown cell key {k!r}; allowed keys: {', '.join((*CELL_KEYS, *OPTION_KEYS))}")
+        if k not in CELL_KEYS and not is_kv_option(k):
+            raise SweepConfigError(f"--only: unknown cell key {k!r}; allowed keys: {', '.join((*CELL_KEYS, *kv_option_names()))}")
     out = [c for c in cells if matches(c.config, sel)]
     if not out:
         seen = {k: sorted({str(c.config[k]) for c in cells}) for k in sel}
@@ -195,10 +194,7 @@ def engine_options(sweep: SweepConfig, cell: Cell) -> dict:
     c = cell.config
     target = sweep.target(c["target"])
     opts = {**sweep.engine, **target.engine}
-    opts.update(
-        model=None if c["model"] == DEFAULT_MODEL else c["model"],
-        kv_dtype=c["kv_dtype"], kv_scales=c["kv_scales"],
-        prefill_backend=c["prefill_backend"], decode_backend=c["decode_backend"],
-        **c.get("options", {}),
-    )
+    kv = cell.kv
+    opts.update(model=None if c["model"] == DEFAULT_MODEL else c["model"], kv_dtype=kv.dtype, kv_scales=kv.scales,
+                prefill_backend=kv.prefill_backend, decode_backend=kv.decode_backend, **dict(kv.options))
     return opts

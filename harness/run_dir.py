@@ -175,6 +175,29 @@ def _check_resume(store: RunStore, sweep: SweepConfig, cells: list[Cell]) -> dic
     prev = _backfill(old["config"], cur)
     old_cells = {c["key"]: c for c in old["cells"]}
     new_cells = {c.key: c for c in cells}
+    on_disk = _cells_on_disk(store)
+    done = sorted(k for k, st in on_disk.items() if st == STATUS_DONE)
+    problems: list[str] = []
+    advice: list[str] = []
+    matrix_changed = _cell_problems(on_disk, done, old_cells, new_cells, problems, advice)
+    differs = []
+    if matrix_changed:
+        differs += [k for k in _MATRIX_KEYS if prev.get(k) != cur.get(k)]
+    if done:
+        _run_key_problems(prev, cur, differs, problems, advice)
+        _target_problems(prev, cur, {old_cells[k].get("config", {}).get("target") for k in done if k in old_cells},
+                         differs, problems)
+    if problems:
+        made = f"; its {len(done)} finished cell{'s were' if len(done) != 1 else ' was'} made with the old values" if done else ""
+        todo = " and ".join(dict.fromkeys(advice)) or "restore the original values"
+        raise SweepConfigError(
+            f"{store.root} was made with a different config (differs in: {', '.join(dict.fromkeys(differs)) or 'cells'}): "
+            f"{'; '.join(problems)}{made}; to resume, {todo}, or use a new --out directory")
+    return old
+
+
+def _cells_on_disk(store: RunStore) -> dict:
+    """``{cell key: status}`` of the cell directories with a status on disk."""
     base = store.root / "cells"
     on_disk = {}
     if base.is_dir():
@@ -182,15 +205,19 @@ def _check_resume(store: RunStore, sweep: SweepConfig, cells: list[Cell]) -> dic
             st = store.status(d.name) if d.is_dir() else None
             if st is not None:
                 on_disk[d.name] = st
-    done = sorted(k for k, st in on_disk.items() if st == STATUS_DONE)
+    return on_disk
+
+
+def _cell_problems(on_disk: dict, done: list, old_cells: dict, new_cells: dict, problems: list[str],
+                   advice: list[str]) -> bool:
+    """Append what the matrix's cells would break to ``problems`` / ``advice``; whether the matrix changed
+    under a cell with results (cells dropped, or finished cells whose config or suites changed)."""
 
     def labels(keys) -> str:
         keys = sorted(keys)
         names = [str(old_cells.get(k, {}).get("label") or k) for k in keys[:6]]
         return ", ".join(names) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
 
-    problems: list[str] = []
-    advice: list[str] = []
     matrix_changed = False
     dropped = [k for k in on_disk if k in old_cells and k not in new_cells]
     if dropped:
@@ -210,39 +237,36 @@ def _check_resume(store: RunStore, sweep: SweepConfig, cells: list[Cell]) -> dic
         matrix_changed = True
         problems.append(f"finished cells would change whether they run the accuracy suites or the load test: "
                         f"{labels(changed)}")
-    differs = []
-    if matrix_changed:
-        differs += [k for k in _MATRIX_KEYS if prev.get(k) != cur.get(k)]
-    if done:
-        for k in _RUN_KEYS:
-            a, b = prev.get(k), cur.get(k)
-            if k == "data_dir":
-                if _norm_dir(a) != _norm_dir(b):
-                    differs.append(k)
-                    problems.append(f"data_dir: was {a or '(none)'}, now {b or '(none)'}")
-                    advice.append(f"pass the original --data-dir {a}" if a else
-                                  "run without --data-dir (the run was made without a data directory)")
-                continue
-            if a != b:
+    return matrix_changed
+
+
+def _run_key_problems(prev: dict, cur: dict, differs: list[str], problems: list[str], advice: list[str]) -> None:
+    """The run-wide settings (``_RUN_KEYS``) that changed under finished cells, into ``differs`` / ``problems``."""
+    for k in _RUN_KEYS:
+        a, b = prev.get(k), cur.get(k)
+        if k == "data_dir":
+            if _norm_dir(a) != _norm_dir(b):
                 differs.append(k)
-                lines: list[str] = []
-                _diff(a, b, k, lines)
-                problems.append("; ".join(lines[:4]) + (f" (and {len(lines) - 4} more)" if len(lines) > 4 else ""))
-        used = {old_cells[k].get("config", {}).get("target") for k in done if k in old_cells}
-        # a target's ``devices`` only place its servers (which GPUs), so a resume may move them
-        old_targets = {t.get("name"): _placed(t) for t in prev.get("targets") or [] if isinstance(t, dict)}
-        new_targets = {t["name"]: _placed(t) for t in cur["targets"]}
-        for name in sorted(n for n in used if n is not None):
-            if old_targets.get(name) != new_targets.get(name):
-                if "targets" not in differs:
-                    differs.append("targets")
-                lines = []
-                _diff(old_targets.get(name), new_targets.get(name), f"target {name}", lines)
-                problems.append("; ".join(lines[:4]))
-    if problems:
-        made = f"; its {len(done)} finished cell{'s were' if len(done) != 1 else ' was'} made with the old values" if done else ""
-        todo = " and ".join(dict.fromkeys(advice)) or "restore the original values"
-        raise SweepConfigError(
-            f"{store.root} was made with a different config (differs in: {', '.join(dict.fromkeys(differs)) or 'cells'}): "
-            f"{'; '.join(problems)}{made}; to resume, {todo}, or use a new --out directory")
-    return old
+                problems.append(f"data_dir: was {a or '(none)'}, now {b or '(none)'}")
+                advice.append(f"pass the original --data-dir {a}" if a else
+                              "run without --data-dir (the run was made without a data directory)")
+            continue
+        if a != b:
+            differs.append(k)
+            lines: list[str] = []
+            _diff(a, b, k, lines)
+            problems.append("; ".join(lines[:4]) + (f" (and {len(lines) - 4} more)" if len(lines) > 4 else ""))
+
+
+def _target_problems(prev: dict, cur: dict, used: set, differs: list[str], problems: list[str]) -> None:
+    """The targets the finished cells ran on (``used``) that changed, into ``differs`` / ``problems``."""
+    # a target's ``devices`` only place its servers (which GPUs), so a resume may move them
+    old_targets = {t.get("name"): _placed(t) for t in prev.get("targets") or [] if isinstance(t, dict)}
+    new_targets = {t["name"]: _placed(t) for t in cur["targets"]}
+    for name in sorted(n for n in used if n is not None):
+        if old_targets.get(name) != new_targets.get(name):
+            if "targets" not in differs:
+                differs.append("targets")
+            lines: list[str] = []
+            _diff(old_targets.get(name), new_targets.get(name), f"target {name}", lines)
+            problems.append("; ".join(lines[:4]))

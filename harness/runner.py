@@ -41,7 +41,7 @@ from kvbench.core.io import atomic_write_text, remove_stale_temp_files
 from kvbench.harness.sweep_config import SweepConfig, SweepConfigError
 from kvbench.harness.sweep_display import SweepDisplay as _Display
 from kvbench.harness.targets import TargetSession, open_target, reap_stale
-from kvbench.reports.load import PRIMARY_SCORES
+from kvbench.suites.registry import PRIMARY_METRICS
 
 log = logging.getLogger(__name__)
 
@@ -335,7 +335,7 @@ def _brief(summary: dict) -> str:
     for name, s in summary["suites"].items():
         errors = int(s.get("errors") or 0)
         tail = f" ({errors} error{'s' if errors != 1 else ''})" if errors else ""  # failed requests, apart from accuracy
-        primary = PRIMARY_SCORES.get(name)  # the figure the report and the gate use (ruler: scores.ruler)
+        primary = PRIMARY_METRICS.get(name)  # the figure the report and the gate use (ruler: scores.ruler)
         if primary and isinstance(s.get(primary), (int, float)):
             parts.append(f"{name} {s[primary]:.3f}{tail}")
         elif "accuracy" in s:

@@ -28,11 +28,10 @@ from typing import Any, Iterator, NamedTuple
 from kvbench.core.backends import backend_names
 from kvbench.core.formats import KV_SCALE_POLICIES, canonical_format, format_names
 from kvbench.harness.config_checks import _bool, _check_keys, _choice, _fail, _list, _mapping, _str
-from kvbench.harness.launch_options import (AUTO_KV, DEFAULT_BACKEND, ENTRY_KEYS, check_cell, query_quant_mode,
-                                           shell_args)
-from kvbench.harness.layer_options import (LAYER_OPTIONS, canonical_option, check_model_layers,
-                                           check_model_layers_overlap)
-from kvbench.harness.sweep_specs import DEFAULT_MODEL, KV_ENTRY_OPTIONS, KVSpec, TargetSpec
+from kvbench.core.kv_config import kv_option, kv_option_names, list_valued_options
+from kvbench.harness.launch_options import AUTO_KV, DEFAULT_BACKEND, check_cell, entry_keys, shell_args
+from kvbench.harness.layer_options import check_model_layers, check_model_layers_overlap
+from kvbench.harness.sweep_specs import DEFAULT_MODEL, KVSpec, TargetSpec
 
 
 def kv_dtype_choices() -> tuple[str, ...]:
@@ -50,7 +49,7 @@ def _engine_spelling(dtype: Any) -> Any:
     return dtype
 
 
-_KV_KEYS = ("dtype", "scales", "scales_file", "extra_args", *KV_ENTRY_OPTIONS)
+_KV_KEYS = ("dtype", "scales", "scales_file", "extra_args")  # + the KV options (kvbench.core.kv_config)
 
 
 class BackendPair(tuple):
@@ -122,7 +121,7 @@ def parse_kv_entry(d: Any, path: str) -> KVSpec:
     if isinstance(d, str):
         d = {"dtype": d}
     d = _mapping(d, path)
-    _check_keys(d, _KV_KEYS, path)
+    _check_keys(d, (*_KV_KEYS, *kv_option_names()), path)
     dtype = _choice(_engine_spelling(d.get("dtype")), kv_dtype_choices(), f"{path}.dtype")
     scales_file = None
     if d.get("scales_file") is not None:
@@ -131,38 +130,24 @@ def parse_kv_entry(d: Any, path: str) -> KVSpec:
     if scales_file and scales != "checkpoint":
         _fail(f"{path}.scales", f"a scales_file gives the scales: use scales: checkpoint (or leave scales out), got {scales!r}")
     options = {}
-    for k in KV_ENTRY_OPTIONS:
+    for k in kv_option_names():
         if k not in d:
             continue
-        if k == "quantize_query":
-            options[k] = _query_quant(d[k], f"{path}.{k}")
-        elif k in LAYER_OPTIONS:
-            try:
-                canon = canonical_option(k, d[k])
-            except ValueError as e:
-                _fail(f"{path}.{k}", str(e))
-            if canon is not None:  # nothing skipped = the uniform cell (same key as without the option)
-                options[k] = canon
-        else:
-            options[k] = _bool(d[k], f"{path}.{k}")
-    if all(k in options for k in LAYER_OPTIONS):
+        if kv_option(k).boolean and not isinstance(d[k], bool):
+            _bool(d[k], f"{path}.{k}")  # YAML true / false only
+        try:
+            value = kv_option(k).parse(d[k])
+        except ValueError as e:
+            _fail(f"{path}.{k}", str(e))
+        if value is not None:  # e.g. nothing skipped = the uniform cell (same key as without the option)
+            options[k] = value
+    if all(k in options for k in list_valued_options()):
         try:
             check_model_layers_overlap(options["kv_dtype_skip_layers"], options["kv_layer_dtypes"])
         except ValueError as e:
             _fail(path, str(e))
     extra = shell_args(d["extra_args"], f"{path}.extra_args") if d.get("extra_args") is not None else ""
     return KVSpec(dtype, scales, options, scales_file=scales_file, extra_args=extra)
-
-
-def _query_quant(value: Any, path: str):
-    """``quantize_query`` as the cell records it: false / true (``both``) / "prefill" / "decode"."""
-    if not isinstance(value, (bool, str)):
-        _fail(path, f"expected false, true, prefill, decode or both, got {value!r}")
-    try:
-        mode = query_quant_mode(value)
-    except ValueError as e:
-        _fail(path, str(e))
-    return {"none": False, "both": True}.get(mode, mode)
 
 
 def kv_ident(k: KVSpec) -> str:
@@ -241,8 +226,8 @@ def check_targets(sweep) -> None:
                 cell = {"model": "m", **fields}
                 where = {"kv_dtype": f"{e.kpath}.dtype", "kv_scales": f"{e.kpath}.scales",
                          "scales_file": f"{e.kpath}.scales_file", "prefill_backend": e.bpath, "decode_backend": e.bpath}
-                where.update({o: f"{e.kpath}.{o}" for o in KV_ENTRY_OPTIONS})
-                where.update({o: f"{e.kpath}.{k}" for o, k in ENTRY_KEYS.items()})
+                where.update({o: f"{e.kpath}.{o}" for o in kv_option_names()})
+                where.update({o: f"{e.kpath}.{k}" for o, k in entry_keys().items()})
                 check_cell(t, f"targets[{ti}]", cell, where)
 
 
@@ -258,7 +243,7 @@ def _check_layers(models: list, e: Entry) -> None:
             check_model_layers(None if model == DEFAULT_MODEL else model, e.kv.dtype, skip, per_layer)
         except ValueError as err:
             msg = str(err)
-            key = next((k for k in LAYER_OPTIONS if msg.startswith(k)), None)
+            key = next((k for k in list_valued_options() if msg.startswith(k)), None)
             if key is not None and (skip if key == "kv_dtype_skip_layers" else per_layer):
                 _fail(f"{e.kpath}.{key}", msg[len(key):].lstrip(" :"))
             _fail(e.kpath, msg if model in msg else f"model {model}: {msg}")
@@ -280,6 +265,15 @@ def _check_embedded(t: TargetSpec, ti: int, e: Entry) -> None:
     if e.kv.scales_file:
         _fail(f"{e.kpath}.scales_file", f"the embedded engine takes no scales file ({name}); its scales are "
                                         f"{', '.join(KV_SCALE_POLICIES)}")
+    from dataclasses import fields
+
+    from kvbench.runtime.config import EngineConfig
+
+    acts = {f.name for f in fields(EngineConfig)}
+    for k in e.kv.options:
+        if k not in acts:  # a KV option only server targets carry (kvbench.core.kv_config registers it)
+            _fail(f"{e.kpath}.{k}", f"the embedded engine does not act on {k} ({name}); give it to a server target "
+                                    "whose launch carries it")
 
 
 def _check_endpoint(t: TargetSpec, ti: int, e: Entry) -> None:

@@ -22,10 +22,11 @@ from kvbench.harness.config_checks import (SweepConfigError, _bool, _check_keys,
                                            _mapping, _num, _str)
 from kvbench.harness.launch_options import parse_target_options, sniff_engine_kind
 from kvbench.harness.request_options import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S
-from kvbench.core.store import OPTION_KEYS, parse_selector
+from kvbench.core.kv_config import kv_option, kv_option_names, list_valued_options
+from kvbench.core.store import parse_selector
 from kvbench.harness.sweep_axes import (BackendPair, check_targets, entries, kv_ident, parse_backend_entry,
                                         parse_combos, parse_kv_entry)
-from kvbench.harness.sweep_specs import (CELL_KEYS, DEFAULT_MODEL, KV_ENTRY_OPTIONS, SLO_KEYS, GateSpec, KVSpec,
+from kvbench.harness.sweep_specs import (CELL_KEYS, DEFAULT_MODEL, SLO_KEYS, GateSpec, KVSpec,
                                          LoadSpec, SuiteSpec, TargetSpec, _gate, _load, _suite, _target)
 
 __all__ = ["SweepConfig", "SweepConfigError", "parse_config", "load_config", "CELL_KEYS", "DEFAULT_MODEL",
@@ -108,19 +109,17 @@ _TOP_KEYS = (
 )
 _AXES_KEYS = ("backends", "kv", "concurrency", "combos")
 # engine options the sweep controls per cell (set through the axes, not through `engine:`)
-_AXIS_ENGINE_KEYS = ("model", "kv_dtype", "kv_scales", "prefill_backend", "decode_backend", *KV_ENTRY_OPTIONS)
+_AXIS_ENGINE_KEYS = ("model", "kv_dtype", "kv_scales", "prefill_backend", "decode_backend")  # + the KV options
 
 
 def _selector_value(key: str, value: Any, path: str) -> str:
     """A ``baseline`` value as a selector compares it: layer sets canonical (``[31, 0]`` -> ``0,31``; empty /
     ``none`` = the cells without the option), booleans lower case, the rest as text."""
-    if key in ("kv_dtype_skip_layers", "kv_layer_dtypes"):
+    if key in list_valued_options():
         if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")) or value == []:
             return "none"
-        from kvbench.harness.layer_options import canonical_option
-
         try:
-            return canonical_option(key, value) or "none"
+            return kv_option(key).parse(value) or "none"
         except ValueError as e:
             _fail(path, str(e))
     return str(value).lower() if isinstance(value, bool) else str(value)
@@ -131,7 +130,7 @@ def _engine_keys() -> tuple[str, ...]:
 
     from kvbench.runtime.config import EngineConfig
 
-    return tuple(f.name for f in fields(EngineConfig) if f.name not in _AXIS_ENGINE_KEYS)
+    return tuple(f.name for f in fields(EngineConfig) if f.name not in _AXIS_ENGINE_KEYS and f.name not in kv_option_names())
 
 
 def _aa_control(v: Any) -> Any:
@@ -160,15 +159,9 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
     engine = dict(_mapping(raw.get("engine"), "engine"))
     _check_keys(engine, engine_keys, "engine")
 
-    model = raw.get("model", DEFAULT_MODEL)
-    models = [model] if not isinstance(model, list) else model
-    models = [DEFAULT_MODEL if m is None else expand_env(_str(m, f"model[{i}]"), f"model[{i}]") for i, m in enumerate(_list(models, "model"))]
-
-    targets_raw = raw.get("targets", [{"name": "embedded", "type": "embedded"}])
-    targets = [_target_with_launch(t, f"targets[{i}]", engine_keys) for i, t in enumerate(_list(targets_raw, "targets"))]
+    models = _models(raw)
+    targets = _targets(raw, engine_keys)
     names = [t.name for t in targets]
-    if len(set(names)) != len(names):
-        _fail("targets", f"target names must be unique, got {names}")
 
     axes = _mapping(raw.get("axes"), "axes")
     _check_keys(axes, _AXES_KEYS, "axes")
@@ -177,29 +170,14 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
     if len(set(conc)) != len(conc):
         _fail("axes.concurrency", "duplicate entries")
 
-    suites = [_suite(s, f"suites[{i}]") for i, s in enumerate(raw.get("suites") or [])]
-    if len({s.name for s in suites}) != len(suites):
-        _fail("suites", "each suite may appear once")
-    acc = raw.get("accuracy_concurrency", conc[0])
-    acc = _int(acc, "accuracy_concurrency", 1)
-    if acc not in conc and not suites:
-        _fail("accuracy_concurrency", f"{acc} is not one of the concurrency levels {conc} (a level outside them gets "
-                                      "accuracy-only cells, but this sweep has no suites)")
-    from kvbench.harness.request_options import check_embedded_suites
-
-    check_embedded_suites(targets, suites)  # a suite's extra_body cannot reach an embedded target
+    suites, acc = _suites(raw, conc, targets)
     load = _load(raw.get("load"), "load")
 
     slo = dict(_mapping(raw.get("slo"), "slo"))
     _check_keys(slo, SLO_KEYS, "slo")
     slo = {k: _num(v, f"slo.{k}", 1e-9) for k, v in slo.items()}
 
-    baseline = dict(_mapping(raw.get("baseline"), "baseline"))
-    _check_keys(baseline, (*CELL_KEYS, *OPTION_KEYS), "baseline")
-    baseline = {k: _selector_value(k, v, f"baseline.{k}") for k, v in baseline.items()}
-    if "target" in baseline:
-        _choice(baseline["target"], tuple(names), "baseline.target")
-
+    baseline = _baseline(raw, names)
     data_dir = raw.get("data_dir")
     if data_dir is not None:
         data_dir = _str(data_dir, "data_dir")  # relative paths are relative to the working directory
@@ -233,6 +211,46 @@ def parse_config(raw: Any, source: Optional[str] = None) -> SweepConfig:
     check_targets(cfg)
     _check_engine(cfg)
     return cfg
+
+
+def _models(raw: dict) -> list[str]:
+    model = raw.get("model", DEFAULT_MODEL)
+    models = [model] if not isinstance(model, list) else model
+    return [DEFAULT_MODEL if m is None else expand_env(_str(m, f"model[{i}]"), f"model[{i}]") for i, m in enumerate(_list(models, "model"))]
+
+
+def _targets(raw: dict, engine_keys: tuple[str, ...]) -> list[TargetSpec]:
+    targets_raw = raw.get("targets", [{"name": "embedded", "type": "embedded"}])
+    targets = [_target_with_launch(t, f"targets[{i}]", engine_keys) for i, t in enumerate(_list(targets_raw, "targets"))]
+    names = [t.name for t in targets]
+    if len(set(names)) != len(names):
+        _fail("targets", f"target names must be unique, got {names}")
+    return targets
+
+
+def _suites(raw: dict, conc: list[int], targets: list[TargetSpec]) -> tuple[list, int]:
+    """The suites and the accuracy concurrency (a level outside ``conc`` needs suites)."""
+    suites = [_suite(s, f"suites[{i}]") for i, s in enumerate(raw.get("suites") or [])]
+    if len({s.name for s in suites}) != len(suites):
+        _fail("suites", "each suite may appear once")
+    acc = raw.get("accuracy_concurrency", conc[0])
+    acc = _int(acc, "accuracy_concurrency", 1)
+    if acc not in conc and not suites:
+        _fail("accuracy_concurrency", f"{acc} is not one of the concurrency levels {conc} (a level outside them gets "
+                                      "accuracy-only cells, but this sweep has no suites)")
+    from kvbench.harness.request_options import check_embedded_suites
+
+    check_embedded_suites(targets, suites)  # a suite's extra_body cannot reach an embedded target
+    return suites, acc
+
+
+def _baseline(raw: dict, names: list[str]) -> dict:
+    baseline = dict(_mapping(raw.get("baseline"), "baseline"))
+    _check_keys(baseline, (*CELL_KEYS, *kv_option_names()), "baseline")
+    baseline = {k: _selector_value(k, v, f"baseline.{k}") for k, v in baseline.items()}
+    if "target" in baseline:
+        _choice(baseline["target"], tuple(names), "baseline.target")
+    return baseline
 
 
 def _target_with_launch(d: Any, path: str, engine_keys: tuple[str, ...]) -> TargetSpec:

@@ -21,9 +21,7 @@ LOAD_DATASETS = ("random", "fixed", "sharegpt", "custom")
 LOAD_APIS = ("completions", "chat")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 CELL_KEYS = ("model", "target", "prefill_backend", "decode_backend", "kv_dtype", "kv_scales", "concurrency")
-# engine options a KV axis entry may set besides dtype/scales (they become part of the cell's config)
-# (kv_dtype_skip_layers / kv_layer_dtypes: the per-layer formats, canonical strings of kvbench.core.layer_formats)
-KV_ENTRY_OPTIONS = ("kv_scales_per_head", "quantize_query", "fused_append", "kv_dtype_skip_layers", "kv_layer_dtypes")
+# the options a KV axis entry may set besides dtype/scales: kvbench.core.kv_config (KV_OPTIONS)
 DEFAULT_MODEL = "default"
 
 
@@ -126,7 +124,7 @@ class KVSpec:
 
     dtype: str
     scales: str = "unit"
-    options: dict = field(default_factory=dict)  # KV_ENTRY_OPTIONS set by this entry
+    options: dict = field(default_factory=dict)  # the KV options this entry sets (canonical values)
     scales_file: Optional[str] = None  # a quantization-param file / checkpoint path ({scales_file})
     extra_args: str = ""  # launch arguments this entry adds (server targets)
 
@@ -168,22 +166,21 @@ def _suite(d: Any, path: str) -> SuiteSpec:
     s.params = dict(_mapping(d.get("params"), f"{path}.params"))
     s.request = suite_request(s, path, d)
     check_suite_params(name, s.params, f"{path}.params")
-    if name == "ruler":
-        _ruler_params(s.params, f"{path}.params")
+    _suite_params(name, s.params, f"{path}.params")
     return s
 
 
-def _ruler_params(params: dict, path: str) -> None:
-    """The ruler suite's params (suites/ruler_params.py: context_lengths, depths, tasks, haystack,
-    haystack_file, prompt_style, tokenizer), checked when the config loads."""
+def _suite_params(name: str, params: dict, path: str) -> None:
+    """A suite's own params (the suite's checker in suites/registry.py, e.g. ruler's context_lengths, depths,
+    tasks, haystack ...), checked when the config loads; the error points at the key it names."""
     from kvbench.suites.base import SuiteError
-    from kvbench.suites.ruler_params import parse_params
+    from kvbench.suites.registry import check_params
 
     try:
-        parse_params(params)
+        check_params(name, params)
     except SuiteError as e:
         msg = str(e)
-        key = msg[len("ruler "):].split(":", 1)[0] if msg.startswith("ruler ") else ""
+        key = msg[len(name) + 1:].split(":", 1)[0] if msg.startswith(name + " ") else ""
         _fail(f"{path}.{key}" if key in params else path, msg.split(": ", 1)[-1])
 
 

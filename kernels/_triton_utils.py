@@ -137,6 +137,14 @@ def check_cache(name: str, kv_format: str, data, block_scale, scale, head_dim: i
     return CacheArgs(data, block_scale if fmt.has_block_scales else None, scale.contiguous(), page_size, hk, head_dim)
 
 
+def check_kv(kv, head_dim: int) -> tuple[CacheArgs, CacheArgs]:
+    """A ``config.PagedKV``'s K and V planes validated (``check_cache``), with one page / token layout."""
+    kc = check_cache("k", kv.kv_format, kv.k_cache, kv.k_block_scale, kv.k_scale, head_dim)
+    vc = check_cache("v", kv.kv_format, kv.v_cache, kv.v_block_scale, kv.v_scale, head_dim)
+    same_layout(kc, vc)
+    return kc, vc
+
+
 # ------------------------------------------------------------------------------- jit helpers
 def check_query(q: torch.Tensor, q_scale, sinks, num_heads: int) -> bool:
     """Validate the fp8-q / q_scale pairing and the sinks' length; returns whether q is fp8."""

@@ -21,14 +21,14 @@ from kvbench.kernels._triton_utils import (
     NO_FMA,
     cast_fp8,
     cast_rne,
-    check_cache,
+    check_kv,
     e2m1_code,
     e2m1_code_by_thresholds,
     format_code,
     interpreting,
     next_pow2,
-    same_layout,
 )
+from kvbench.kernels.config import PagedKV
 from kvbench.kernels.formats import get_format
 from kvbench.kernels.reference import ROPE_STYLES
 
@@ -315,14 +315,11 @@ def _launch(t, q, k, v, positions, slots, cs, q_out, k_out, q8, q_scale, kc, vc,
     )
 
 
-def _prepare(q, k, v, positions, slot_mapping, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, kv_format,
-             rotary_dim, rope_style, k_block_scale, v_block_scale, q_scale):
+def _prepare(q, k, v, positions, slot_mapping, cos_sin_cache, kv: PagedKV, rotary_dim, rope_style, q_scale):
     _check_tokens(q, k, v, positions, slot_mapping)
     d = k.shape[-1]
     rot, cs = _rope_args(cos_sin_cache, rotary_dim, d, rope_style)
-    kc = check_cache("k", kv_format, k_cache, k_block_scale, k_scale, d)
-    vc = check_cache("v", kv_format, v_cache, v_block_scale, v_scale, d)
-    same_layout(kc, vc)
+    kc, vc = check_kv(kv, d)
     if kc.num_kv_heads != k.shape[1]:
         raise ValueError(f"cache has {kc.num_kv_heads} kv heads, k has {k.shape[1]}")
     if q_scale is not None and (q_scale.dtype != torch.float32 or q_scale.numel() != 1):
@@ -332,23 +329,19 @@ def _prepare(q, k, v, positions, slot_mapping, cos_sin_cache, k_cache, v_cache, 
 
 def fused_rope_quant_append(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None, *,
-    kv_format: str, rotary_dim: Optional[int] = None, rope_style: str = "neox",
-    k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
+    cos_sin_cache: torch.Tensor, kv: PagedKV, *, rotary_dim: Optional[int] = None, rope_style: str = "neox",
     q_scale: Optional[torch.Tensor] = None, q_out: Optional[torch.Tensor] = None, k_out: Optional[torch.Tensor] = None,
 ) -> AppendOutput:
-    """One launch: RoPE(q, k) → q_out, k_out; quantize(k_rot), quantize(v) → cache slots; fp8 q if
-    ``q_scale`` is given.  ``q``/``k``/``v`` are not modified."""
-    rot, cs, kc, vc = _prepare(q, k, v, positions, slot_mapping, cos_sin_cache, k_cache, v_cache, k_scale, v_scale,
-                               kv_format, rotary_dim, rope_style, k_block_scale, v_block_scale, q_scale)
+    """One launch: RoPE(q, k) → q_out, k_out; quantize(k_rot), quantize(v) → the slots of ``kv``'s pages; fp8 q
+    if ``q_scale`` is given.  ``q``/``k``/``v`` are not modified."""
+    rot, cs, kc, vc = _prepare(q, k, v, positions, slot_mapping, cos_sin_cache, kv, rotary_dim, rope_style, q_scale)
     q_out = torch.empty_like(q) if q_out is None else q_out
     k_out = torch.empty_like(k) if k_out is None else k_out
     q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device) if q_scale is not None else None
     t, hq, hk = k.shape[0], q.shape[1], k.shape[1]
     if t:
         _launch(t, q, k, v, positions, slot_mapping, cs, q_out, k_out, q8, q_scale, kc, vc,
-                rot=rot, neox=rope_style == "neox", fmt_name=kv_format, do_rope=True, do_store=True,
+                rot=rot, neox=rope_style == "neox", fmt_name=kv.kv_format, do_rope=True, do_store=True,
                 write_k_out=True, num_q_heads=hq)
     return AppendOutput(q_out, k_out, q8)
 
@@ -367,26 +360,21 @@ def rope(q, k, positions, cos_sin_cache, rotary_dim=None, rope_style="neox", q_s
     return AppendOutput(q_out, k_out, q8)
 
 
-def quantize_store(k, v, slot_mapping, k_cache, v_cache, k_scale=None, v_scale=None, *, kv_format,
-                   k_block_scale=None, v_block_scale=None) -> None:
-    """The quantize + store stage alone (Triton): ``k``/``v`` ``[T, H_kv, D]`` → cache slots."""
+def quantize_store(k, v, slot_mapping, kv: PagedKV) -> None:
+    """The quantize + store stage alone (Triton): ``k``/``v`` ``[T, H_kv, D]`` → the slots of ``kv``'s pages."""
     _check_tokens(None, k, v, None, slot_mapping)
     d = k.shape[-1]
-    kc = check_cache("k", kv_format, k_cache, k_block_scale, k_scale, d)
-    vc = check_cache("v", kv_format, v_cache, v_block_scale, v_scale, d)
-    same_layout(kc, vc)
+    kc, vc = check_kv(kv, d)
     if k.shape[0]:
         _launch(k.shape[0], None, k, v, None, slot_mapping, None, None, None, None, None, kc, vc,
-                rot=2, neox=True, fmt_name=kv_format, do_rope=False, do_store=True, write_k_out=False, num_q_heads=0)
+                rot=2, neox=True, fmt_name=kv.kv_format, do_rope=False, do_store=True, write_k_out=False,
+                num_q_heads=0)
 
 
-def unfused_rope_quant_append(q, k, v, positions, slot_mapping, cos_sin_cache, k_cache, v_cache,
-                              k_scale=None, v_scale=None, *, kv_format, rotary_dim=None, rope_style="neox",
-                              k_block_scale=None, v_block_scale=None, q_scale=None) -> AppendOutput:
+def unfused_rope_quant_append(q, k, v, positions, slot_mapping, cos_sin_cache, kv: PagedKV, *, rotary_dim=None,
+                              rope_style="neox", q_scale=None) -> AppendOutput:
     """Two launches: ``rope`` then ``quantize_store``; same results as the fused kernel."""
-    _prepare(q, k, v, positions, slot_mapping, cos_sin_cache, k_cache, v_cache, k_scale, v_scale,
-             kv_format, rotary_dim, rope_style, k_block_scale, v_block_scale, q_scale)
+    _prepare(q, k, v, positions, slot_mapping, cos_sin_cache, kv, rotary_dim, rope_style, q_scale)
     out = rope(q, k, positions, cos_sin_cache, rotary_dim, rope_style, q_scale)
-    quantize_store(out.k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, kv_format=kv_format,
-                   k_block_scale=k_block_scale, v_block_scale=v_block_scale)
+    quantize_store(out.k, v, slot_mapping, kv)
     return out

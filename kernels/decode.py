@@ -21,9 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench.kernels._triton_utils import (cache_dot_code, check_cache, check_query, dequant_tile, format_code,
+from kvbench.kernels._triton_utils import (cache_dot_code, check_kv, check_query, dequant_tile, format_code,
                                           fp8_pairs_split, load_raw_tile, next_pow2, nvfp4_units_split, page_rows,
-                                          same_layout, to_dot)
+                                          to_dot)
+from kvbench.kernels.config import AttentionParams, DecodeOptions, PagedKV
 from kvbench.kernels.formats import get_format
 
 __all__ = ["paged_decode", "default_num_splits"]
@@ -260,24 +261,22 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms:
     return int(min(splits, max(1, math.ceil(max_seq_len / block_n)), 64))
 
 
+_NO_ATTN = AttentionParams()
+_DEFAULT_OPTS = DecodeOptions()
+
+
 def paged_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, *,
-    kv_format: str, k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
-    k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
-    sm_scale: Optional[float] = None, sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
-    q_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
-    block_n: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-    out_dtype: Optional[torch.dtype] = None,
-    prefetch: Optional[bool] = None, units16: Optional[bool] = None, split_reduce: bool = False,
-    maxnreg: Optional[int] = None, gluon: Optional[bool] = None,
+    q: torch.Tensor, kv: PagedKV, page_table: torch.Tensor, seq_lens: torch.Tensor, *,
+    attn: AttentionParams = _NO_ATTN, out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+    opts: DecodeOptions = _DEFAULT_OPTS,
 ) -> torch.Tensor:
-    """Decode attention: ``q`` ``[B, H_q, D]`` (bf16/fp16/fp32, or float8_e4m3fn with ``q_scale``) over
-    each sequence's ``seq_lens[b]`` cached tokens (including the one just appended) → ``[B, H_q, D]``.
-    ``block_n``, ``num_splits``, ``num_warps``, ``num_stages``, ``prefetch`` (load the next tile before computing
-    this one) and ``maxnreg`` (a register cap per thread, GPU only) default per format (``_DEFAULTS``).
-    ``units16`` (default on for fp8 and nvfp4 caches with a float16 dot):
-    read the tiles as 16-bit units and split them into interleaved element tiles (fp8: even / odd,
-    ``_triton_utils.fp8_pairs_split``; nvfp4: four quarters, ``nvfp4_units_split``).  With one split the
+    """Decode attention: ``q`` ``[B, H_q, D]`` (bf16/fp16/fp32, or float8_e4m3fn with ``attn.q_scale``) over
+    each sequence's ``seq_lens[b]`` cached tokens (including the one just appended) in ``kv`` → ``[B, H_q, D]``.
+    ``opts`` (``config.DecodeOptions``): ``block_n``, ``num_splits``, ``num_warps``, ``num_stages``,
+    ``prefetch`` (load the next tile before computing this one) and ``maxnreg`` (a register cap per thread,
+    GPU only) default per format (``_DEFAULTS``).  ``units16`` (default on for fp8 and nvfp4 caches with a
+    float16 dot): read the tiles as 16-bit units and split them into interleaved element tiles (fp8: even /
+    odd, ``_triton_utils.fp8_pairs_split``; nvfp4: four quarters, ``nvfp4_units_split``).  With one split the
     split kernel writes the output itself; ``split_reduce=True`` keeps the separate reduce kernel.
     ``gluon``: nvfp4 through the explicit-layout kernel of ``decode_nv4.py``.  ``None`` (default): there when
     it applies (a CUDA GPU, head dim 128, at most 16 query heads per kv head, a bf16/fp16 query, pages of a
@@ -288,9 +287,8 @@ def paged_decode(
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [B, H_q, D] with a contiguous last dim, got {tuple(q.shape)}")
     bsz, hq, d = q.shape
-    kc = check_cache("k", kv_format, k_cache, k_block_scale, k_scale, d)
-    vc = check_cache("v", kv_format, v_cache, v_block_scale, v_scale, d)
-    same_layout(kc, vc)
+    kv_format, q_scale, sinks = kv.kv_format, attn.q_scale, attn.sinks
+    kc, vc = check_kv(kv, d)
     hk = kc.num_kv_heads
     if hq % hk:
         raise ValueError(f"H_q ({hq}) must be a multiple of H_kv ({hk})")
@@ -305,61 +303,31 @@ def paged_decode(
     if bsz == 0:
         return out
     g = hq // hk
-    scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
-    if gluon is None:  # the explicit-layout kernel where it applies, unless a Triton launch option was given
-        gluon = (get_format(kv_format).name == "nvfp4" and q.is_cuda
-                 and all(o is None for o in (block_n, num_warps, num_stages, units16, prefetch, maxnreg)))
-        if gluon:
-            from kvbench.kernels import decode_nv4
-
-            gluon = not decode_nv4.unsupported(q, kc, vc, g, q_scale, kv_format)
-    elif gluon:  # asked for: the kernel or the reason it cannot take the call
-        from kvbench.kernels import decode_nv4
-
-        why = decode_nv4.unsupported(q, kc, vc, g, q_scale, kv_format)
-        if why:
-            raise ValueError(f"gluon=True: {why} (leave gluon unset to get the Triton kernel for such calls)")
-    if gluon:
-        gkw = {"prefetch": prefetch, "maxnreg": maxnreg}
-        if num_splits is None:
-            num_splits = default_num_splits(bsz, hk, page_table.shape[1] * kc.page_size, _num_sms(q.device),
-                                            decode_nv4.TILE, 2, decode_nv4.FILL)
-        if num_splits < 1:
-            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-        direct = num_splits == 1 and not split_reduce
-        if direct:
-            decode_nv4.launch(q, kc, vc, page_table, seq_lens, out, out, out, sinks, scale, sliding_window, 1, g,
-                              True, **gkw)
-            return out
-        acc = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
-        ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
-        decode_nv4.launch(q, kc, vc, page_table, seq_lens, acc, ml, out, sinks, scale, sliding_window, num_splits,
-                          g, False, **gkw)
-        return _reduce_splits(acc, ml, out, vc, sinks, g, num_splits, 2)
+    scale = (attn.sm_scale if attn.sm_scale is not None else d**-0.5) * LOG2E
+    if _use_gluon(q, kc, vc, g, q_scale, kv_format, opts):
+        return _decode_gluon(q, kc, vc, page_table, seq_lens, out, sinks, scale, attn.sliding_window, g, opts)
     def_bn, def_pps, def_pf, def_nw, def_ns, def_reg = _DEFAULTS[fmt]
-    if num_warps is None:
-        num_warps = def_nw
-    if num_stages is None:
-        num_stages = def_ns
-    if block_n is None:
-        block_n = def_bn
+    num_warps = def_nw if opts.num_warps is None else opts.num_warps
+    num_stages = def_ns if opts.num_stages is None else opts.num_stages
+    block_n = def_bn if opts.block_n is None else opts.block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    if prefetch is None:
-        prefetch = def_pf
+    prefetch = def_pf if opts.prefetch is None else opts.prefetch
+    num_splits = opts.num_splits
     if num_splits is None:
         num_splits = default_num_splits(bsz, hk, page_table.shape[1] * kc.page_size, _num_sms(q.device), block_n,
                                         def_pps, _FILL.get(fmt) if block_n == def_bn and num_warps == def_nw else None)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    direct = num_splits == 1 and not split_reduce
+    direct = num_splits == 1 and not opts.split_reduce
     if direct:  # the split kernel writes out; the partial buffers are never touched
         acc = ml = out
     else:
         acc = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     dot = cache_dot_code(kv_format, odt if is_fp8_q else q.dtype)
-    units = fmt != 0 and dot == 1 and units16 is not False and d % 2 == 0
+    units = fmt != 0 and dot == 1 and opts.units16 is not False and d % 2 == 0
+    maxnreg = opts.maxnreg
     if maxnreg is None:
         maxnreg = def_reg if units and q.is_cuda else None
     split8, nv4 = units and fmt == 1, units and fmt == 2
@@ -375,7 +343,7 @@ def paged_decode(
         q.stride(0), q.stride(1), sp, st, khs, vhs,
         kc.bs_page_stride, kc.bs_tok_stride, kc.bs_head_stride, vc.bs_head_stride, page_table.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
-        out.stride(0), out.stride(1), int(sliding_window or 0), num_splits,
+        out.stride(0), out.stride(1), int(attn.sliding_window or 0), num_splits,
         G=g, G_PAD=max(16, next_pow2(g)), D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size, BLOCK_N=block_n,
         FMT=fmt, DOT=dot, HAS_Q_SCALE=q_scale is not None, PREFETCH=bool(prefetch), SPLIT8=split8,
         E5M2=get_format(kv_format).name == "fp8_e5m2", NV4=nv4, DIRECT=direct, HAS_SINKS=sinks is not None,
@@ -384,6 +352,50 @@ def paged_decode(
     if direct:
         return out
     return _reduce_splits(acc, ml, out, vc, sinks, g, num_splits, fmt)
+
+
+def _use_gluon(q, kc, vc, g: int, q_scale, kv_format: str, opts: DecodeOptions) -> bool:
+    """Whether the call runs ``decode_nv4``'s explicit-layout kernel (``DecodeOptions.gluon``); a ValueError
+    saying why not when it was asked for and cannot take the call."""
+    gluon = opts.gluon
+    if gluon is None:  # the explicit-layout kernel where it applies, unless a Triton launch option was given
+        gluon = (get_format(kv_format).name == "nvfp4" and q.is_cuda
+                 and all(o is None for o in (opts.block_n, opts.num_warps, opts.num_stages, opts.units16,
+                                             opts.prefetch, opts.maxnreg)))
+        if gluon:
+            from kvbench.kernels import decode_nv4
+
+            gluon = not decode_nv4.unsupported(q, kc, vc, g, q_scale, kv_format)
+    elif gluon:  # asked for: the kernel or the reason it cannot take the call
+        from kvbench.kernels import decode_nv4
+
+        why = decode_nv4.unsupported(q, kc, vc, g, q_scale, kv_format)
+        if why:
+            raise ValueError(f"gluon=True: {why} (leave gluon unset to get the Triton kernel for such calls)")
+    return bool(gluon)
+
+
+def _decode_gluon(q, kc, vc, page_table, seq_lens, out, sinks, scale: float, window, g: int,
+                  opts: DecodeOptions) -> torch.Tensor:
+    """The nvfp4 decode through ``decode_nv4`` (its split count, then its splits merged by the reduce kernel)."""
+    from kvbench.kernels import decode_nv4
+
+    bsz, hq, d = q.shape
+    num_splits = opts.num_splits
+    if num_splits is None:
+        num_splits = default_num_splits(bsz, kc.num_kv_heads, page_table.shape[1] * kc.page_size, _num_sms(q.device),
+                                        decode_nv4.TILE, 2, decode_nv4.FILL)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_splits == 1 and not opts.split_reduce:
+        decode_nv4.launch(q, kc, vc, page_table, seq_lens, out, sinks=sinks, scale=scale, window=window, g=g,
+                          opts=opts)
+        return out
+    acc = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(bsz, hq, num_splits, 2, dtype=torch.float32, device=q.device)
+    decode_nv4.launch(q, kc, vc, page_table, seq_lens, out, sinks=sinks, scale=scale, window=window, g=g,
+                      splits=(acc, ml, num_splits), opts=opts)
+    return _reduce_splits(acc, ml, out, vc, sinks, g, num_splits, 2)
 
 
 def _reduce_splits(acc, ml, out, vc, sinks, g: int, num_splits: int, fmt: int) -> torch.Tensor:

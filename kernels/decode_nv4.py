@@ -49,6 +49,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from kvbench.kernels.config import DecodeOptions
 from kvbench.kernels.formats import get_format
 
 __all__ = ["K_TO_D", "COL_TO_D", "k_to_d", "col_to_d", "launch", "unsupported"]
@@ -375,11 +376,16 @@ def unsupported(q: torch.Tensor, kc, vc, g: int, q_scale, kv_format: str) -> str
     return ""
 
 
-def launch(q, kc, vc, page_table, seq_lens, acc, ml, out, sinks, scale, window, num_splits, g, direct,
-           prefetch: Optional[bool] = None, maxnreg: Optional[int] = None) -> None:
+def launch(q, kc, vc, page_table, seq_lens, out, *, sinks, scale: float, window, g: int, splits=None,
+           opts: Optional[DecodeOptions] = None) -> None:
     """One launch over ``(batch, kv heads, num_splits)``; strides in the caches' own units (bytes for the
-    codes, which the kernel reads as 32-bit words, so divided by 4).  ``prefetch`` loads the next tile into
-    registers before computing this one; ``maxnreg`` caps the registers per thread (0: no cap)."""
+    codes, which the kernel reads as 32-bit words, so divided by 4).  ``splits``: ``(acc, ml, num_splits)``, the
+    split buffers the kernel writes its partial results to; ``None``: one split, the output written directly.
+    ``opts.prefetch`` loads the next tile into registers before computing this one; ``opts.maxnreg`` caps the
+    registers per thread (0: no cap); ``None`` takes ``PREFETCH`` / ``MAXNREG``."""
+    direct = splits is None
+    acc, ml, num_splits = (out, out, 1) if direct else splits
+    prefetch, maxnreg = (opts.prefetch, opts.maxnreg) if opts is not None else (None, None)
     bsz, hk = q.shape[0], kc.num_kv_heads
     kw, vw = kc.data.view(torch.int32), vc.data.view(torch.int32)
     kb, vb = kc.block_scale.view(torch.uint8), vc.block_scale.view(torch.uint8)

@@ -27,6 +27,7 @@ import triton.language as tl
 from kvbench.kernels.mla import LatentCache
 from kvbench.kernels._fp8_split import split_e4m3
 from kvbench.kernels._triton_utils import fp8_pairs_split, interpreting, nvfp4_units_split
+from kvbench.kernels.config import MLADecodeOptions
 from kvbench.kernels.mla_common import check_cache, check_paging, load_latent_tile, tl_dtype
 
 
@@ -346,17 +347,18 @@ def _defaults(fmt: int, heads: int):
     return _DEFAULTS["many" if heads > 32 else "few"][fmt]
 
 
-def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: float, *,
-               q_scale=None, num_splits: int | None = None, max_seq_len: int | None = None,
-               block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, units16: bool | None = None, q_split: bool | None = None,
-               chunks: int | None = None, fp8_scores: bool | None = None, wgmma: bool | None = None,
-               fp8_pv: bool = False, out=None):
+_DEFAULT_OPTS = MLADecodeOptions()
+
+
+def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: float, *, q_scale=None, out=None,
+               opts: MLADecodeOptions = _DEFAULT_OPTS):
     """Absorbed MLA decode: one query token per sequence.
 
     ``q_lat [B, H, rank]``, ``q_pe [B, H, rope]`` (RoPE applied) in the compute dtype, or both fp8 e4m3
     with ``q_scale`` (fp32 [1]); ``seq_lens`` counts every cached token, the one just appended included.
-    Returns ``o_lat [B, H, rank]`` in the compute dtype (bfloat16 for fp8 queries).
+    Returns ``o_lat [B, H, rank]`` in the compute dtype (bfloat16 for fp8 queries).  ``opts``
+    (``config.MLADecodeOptions``): ``num_splits`` and ``max_seq_len`` (the longest sequence, sizing the default
+    split count; ``None``: read from ``seq_lens``), tiles, warps, stages, and the kernel variants:
     ``units16`` (fp8 / nvfp4 caches, half-precision compute): read the latent as 16-bit units and split
     it in registers (see ``_mla_decode_split``); the default and the tile sizes come from ``_defaults``.
     ``q_split`` (e4m3 latent, bfloat16 queries, more than 32 heads by default): split each query row
@@ -376,6 +378,9 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     """
     import torch
 
+    num_splits, max_seq_len, block_h, block_n = opts.num_splits, opts.max_seq_len, opts.block_h, opts.block_n
+    num_warps, num_stages, units16, q_split, chunks = opts.num_warps, opts.num_stages, opts.units16, opts.q_split, opts.chunks
+    fp8_scores, wgmma, fp8_pv = opts.fp8_scores, opts.wgmma, opts.fp8_pv
     # the Triton kernel's own options, as given (they select it over the Hopper kernel)
     triton_opts = [k for k, v in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps),
                                   ("num_stages", num_stages), ("units16", units16), ("q_split", q_split),

@@ -31,6 +31,7 @@ import math
 import triton
 import triton.language as tl
 
+from kvbench.kernels.config import MLAPrefillOptions
 from kvbench.kernels.mla import LatentCache
 from kvbench.kernels.mla_common import FMT_NVFP4, check_cache, check_paging, load_latent_tile, tl_dtype
 
@@ -183,19 +184,20 @@ _SPLIT_BYTES = 256 << 20
 _PREFILL_DEFAULTS = {0: (64, 16, 64, 8, 2), 1: (64, 16, 64, 8, 2), 2: (64, 16, 64, 8, 1)}
 
 
+_DEFAULT_OPTS = MLAPrefillOptions()
+
+
 def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_lens, cu_seqlens_q, sm_scale: float, *,
-                max_q_len: int | None = None, q_scale=None, block_m: int | None = None, heads_per_block: int | None = None,
-                block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                fp8_scores: bool | None = None, prefix_workspace: bool | None = None,
-                workspace_bytes: int | None = None, num_splits: int | None = None, out=None):
+                q_scale=None, out=None, opts: MLAPrefillOptions = _DEFAULT_OPTS):
     """Absorbed MLA prefill/extend over ragged batches.
 
     ``q_lat [T, H, rank]``, ``q_pe [T, H, rope]`` (RoPE applied; or both fp8 e4m3 with ``q_scale``),
     ``c_kv [T, rank]`` and ``k_pe [T, rope]`` (RoPE applied) are the new tokens in compute precision,
     sequence ``i`` owning rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``; ``seq_lens`` counts cached prefix
     plus new tokens.  The new latent must already be appended (or be appended in the same step): only the
-    prefix is read from the pages.  Returns ``o_lat [T, H, rank]``.  Launch parameters left ``None`` come
-    from ``_PREFILL_DEFAULTS`` for the cache format.
+    prefix is read from the pages.  Returns ``o_lat [T, H, rank]``.  ``opts`` (``config.MLAPrefillOptions``):
+    ``max_q_len`` (the most new tokens of one sequence; ``None``: read from ``cu_seqlens_q``), launch parameters
+    (left ``None``, they come from ``_PREFILL_DEFAULTS`` for the cache format), the prefix workspace and split.
     ``fp8_scores`` (e4m3 queries over an fp8_e4m3 latent; the default with 64-row tiles, which run on
     ``wgmma``): the prefix scores as fp8 dots of the query on the stored tiles, which are converted only
     for ``P·c``.  (The exact split of bfloat16 queries into two e4m3 terms, as mla_decode does above 32
@@ -203,6 +205,9 @@ def mla_prefill(q_lat, q_pe, c_kv, k_pe, cache: LatentCache, page_table, seq_len
     """
     import torch
 
+    max_q_len, block_m, heads_per_block, block_n = opts.max_q_len, opts.block_m, opts.heads_per_block, opts.block_n
+    num_warps, num_stages, fp8_scores = opts.num_warps, opts.num_stages, opts.fp8_scores
+    prefix_workspace, workspace_bytes, num_splits = opts.prefix_workspace, opts.workspace_bytes, opts.num_splits
     fmt = check_cache(cache)
     lay = cache.layout
     dev = cache.data.device

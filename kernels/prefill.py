@@ -31,7 +31,7 @@ from kvbench.kernels._fp8_split import split_e4m3
 from kvbench.kernels._triton_utils import (
     CacheArgs,
     cache_dot_code,
-    check_cache,
+    check_kv,
     check_query,
     dot_code,
     format_code,
@@ -40,9 +40,9 @@ from kvbench.kernels._triton_utils import (
     load_plain_tile,
     next_pow2,
     page_rows,
-    same_layout,
     to_dot,
 )
+from kvbench.kernels.config import AttentionParams, PagedKV, PrefillOptions
 
 __all__ = ["paged_prefill", "tma_ok"]
 
@@ -389,24 +389,21 @@ def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(x, [t, h * d], [x.stride(0), 1], [rows, d])
 
 
+_NO_ATTN = AttentionParams()
+_DEFAULT_OPTS = PrefillOptions()
+
+
 def paged_prefill(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, *,
-    kv_format: str, k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
-    k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
-    sm_scale: Optional[float] = None, sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
-    q_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-    block_m: Optional[int] = None, block_n: Optional[int] = None, block_n_prefix: Optional[int] = None,
-    num_warps: Optional[int] = None, num_stages: Optional[int] = None, heavy_first: bool = True,
-    fp8_qk: Optional[bool] = None, prefix_full: bool = True, max_prefix_len: Optional[int] = None,
-    tma: Optional[bool] = None, prefix_workspace: Optional[bool] = None,
+    kv: PagedKV, page_table: torch.Tensor, seq_lens: torch.Tensor, *, attn: AttentionParams = _NO_ATTN,
+    out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None, opts: PrefillOptions = _DEFAULT_OPTS,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens ``q`` ``[T, H_q, D]`` (``k_new``/``v_new`` ``[T, H_kv, D]``,
-    compute dtype) over their prefix in the pages plus themselves → ``[T, H_q, D]``.
+    compute dtype) over their prefix in the pages of ``kv`` plus themselves → ``[T, H_q, D]``.
     ``cu_seqlens_q`` int32 ``[B+1]``; ``seq_lens`` int32 ``[B]`` counts prefix + new tokens.
-    ``heavy_first`` launches the query blocks in reverse order (longest causal rows first).
-    Tiles (``block_n`` keys per tile over the new tokens, ``block_n_prefix`` over the cached prefix), warps
-    and stages default to ``launch_defaults``; ``fp8_qk`` (default: whenever it applies) runs
+    ``opts`` (``config.PrefillOptions``): ``heavy_first`` launches the query blocks in reverse order (longest
+    causal rows first).  Tiles (``block_n`` keys per tile over the new tokens, ``block_n_prefix`` over the cached
+    prefix), warps and stages default to ``launch_defaults``; ``fp8_qk`` (default: whenever it applies) runs
     the scores over an e4m3 prefix as fp8 dots of the stored K (an fp8 q as is, a bfloat16 q split exactly
     into two e4m3 terms; ``False``: convert each K tile instead); ``prefix_full=False`` masks every prefix tile
     (the old path, kept for comparison).  ``max_prefix_len`` (host int, optional): the longest cached
@@ -418,6 +415,8 @@ def paged_prefill(
     ``WORKSPACE_CAP_BYTES`` and attends over it, instead of dequantizing every prefix tile in every program;
     ``max_prefix_len`` must then be at least every sequence's prefix (a longer one reads a spare page, never
     outside the workspace)."""
+    kv_format, sm_scale, q_scale, sinks = kv.kv_format, attn.sm_scale, attn.q_scale, attn.sinks
+    max_prefix_len, prefix_workspace = opts.max_prefix_len, opts.prefix_workspace
     if q.dim() != 3 or k_new.dim() != 3 or v_new.shape != k_new.shape:
         raise ValueError(f"q [T,H_q,D], k_new/v_new [T,H_kv,D] expected, got {tuple(q.shape)}, {tuple(k_new.shape)}, {tuple(v_new.shape)}")
     t, hq, d = q.shape
@@ -426,9 +425,7 @@ def paged_prefill(
     for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")
-    kc = check_cache("k", kv_format, k_cache, k_block_scale, k_scale, d)
-    vc = check_cache("v", kv_format, v_cache, v_block_scale, v_scale, d)
-    same_layout(kc, vc)
+    kc, vc = check_kv(kv, d)
     hk = kc.num_kv_heads
     if k_new.shape[1] != hk or hq % hk:
         raise ValueError(f"H_kv mismatch: cache {hk}, k_new {k_new.shape[1]}, H_q {hq}")
@@ -449,7 +446,7 @@ def paged_prefill(
     # over an e4m3 prefix, the prefix's Q·Kᵀ runs on the stored fp8 values (fp8 tensor-core dots, float32
     # accumulation) instead of converting every K tile: an fp8 q directly, a bf16 q split exactly into two
     # e4m3 terms per row (``_fp8_split``; a float16 q has too many significant bits for two terms)
-    on_stored_k = fp8_qk is not False and k_cache.dtype == torch.float8_e4m3fn and d == next_pow2(d) and d >= 32
+    on_stored_k = opts.fp8_qk is not False and kv.k_cache.dtype == torch.float8_e4m3fn and d == next_pow2(d) and d >= 32
     q_split = on_stored_k and q.dtype == torch.bfloat16
     fp8_qk = on_stored_k and (is_fp8_q or q_split)
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
@@ -460,11 +457,34 @@ def paged_prefill(
     src_fmt = fmt
     if ws_plan is not None:  # the kernel sees a cache of float16 values with per-head scales, not nvfp4
         fmt, fp8_qk, q_split = 1, False, False
-    explicit_tma = tma is not None
+    tma = _resolve_tma(opts.tma, fmt, q, k_new, v_new, kv_format)
+    block_m, block_n, block_n_prefix, num_warps, num_stages, tma = _tiles(opts, q.device, d, max_q_len, tma)
+    qa, ka, va = q, k_new, v_new
+    if tma:
+        qa, ka, va = _descriptor(q, block_m), _descriptor(k_new, block_n), _descriptor(v_new, block_n)
+    common = dict(
+        G=hq // hk, D=d, NB=next_pow2(max(d // 16, 1)), BLOCK_M=block_m, BLOCK_N=block_n, DOT=dot_code(k_new.dtype),
+        DOT_P=cache_dot_code(kv_format, k_new.dtype), HAS_Q_SCALE=q_scale is not None,
+        HAS_SINKS=sinks is not None, HEAVY_FIRST=opts.heavy_first, PREFIX_FULL=opts.prefix_full,
+        BLOCK_NP=block_n_prefix, TMA=bool(tma), EXACT_CAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
+    )
+    args = (qa, ka, va, q_scale if q_scale is not None else kc.scale, sinks if sinks is not None else kc.scale,
+            out, scale, int(attn.sliding_window or 0), max_q_len, common)
+    if ws_plan is not None:
+        _over_workspace(ws_plan, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, src_fmt, q, k_new, v_new, args)
+        return out
+    _launch_prefill(*args, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, q, k_new, v_new, fmt,
+                    dict(DP_PAD=next_pow2(dp), FULL_D=dp == next_pow2(dp), FP8_QK=fp8_qk, Q_SPLIT=q_split))
+    return out
+
+
+def _resolve_tma(tma: Optional[bool], fmt: int, q, k_new, v_new, kv_format: str):
+    """``PrefillOptions.tma`` resolved: ``None`` → whether the tensors and the GPU allow tensor descriptors;
+    ``True`` → a ValueError where they do not (``tma`` is returned as given otherwise)."""
     if tma is None:
-        tma = (fmt != 2 and q.is_cuda and not interpreting() and _sm_major(q.device) >= 9
-               and all(tma_ok(x) for x in (q, k_new, v_new)))
-    elif tma:
+        return (fmt != 2 and q.is_cuda and not interpreting() and _sm_major(q.device) >= 9
+                and all(tma_ok(x) for x in (q, k_new, v_new)))
+    if tma:
         bad = [n for n, x in (("q", q), ("k_new", k_new), ("v_new", v_new)) if not tma_ok(x)]
         if fmt == 2 or bad:
             raise ValueError("tma=True reads the new tokens through tensor descriptors, which needs a cache format "
@@ -473,37 +493,27 @@ def paged_prefill(
                              + (f" (not met by {', '.join(bad)})" if bad else f" (kv_format is {kv_format})"))
         if q.is_cuda and _sm_major(q.device) < 9:
             raise ValueError("tma=True needs a GPU of compute capability 9.0 or newer (Hopper); leave tma unset")
-    dflt = launch_defaults(q.device, d, max_prefix_len, max_q_len, bool(tma))
-    block_m = dflt["block_m"] if block_m is None else block_m
+    return tma
+
+
+def _tiles(opts: PrefillOptions, device, d: int, max_q_len: int, tma):
+    """``(block_m, block_n, block_n_prefix, num_warps, num_stages, tma)``: the options over ``launch_defaults``,
+    checked; ``tma`` dropped (unless it was asked for: then a ValueError) for tiles over 256 rows."""
+    dflt = launch_defaults(device, d, opts.max_prefix_len, max_q_len, bool(tma))
+    block_m = dflt["block_m"] if opts.block_m is None else opts.block_m
     # an explicit block_n tiles both phases alike
-    block_n_prefix = (block_n or dflt["block_n_prefix"]) if block_n_prefix is None else block_n_prefix
-    block_n = dflt["block_n"] if block_n is None else block_n
-    num_warps = dflt["num_warps"] if num_warps is None else num_warps
-    num_stages = dflt["num_stages"] if num_stages is None else num_stages
+    block_n_prefix = (opts.block_n or dflt["block_n_prefix"]) if opts.block_n_prefix is None else opts.block_n_prefix
+    block_n = dflt["block_n"] if opts.block_n is None else opts.block_n
+    num_warps = dflt["num_warps"] if opts.num_warps is None else opts.num_warps
+    num_stages = dflt["num_stages"] if opts.num_stages is None else opts.num_stages
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_n_prefix", block_n_prefix)):
         if not isinstance(v, int) or v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     if tma and max(block_m, block_n) > 256:  # a descriptor's box spans at most 256 rows
-        if explicit_tma:
+        if opts.tma is not None:
             raise ValueError(f"tma=True reads tiles of at most 256 rows, got block_m={block_m}, block_n={block_n}")
         tma = False
-    qa, ka, va = q, k_new, v_new
-    if tma:
-        qa, ka, va = _descriptor(q, block_m), _descriptor(k_new, block_n), _descriptor(v_new, block_n)
-    common = dict(
-        G=hq // hk, D=d, NB=next_pow2(max(d // 16, 1)), BLOCK_M=block_m, BLOCK_N=block_n, DOT=dot_code(k_new.dtype),
-        DOT_P=cache_dot_code(kv_format, k_new.dtype), HAS_Q_SCALE=q_scale is not None,
-        HAS_SINKS=sinks is not None, HEAVY_FIRST=heavy_first, PREFIX_FULL=prefix_full, BLOCK_NP=block_n_prefix,
-        TMA=bool(tma), EXACT_CAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
-    )
-    args = (qa, ka, va, q_scale if q_scale is not None else kc.scale, sinks if sinks is not None else kc.scale,
-            out, scale, int(sliding_window or 0), max_q_len, common)
-    if ws_plan is not None:
-        _over_workspace(ws_plan, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, src_fmt, q, k_new, v_new, args)
-        return out
-    _launch_prefill(*args, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, q, k_new, v_new, fmt,
-                    dict(DP_PAD=next_pow2(dp), FULL_D=dp == next_pow2(dp), FP8_QK=fp8_qk, Q_SPLIT=q_split))
-    return out
+    return block_m, block_n, block_n_prefix, num_warps, num_stages, tma
 
 
 def _launch_prefill(qa, ka, va, qsc, snk, out, scale, window, max_q_len, common, kc, vc, page_table, seq_lens, cu_q,

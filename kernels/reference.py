@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from kvbench.kernels.config import AttentionParams, PagedKV
 from kvbench.kernels.formats import NVFP4_BLOCK, dequantize_e2m1, get_format, unpack_nibbles
 
 __all__ = [
@@ -97,21 +98,20 @@ def rope_reference(
 
 
 def append_reference(
-    q, k, v, positions, slot_mapping, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, *,
-    kv_format: str, rotary_dim: Optional[int] = None, rope_style: str = "neox",
-    k_block_scale=None, v_block_scale=None, q_scale=None,
+    q, k, v, positions, slot_mapping, cos_sin_cache, kv: PagedKV, *,
+    rotary_dim: Optional[int] = None, rope_style: str = "neox", q_scale=None,
 ):
     """What the append kernels must produce. Returns ``(q_rot, k_rot, q_fp8, k_cache, v_cache,
     k_block_scale, v_block_scale)``; the caches are updated copies (the inputs are not touched)."""
-    fmt = get_format(kv_format)
+    get_format(kv.kv_format)  # an unknown format raises before any work
     rot = rotary_dim or q.shape[-1]
     q_rot = rope_reference(q, positions, cos_sin_cache, rot, rope_style)
     k_rot = rope_reference(k, positions, cos_sin_cache, rot, rope_style)
     q_fp8 = None
     if q_scale is not None:
         q_fp8 = get_format("fp8_e4m3").quantize(q_rot, q_scale.reshape(())).data
-    kc, kbs = store_reference(kv_format, k_cache, k_block_scale, k_rot, slot_mapping, k_scale)
-    vc, vbs = store_reference(kv_format, v_cache, v_block_scale, v, slot_mapping, v_scale)
+    kc, kbs = store_reference(kv.kv_format, kv.k_cache, kv.k_block_scale, k_rot, slot_mapping, kv.k_scale)
+    vc, vbs = store_reference(kv.kv_format, kv.v_cache, kv.v_block_scale, v, slot_mapping, kv.v_scale)
     return q_rot, k_rot, q_fp8, kc, vc, kbs, vbs
 
 
@@ -188,37 +188,41 @@ def _q_f64(q, q_scale):
     return q.double() * (float(q_scale.reshape(())) if q_scale is not None else 1.0)
 
 
-def decode_reference(
-    q, k_cache, v_cache, page_table, seq_lens, *, kv_format, k_scale, v_scale,
-    k_block_scale=None, v_block_scale=None, sm_scale: Optional[float] = None,
-    sliding_window: Optional[int] = None, sinks=None, q_scale=None,
-) -> torch.Tensor:
+_NO_ATTN = AttentionParams()
+
+
+def _gather(kv: PagedKV, page_table_row, start: int, end: int):
+    """Dequantized float64 K and V of one sequence's cached positions ``[start, end)``."""
+    k = gather_kv_f64(kv.kv_format, kv.k_cache, kv.k_scale, kv.k_block_scale, page_table_row, start, end)
+    v = gather_kv_f64(kv.kv_format, kv.v_cache, kv.v_scale, kv.v_block_scale, page_table_row, start, end)
+    return k, v
+
+
+def decode_reference(q, kv: PagedKV, page_table, seq_lens, attn: AttentionParams = _NO_ATTN) -> torch.Tensor:
     """``q`` ``[B, H_q, D]`` (one new token per sequence, at position ``seq_len − 1``) → float64."""
     d = q.shape[-1]
-    sm_scale = sm_scale if sm_scale is not None else d**-0.5
-    qf = _q_f64(q, q_scale)
+    sm_scale = attn.sm_scale if attn.sm_scale is not None else d**-0.5
+    qf = _q_f64(q, attn.q_scale)
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     for b in range(q.shape[0]):
         n = int(seq_lens[b])
-        k = gather_kv_f64(kv_format, k_cache, k_scale, k_block_scale, page_table[b], 0, n)
-        v = gather_kv_f64(kv_format, v_cache, v_scale, v_block_scale, page_table[b], 0, n)
+        k, v = _gather(kv, page_table[b], 0, n)
         pos = torch.arange(n, device=q.device)
-        out[b] = attention_f64(qf[b : b + 1], k, v, pos[-1:], pos, sm_scale, sliding_window, sinks)[0]
+        out[b] = attention_f64(qf[b : b + 1], k, v, pos[-1:], pos, sm_scale, attn.sliding_window, attn.sinks)[0]
     return out
 
 
 def prefill_reference(
-    q, k_new, v_new, cu_seqlens_q: Sequence[int] | torch.Tensor, k_cache, v_cache, page_table, seq_lens, *,
-    kv_format, k_scale, v_scale, k_block_scale=None, v_block_scale=None, sm_scale: Optional[float] = None,
-    sliding_window: Optional[int] = None, sinks=None, q_scale=None,
+    q, k_new, v_new, cu_seqlens_q: Sequence[int] | torch.Tensor, kv: PagedKV, page_table, seq_lens,
+    attn: AttentionParams = _NO_ATTN,
 ) -> torch.Tensor:
     """Packed new tokens ``q`` ``[T, H_q, D]``, ``k_new``/``v_new`` ``[T, H_kv, D]`` (compute precision);
     sequence ``b`` has new tokens ``cu[b]:cu[b+1]`` at positions ``seq_len − q_len ..``; its prefix
     ``[0, seq_len − q_len)`` comes from the pages. Returns float64 ``[T, H_q, D]``."""
     d = q.shape[-1]
-    sm_scale = sm_scale if sm_scale is not None else d**-0.5
+    sm_scale = attn.sm_scale if attn.sm_scale is not None else d**-0.5
     cu = [int(x) for x in cu_seqlens_q]
-    qf = _q_f64(q, q_scale)
+    qf = _q_f64(q, attn.q_scale)
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     for b in range(len(cu) - 1):
         s, e = cu[b], cu[b + 1]
@@ -226,10 +230,9 @@ def prefill_reference(
             continue
         n = int(seq_lens[b])
         prefix = n - (e - s)
-        kp = gather_kv_f64(kv_format, k_cache, k_scale, k_block_scale, page_table[b], 0, prefix)
-        vp = gather_kv_f64(kv_format, v_cache, v_scale, v_block_scale, page_table[b], 0, prefix)
+        kp, vp = _gather(kv, page_table[b], 0, prefix)
         k = torch.cat((kp, k_new[s:e].double()))
         v = torch.cat((vp, v_new[s:e].double()))
         kpos = torch.arange(n, device=q.device)
-        out[s:e] = attention_f64(qf[s:e], k, v, kpos[prefix:], kpos, sm_scale, sliding_window, sinks)
+        out[s:e] = attention_f64(qf[s:e], k, v, kpos[prefix:], kpos, sm_scale, attn.sliding_window, attn.sinks)
     return out

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from kvbench.reports import stats
-from kvbench.reports.load import CellData, RunData, error_keys, is_error, item_scores, same_but_batching
+from kvbench.reports.load import CellData, RunData, same_but_batching
+from kvbench.reports.item_records import error_keys, is_error, item_scores
 from kvbench.reports.long_context import length_suites, paired_auc, parse_length_metric, scores_by_length
 
 if TYPE_CHECKING:  # pragma: no cover

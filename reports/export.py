@@ -74,7 +74,8 @@ from kvbench.reports import stats
 from kvbench.reports.analysis import Analysis
 from kvbench.reports.diagnostics_export import (DIAGNOSTICS_COLUMNS, DIAGNOSTICS_TABLE, diagnostics_entries,
                                                 diagnostics_rows)
-from kvbench.reports.load import CellData, primary_metric
+from kvbench.reports.load import CellData
+from kvbench.suites.registry import primary_metric
 from kvbench.reports.long_context import AucEstimate, PairedAuc
 
 __all__ = ["SCHEMA_VERSION", "SECTIONS", "frames", "write_exports", "load_tables", "to_document"]

@@ -79,8 +79,9 @@ from kvbench.reports.gate_types import (  # noqa: F401 - re-exported for importe
     merge_gate_config,
     worst_word,
 )
-from kvbench.reports.load import (FIDELITY_SUITE, CellData, RunData, RunLoadError, accuracy_suites, error_counts,
-                                  item_scores, primary_metric, select)
+from kvbench.reports.load import FIDELITY_SUITE, CellData, RunData, RunLoadError, select
+from kvbench.reports.item_records import accuracy_suites, error_counts, item_scores
+from kvbench.suites.registry import primary_metric
 from kvbench.reports.long_context import length_suites, paired_auc, parse_length_metric, scores_by_length
 
 __all__ = ["GateError", "GateThresholds", "Check", "GateResult", "merge_gate_config", "run_gate", "gate_one",

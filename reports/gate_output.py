@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from kvbench.reports.load import primary_metric
+from kvbench.suites.registry import primary_metric
 from kvbench.reports.long_context import length_label, parse_length_metric
 
 __all__ = ["GATE_COLUMNS", "check_row", "check_name", "format_table", "summary_line", "to_json", "check_json", "pp", "pct"]

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 from kvbench.core.formats import format_names, plain_names
-from kvbench.core.store import OPTION_KEYS, RunStore, StoreError, matches, parse_selector
+from kvbench.core.kv_config import kv_option_names, list_valued_options, options_text
+from kvbench.core.store import RunStore, StoreError, matches, parse_selector
 
 __all__ = [
     "RunLoadError",
@@ -20,15 +21,6 @@ __all__ = [
     "RunData",
     "load_run",
     "select",
-    "item_scores",
-    "is_error",
-    "error_keys",
-    "error_counts",
-    "paired_scores",
-    "accuracy_suites",
-    "suite_metrics",
-    "primary_metric",
-    "PRIMARY_SCORES",
     "FIDELITY_SUITE",
     "SERIES_EXCLUDE",
     "resolve_baseline",
@@ -36,10 +28,6 @@ __all__ = [
 ]
 
 FIDELITY_SUITE = "fidelity"
-# suites whose primary (reported, paired, gated) metric is a per-item score rather than the 0/1 ``correct``:
-# the ruler suite scores the fraction of expected strings found (``scores.ruler``); its ``correct`` (every
-# string found) stays available as the metric ``correct``
-PRIMARY_SCORES = {"ruler": "ruler"}
 # config keys that do not distinguish one "format series" from another in plots and capacity tables
 SERIES_EXCLUDE = ("concurrency", "aa_control")
 _LABEL_ORDER = ("model", "target", "prefill_backend", "decode_backend", "kv_dtype", "kv_scales", "concurrency")
@@ -113,24 +101,12 @@ def _varying_keys(cells: list[CellData]) -> list[str]:
     return keys
 
 
-_LAYER_OPTIONS = {"kv_dtype_skip_layers": "skip", "kv_layer_dtypes": "layers"}  # per-layer KV formats
-
-
-def options_text(options: dict) -> str:
-    """A KV entry's engine options as labels show them: ``+quantize_query=decode skip 0,1,31`` (the per-layer
-    formats last: ``skip`` = layers kept in bf16, ``layers`` = other formats per layer group)."""
-    flags = "".join(f"+{o}" if val is True else f"+{o}={val}" for o, val in options.items()
-                    if val and o not in _LAYER_OPTIONS)
-    layers = " ".join(f"{word} {options[o]}" for o, word in _LAYER_OPTIONS.items() if options.get(o))
-    return " ".join(p for p in (flags, layers) if p)
-
-
 def kv_text(config: dict, capacity: Optional[dict] = None) -> str:
     """The KV format of a cell with its per-layer formats: ``fp8_e4m3 skip 0,1,31``.  The capacity record
     (the engine's, when it ran mixed) wins over the cell config."""
     cap = capacity or {}
     opts = config.get("options") or {}
-    layers = {o: cap.get(o) or opts.get(o) for o in _LAYER_OPTIONS}
+    layers = {o: cap.get(o) or opts.get(o) for o in list_valued_options()}
     text = options_text({o: v for o, v in layers.items() if v})
     kv = cap.get("kv_dtype") or config.get("kv_dtype") or ""
     return f"{kv} {text}" if text else str(kv)
@@ -146,7 +122,7 @@ def short_label(cell: CellData, keys: list[str], with_run: bool = False) -> str:
             parts.append(f"c={v}")
         elif isinstance(v, dict):  # engine options of a KV entry, e.g. {"quantize_query": true}
             text = options_text(v) or "-"
-            if "kv_dtype" not in keys and any(v.get(o) for o in _LAYER_OPTIONS):  # "fp8_e4m3 skip 0,1", not "skip 0,1"
+            if "kv_dtype" not in keys and any(v.get(o) for o in list_valued_options()):  # "fp8_e4m3 skip 0,1", not "skip 0,1"
                 text = f"{cell.config.get('kv_dtype')} {text}"
             parts.append(text)
         else:
@@ -237,7 +213,7 @@ def select(cells: list[CellData], selector: str | dict, *, need_items: bool = Fa
         raise RunLoadError(str(e)) from None
     if not cells:
         raise RunLoadError("the run has no cells yet: none has started (was the sweep killed before its first cell?)")
-    known = {k for c in cells for k in c.config} | {"aa_control"} | set(OPTION_KEYS)
+    known = {k for c in cells for k in c.config} | {"aa_control"} | set(kv_option_names())
     unknown = sorted(set(sel) - known)
     if unknown:
         raise RunLoadError(f"unknown selector key(s) {', '.join(unknown)}; cell config keys: {', '.join(sorted(known))}")
@@ -255,29 +231,6 @@ def select(cells: list[CellData], selector: str | dict, *, need_items: bool = Fa
     return out
 
 
-# ------------------------------------------------------------------------------ item records
-
-
-def _score(rec: dict, metric: str) -> Optional[float]:
-    if metric == "correct":
-        v = rec.get("correct")
-    elif metric == "invalid":
-        v = rec.get("invalid")
-    elif metric == "truncated":
-        v = rec.get("finish_reason") == "length"
-    else:
-        v = (rec.get("scores") or {}).get(metric)
-    if v is None:
-        return None
-    return float(v)
-
-
-def primary_metric(suite: str) -> str:
-    """The metric a suite is reported, compared and gated on by default: ``correct`` for most suites, the
-    per-item score named in ``PRIMARY_SCORES`` for the others (ruler: ``scores.ruler``)."""
-    return PRIMARY_SCORES.get(suite, "correct")
-
-
 def same_but_batching(a: dict, b: dict) -> bool:
     """Two cell configs that differ at most in concurrency and ``aa_control``: a cell and its A/A control."""
     skip = ("aa_control", "concurrency")
@@ -291,100 +244,6 @@ def original_of(cells: list["CellData"], control: "CellData") -> Optional["CellD
                 and same_but_batching(c.config, control.config)):
             return c
     return None
-
-
-def is_error(rec: dict) -> bool:
-    """Whether an item record is a failed request (timeout, HTTP error, dropped stream ...), not an answer: it
-    holds an ``error`` message, or (stores written before that field) its finish_reason is ``error``."""
-    return bool(rec.get("error")) or rec.get("finish_reason") == "error"
-
-
-def _key(rec: dict) -> tuple[str, int]:
-    return (str(rec.get("item_id")), int(rec.get("repeat") or 0))
-
-
-def item_scores(cell: CellData, suite: str, metric: Optional[str] = None) -> dict[tuple[str, int], float]:
-    """{(item_id, repeat): score} of one suite's metric; records without the metric and error records
-    (``is_error``: failed requests are no answer, for every metric, ``invalid`` and ``truncated`` included)
-    are skipped.
-
-    ``metric`` is None (the suite's primary metric, ``primary_metric``), ``correct`` (the record's 0/1
-    ``correct``), ``invalid``, ``truncated`` (finish_reason ``length``) or any key of the records'
-    ``scores``."""
-    metric = primary_metric(suite) if metric is None else metric
-    out: dict[tuple[str, int], float] = {}
-    for rec in cell.items:
-        if rec.get("suite") != suite or is_error(rec):
-            continue
-        v = _score(rec, metric)
-        if v is not None:
-            out[_key(rec)] = v
-    return out
-
-
-def error_keys(cell: CellData, suite: str) -> set[tuple[str, int]]:
-    """The (item_id, repeat) keys of one suite's error records."""
-    return {_key(rec) for rec in cell.items if rec.get("suite") == suite and is_error(rec)}
-
-
-def error_counts(cell: CellData, suite: str) -> tuple[int, int]:
-    """(error records, all records) of one suite in a cell."""
-    recs = [rec for rec in cell.items if rec.get("suite") == suite]
-    return sum(1 for rec in recs if is_error(rec)), len(recs)
-
-
-def paired_scores(base: CellData, cand: CellData, suite: str,
-                  metric: Optional[str] = None) -> tuple[dict[tuple[str, int], float], dict[tuple[str, int], float], int]:
-    """(baseline scores, candidate scores, dropped) for a paired comparison: both ``item_scores`` restricted
-    to the (item, repeat) keys that errored in neither cell; ``dropped`` counts the keys left out because
-    either side errored (keys present in one cell only and errored there count too)."""
-    drop = error_keys(base, suite) | error_keys(cand, suite)
-    b = {k: v for k, v in item_scores(base, suite, metric).items() if k not in drop}
-    c = {k: v for k, v in item_scores(cand, suite, metric).items() if k not in drop}
-    return b, c, len(drop)
-
-
-def accuracy_suites(cell: CellData) -> list[str]:
-    """Suites with a primary metric (``correct``, or their ``PRIMARY_SCORES`` score), in first-seen order.
-
-    A suite whose records all errored is listed too when it is an accuracy suite by name (a generation
-    suite's error records hold no score): its accuracy is then unknown, its errors still count."""
-    seen: list[str] = []
-    only_errors: list[str] = []
-    for rec in cell.items:
-        s = rec.get("suite")
-        if s == FIDELITY_SUITE or s in seen:
-            continue
-        if is_error(rec):
-            if s not in only_errors:
-                only_errors.append(s)
-            continue
-        primary = primary_metric(s)
-        if (rec.get("correct") is not None if primary == "correct" else _score(rec, primary) is not None):
-            seen.append(s)
-    # a suite seen only through error records: keep it (in first-seen order) unless answered records show it
-    # is not an accuracy suite
-    answered = {rec.get("suite") for rec in cell.items if not is_error(rec)}
-    order = list(dict.fromkeys(rec.get("suite") for rec in cell.items))
-    keep = set(seen) | {s for s in only_errors if s not in answered}
-    return [s for s in order if s in keep]
-
-
-def suite_metrics(cell: CellData, suite: str) -> list[str]:
-    """The suite's primary metric followed by its other per-item metrics (``correct`` when the primary is a
-    score and the records hold ``correct``, then the other score names)."""
-    primary = primary_metric(suite)
-    names: list[str] = [primary]
-    for rec in cell.items:
-        if rec.get("suite") == suite:
-            if rec.get("correct") is not None and "correct" not in names:
-                names.append("correct")
-            for k in (rec.get("scores") or {}):
-                if k not in names:
-                    names.append(k)
-    if primary == "correct":  # the historical order: correct, then the score names
-        return ["correct"] + [n for n in names if n != "correct"]
-    return names
 
 
 def selector_text(sel: str | dict) -> str:

@@ -16,7 +16,9 @@ import numpy as np
 
 from kvbench.reports import stats
 from kvbench.reports.auc import AucEstimate, PairedAuc, auc, auc_estimate, auc_weights, paired_auc  # noqa: F401
-from kvbench.reports.load import FIDELITY_SUITE, CellData, item_scores, primary_metric
+from kvbench.reports.load import FIDELITY_SUITE, CellData
+from kvbench.reports.item_records import item_scores
+from kvbench.suites.registry import primary_metric
 
 __all__ = ["LENGTH_FIELD", "length_suites", "scores_by_length", "auc_weights", "auc", "AucEstimate", "auc_estimate",
            "PairedAuc", "paired_auc", "LengthRow", "length_row", "RecoveryRow", "recovery_row", "Heatmap", "heatmap",

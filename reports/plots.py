@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvbench.reports.analysis import Analysis
-from kvbench.reports.load import primary_metric
+from kvbench.suites.registry import primary_metric
 
 __all__ = ["accuracy_plot", "delta_plot", "serving_plot", "capacity_plot", "fidelity_plot", "write_plots", "series_colors",
            "series_key", "is_baseline_series", "dodge"]

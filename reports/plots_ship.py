@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from kvbench.reports import stats
 from kvbench.reports.analysis import Analysis
 from kvbench.reports.capacity import load_request_sizes, planned_at_request
-from kvbench.reports.load import primary_metric
+from kvbench.suites.registry import primary_metric
 from kvbench.reports.plot_style import (
     _COLORS,
     _figure,

@@ -15,7 +15,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from kvbench.reports.load import CellData, RunData, accuracy_suites, item_scores, options_text
+from kvbench.core.kv_config import options_text
+from kvbench.reports.load import CellData, RunData
+from kvbench.reports.item_records import accuracy_suites, item_scores
 
 __all__ = ["CellPair", "RunDiff", "match_keys", "match_id", "config_diff", "diff_runs", "format_diff",
            "SERVING_METRICS"]

@@ -142,17 +142,7 @@ def paired_delta(
     if bound_method not in ("bootstrap", "t"):
         raise ValueError(f"bound_method must be 'bootstrap' or 't', got {bound_method!r}")
     check_confidence(confidence)
-    only_b, only_c = key_mismatch(base, cand)
-    if strict and (only_b or only_c):
-        raise ValueError(f"item sets differ: {only_b} (item, repeat) key(s) only in the baseline, "
-                         f"{only_c} only in the candidate")
-    keys = sorted(set(base) & set(cand), key=lambda t: (str(t[0]), t[1]))
-    if not keys:
-        raise ValueError("no shared (item, repeat) keys between the two cells")
-    b_vals = {key: float(base[key]) for key in keys}
-    c_vals = {key: float(cand[key]) for key in keys}
-    if any(math.isnan(v) for v in (*b_vals.values(), *c_vals.values())):
-        raise ValueError("scores contain NaN")
+    keys, b_vals, c_vals, only_b, only_c = _shared_scores(base, cand, strict)
     bq = group_by_question(b_vals)
     cq = group_by_question(c_vals)
     items = sorted(bq, key=str)
@@ -161,41 +151,11 @@ def paired_delta(
     c_means = np.array([np.mean(cq[i]) for i in items])
     diffs = c_means - b_means
     delta = float(diffs.mean())
-    alpha = 1.0 - confidence
     correlation = pearson(b_means, c_means)
-
-    boots = bootstrap_means(diffs, n_boot=n_boot, seed=seed)
-    ci_lo, ci_hi = (float(v) for v in np.quantile(boots, [alpha / 2, 1 - alpha / 2]))
     all_binary = _is_binary(b_vals.values()) and _is_binary(c_vals.values())
-    degenerate = diffs.size < 2 or float(diffs.std(ddof=1)) == 0.0
-    if all_binary and (k == 1 or degenerate):
-        # one-sided at `confidence` = the lower limit of the two-sided interval at 1 − 2α; first = candidate
-        n11 = sum(1 for key in keys if c_vals[key] == 1.0 and b_vals[key] == 1.0)
-        n10 = sum(1 for key in keys if c_vals[key] == 1.0 and b_vals[key] == 0.0)
-        n01 = sum(1 for key in keys if c_vals[key] == 0.0 and b_vals[key] == 1.0)
-        n00 = len(keys) - n11 - n10 - n01
-        lower, upper = newcombe_paired_interval(n11, n10, n01, n00, 1.0 - 2.0 * alpha)
-        used = "newcombe"
-        # the two-sided interval the report shows: the same construction (a bootstrap over 0/1 pairs that all
-        # agree has zero width)
-        ci_lo, ci_hi = newcombe_paired_interval(n11, n10, n01, n00, confidence)
-    elif degenerate:
-        lower, upper, used = -math.inf, math.inf, bound_method
-    elif bound_method == "bootstrap":
-        lower, upper, used = float(np.quantile(boots, alpha)), float(np.quantile(boots, 1.0 - alpha)), "bootstrap"
-    else:
-        se = float(diffs.std(ddof=1)) / math.sqrt(diffs.size)
-        half = t_ppf(confidence, diffs.size - 1) * se
-        lower, upper, used = delta - half, delta + half, "t"
-
-    binary = k == 1 and all_binary
-    if binary:
-        b_only = sum(1 for key in keys if b_vals[key] == 1.0 and c_vals[key] == 0.0)
-        c_only = sum(1 for key in keys if b_vals[key] == 0.0 and c_vals[key] == 1.0)
-        p, p_method = mcnemar_exact(b_only, c_only), "mcnemar"
-    else:
-        b_only = c_only = -1
-        p, p_method = paired_t_pvalue(diffs), "t"
+    lower, upper, used, ci_lo, ci_hi = _bounds(keys, b_vals, c_vals, diffs, k, all_binary, confidence, n_boot, seed,
+                                               bound_method)
+    b_only, c_only, p, p_method = _significance(keys, b_vals, c_vals, diffs, k == 1 and all_binary)
     return PairedDelta(
         n_pairs=len(keys),
         n_questions=len(items),
@@ -217,3 +177,59 @@ def paired_delta(
         cand_unpaired=only_c,
         upper_bound=upper,
     )
+
+
+def _shared_scores(base: Mapping, cand: Mapping, strict: bool):
+    """``(keys, base scores, candidate scores, base-only count, candidate-only count)`` over the keys present
+    in both (sorted); raises on a mismatch under ``strict``, on no shared key, and on NaN scores."""
+    only_b, only_c = key_mismatch(base, cand)
+    if strict and (only_b or only_c):
+        raise ValueError(f"item sets differ: {only_b} (item, repeat) key(s) only in the baseline, "
+                         f"{only_c} only in the candidate")
+    keys = sorted(set(base) & set(cand), key=lambda t: (str(t[0]), t[1]))
+    if not keys:
+        raise ValueError("no shared (item, repeat) keys between the two cells")
+    b_vals = {key: float(base[key]) for key in keys}
+    c_vals = {key: float(cand[key]) for key in keys}
+    if any(math.isnan(v) for v in (*b_vals.values(), *c_vals.values())):
+        raise ValueError("scores contain NaN")
+    return keys, b_vals, c_vals, only_b, only_c
+
+
+def _bounds(keys, b_vals, c_vals, diffs, k: int, all_binary: bool, confidence: float, n_boot: int, seed: int,
+            bound_method: str):
+    """``(lower, upper, method, ci_lo, ci_hi)``: the one-sided bounds at ``confidence`` and the two-sided
+    interval the report shows (``paired_delta``'s docstring says which construction applies when)."""
+    delta = float(diffs.mean())
+    alpha = 1.0 - confidence
+    boots = bootstrap_means(diffs, n_boot=n_boot, seed=seed)
+    ci_lo, ci_hi = (float(v) for v in np.quantile(boots, [alpha / 2, 1 - alpha / 2]))
+    degenerate = diffs.size < 2 or float(diffs.std(ddof=1)) == 0.0
+    if all_binary and (k == 1 or degenerate):
+        # one-sided at `confidence` = the lower limit of the two-sided interval at 1 − 2α; first = candidate
+        n11 = sum(1 for key in keys if c_vals[key] == 1.0 and b_vals[key] == 1.0)
+        n10 = sum(1 for key in keys if c_vals[key] == 1.0 and b_vals[key] == 0.0)
+        n01 = sum(1 for key in keys if c_vals[key] == 0.0 and b_vals[key] == 1.0)
+        n00 = len(keys) - n11 - n10 - n01
+        lower, upper = newcombe_paired_interval(n11, n10, n01, n00, 1.0 - 2.0 * alpha)
+        # the two-sided interval the report shows: the same construction (a bootstrap over 0/1 pairs that all
+        # agree has zero width)
+        ci_lo, ci_hi = newcombe_paired_interval(n11, n10, n01, n00, confidence)
+        return lower, upper, "newcombe", ci_lo, ci_hi
+    if degenerate:
+        return -math.inf, math.inf, bound_method, ci_lo, ci_hi
+    if bound_method == "bootstrap":
+        return float(np.quantile(boots, alpha)), float(np.quantile(boots, 1.0 - alpha)), "bootstrap", ci_lo, ci_hi
+    se = float(diffs.std(ddof=1)) / math.sqrt(diffs.size)
+    half = t_ppf(confidence, diffs.size - 1) * se
+    return delta - half, delta + half, "t", ci_lo, ci_hi
+
+
+def _significance(keys, b_vals, c_vals, diffs, binary: bool):
+    """``(base_only, cand_only, p, p_method)``: McNemar's exact test on the discordant pairs (K=1, 0/1
+    scores; the counts), else the paired t-test over per-question differences (counts -1)."""
+    if binary:
+        b_only = sum(1 for key in keys if b_vals[key] == 1.0 and c_vals[key] == 0.0)
+        c_only = sum(1 for key in keys if b_vals[key] == 0.0 and c_vals[key] == 1.0)
+        return b_only, c_only, mcnemar_exact(b_only, c_only), "mcnemar"
+    return -1, -1, paired_t_pvalue(diffs), "t"

@@ -23,7 +23,8 @@ from kvbench.reports import stats
 from kvbench.reports.analysis import Analysis, FidelityRow
 from kvbench.reports.discriminative import errored, scores
 from kvbench.reports.gate import (Check, GateError, GateResult, GateThresholds, merge_gate_config, run_gate)
-from kvbench.reports.load import CellData, RunData, primary_metric, selector_text
+from kvbench.reports.load import CellData, RunData, selector_text
+from kvbench.suites.registry import primary_metric
 from kvbench.reports.long_context import RecoveryRow
 from kvbench.reports.capacity import load_request_sizes, planned_at_request
 from kvbench.reports.plots import series_key
@@ -181,12 +182,12 @@ class Verdicts:
 
 def _selector_view(cfg: dict) -> dict:
     """A cell config with its KV entry's options beside the top-level keys (``none`` where one is not set)."""
-    from kvbench.core.store import OPTION_KEYS
+    from kvbench.core.kv_config import kv_option_names
 
     out = {k: v for k, v in cfg.items() if k != "options"}
     opts = cfg.get("options") or {}
     out.update({k: ("none" if opts.get(k) is None else str(opts[k]).lower() if isinstance(opts[k], bool) else opts[k])
-                for k in OPTION_KEYS})
+                for k in kv_option_names()})
     return out
 
 

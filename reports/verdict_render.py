@@ -103,7 +103,7 @@ def _accuracy_table(card: Verdict, conf: float) -> Table:
 
 
 def _primary(suite: str) -> str:
-    from kvbench.reports.load import primary_metric
+    from kvbench.suites.registry import primary_metric
 
     return primary_metric(suite)
 

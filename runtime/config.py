@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Optional
 
 from kvbench.core.backends import backend_names
 from kvbench.core.formats import KV_SCALE_POLICIES, format_names, get_spec
-from kvbench.core.layer_formats import canonical_layer_dtypes, canonical_skip_layers
+from kvbench.core.kv_config import KV_OPTIONS, QUERY_QUANT_MODES, KVConfig, query_quant_mode
 
 # KV formats and attention backends are the tables' (kvbench.core.formats / core.backends): read them when
 # validating, so a format registered after this import is accepted too.
@@ -18,7 +18,6 @@ from kvbench.core.layer_formats import canonical_layer_dtypes, canonical_skip_la
 KV_LAYOUTS = ("HND", "NHD")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # which attention phases round the query through float8_e4m3fn (True = "both", False = "none")
-QUERY_QUANT_MODES = ("none", "prefill", "decode", "both")
 
 
 class ConfigError(ValueError):
@@ -36,24 +35,15 @@ def _choice(name: str, value, allowed) -> None:
 
 
 def normalize_quantize_query(value, name: str = "quantize_query") -> str:
-    """The canonical ``quantize_query`` mode: ``True`` -> ``"both"``, ``False`` -> ``"none"``, a mode name
-    (any case) -> itself; anything else is a ``ConfigError`` naming ``name``."""
-    if value is True:
-        return "both"
-    if value is False:
-        return "none"
-    if isinstance(value, str) and value.strip().lower() in QUERY_QUANT_MODES:
-        return value.strip().lower()
-    raise ConfigError(
-        f"{name}={value!r} is not supported; choose one of: {', '.join(QUERY_QUANT_MODES)} (or true = both, false = none)",
-        name,
-    )
-
-
-def query_quant_phases(mode) -> tuple[bool, bool]:
-    """``(prefill, decode)``: whether each phase's queries go through fp8 under ``mode``."""
-    m = normalize_quantize_query(mode)
-    return m in ("prefill", "both"), m in ("decode", "both")
+    """The canonical ``quantize_query`` mode (``kvbench.core.kv_config.query_quant_mode``: ``True`` -> ``"both"``,
+    ``False`` -> ``"none"``, a mode name in any case -> itself); anything else is a ``ConfigError`` naming ``name``."""
+    try:
+        if not isinstance(value, (bool, str)):
+            raise ValueError(value)
+        return query_quant_mode(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not supported; choose one of: {', '.join(QUERY_QUANT_MODES)} "
+                          "(or true = both, false = none)", name) from None
 
 
 # devices the runtime runs on: cpu, cuda, cuda:N (the kernels and CUDA graphs are CUDA-only; no mps)
@@ -180,14 +170,18 @@ class EngineConfig:
         if self.device is not None and (not isinstance(self.device, str) or not _DEVICE_RE.fullmatch(self.device)):
             raise ConfigError(f"device={self.device!r} is not supported; choose cpu, cuda or cuda:N", "device")
         self.quantize_query = normalize_quantize_query(self.quantize_query)
-        for name, canon in (("kv_dtype_skip_layers", canonical_skip_layers), ("kv_layer_dtypes", canonical_layer_dtypes)):
+        for name, opt in KV_OPTIONS.items():  # the KV options: canonical values (kvbench.core.kv_config)
+            if name == "quantize_query" or not hasattr(self, name):
+                continue
+            value = getattr(self, name)
+            if opt.boolean and not isinstance(value, bool):
+                raise ConfigError(f"{name} must be true or false, got {value!r}", name)
             try:
-                setattr(self, name, canon(getattr(self, name)))
+                setattr(self, name, opt.engine_value(opt.parse(value)))
             except ValueError as e:
                 raise ConfigError(f"{name}: {e}", name) from None
-        for name in ("kv_scales_per_head", "fused_append", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}", name)
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}", "enforce_eager")
         for name, optional in (("page_size", False), ("max_running", False), ("max_num_batched_tokens", False),
                                ("max_model_len", True), ("calibration_prompts", False)):
             v = getattr(self, name)
@@ -211,6 +205,18 @@ class EngineConfig:
         if self.prefill_backend == self.decode_backend:
             return self.prefill_backend
         return f"{self.prefill_backend}+{self.decode_backend}"
+
+    @property
+    def kv(self) -> KVConfig:
+        """The engine's KV configuration (options at their defaults are left out, as a sweep cell has them)."""
+        opts = {n: getattr(self, n) for n, o in KV_OPTIONS.items()
+                if hasattr(self, n) and o.parse(getattr(self, n)) not in (None, o.default)}
+        return KVConfig.make(self.kv_dtype, self.kv_scales, opts, self.prefill_backend, self.decode_backend)
+
+    def with_kv(self, kv: KVConfig) -> "EngineConfig":
+        """This configuration with ``kv``'s format, scale policy, options (unset ones at their defaults) and
+        the backends it names."""
+        return replace(self, **{k: v for k, v in kv.engine_fields().items() if hasattr(self, k)})
 
     def to_dict(self) -> dict:
         return asdict(self)

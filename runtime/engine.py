@@ -1,7 +1,8 @@
 """The embedded engine (``engine_api.EngineProtocol``): model + paged KV cache + attention backend +
 continuous-batching scheduler, driven by one background step thread.
 
-Requests are token ids.  ``generate``/``stream``/``score`` are blocking helpers over ``add_request``.
+Requests are token ids.  ``generate``/``stream`` are blocking helpers over ``add_request``, ``score`` one over
+``add_score_request`` (a ``TokenScoreRequest``: scoring is a request kind of its own, ``runtime/scoring.py``).
 A request fits when the cache can hold it: prompt + generated tokens - 1 <= ``max_model_len`` (the last
 sampled token is never fed back), so a prompt of exactly ``max_model_len`` tokens gets one token.
 
@@ -15,6 +16,7 @@ step (the reference the prefill mode is tested against; one step per token, so s
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -30,11 +32,11 @@ from kvbench.runtime.engine_api import CapacityReport, EngineStats, RequestOutpu
 from kvbench.runtime.models.engine_setup import build_engine_parts
 from kvbench.runtime.models.outputs import OutputProcessor
 from kvbench.runtime.sampling import MAX_REQUEST_LOGPROBS, MAX_SCORE_LOGPROBS, SampleRow, sample, validate_params
-from kvbench.runtime.scheduler import Scheduler, SeqStatus, Sequence as Seq
+from kvbench.runtime.scheduler import Scheduler, SeqKind, SeqStatus, Sequence as Seq
+from kvbench.runtime.scoring import SCORE_MODES, TokenScoreRequest, score_result
 
-__all__ = ["Engine", "SCORE_MODES", "LOGIT_ROWS"]
+__all__ = ["Engine", "SCORE_MODES", "LOGIT_ROWS", "TokenScoreRequest"]
 
-SCORE_MODES = ("prefill", "decode")
 LOGIT_ROWS = 256  # sampled rows are turned into logits this many at a time (a scored 8k chunk: 8k x vocab)
 
 log = logging.getLogger("kvbench.runtime")
@@ -112,45 +114,59 @@ class Engine:
         params: SamplingParams,
         request_id: Optional[str] = None,
         on_delta: Optional[Callable[[StreamDelta], None]] = None,
-        _forced: Optional[list[int]] = None,
-        _full_rows: bool = False,
-        _score_prefill: bool = False,
-        _gather=None,
     ) -> str:
-        """``_forced``: teacher-forced continuation (scoring); with ``_score_prefill`` it is fed as
-        prefill chunks with decode semantics (``Sequence.score_from``) instead of one decode step per token.
-        ``_full_rows``: keep every scored row's log-softmax (one [T, V] float32 tensor, filled row by row);
-        ``_gather``: [T, k] token ids per scored position whose log-probs to keep (a [T, k] tensor)."""
+        """Queue a generation request (see ``EngineProtocol.add_request``); returns its request id."""
+        ids = self._checked_prompt(prompt_token_ids, params, MAX_REQUEST_LOGPROBS)
+        seq = Seq(request_id or f"req-{next(self._ids)}", ids, params, on_delta=on_delta)
+        return self._queue(seq, len(ids))
+
+    def add_score_request(
+        self,
+        request: TokenScoreRequest,
+        request_id: Optional[str] = None,
+        on_delta: Optional[Callable[[StreamDelta], None]] = None,
+    ) -> str:
+        """Queue a teacher-forced scoring request (a sequence of kind ``SeqKind.SCORE_PREFILL`` or
+        ``SCORE_DECODE``, ``runtime/scoring.py``); its rows are recorded in the sequence's ``scoring`` state
+        and its output reports the continuation as the generated tokens.  Returns its request id."""
+        request.check(self.max_model_len)
+        params = request.sampling_params()
+        ids = self._checked_prompt(request.context_ids, params, MAX_SCORE_LOGPROBS)
+        vocab = self.parts.loaded.config.vocab_size
+        rid = request_id or f"req-{next(self._ids)}"
+        kind = request.kind
+        if kind is SeqKind.SCORE_PREFILL:
+            forced = [int(t) for t in request.continuation_ids]
+            if min(forced) < 0 or max(forced) >= vocab:
+                raise ValueError(f"continuation token ids must be in [0, {vocab})")
+            if len(ids) + len(forced) - 1 > self.max_model_len:
+                raise ValueError(f"context + continuation exceed the context length {self.max_model_len}")
+            seq = Seq(rid, ids + forced[:-1], params, on_delta=on_delta, kind=kind)
+            seq.score_from = len(ids)
+        else:
+            seq = Seq(rid, ids, params, on_delta=on_delta, kind=kind)
+        seq.scoring = request.state(vocab)
+        return self._queue(seq, len(ids))
+
+    def _checked_prompt(self, prompt_token_ids, params: SamplingParams, max_logprobs: int) -> list[int]:
+        """The prompt as ints; ValueError when it is empty, out of the vocabulary or longer than the context,
+        or when ``params`` are invalid."""
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("empty prompt: give at least one token")
-        if _score_prefill and not _forced:
-            raise ValueError("prefill scoring needs a non-empty continuation")
-        validate_params(params, MAX_SCORE_LOGPROBS if _forced is not None else MAX_REQUEST_LOGPROBS)
+        validate_params(params, max_logprobs)
         vocab = self.parts.loaded.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len} (max_model_len)")
-        rid = request_id or f"req-{next(self._ids)}"
-        if _score_prefill:
-            forced = [int(t) for t in _forced]
-            if min(forced) < 0 or max(forced) >= vocab:
-                raise ValueError(f"continuation token ids must be in [0, {vocab})")
-            if len(ids) + len(forced) - 1 > self.max_model_len:
-                raise ValueError(f"context + continuation exceed the context length {self.max_model_len}")
-            seq = Seq(rid, ids + forced[:-1], params, on_delta=on_delta)
-            seq.score_from = len(ids)
-        else:
-            seq = Seq(rid, ids, params, on_delta=on_delta)
+        return ids
+
+    def _queue(self, seq: Seq, prompt_len: int) -> str:
+        """Give ``seq`` its per-request state and hand it to the step thread."""
+        params, rid = seq.params, seq.request_id
         # the cache holds prompt + generated - 1 tokens (the last sampled token is never fed back)
-        seq.state["max_new"] = min(int(params.max_tokens), self.max_model_len - len(ids) + 1)
-        if _forced is not None:
-            seq.state["forced"] = list(_forced)
-            seq.state["full_rows"] = torch.empty(len(_forced), vocab, dtype=torch.float32) if _full_rows else None
-            if _gather is not None:
-                seq.state["gather"] = _gather_index(_gather, len(_forced), vocab)
-                seq.state["gathered"] = torch.empty(seq.state["gather"].shape, dtype=torch.float32)
+        seq.state["max_new"] = min(int(params.max_tokens), self.max_model_len - prompt_len + 1)
         if params.temperature > 0:
             g = torch.Generator(device=self.device)
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._base_gen))
@@ -205,15 +221,11 @@ class Engine:
         rows, top_n = [], []
         for j in range(a, b):
             seq = batch.seqs[out.seq_idx[j]]
-            p = seq.params
-            forced = seq.state.get("forced")
+            p, sc = seq.params, seq.scoring
             banned = ()
-            if forced is None and len(seq.output_ids) < p.min_tokens:
+            if sc is None and len(seq.output_ids) < p.min_tokens:
                 banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.tokenizer.eos_token_ids))
-            if seq.score_from is not None:  # the row at position p predicts continuation token p - score_from + 1
-                tok = forced[out.positions[j] - seq.score_from + 1]
-            else:
-                tok = forced[len(seq.output_ids)] if forced else None
+            tok = None if sc is None else sc.forced[sc.row_index(seq, out.positions[j])]
             rows.append(SampleRow(p, seq.state.get("generator"), banned, tok))
             top_n.append(p.logprobs or 0)
         res = sample(logits, rows, top_n)
@@ -222,15 +234,15 @@ class Engine:
             seq = batch.seqs[out.seq_idx[j]]
             if seq.status == SeqStatus.FINISHED:
                 continue
-            st = seq.state
-            if seq.score_from is not None and out.positions[j] - seq.score_from + 1 < len(st["logprobs"]):
+            sc, t = seq.scoring, len(seq.state["logprobs"])
+            if seq.kind is SeqKind.SCORE_PREFILL and sc.row_index(seq, out.positions[j]) < t:
                 continue  # recomputed after a preemption: this row was scored before
-            if st.get("forced") is not None:
-                self._keep_rows(st, res.logp[jj])
+            if sc is not None:
+                sc.keep_row(t, res.logp[jj])
             if seq.first_token_time is None:
                 seq.first_token_time = now
             self._stats.generation_tokens += 1
-            if seq.score_from is not None:
+            if seq.kind is SeqKind.SCORE_PREFILL:
                 reason = self.out.record_scored(seq, res.token_ids[jj], res.logprobs[jj], res.top_ids[jj], res.top_logprobs[jj], res.greedy[jj])
                 if reason is not None:
                     self._finish(seq, reason)
@@ -240,16 +252,6 @@ class Engine:
                 self._finish(seq, reason, last=delta)
             elif seq.on_delta is not None and delta is not None:
                 seq.on_delta(delta)
-
-    @staticmethod
-    def _keep_rows(st: dict, logp_row: torch.Tensor) -> None:
-        """A scored row's full log-softmax and/or its values at the gather ids, copied out (a view would keep
-        the whole [rows, V] chunk it came from alive).  Row ``t`` is the one about to be recorded."""
-        t = len(st["logprobs"])
-        if st.get("full_rows") is not None:
-            st["full_rows"][t].copy_(logp_row)
-        if st.get("gather") is not None:
-            st["gathered"][t] = logp_row.index_select(0, st["gather"][t].to(logp_row.device)).float().cpu()
 
     def _finish(self, seq: Seq, reason: str, last: Optional[StreamDelta] = None, error: Optional[str] = None) -> None:
         self.scheduler.finish(seq, reason)
@@ -267,10 +269,11 @@ class Engine:
                 log.exception("on_delta callback failed for %s", seq.request_id)
 
     # ----------------------------------------------------------------------------- blocking API
-    def _run_blocking(self, prompts, params_list, forced=None, full_rows=False, score_prefill=False, gather=None) -> list[RequestOutput]:
+    def _run_blocking(self, submits: list[Callable[..., str]]) -> tuple[list[RequestOutput], list[Seq]]:
+        """Queue each request (``submit(on_delta=...)`` returns its id) and wait until every one finished."""
         self.start()
-        done = [threading.Event() for _ in prompts]
-        outs: list[Optional[RequestOutput]] = [None] * len(prompts)
+        done = [threading.Event() for _ in submits]
+        outs: list[Optional[RequestOutput]] = [None] * len(submits)
         seqs: list[Seq] = []
 
         def cb(k):
@@ -282,9 +285,8 @@ class Engine:
 
         rids = []
         try:
-            for k, (ids, p) in enumerate(zip(prompts, params_list)):
-                rid = self.add_request(ids, p, on_delta=cb(k), _forced=forced[k] if forced else None, _full_rows=full_rows,
-                                       _score_prefill=score_prefill, _gather=gather[k] if gather else None)
+            for k, submit in enumerate(submits):
+                rid = submit(on_delta=cb(k))
                 seqs.append(self._seqs_snapshot(rid))
                 rids.append(rid)
             for ev in done:
@@ -303,7 +305,7 @@ class Engine:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("give one SamplingParams or one per prompt")
-        return self._run_blocking(list(prompts), plist)[0]
+        return self._run_blocking([functools.partial(self.add_request, ids, p) for ids, p in zip(prompts, plist)])[0]
 
     def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> Iterator[StreamDelta]:
         self.start()
@@ -326,28 +328,14 @@ class Engine:
         ``MAX_SCORE_LOGPROBS``) is taken per row as rows are sampled; ``full_distribution`` keeps every row's
         log-softmax ([T, V] float32: 2.4 GB for 4k tokens of a 150k vocabulary); ``gather_ids`` ([T, k] ids)
         keeps only the log-probs at those ids (``gathered_logprobs``, [T, k])."""
-        if mode not in SCORE_MODES:
-            raise ValueError(f"score mode must be one of {', '.join(SCORE_MODES)}, got {mode!r}")
-        if not continuation_ids:
-            raise ValueError("score needs a non-empty continuation")
-        if len(context_ids) + len(continuation_ids) - 1 > self.max_model_len:
-            raise ValueError(f"context + continuation exceed the context length {self.max_model_len}")
-        p = SamplingParams(max_tokens=len(continuation_ids), temperature=0.0, ignore_eos=True, logprobs=top_k or None)
-        (out,), (seq,) = self._run_blocking([list(context_ids)], [p], forced=[list(continuation_ids)], full_rows=full_distribution,
-                                            score_prefill=mode == "prefill",
-                                            gather=[gather_ids] if gather_ids is not None else None)
-        if out.finish_reason not in ("length", "stop"):
-            raise RuntimeError(f"scoring failed: {out.finish_reason}")
-        st = seq.state
-        return ScoreResult(
-            token_ids=list(continuation_ids),
-            logprobs=list(out.logprobs or []),
-            greedy=list(st["greedy"]),
-            top_ids=st["top_ids"] if top_k else None,
-            top_logprobs=st["top_lps"] if top_k else None,
-            full_logprobs=st["full_rows"] if full_distribution else None,
-            gathered_logprobs=st.get("gathered") if gather_ids is not None else None,
-        )
+        return self.run_score(TokenScoreRequest(list(context_ids), list(continuation_ids), top_k, full_distribution,
+                                                mode, gather_ids))
+
+    def run_score(self, request: TokenScoreRequest) -> ScoreResult:
+        """Score ``request`` through the scheduler and wait for its ``ScoreResult``."""
+        request.check(self.max_model_len)
+        (out,), (seq,) = self._run_blocking([functools.partial(self.add_score_request, request)])
+        return score_result(request, out, seq)
 
     # ---------------------------------------------------------------------------------- counters
     def stats(self) -> EngineStats:
@@ -383,12 +371,3 @@ class Engine:
             "capacity": {**self.capacity.__dict__},
         }
 
-
-def _gather_index(ids, rows: int, vocab: int) -> torch.Tensor:
-    """``ids`` ([T, k] token ids per scored position) as a CPU int64 tensor, checked against the request."""
-    t = torch.as_tensor(ids, dtype=torch.int64)
-    if t.dim() != 2 or t.shape[0] != rows:
-        raise ValueError(f"gather_ids must be [{rows}, k] (one row per continuation token), got {list(t.shape)}")
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
-        raise ValueError(f"gather_ids must be in [0, {vocab})")
-    return t

@@ -121,6 +121,12 @@ class EngineProtocol(Protocol):
         with ``finish_reason`` set.  Raises ValueError (clear message) for prompts longer than the context,
         empty prompts, or max_tokens that cannot fit."""
 
+    def add_score_request(self, request, request_id: Optional[str] = None,
+                          on_delta: Optional[Callable[[StreamDelta], None]] = None) -> str:
+        """Queue a teacher-forced scoring request (``kvbench.runtime.scoring.TokenScoreRequest``): a request
+        kind of its own, whose rows are the continuation's log-probs.  Raises ValueError as ``add_request``
+        does, and for a bad mode, an empty continuation or one that does not fit."""
+
     def abort(self, request_id: str) -> None:
         """Abort a queued or running request and free its pages (no-op when already finished)."""
 

@@ -24,12 +24,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from kvbench.core.client import SamplingParams
 from kvbench.runtime.kv_cache import PageAllocator, pages_needed
 
-__all__ = ["Sequence", "SeqStatus", "ScheduledBatch", "Scheduler"]
+if TYPE_CHECKING:
+    from kvbench.runtime.scoring import ScoreState
+
+__all__ = ["Sequence", "SeqKind", "SeqStatus", "ScheduledBatch", "Scheduler"]
 
 
 class SeqStatus(str, Enum):
@@ -39,6 +42,19 @@ class SeqStatus(str, Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class SeqKind(str, Enum):
+    """What a sequence is for: sampling new tokens, or scoring a given continuation by teacher forcing, one
+    decode step per token (``SCORE_DECODE``) or in prefill chunks with decode semantics after ``score_from``
+    (``SCORE_PREFILL``; ``runtime/scoring.py``)."""
+
+    GENERATE = "generate"
+    SCORE_DECODE = "score_decode"
+    SCORE_PREFILL = "score_prefill"
 
     def __str__(self) -> str:
         return self.value
@@ -62,9 +78,11 @@ class Sequence:
     # there); None for every other request
     score_from: Optional[int] = None
     finish_time: Optional[float] = None
-    # per-request extras owned by the engine (callbacks, detokenizer, generator, scoring state)
+    # per-request extras owned by the engine (callbacks, detokenizer, generator, per-row outputs)
     state: dict[str, Any] = field(default_factory=dict)
     on_delta: Optional[Callable] = None
+    kind: SeqKind = SeqKind.GENERATE
+    scoring: Optional["ScoreState"] = None  # the forced tokens and kept rows of a scoring sequence
 
     @property
     def token_ids(self) -> list[int]:

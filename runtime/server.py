@@ -64,8 +64,6 @@ def create_app(engine, own_engine: bool = False, max_body_bytes: Optional[int] =
     ``max_body_bytes``: the request-body cap (None: ``default_max_body_bytes(engine.max_model_len)``).
     ``prep_processes``: worker processes that prepare bodies over 64 KiB (0: threads of this process; see
     ``runtime/server_prep.py``); ``app.state.prep`` is the ``PrepLanes``."""
-    from contextlib import asynccontextmanager
-
     tok = engine.tokenizer
     model_id = engine.model_id
     max_len = engine.max_model_len
@@ -73,7 +71,24 @@ def create_app(engine, own_engine: bool = False, max_body_bytes: Optional[int] =
     if limit < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     lanes = PrepLanes(PrepSpec(tok, model_id, max_len), processes=prep_processes)
-    off_loop = lanes.off_loop
+    app = FastAPI(title="kvbench", lifespan=_lifespan(engine, lanes, own_engine), docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.prep = lanes
+    _add_error_handlers(app)
+    _add_info_routes(app, engine, tok, model_id)
+
+    async def prepared(request: Request, kind: str):
+        """The body read under the cap, then prepared (``server_prep.prepare``) off the event loop."""
+        return await lanes.prepare(kind, await read_body(request, limit))
+
+    _add_request_routes(app, JobContext(engine, tok, model_id, lanes.off_loop), prepared)
+    return app
+
+
+def _lifespan(engine, lanes: PrepLanes, own_engine: bool):
+    """Start the preparation lanes and the engine's step loop with the app; stop them (and the engine when the
+    app owns it) when it shuts down."""
+    from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -86,29 +101,31 @@ def create_app(engine, own_engine: bool = False, max_body_bytes: Optional[int] =
             if own_engine:
                 engine.shutdown()
 
-    app = FastAPI(title="kvbench", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.prep = lanes
+    return lifespan
 
-    def error(e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """OpenAI-style error bodies for API errors, HTTP errors (404, 405, ...) and anything unexpected (500)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_req, e: ApiError):
-        return error(e)
+        return _error(e)
 
     @app.exception_handler(Exception)
     async def _internal_error(_req, e: Exception):
-        return error(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+        return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req, e: StarletteHTTPException):
-        return error(ApiError(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error"))
+        return _error(ApiError(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error"))
 
-    async def prepared(request: Request, kind: str):
-        """The body read under the cap, then prepared (``server_prep.prepare``) off the event loop."""
-        return await lanes.prepare(kind, await read_body(request, limit))
 
-    ctx = JobContext(engine, tok, model_id, off_loop)
+def _add_info_routes(app: FastAPI, engine, tok, model_id: str) -> None:
+    """``/health``, ``/v1/models``, ``/metrics`` and ``/tokenizer_info``: answered on the event loop."""
 
     @app.get("/health")
     async def health():
@@ -136,6 +153,11 @@ def create_app(engine, own_engine: bool = False, max_body_bytes: Optional[int] =
             "chat_template": getattr(tok, "chat_template", None),
         }
 
+
+def _add_request_routes(app: FastAPI, ctx: JobContext, prepared) -> None:
+    """The routes whose bodies are prepared off the event loop: ``/tokenize``, ``/detokenize`` and the
+    completion routes (each a job, ``runtime/server_jobs.py``)."""
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         return Response(await prepared(request, "tokenize"), media_type="application/json")
@@ -151,8 +173,6 @@ def create_app(engine, own_engine: bool = False, max_body_bytes: Optional[int] =
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await run_job(ctx, request, await prepared(request, "chat"), chat=True)
-
-    return app
 
 
 def build_engine(config: Any):

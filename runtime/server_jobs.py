@@ -136,81 +136,106 @@ async def echo_logprobs(ctx: JobContext, ids: list[int], top_k: int, as_ids: boo
     return strs, [None] + [float(x) for x in res.logprobs], tops
 
 
-async def run_job(ctx: JobContext, request: Request, req: ParsedRequest, chat: bool):
-    """Run one parsed completion request: the response body (a dict), or a ``StreamingResponse`` of SSE chunks when it streams."""
-    engine, tok, model_id, off_loop, token_str = ctx.engine, ctx.tok, ctx.model_id, ctx.off_loop, ctx.token_str
-    base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    created = int(time.time())
-    obj = "chat.completion" if chat else "text_completion"
-    prompts = [ids for ids in req.prompts for _ in range(req.n)]
-    params = [req.params_for(k) for _ in req.prompts for k in range(req.n)]
-    choices = [_Choice(i) for i in range(len(prompts))]
-    prompt_tokens = sum(len(ids) for ids in req.prompts)
-    echo_lp: dict[int, tuple] = {}
-    if req.echo:
-        for c in choices:
-            p = c.index // req.n
-            c.text = req.texts[p] if req.texts and req.texts[p] is not None else await off_loop(
-                functools.partial(tok.decode, skip_special_tokens=False), prompts[c.index])
-            if req.logprobs is not None and p not in echo_lp:
-                echo_lp[p] = await echo_logprobs(ctx, prompts[c.index], req.logprobs, req.as_ids)
-    tstr = lambda i: token_str(i, req.as_ids)  # noqa: E731
+class _Reply:
+    """One job's response: its id, its choices (prompts x ``n``) with their engine requests, and the rendering
+    of its deltas as JSON choices or SSE chunks."""
 
-    def lp_block(c: _Choice, ids, lps, tops, with_echo: bool, offset: int = 0):
+    def __init__(self, ctx: JobContext, req: ParsedRequest, chat: bool):
+        self.ctx, self.req, self.chat = ctx, req, chat
+        self.base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.obj = "chat.completion" if chat else "text_completion"
+        self.prompts = [ids for ids in req.prompts for _ in range(req.n)]
+        self.params = [req.params_for(k) for _ in req.prompts for k in range(req.n)]
+        self.choices = [_Choice(i) for i in range(len(self.prompts))]
+        self.prompt_tokens = sum(len(ids) for ids in req.prompts)
+        self.echo_lp: dict[int, tuple] = {}
+
+    async def add_echo(self) -> None:
+        """Each choice starts with its prompt's text, and with its logprobs when asked (scored once per prompt)."""
+        req, ctx = self.req, self.ctx
+        for c in self.choices:
+            p = c.index // req.n
+            c.text = req.texts[p] if req.texts and req.texts[p] is not None else await ctx.off_loop(
+                functools.partial(ctx.tok.decode, skip_special_tokens=False), self.prompts[c.index])
+            if req.logprobs is not None and p not in self.echo_lp:
+                self.echo_lp[p] = await echo_logprobs(ctx, self.prompts[c.index], req.logprobs, req.as_ids)
+
+    def tstr(self, i: int) -> str:
+        return self.ctx.token_str(i, self.req.as_ids)
+
+    def lp_block(self, c: _Choice, ids, lps, tops, with_echo: bool, offset: int = 0):
+        req = self.req
         if req.logprobs is None:
             return None
-        pre = echo_lp.get(c.index // req.n) if with_echo else None
-        return render_logprobs(chat, ids, lps, tops, req.logprobs, tstr, pre, offset)
+        pre = self.echo_lp.get(c.index // req.n) if with_echo else None
+        return render_logprobs(self.chat, ids, lps, tops, req.logprobs, self.tstr, pre, offset)
 
-    def usage() -> dict:
-        done = sum(c.n_tokens for c in choices)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+    def usage(self) -> dict:
+        done = sum(c.n_tokens for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done, "total_tokens": self.prompt_tokens + done}
 
-    def chunk(c: _Choice, text: str, lp, finish: Optional[str], first: bool = False) -> str:
-        if chat:
+    def _event(self, choices: list, **extra) -> str:
+        obj = self.obj + ".chunk" if self.chat else self.obj
+        return sse_event({"id": self.base, "object": obj, "created": self.created, "model": self.ctx.model_id,
+                          "choices": choices, **extra})
+
+    def chunk(self, c: _Choice, text: str, lp, finish: Optional[str], first: bool = False) -> str:
+        if self.chat:
             delta = ({"role": "assistant", "content": text} if first else ({"content": text} if text else {}))
             ch = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             ch = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
-        return sse_event({"id": base, "object": obj + ".chunk" if chat else obj, "created": created, "model": model_id, "choices": [ch]})
+        return self._event([ch])
 
-    job = Job(engine, asyncio.get_running_loop())
-    if req.max_tokens > 0:
-        job.submit(base, prompts, params)
-    else:  # echo only
+    def usage_chunk(self) -> str:
+        return self._event([], usage=self.usage())
+
+    def body(self) -> dict:
+        """The JSON response once every choice finished."""
+        out = []
+        for c in self.choices:
+            lp = self.lp_block(c, c.tokens, c.logprobs, c.top, self.req.echo)
+            if self.chat:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {"id": self.base, "object": self.obj, "created": self.created, "model": self.ctx.model_id, "choices": out,
+                "usage": self.usage()}
+
+
+async def _sse(job: Job, r: _Reply):
+    """The SSE chunks of a streaming job (its engine requests are aborted when the stream ends early)."""
+    req, chat, choices = r.req, r.chat, r.choices
+    try:
+        # the echoed prompt goes first; a chat role otherwise comes with the first token (as vLLM sends it),
+        # so a client timing the first chunk times the first token
+        role_due = set() if req.echo else {c.index for c in choices} if chat else set()
         for c in choices:
-            c.finish_reason = "length"
+            if req.echo:
+                yield r.chunk(c, c.text, r.lp_block(c, [], [], [], True), c.finish_reason, first=True)
+        while not job.done:
+            d = await job.next()
+            c = choices[job.index[d.request_id]]
+            if d.finish_reason == "error" or d.error:
+                yield sse_event(ApiError(500, d.error or "engine error", "server_error").body())
+                break
+            c.n_tokens += len(d.token_ids)
+            fr = d.finish_reason if d.finish_reason in ("stop", "length") else None
+            if d.text or d.token_ids or fr:
+                lp = r.lp_block(c, d.token_ids, d.logprobs or [], d.top_logprobs or [], False, len(c.text))
+                c.text += d.text  # streamed so far (text_offset of the next chunk)
+                yield r.chunk(c, d.text, lp, fr, first=c.index in role_due)
+                role_due.discard(c.index)
+        if req.include_usage:
+            yield r.usage_chunk()
+        yield "data: [DONE]\n\n"
+    finally:
+        job.abort()
 
-    if req.stream:
-        async def sse():
-            try:
-                # the echoed prompt goes first; a chat role otherwise comes with the first token (as vLLM sends it),
-                # so a client timing the first chunk times the first token
-                role_due = set() if req.echo else {c.index for c in choices} if chat else set()
-                for c in choices:
-                    if req.echo:
-                        yield chunk(c, c.text, lp_block(c, [], [], [], True), c.finish_reason, first=True)
-                while not job.done:
-                    d = await job.next()
-                    c = choices[job.index[d.request_id]]
-                    if d.finish_reason == "error" or d.error:
-                        yield sse_event(ApiError(500, d.error or "engine error", "server_error").body())
-                        break
-                    c.n_tokens += len(d.token_ids)
-                    fr = d.finish_reason if d.finish_reason in ("stop", "length") else None
-                    if d.text or d.token_ids or fr:
-                        lp = lp_block(c, d.token_ids, d.logprobs or [], d.top_logprobs or [], False, len(c.text))
-                        c.text += d.text  # streamed so far (text_offset of the next chunk)
-                        yield chunk(c, d.text, lp, fr, first=c.index in role_due)
-                        role_due.discard(c.index)
-                if req.include_usage:
-                    yield sse_event({"id": base, "object": obj + ".chunk" if chat else obj, "created": created, "model": model_id, "choices": [], "usage": usage()})
-                yield "data: [DONE]\n\n"
-            finally:
-                job.abort()
 
-        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
+async def _collect(job: Job, request: Request, choices: list[_Choice]) -> None:
+    """Gather a non-streaming job's deltas into its choices (499 when the client leaves, 500 on an engine error)."""
     try:
         while not job.done:
             d = await job.next(request)
@@ -226,11 +251,20 @@ async def run_job(ctx: JobContext, request: Request, req: ParsedRequest, chat: b
                 c.finish_reason = d.finish_reason
     finally:
         job.abort()
-    out = []
-    for c in choices:
-        lp = lp_block(c, c.tokens, c.logprobs, c.top, req.echo)
-        if chat:
-            out.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp, "finish_reason": c.finish_reason})
-        else:
-            out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
-    return {"id": base, "object": obj, "created": created, "model": model_id, "choices": out, "usage": usage()}
+
+
+async def run_job(ctx: JobContext, request: Request, req: ParsedRequest, chat: bool):
+    """Run one parsed completion request: the response body (a dict), or a ``StreamingResponse`` of SSE chunks when it streams."""
+    r = _Reply(ctx, req, chat)
+    if req.echo:
+        await r.add_echo()
+    job = Job(ctx.engine, asyncio.get_running_loop())
+    if req.max_tokens > 0:
+        job.submit(r.base, r.prompts, r.params)
+    else:  # echo only
+        for c in r.choices:
+            c.finish_reason = "length"
+    if req.stream:
+        return StreamingResponse(_sse(job, r), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    await _collect(job, request, r.choices)
+    return r.body()

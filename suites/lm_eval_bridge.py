@@ -56,49 +56,10 @@ def _make_lm_class():
                 return list(pool.map(fn, requests))
 
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-            def one(req) -> str:
-                context, kw = req.args
-                kw = dict(kw or {})
-                until = kw.pop("until", None) or []
-                if isinstance(until, str):
-                    until = [until]
-                sample = bool(kw.get("do_sample", False)) and float(kw.get("temperature", 1.0)) > 0
-                params = SamplingParams(
-                    max_tokens=int(kw.get("max_gen_toks", self.max_gen_toks)),
-                    temperature=float(kw.get("temperature", 1.0)) if sample else 0.0,
-                    top_p=float(kw.get("top_p", 1.0)) if sample else 1.0,
-                    stop=tuple(until),
-                )
-                gen = GenRequest(prompt=context, params=params)
-                try:
-                    res = self.client.generate(gen)
-                except Exception as e:  # a failed request: recorded as an error, no answer
-                    self._failed(req, f"{type(e).__name__}: {e}", classify_error(e), retries=getattr(e, "retries", 0))
-                    return ""
-                if res.finish_reason == "error":
-                    self._failed(req, res.error or "request failed", res.error_kind or "other", res.latency_s, res.retries)
-                    return ""
-                self._note(req, finish_reason=res.finish_reason, prompt_tokens=res.prompt_tokens,
-                           output_tokens=res.output_tokens, latency_s=res.latency_s, retries=res.retries,
-                           reasoning=res.reasoning, request_options=effective_options(gen))
-                return res.text
-
-            return self._map(one, requests)
+            return self._map(lambda req: _generate_one(self, req), requests)
 
         def _score(self, req, context: str, continuation: str):
-            import time
-
-            t0 = time.perf_counter()
-            try:
-                res = self.client.score(ScoreRequest(context=context, continuation=continuation))
-            except NotImplementedError:
-                raise  # the target cannot score at all: not one failed request
-            except Exception as e:  # a failed request: the document becomes an error record
-                self._failed(req, f"{type(e).__name__}: {e}", classify_error(e), time.perf_counter() - t0)
-                return None
-            self._note(req, finish_reason="score", prompt_tokens=len(res.token_ids), output_tokens=0,
-                       latency_s=time.perf_counter() - t0)
-            return res
+            return _score_one(self, req, context, continuation)
 
         def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
             def one(req):
@@ -115,6 +76,58 @@ def _make_lm_class():
             return self._map(one, requests)
 
     return ClientLM
+
+
+def _gen_request(req, max_gen_toks: int) -> GenRequest:
+    """An lm-eval ``generate_until`` request as a completion request: the task's ``until`` as stop strings,
+    ``max_gen_toks``, greedy unless the task samples with a positive temperature."""
+    context, kw = req.args
+    kw = dict(kw or {})
+    until = kw.pop("until", None) or []
+    if isinstance(until, str):
+        until = [until]
+    sample = bool(kw.get("do_sample", False)) and float(kw.get("temperature", 1.0)) > 0
+    params = SamplingParams(
+        max_tokens=int(kw.get("max_gen_toks", max_gen_toks)),
+        temperature=float(kw.get("temperature", 1.0)) if sample else 0.0,
+        top_p=float(kw.get("top_p", 1.0)) if sample else 1.0,
+        stop=tuple(until),
+    )
+    return GenRequest(prompt=context, params=params)
+
+
+def _generate_one(lm, req) -> str:
+    """One generation of ``ClientLM.generate_until``: its text, or "" for a failed request (noted as an error)."""
+    gen = _gen_request(req, lm.max_gen_toks)
+    try:
+        res = lm.client.generate(gen)
+    except Exception as e:  # a failed request: recorded as an error, no answer
+        lm._failed(req, f"{type(e).__name__}: {e}", classify_error(e), retries=getattr(e, "retries", 0))
+        return ""
+    if res.finish_reason == "error":
+        lm._failed(req, res.error or "request failed", res.error_kind or "other", res.latency_s, res.retries)
+        return ""
+    lm._note(req, finish_reason=res.finish_reason, prompt_tokens=res.prompt_tokens,
+             output_tokens=res.output_tokens, latency_s=res.latency_s, retries=res.retries,
+             reasoning=res.reasoning, request_options=effective_options(gen))
+    return res.text
+
+
+def _score_one(lm, req, context: str, continuation: str):
+    """One teacher-forced scoring of ``ClientLM``: the score, or None for a failed request (noted as an error)."""
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        res = lm.client.score(ScoreRequest(context=context, continuation=continuation))
+    except NotImplementedError:
+        raise  # the target cannot score at all: not one failed request
+    except Exception as e:  # a failed request: the document becomes an error record
+        lm._failed(req, f"{type(e).__name__}: {e}", classify_error(e), time.perf_counter() - t0)
+        return None
+    lm._note(req, finish_reason="score", prompt_tokens=len(res.token_ids), output_tokens=0,
+             latency_s=time.perf_counter() - t0)
+    return res
 
 
 _FAILED_LL = float("-inf")  # what lm-eval sees for a failed scoring request (its record is an error record)

@@ -67,6 +67,49 @@ CLIENT_SUITES = ("ruler",)
 SPECIAL = ("fidelity", "lm_eval:<task>")
 
 
+# What the rest of kvbench asks about a suite, declared here rather than as ``if name == ...`` elsewhere:
+# the metric it is reported, paired and gated on (``correct`` unless named: ruler scores the fraction of expected
+# strings found, ``scores.ruler``), whether it needs a reference configuration (fidelity), and the checker of its
+# ``params`` run when a sweep config loads (raises SuiteError).
+PRIMARY_METRICS = {"ruler": "ruler"}
+REFERENCE_SUITES = ("fidelity",)
+
+
+def _ruler_params(params: dict) -> None:
+    from kvbench.suites.ruler_params import parse_params
+
+    parse_params(params)
+
+
+PARAM_CHECKS: dict[str, Callable[[dict], None]] = {"ruler": _ruler_params}
+# the `kvbench eval` flags each suite takes, as {param: flag}: the param the flag's value becomes in the suite's
+# options (``SuiteOptions.extra``); a flag given without a suite that takes it is a usage error
+SUITE_FLAGS: dict[str, dict[str, str]] = {
+    "ruler": {"context_lengths": "--context-lengths", "depths": "--depths", "tasks": "--ruler-tasks",
+              "haystack": "--haystack", "haystack_file": "--haystack-file", "prompt_style": "--prompt-style",
+              "tokenizer": "--tokenizer"},
+    "fidelity": {"text_tokens": "--fidelity-text-tokens", "position_buckets": "--position-buckets",
+                 "haystack_file": "--haystack-file"},
+}
+
+
+def primary_metric(name: str) -> str:
+    """The metric suite ``name`` is reported, compared and gated on by default."""
+    return PRIMARY_METRICS.get(name, "correct")
+
+
+def needs_reference(name: str) -> bool:
+    """Whether suite ``name`` compares each cell with a reference configuration (``FidelityContext``)."""
+    return name in REFERENCE_SUITES
+
+
+def check_params(name: str, params: dict) -> None:
+    """Check suite ``name``'s ``params`` as a sweep config gives them (``SuiteError`` names the bad key)."""
+    check = PARAM_CHECKS.get(name)
+    if check is not None:
+        check(params)
+
+
 def suite_names() -> list[str]:
     """Every suite name the CLI and the sweep configuration take (``lm_eval:<task>`` stands for any task)."""
     return [*GENERATION_SUITES, *CLIENT_SUITES, *SPECIAL]
@@ -137,7 +180,7 @@ def run_suite(name: str, client: Client, opts: SuiteOptions, ctx: Optional[RunCo
         from kvbench.suites.lm_eval_bridge import run_lm_eval
 
         return run_lm_eval(name[len("lm_eval:") :], client, opts, include_path=ctx.lm_eval_include)
-    if name == "fidelity":
+    if needs_reference(name):
         if ctx.fidelity is None:
             raise SuiteError("the fidelity suite needs a reference configuration")
         from kvbench.suites.fidelity import FidelitySuite, Reference

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbench.core.kv_config import kv_option_names
+
 from kvbench.core.request_options import REQUEST_KEYS
 from kvbench.harness import cell_diagnostics, launch_options, sweep_axes, sweep_config, sweep_specs
 from kvbench.harness.sweep_config import SweepConfigError
@@ -38,8 +40,8 @@ def expected() -> dict[str, tuple[str, ...]]:
     return {
         "top level": sweep_config._TOP_KEYS,
         "engine": sweep_config._engine_keys(),
-        "targets": (*sweep_specs._TARGET_KEYS, *launch_options.OPTIONS),
-        "axes": (*sweep_config._AXES_KEYS, *sweep_axes._KV_KEYS,
+        "targets": (*sweep_specs._TARGET_KEYS, *launch_options.option_names()),
+        "axes": (*sweep_config._AXES_KEYS, *sweep_axes._KV_KEYS, *kv_option_names(),
                  *allowed_keys(sweep_axes.parse_backend_entry, {"zz": 1}, "b"),
                  *allowed_keys(sweep_axes.parse_combos, [{"zz": 1}], "axes.combos")),
         "suites": (*sweep_specs._SUITE_KEYS, *ruler_params.PARAM_KEYS),
@@ -64,7 +66,7 @@ def test_every_key_is_documented_in_its_section(section):
 
 def test_launch_placeholders_are_documented():
     text = sections()["targets"]
-    missing = [p for p in launch_options.PLACEHOLDERS if f"`{{{p}}}`" not in text]
+    missing = [p for p in launch_options.placeholders() if f"`{{{p}}}`" not in text]
     assert not missing, missing
 
 

@@ -59,9 +59,9 @@ def test_backend_table_matches_the_old_support_lists():
 
 
 def test_runtime_registry_reads_the_table():
-    from kvbench.runtime.attention.registry import BACKEND_PATHS, support_table
+    from kvbench.runtime.attention.registry import backend_paths, support_table
 
-    assert tuple(BACKEND_PATHS) == backend_names()
+    assert tuple(backend_paths()) == backend_names()
     table = support_table()
     assert table["torch"]["decode"] == list(format_names())
     assert table["triton"]["prefill"] == list(format_names())

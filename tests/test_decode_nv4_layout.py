@@ -59,6 +59,7 @@ def test_unpack_order_matches_the_maps():
 
 
 def test_a_call_it_cannot_take_is_a_clear_error():
+    from kvbench.kernels.config import DecodeOptions, PagedKV
     from kvbench.kernels.decode import paged_decode
     from kvbench.tools.kernel_check import make_cache, random_page_table
 
@@ -68,8 +69,8 @@ def test_a_call_it_cannot_take_is_a_clear_error():
     table = random_page_table([20], 16, 4, gen, "cpu")
     q = torch.randn(1, 8, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="gluon=True: .*CUDA GPU only"):
-        paged_decode(q, kc, vc, table, torch.tensor([20], dtype=torch.int32), kv_format="nvfp4", k_scale=ks,
-                     v_scale=vs, k_block_scale=kbs, v_block_scale=vbs, gluon=True)
+        paged_decode(q, PagedKV("nvfp4", kc, vc, ks, vs, kbs, vbs), table, torch.tensor([20], dtype=torch.int32),
+                     opts=DecodeOptions(gluon=True))
 
 
 def _e2m1(code: int) -> float:

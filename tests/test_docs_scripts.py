@@ -66,12 +66,12 @@ def test_parse_config(kp):
 
 
 def test_launch_keys_are_the_kernels_keyword_arguments(kp):
-    from kvbench.kernels.decode import paged_decode
-    from kvbench.kernels.prefill import paged_prefill
+    # the kernels take their launch options as one object each (kernels.config)
+    from kvbench.kernels.config import DecodeOptions, PrefillOptions
 
-    assert set(kp.DECODE_KEYS) <= set(inspect.signature(paged_decode).parameters)
+    assert set(kp.DECODE_KEYS) <= set(inspect.signature(DecodeOptions).parameters)
     # fp8_q is the probe's own switch (e4m3 queries with a scale), not a kernel argument
-    assert set(kp.PREFILL_KEYS) - {"fp8_q"} <= set(inspect.signature(paged_prefill).parameters)
+    assert set(kp.PREFILL_KEYS) - {"fp8_q"} <= set(inspect.signature(PrefillOptions).parameters)
 
 
 def test_presets(kp):
@@ -139,6 +139,7 @@ def _uniform_cache(fmt, pages, page, hk, d, gen):
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
 def test_hnd_emulation_reads_the_same_tokens(kp, fmt):
+    from kvbench.kernels.config import DecodeOptions, PagedKV
     from kvbench.kernels.decode import paged_decode
     from kvbench.tools.kernel_check import random_page_table
 
@@ -155,11 +156,12 @@ def test_hnd_emulation_reads_the_same_tokens(kp, fmt):
     assert te[1 * hk + 1, 0] == table[1, 0] * hk + 1 and le.tolist() == [11, 11, 6, 6]
     # sequence 1, kv head 1, page 0, compared as bytes
     assert torch.equal(ke[int(te[hk + 1, 0]), :, 0].view(torch.uint8), kc[int(table[1, 0]), :, 1].view(torch.uint8))
-    ref = paged_decode(q, kc, vc, table, seq, kv_format=fmt, k_scale=ks, v_scale=vs, block_n=16, num_splits=1)
-    got = paged_decode(qe, ke, ve, te, le, kv_format=fmt, k_scale=ks[:1], v_scale=vs[:1], block_n=16, num_splits=1)
+    one = DecodeOptions(block_n=16, num_splits=1)
+    ref = paged_decode(q, PagedKV(fmt, kc, vc, ks, vs), table, seq, opts=one)
+    got = paged_decode(qe, PagedKV(fmt, ke, ve, ks[:1], vs[:1]), te, le, opts=one)
     torch.testing.assert_close(got.reshape(b, hq, d), ref, rtol=1e-5, atol=1e-5)
-    wrong = paged_decode(qe, ke, ve, te.flip(0), le, kv_format=fmt, k_scale=ks[:1], v_scale=vs[:1], block_n=16,
-                         num_splits=1)  # the pages of other (sequence, head)s: the check must notice
+    wrong = paged_decode(qe, PagedKV(fmt, ke, ve, ks[:1], vs[:1]), te.flip(0), le,
+                         opts=one)  # the pages of other (sequence, head)s: the check must notice
     assert (wrong.reshape(b, hq, d) - ref).abs().max() > 1e-2
 
 

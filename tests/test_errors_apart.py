@@ -10,8 +10,8 @@ import pytest
 from kvbench.core.client import GenRequest, GenResult, RequestFailed, classify_error
 from kvbench.reports import stats
 from kvbench.reports.analysis import analyze
-from kvbench.reports.load import (CellData, accuracy_suites, error_counts, error_keys, is_error, item_scores,
-                                  paired_scores)
+from kvbench.reports.load import CellData
+from kvbench.reports.item_records import accuracy_suites, error_counts, error_keys, is_error, item_scores, paired_scores
 from kvbench.reports.tables import accuracy_table, delta_table
 from kvbench.suites.base import (GenerationTask, Item, Scored, SuiteError, SuiteOptions, is_error_record,
                                  summarize_records)
@@ -245,7 +245,7 @@ def test_delta_table_without_errors_has_no_exclusion_column():
 
 
 def test_brief_and_eval_summary_show_errors_apart():
-    from kvbench.harness.commands.eval import _errors_text
+    from kvbench.harness.commands.eval_support import errors_text as _errors_text
     from kvbench.harness.runner import _brief
 
     s = summarize_records([_rec("s", 0, True), _rec("s", 1, False), _rec("s", 2, None, error="t/o")])

@@ -17,7 +17,8 @@ from kvbench.core.store import RunStore
 from kvbench.core.io import read_jsonl
 from kvbench.harness.sweep_specs import SuiteSpec, _gate
 from kvbench.reports import stats
-from kvbench.reports.load import item_scores, load_run, select
+from kvbench.reports.load import load_run, select
+from kvbench.reports.item_records import item_scores
 from kvbench.reports.long_context import paired_auc, scores_by_length
 
 sys.path.insert(0, str(Path(__file__).parent))

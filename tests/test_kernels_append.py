@@ -13,6 +13,7 @@ import torch
 from kvbench.tools import kernel_check as C
 from kvbench.kernels import reference as R
 from kvbench.kernels.append import fused_rope_quant_append, quantize_store, rope, unfused_rope_quant_append
+from kvbench.kernels.config import PagedKV
 from kvbench.kernels.formats import FORMAT_NAMES, get_format
 
 VARIANTS = [
@@ -49,7 +50,7 @@ def test_fused_and_unfused_write_identical_bytes(fmt):
     res = []
     for fn in (fused_rope_quant_append, unfused_rope_quant_append):
         c = [kc.clone(), vc.clone(), kbs.clone() if kbs is not None else None, vbs.clone() if vbs is not None else None]
-        out = fn(q, k, v, pos, slots, cs, c[0], c[1], ks, vs, kv_format=fmt, k_block_scale=c[2], v_block_scale=c[3])
+        out = fn(q, k, v, pos, slots, cs, PagedKV(fmt, c[0], c[1], ks, vs, c[2], c[3]))
         res.append((out.q, out.k, *c))
     for a, b in zip(*res):
         if a is not None:
@@ -59,7 +60,7 @@ def test_fused_and_unfused_write_identical_bytes(fmt):
 def test_skipped_slots_and_inputs_untouched():
     q, k, v, pos, slots, cs, kc, vc, ks, vs, kbs, vbs = _inputs("fp16")
     q0, k0, v0, kc0 = q.clone(), k.clone(), v.clone(), kc.clone()
-    fused_rope_quant_append(q, k, v, pos, slots, cs, kc, vc, kv_format="fp16")
+    fused_rope_quant_append(q, k, v, pos, slots, cs, PagedKV("fp16", kc, vc))
     assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0)
     written = torch.zeros(kc.shape[0] * kc.shape[1], dtype=torch.bool)
     written[slots[slots >= 0]] = True
@@ -79,8 +80,8 @@ def test_rope_stage_matches_reference_exactly():
 def test_checker_detects_a_corrupted_byte():
     fmt = "nvfp4"
     q, k, v, pos, slots, cs, kc, vc, ks, vs, kbs, vbs = _inputs(fmt)
-    ref = R.append_reference(q, k, v, pos, slots, cs, kc, vc, ks, vs, kv_format=fmt, k_block_scale=kbs, v_block_scale=vbs)
-    fused_rope_quant_append(q, k, v, pos, slots, cs, kc, vc, ks, vs, kv_format=fmt, k_block_scale=kbs, v_block_scale=vbs)
+    ref = R.append_reference(q, k, v, pos, slots, cs, PagedKV(fmt, kc, vc, ks, vs, kbs, vbs))
+    fused_rope_quant_append(q, k, v, pos, slots, cs, PagedKV(fmt, kc, vc, ks, vs, kbs, vbs))
     keep = slots >= 0
     sl = slots[keep]
     assert C.cache_mismatch(fmt, kc, ref[3], kbs, ref[5], ref[1][keep], sl, ks, exact=True) == 0
@@ -111,18 +112,20 @@ def test_fp8_tolerance_is_narrow():
 )
 def test_bad_input_is_rejected(change, match):
     q, k, v, pos, slots, cs, kc, vc, ks, vs, kbs, vbs = _inputs("nvfp4")
-    kw = dict(kv_format="nvfp4", k_block_scale=kbs, v_block_scale=vbs, k_scale=ks, v_scale=vs)
-    kw.update(change)
+    kv = dict(kv_format="nvfp4", k_cache=kc, v_cache=vc, k_block_scale=kbs, v_block_scale=vbs, k_scale=ks, v_scale=vs)
+    kw = {}  # the cache's fields go to its PagedKV, the rope arguments to the call
+    for key, val in change.items():
+        (kv if key in kv else kw)[key] = val
     with pytest.raises(ValueError, match=match):
-        fused_rope_quant_append(q, k, v, pos, slots, cs, kc, vc, **kw)
+        fused_rope_quant_append(q, k, v, pos, slots, cs, PagedKV(**kv), **kw)
 
 
 def test_wrong_cache_dtype_is_rejected():
     q, k, v, pos, slots, cs, kc, vc, *_ = _inputs("fp16")
     with pytest.raises(ValueError, match="dtype"):
-        quantize_store(k, v, slots, kc.bfloat16(), vc.bfloat16(), kv_format="fp16")
+        quantize_store(k, v, slots, PagedKV("fp16", kc.bfloat16(), vc.bfloat16()))
     with pytest.raises(ValueError, match="slot_mapping"):
-        quantize_store(k, v, slots[:2], kc, vc, kv_format="fp16")
+        quantize_store(k, v, slots[:2], PagedKV("fp16", kc, vc))
     assert get_format("fp16").storage_dtype == kc.dtype
 
 
@@ -156,8 +159,7 @@ def test_nvfp4_packed_word_stores_are_bit_exact(d, layout):
         vc.view(torch.uint8).fill_(0xFF)
         A._TUNE["packed"] = packed
         try:
-            fused_rope_quant_append(q, k, v, pos, slots, cs, kc, vc, ks, ks, kv_format="nvfp4", k_block_scale=kbs,
-                                    v_block_scale=vbs)
+            fused_rope_quant_append(q, k, v, pos, slots, cs, PagedKV("nvfp4", kc, vc, ks, ks, kbs, vbs))
         finally:
             A._TUNE.clear()
         written.append([x.view(torch.uint8).clone() for x in (kc, vc, kbs, vbs)])

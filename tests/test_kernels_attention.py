@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvbench.tools import kernel_check as C
+from kvbench.kernels.config import AttentionParams, DecodeOptions, PagedKV, PrefillOptions
 from kvbench.kernels.decode import default_num_splits, paged_decode
 from kvbench.kernels.formats import FORMAT_NAMES
 from kvbench.kernels.prefill import paged_prefill
@@ -81,9 +82,9 @@ def test_decode_rejects_bad_launch_arguments():
     q = torch.randn(2, 4, 32, generator=gen)
     seq = torch.tensor([20, 9], dtype=torch.int32)
     with pytest.raises(ValueError, match="block_n"):
-        paged_decode(q, page_table=table, seq_lens=seq, kv_format="fp8_e4m3", block_n=24, **kv)
+        paged_decode(q, PagedKV("fp8_e4m3", **kv), table, seq, opts=DecodeOptions(block_n=24))
     with pytest.raises(ValueError, match="num_splits"):
-        paged_decode(q, page_table=table, seq_lens=seq, kv_format="fp8_e4m3", num_splits=0, **kv)
+        paged_decode(q, PagedKV("fp8_e4m3", **kv), table, seq, opts=DecodeOptions(num_splits=0))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4"])
@@ -147,15 +148,15 @@ def test_prefill_tma_eligibility():
     sl = torch.tensor([12], dtype=torch.int32)
     k = torch.randn(4, 2, 32)
     with pytest.raises(ValueError, match="tma=True"):
-        paged_prefill(torch.randn(4, 4, 32), k, k, cu, 4, page_table=table, seq_lens=sl, kv_format="nvfp4", tma=True,
-                      **kv)
+        paged_prefill(torch.randn(4, 4, 32), k, k, cu, 4, PagedKV("nvfp4", **kv), table, sl,
+                      opts=PrefillOptions(tma=True))
     kv, table = C._attn_inputs("bf16", [12], 2, 32, 8, "cpu", gen)
     with pytest.raises(ValueError, match=r"not met by q\)"):  # the message names the tensor that cannot be read
-        paged_prefill(torch.randn(4, 8, 32)[:, ::2], k, k, cu, 4, page_table=table, seq_lens=sl, kv_format="bf16",
-                      tma=True, **kv)
+        paged_prefill(torch.randn(4, 8, 32)[:, ::2], k, k, cu, 4, PagedKV("bf16", **kv), table, sl,
+                      opts=PrefillOptions(tma=True))
     with pytest.raises(ValueError, match="at most 256 rows"):
-        paged_prefill(torch.randn(4, 4, 32), k, k, cu, 4, page_table=table, seq_lens=sl, kv_format="bf16", tma=True,
-                      block_m=512, **kv)
+        paged_prefill(torch.randn(4, 4, 32), k, k, cu, 4, PagedKV("bf16", **kv), table, sl,
+                      opts=PrefillOptions(tma=True, block_m=512))
 
 
 def test_checker_fails_on_nan_and_wrong_values():
@@ -173,12 +174,12 @@ def test_decode_detects_a_wrong_scale():
     kv, table = C._attn_inputs("fp8_e4m3", [20, 9], 2, 32, 8, "cpu", gen)
     q = torch.randn(2, 4, 32, generator=gen)
     seq = torch.tensor([20, 9], dtype=torch.int32)
-    out = paged_decode(q, page_table=table, seq_lens=seq, kv_format="fp8_e4m3", block_n=16, **kv)
+    out = paged_decode(q, PagedKV("fp8_e4m3", **kv), table, seq, opts=DecodeOptions(block_n=16))
     kv2 = dict(kv, v_scale=kv["v_scale"] * 1.1)
     from kvbench.kernels.reference import decode_reference
 
-    assert C.rel_err(out, decode_reference(q, page_table=table, seq_lens=seq, kv_format="fp8_e4m3", **kv)) < 1e-3
-    assert C.rel_err(out, decode_reference(q, page_table=table, seq_lens=seq, kv_format="fp8_e4m3", **kv2)) > 5e-2
+    assert C.rel_err(out, decode_reference(q, PagedKV("fp8_e4m3", **kv), table, seq)) < 1e-3
+    assert C.rel_err(out, decode_reference(q, PagedKV("fp8_e4m3", **kv2), table, seq)) > 5e-2
 
 
 def test_default_num_splits():
@@ -199,21 +200,21 @@ def test_bad_input_is_rejected():
     q = torch.randn(1, 3, 32)
     seq = torch.tensor([5], dtype=torch.int32)
     with pytest.raises(ValueError, match="multiple"):
-        paged_decode(q, page_table=table, seq_lens=seq, kv_format="bf16", **kv)
+        paged_decode(q, PagedKV("bf16", **kv), table, seq)
     with pytest.raises(ValueError, match="int32"):
-        paged_decode(torch.randn(1, 4, 32), page_table=table.long(), seq_lens=seq, kv_format="bf16", **kv)
+        paged_decode(torch.randn(1, 4, 32), PagedKV("bf16", **kv), table.long(), seq)
     with pytest.raises(ValueError, match="q_scale"):
-        paged_decode(torch.randn(1, 4, 32).to(torch.float8_e4m3fn), page_table=table, seq_lens=seq, kv_format="bf16", **kv)
+        paged_decode(torch.randn(1, 4, 32).to(torch.float8_e4m3fn), PagedKV("bf16", **kv), table, seq)
     with pytest.raises(ValueError, match="int32"):
         cu = torch.tensor([0, 5])
         paged_prefill(torch.randn(5, 4, 32), torch.randn(5, 2, 32), torch.randn(5, 2, 32), cu, 5,
-                      page_table=table, seq_lens=seq, kv_format="bf16", **kv)
+                      PagedKV("bf16", **kv), table, seq)
     with pytest.raises(ValueError, match="sinks"):
-        paged_decode(torch.randn(1, 4, 32), page_table=table, seq_lens=seq, kv_format="bf16", sinks=torch.zeros(3), **kv)
+        paged_decode(torch.randn(1, 4, 32), PagedKV("bf16", **kv), table, seq, attn=AttentionParams(sinks=torch.zeros(3)))
     with pytest.raises(ValueError, match="sm_scale must be positive"):
         cu = torch.tensor([0, 5], dtype=torch.int32)
         paged_prefill(torch.randn(5, 4, 32), torch.randn(5, 2, 32), torch.randn(5, 2, 32), cu, 5,
-                      page_table=table, seq_lens=seq, kv_format="bf16", sm_scale=0.0, **kv)
+                      PagedKV("bf16", **kv), table, seq, attn=AttentionParams(sm_scale=0.0))
 
 
 def test_prefill_launch_defaults_pick_the_prefix_tile(monkeypatch):
@@ -237,14 +238,14 @@ def test_prefill_launch_defaults_pick_the_prefix_tile(monkeypatch):
     cu = torch.tensor([0, 8], dtype=torch.int32)
     sl = torch.tensor([40], dtype=torch.int32)
     for kw in (dict(), dict(max_prefix_len=32), dict(max_prefix_len=0), dict(block_n=32)):
-        paged_prefill(q, k, k, cu, 8, page_table=table, seq_lens=sl, kv_format="bf16", **kw, **kv)
+        paged_prefill(q, k, k, cu, 8, PagedKV("bf16", **kv), table, sl, opts=PrefillOptions(**kw))
     pre, plain = P._GPU_DEFAULTS[128]["prefix"], P._GPU_DEFAULTS[128]["plain"]
     bm, bn, bnp, nw = pre[:4]
     assert seen == [(bm, bn, bnp, nw), (bm, bn, bnp, nw), plain[:2] + plain[1:2] + plain[3:4], (bm, 32, 32, nw)]
     assert bnp > bn
     for bad in (dict(block_n_prefix=48), dict(block_m=8), dict(block_n=0)):
         with pytest.raises(ValueError, match="power of two"):
-            paged_prefill(q, k, k, cu, 8, page_table=table, seq_lens=sl, kv_format="bf16", **bad, **kv)
+            paged_prefill(q, k, k, cu, 8, PagedKV("bf16", **kv), table, sl, opts=PrefillOptions(**bad))
     assert len(seen) == 4
 
 

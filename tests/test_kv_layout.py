@@ -63,6 +63,7 @@ def test_paged_cache_allocates_the_layout():
 
 
 def test_layout_errors_are_clear():
+    from kvbench.kernels.config import PagedKV
     from kvbench.kernels.decode import paged_decode
 
     with pytest.raises(ConfigError, match="layout"):
@@ -76,10 +77,10 @@ def test_layout_errors_are_clear():
     table = torch.zeros(1, 2, dtype=torch.int32)
     lens = torch.tensor([20], dtype=torch.int32)
     with pytest.raises(ValueError, match="same layout"):
-        paged_decode(q, kc, vc, table, lens, kv_format="fp8_e4m3", k_scale=ks, v_scale=vs)
+        paged_decode(q, PagedKV("fp8_e4m3", kc, vc, ks, vs), table, lens)
     odd = kc.transpose(1, 3)  # neither NHD nor HND memory
     with pytest.raises(ValueError, match="NHD"):
-        paged_decode(q, odd, odd, table, lens, kv_format="fp8_e4m3", k_scale=ks, v_scale=vs)
+        paged_decode(q, PagedKV("fp8_e4m3", odd, odd, ks, vs), table, lens)
 
 
 @pytest.mark.slow

@@ -203,9 +203,18 @@ def test_walker_sees_the_whole_repository():
     assert len(files) > 100
     pairs = {(e.source, e.target) for e in edges}
     assert ("kvbench.runtime.engine", "kvbench.runtime.scheduler") in pairs
-    # dynamic imports: the CLI's command modules and the attention registry's entry-point strings
+    # dynamic imports: the CLI's command modules
     assert ("kvbench.harness.cli", "kvbench.harness.commands") in pairs
-    assert ("kvbench.runtime.attention.registry", "kvbench.runtime.attention.torch_backend") in pairs
+
+
+def test_walker_reads_entry_point_strings(tmp_path):
+    """A lazy registry's "kvbench.pkg.mod:attr" string is an edge (a core table naming a runtime class would be
+    an upward edge); the attention backends' implementations are named relative to their package instead
+    (core/backends.py ``BackendSpec.impl``, resolved in runtime/attention/registry.py)."""
+    f = tmp_path / "mod.py"
+    f.write_text('PATHS = {"torch": "kvbench.runtime.attention.torch_backend:TorchBackend"}\n')
+    edges = module_edges(f, "kvbench.core.mod", False, tmp_path)
+    assert [(e.target, e.at_module_level) for e in edges] == [("kvbench.runtime.attention.torch_backend", False)]
 
 
 def test_every_package_folder_is_listed_in_pyproject():

@@ -9,6 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_mla_helpers import FORMATS, fill_cache, make_cache, mla_weights, poison, random_pages, rel_err
+from kvbench.kernels.config import MLADecodeOptions
 from kvbench.kernels.mla import absorb_query, unabsorb_output
 from kvbench.kernels.mla_decode import mla_decode
 from kvbench.kernels.mla_reference import ref_decode
@@ -30,19 +31,21 @@ def _run(kv_dtype, lens, seed, rank=64, rope=32, page=4, num_splits=None, dtype=
     sm = 1.0 / math.sqrt(NOPE + rope)
     q_lat = absorb_query(q_nope, w_uk)
     kw = dict(launch)
+    q_scale = None
     if q_fp8:
         qs = torch.tensor([0.05])
         ql8 = (q_lat / qs).clamp(-448, 448).to(torch.float8_e4m3fn)
         qp8 = (q_pe / qs).clamp(-448, 448).to(torch.float8_e4m3fn)
         # The reference sees exactly the fp8 query the kernel sees (fp8 Q is lossy on purpose).
         q_lat_in, q_pe_in = ql8, qp8
-        kw["q_scale"] = qs
+        q_scale = qs
         q_pe = qp8.float() * qs
         q_lat = ql8.float() * qs
     else:
         q_lat_in, q_pe_in = q_lat.to(dtype), q_pe.to(dtype)
     out = poison(torch.empty(b, H, rank, dtype=torch.bfloat16 if q_fp8 else dtype))
-    o_lat = mla_decode(q_lat_in, q_pe_in, cache, pt, seq_lens, sm, num_splits=num_splits, block_n=block_n, out=out, **kw)
+    o_lat = mla_decode(q_lat_in, q_pe_in, cache, pt, seq_lens, sm, q_scale=q_scale, out=out,
+                       opts=MLADecodeOptions(num_splits=num_splits, block_n=block_n, **kw))
     assert o_lat.data_ptr() == out.data_ptr()
     got = unabsorb_output(o_lat.double(), w_uv.double())
     # Non-absorbed reference on the query the kernel received, expressed back in nope space is not
@@ -153,22 +156,22 @@ def test_wgmma_kernel_applicability_and_refusals():
     sl = torch.tensor([5, 64], dtype=torch.int32)
     qs = torch.ones(1)
     with pytest.raises(ValueError, match="wgmma: needs an sm_90"):
-        mla_decode(qb, qpb, c, pt, sl, 0.1, wgmma=True)
+        mla_decode(qb, qpb, c, pt, sl, 0.1, opts=MLADecodeOptions(wgmma=True))
     with pytest.raises(ValueError, match="fp8_pv needs e4m3 queries"):
-        mla_decode(qb, qpb, c, pt, sl, 0.1, fp8_pv=True)
+        mla_decode(qb, qpb, c, pt, sl, 0.1, opts=MLADecodeOptions(fp8_pv=True))
     with pytest.raises(ValueError, match="fp8_pv needs e4m3 queries"):
-        mla_decode(q8, qp8, c, pt, sl, 0.1, q_scale=qs, fp8_pv=True)
+        mla_decode(q8, qp8, c, pt, sl, 0.1, q_scale=qs, opts=MLADecodeOptions(fp8_pv=True))
     with pytest.raises(ValueError, match="fp8_pv runs the wgmma kernel"):
-        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, fp8_pv=True, wgmma=False)
+        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, opts=MLADecodeOptions(fp8_pv=True, wgmma=False))
     with pytest.raises(ValueError, match="fp8_pv runs the wgmma kernel"):
-        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, fp8_pv=True, fp8_scores=False)
+        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, opts=MLADecodeOptions(fp8_pv=True, fp8_scores=False))
     with pytest.raises(ValueError, match="fp8_pv: needs an sm_90"):
-        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, fp8_pv=True)
+        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, opts=MLADecodeOptions(fp8_pv=True))
     # the Triton kernel's tile options select it: asking for the Hopper kernel with one of them is an error
     with pytest.raises(ValueError, match="takes none of the Triton kernel's options: block_n, num_stages"):
-        mla_decode(qb, qpb, c, pt, sl, 0.1, wgmma=True, block_n=32, num_stages=2)
+        mla_decode(qb, qpb, c, pt, sl, 0.1, opts=MLADecodeOptions(wgmma=True, block_n=32, num_stages=2))
     with pytest.raises(ValueError, match="fp8_pv runs the Hopper kernel, which takes none .*: units16"):
-        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, fp8_pv=True, units16=False)
+        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, opts=MLADecodeOptions(fp8_pv=True, units16=False))
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
@@ -336,7 +339,7 @@ def test_decode_pipeline_depth_defaults(monkeypatch):
         pt = torch.arange(4, dtype=torch.int32)[None]
         q = torch.zeros(1, heads, 512, dtype=q_dtype), torch.zeros(1, heads, 64, dtype=q_dtype)
         qs = torch.ones(1) if q_dtype == torch.float8_e4m3fn else None
-        D.mla_decode(*q, cache, pt, torch.tensor([40], dtype=torch.int32), 0.1, q_scale=qs, **kw)
+        D.mla_decode(*q, cache, pt, torch.tensor([40], dtype=torch.int32), 0.1, q_scale=qs, opts=MLADecodeOptions(**kw))
         return seen[0]
 
     k = launch("fp8_e4m3", 16)
@@ -381,10 +384,10 @@ def test_sweep_stages_plumbing_on_cpu(monkeypatch):
     assert all(r["diff"] < 1e-6 and r["graph_us"] == 2.0 for r in rows), rows
     real = M.mla_decode
 
-    def refuse_three(*a, num_stages=None, **k):
-        if num_stages == 3:
+    def refuse_three(*a, opts=MLADecodeOptions(), **k):
+        if opts.num_stages == 3:
             raise RuntimeError("out of resource: shared memory")
-        return real(*a, num_stages=num_stages, **k)
+        return real(*a, opts=opts, **k)
 
     monkeypatch.setattr(M, "mla_decode", refuse_three)
     rows = M.sweep_stages(torch.device("cpu"), torch.Generator().manual_seed(0), heads=(16,), stages=(3,), batch=1, ctx=32)

@@ -9,6 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_mla_helpers import FORMATS, fill_cache, make_cache, mla_weights, poison, random_pages, rel_err  # noqa: E402
+from kvbench.kernels.config import MLAPrefillOptions  # noqa: E402
 from kvbench.kernels.mla import absorb_query, unabsorb_output  # noqa: E402
 from kvbench.kernels.mla_prefill import mla_prefill  # noqa: E402
 from kvbench.kernels.mla_reference import quantize_absorbed_query, ref_prefill  # noqa: E402
@@ -33,18 +34,19 @@ def _run(kv_dtype, prefix, new, seed, rank=64, rope=32, page=4, dtype=torch.floa
     c_new = torch.randn(t, rank, generator=gen) * 2
     k_new = torch.randn(t, rope, generator=gen) * 2
     sm = 1.0 / math.sqrt(NOPE + rope)
+    opts = MLAPrefillOptions(block_m=block_m, heads_per_block=heads_per_block, block_n=block_n, **launch)
     if q_fp8:  # e4m3 absorbed query; the reference runs in latent space on the same (dequantized) query
         ql8, qp8, qs = quantize_absorbed_query(absorb_query(q_nope, w_uk), q_pe)
         out = poison(torch.empty(t, H, rank, dtype=torch.bfloat16))
         o_lat = mla_prefill(ql8, qp8, c_new.to(dtype), k_new.to(dtype), cache, pt, seq_lens, cu, sm, q_scale=qs,
-                            block_m=block_m, heads_per_block=heads_per_block, block_n=block_n, out=out, **launch)
+                            out=out, opts=opts)
         eye = torch.eye(rank)[None].expand(H, rank, rank)
         ref = ref_prefill(ql8.double() * qs.double(), qp8.double() * qs.double(), c_new.to(dtype), k_new.to(dtype), cache,
                           pt, seq_lens, cu, eye, eye, sm)
         return rel_err(o_lat, ref)
     out = poison(torch.empty(t, H, rank, dtype=dtype))
     o_lat = mla_prefill(absorb_query(q_nope, w_uk).to(dtype), q_pe.to(dtype), c_new.to(dtype), k_new.to(dtype), cache, pt,
-                        seq_lens, cu, sm, block_m=block_m, heads_per_block=heads_per_block, block_n=block_n, out=out, **launch)
+                        seq_lens, cu, sm, out=out, opts=opts)
     got = unabsorb_output(o_lat.double(), w_uv.double())
     ref = ref_prefill(q_nope, q_pe, c_new.to(dtype), k_new.to(dtype), cache, pt, seq_lens, cu, w_uk, w_uv, sm)
     return rel_err(got, ref)

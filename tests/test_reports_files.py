@@ -14,7 +14,8 @@ from kvbench.harness.cli import app
 from kvbench.core.store import RunStore
 from kvbench.reports import stats
 from kvbench.reports.compare import compare_analysis, load_runs, report_analysis
-from kvbench.reports.load import item_scores, load_run
+from kvbench.reports.load import load_run
+from kvbench.reports.item_records import item_scores
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reports_load import make_run  # noqa: E402

@@ -15,7 +15,8 @@ import pytest
 
 from kvbench.core.store import RunStore
 from kvbench.core.io import canonical_key
-from kvbench.reports.load import RunLoadError, accuracy_suites, item_scores, load_run, select, suite_metrics
+from kvbench.reports.load import RunLoadError, load_run, select
+from kvbench.reports.item_records import accuracy_suites, item_scores, suite_metrics
 
 DEFAULT_DROPS = {"bf16": 0.0, "fp8_e4m3": 0.02, "nvfp4": 0.35}
 BYTES_PER_ELEMENT = {"bf16": 2.0, "fp16": 2.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "nvfp4": 0.5625}

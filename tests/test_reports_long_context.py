@@ -20,7 +20,8 @@ from kvbench.core.store import RunStore
 from kvbench.core.io import canonical_key
 from kvbench.reports import stats
 from kvbench.reports.compare import report_analysis
-from kvbench.reports.load import accuracy_suites, item_scores, load_run, suite_metrics
+from kvbench.reports.load import load_run
+from kvbench.reports.item_records import accuracy_suites, item_scores, suite_metrics
 from kvbench.reports.long_context import auc, auc_estimate, auc_weights, heatmap, paired_auc
 from kvbench.reports.long_context_tables import NA_BASELINE_ZERO, recovery_table
 from kvbench.suites.fidelity_metrics import bucket_edges, by_position_sums, pooled_by_position

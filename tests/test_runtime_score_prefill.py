@@ -32,6 +32,7 @@ from kvbench.runtime.engine import Engine
 from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.models import runner as runner_mod
 from kvbench.runtime.models.loader import load_model
+from kvbench.runtime.scoring import TokenScoreRequest
 
 FORMATS = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
 LLAMA = "synthetic:llama-3-8b,layers=2,hidden=128,heads=4,kv_heads=2,head_dim=32,vocab=300,intermediate_size=256"
@@ -215,8 +216,8 @@ def test_scoring_shares_steps_with_generation(models):
         gen_p, gen2_p = list(range(60, 70)), [7, 8, 9]
         greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         rid_g = e.add_request(gen_p, greedy, request_id="gen")
-        rid_s = e.add_request(CTX, SamplingParams(max_tokens=len(CONT), temperature=0.0, ignore_eos=True, logprobs=5),
-                              request_id="score", _forced=CONT, _full_rows=True, _score_prefill=True)
+        rid_s = e.add_score_request(TokenScoreRequest(CTX, CONT, top_k=5, full_distribution=True, mode="prefill"),
+                                    request_id="score")
         rid_g2 = e.add_request(gen2_p, greedy, request_id="gen2")
         seqs = {r: e._seqs_snapshot(r) for r in (rid_g, rid_s, rid_g2)}
         while e.scheduler.has_work() or e._inbox:
@@ -232,7 +233,7 @@ def test_scoring_shares_steps_with_generation(models):
         assert [seqs[rid_g].output_ids, seqs[rid_g2].output_ids] == [o.token_ids for o in solo_g]
         solo = e.score(CTX, CONT, top_k=5, full_distribution=True)
         assert s.state["greedy"] == solo.greedy and s.state["top_ids"] == solo.top_ids
-        full = s.state["full_rows"]  # one [T, V] tensor, filled row by row
+        full = s.scoring.full_rows  # one [T, V] tensor, filled row by row
         assert _kl_max(solo.full_logprobs, full) < 2e-5
         out = e.out.request_output(s, type("D", (), {"finish_reason": "length"})())
         assert out.prompt_token_ids == CTX and out.token_ids == CONT and len(out.logprobs) == len(CONT)

@@ -64,6 +64,7 @@ def append_rows(res: BenchResults, t: int, *, hq=32, hk=8, d=128, page=16, layou
 
     from kvbench.core.formats import get_spec
     from kvbench.kernels.append import fused_rope_quant_append, quantize_store, unfused_rope_quant_append
+    from kvbench.kernels.config import PagedKV
     from kvbench.kernels.reference import build_cos_sin_cache
     from kvbench.tools.kernel_check import make_cache
 
@@ -77,15 +78,15 @@ def append_rows(res: BenchResults, t: int, *, hq=32, hk=8, d=128, page=16, layou
     slots = torch.randperm(npg * page, device="cuda")[:t]
     kcb, _, _, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen, layout)
     vcb, _, _, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen, layout)
-    plain = bench_us(lambda: quantize_store(k, v, slots, kcb, vcb, kv_format="bf16"), graph=True)
+    plain_kv = PagedKV("bf16", kcb, vcb)
+    plain = bench_us(lambda: quantize_store(k, v, slots, plain_kv), graph=True)
     yield Row(f"append plain bf16 store T={t} {layout}", plain)
     for fmt in formats or bench_formats():
         kc, kbs, ks, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen, layout)
         vc, vbs, vs, _ = make_cache(fmt, npg, page, hk, d, "cuda", gen, layout)
-        args = (q, k, v, pos, slots, cs, kc, vc, ks, vs)
-        kw = dict(kv_format=fmt, k_block_scale=kbs, v_block_scale=vbs)
-        tf = bench_us(lambda: fused_rope_quant_append(*args, **kw), graph=True)
-        tu = bench_us(lambda: unfused_rope_quant_append(*args, **kw), graph=True)
+        args = (q, k, v, pos, slots, cs, PagedKV(fmt, kc, vc, ks, vs, kbs, vbs))
+        tf = bench_us(lambda: fused_rope_quant_append(*args), graph=True)
+        tu = bench_us(lambda: unfused_rope_quant_append(*args), graph=True)
         res.app[(t, fmt)] = (tf, tu, plain)
         bf, bu = append_bytes(t, hq, hk, d, get_spec(fmt).bytes_per_element * d)  # block scales included
         yield Row(f"append fused {fmt} T={t} {layout}", tf, note=f"unfused {tu:.1f} us -> {tf / tu:.2f}x; "

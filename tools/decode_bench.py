@@ -72,15 +72,18 @@ def decode_rows(res: BenchResults, fmt: str, *, batch=64, ctx=8192, hq=32, hk=8,
     defaults.  ``main``: a row of the chosen layout (kept for the targets)."""
     import torch
 
+    from kvbench.kernels.config import DecodeOptions, PagedKV
     from kvbench.kernels.decode import paged_decode
 
     gen = torch.Generator().manual_seed(seed)
     q, table, seq, kv, nbytes = decode_case(fmt, batch, ctx, hq, hk, d, page, gen, layout)
+    pkv = PagedKV(fmt, **kv)
     out = torch.empty_like(q)
     timed, failed = [], 0
     for cfg in [dict()] + (TUNE_CONFIGS if tune else []):
+        opts = DecodeOptions(**cfg)
         try:
-            t = bench_us(lambda: paged_decode(q, page_table=table, seq_lens=seq, kv_format=fmt, out=out, **kv, **cfg))
+            t = bench_us(lambda: paged_decode(q, pkv, table, seq, out=out, opts=opts))
             timed.append((t, cfg))
         except Exception:  # noqa: BLE001 - a config that does not compile (registers, shared memory) is skipped
             failed += 1
@@ -92,9 +95,9 @@ def decode_rows(res: BenchResults, fmt: str, *, batch=64, ctx=8192, hq=32, hk=8,
     t, cfg = min(timed, key=lambda x: x[0])
     # the same launch from a CUDA graph: the kernels' time without the host's launch work, which an eager
     # timing includes wherever the host takes longer per call than the GPU (small or split launches)
-    tg = bench_us(lambda: paged_decode(q, page_table=table, seq_lens=seq, kv_format=fmt, out=out, **kv, **cfg),
-                  graph=True)
-    del kv
+    opts = DecodeOptions(**cfg)
+    tg = bench_us(lambda: paged_decode(q, pkv, table, seq, out=out, opts=opts), graph=True)
+    del kv, pkv
     torch.cuda.empty_cache()
     gb = nbytes / (t * 1e-6) / 1e9
     pct_g = 100 * nbytes / (tg * 1e-6) / 1e9 / res.copy
@@ -236,17 +239,20 @@ def sweep_decode(copy_gbps, formats=None, batch=64, ctx=8192, hq=32, hk=8, d=128
     rows (fastest first per format).  Used to choose ``decode._DEFAULTS``."""
     import torch
 
+    from kvbench.kernels.config import DecodeOptions, PagedKV
     from kvbench.kernels.decode import paged_decode
 
     gen = torch.Generator().manual_seed(0)
     rows = []
     for fmt in formats or bench_formats():
         q, table, seq, kv, nbytes = decode_case(fmt, batch, ctx, hq, hk, d, page, gen, layout)
+        pkv = PagedKV(fmt, **kv)
         out = torch.empty_like(q)
         timed = []
         for cfg in [dict()] + _sweep_configs(fmt):
             try:
-                t = bench_us(lambda: paged_decode(q, page_table=table, seq_lens=seq, kv_format=fmt, out=out, **kv, **cfg))
+                opts = DecodeOptions(**cfg)
+                t = bench_us(lambda: paged_decode(q, pkv, table, seq, out=out, opts=opts))
             except Exception as e:  # noqa: BLE001 - a config that does not compile is reported and skipped
                 print(f"  sweep {fmt} {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
                 continue
@@ -254,6 +260,6 @@ def sweep_decode(copy_gbps, formats=None, batch=64, ctx=8192, hq=32, hk=8, d=128
             timed.append(Row(f"sweep {fmt}", t, gb, 100 * gb / copy_gbps, note=str(cfg or "defaults")))
             print(timed[-1].line(), flush=True)
         rows += sorted(timed, key=lambda r: r.us)
-        del kv
+        del kv, pkv
         torch.cuda.empty_cache()
     return rows

@@ -19,10 +19,8 @@ line on stderr (``streaming.py``); ``--out`` is rewritten after every row.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -30,185 +28,17 @@ import torch
 from kvbench.core.client import SamplingParams
 from kvbench.core.formats import format_names
 from kvbench.runtime.config import EngineConfig
-from kvbench.runtime.scheduler import ScheduledBatch, Sequence
 from kvbench.tools.common import bench_formats
+from kvbench.tools.engine_measure import (  # noqa: F401 - re-exported: the measurements are this tool's API
+    copy_bandwidth,
+    decode_step,
+    decode_step_times,
+    kernel_breakdown,
+    peak_concurrency,
+    step_anatomy,
+    weight_bytes_read_per_step,
+)
 from kvbench.tools.streaming import Step, stream_rows
-
-
-def _sync(dev):
-    if torch.device(dev).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str, gib: float = 2.0) -> float:
-    n = int(gib * 2**30) // 4
-    a = torch.empty(n, dtype=torch.float32, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    _sync(device)
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        b.copy_(a)
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    del a, b
-    return 2 * n * 4 / statistics.median(times)
-
-
-def decode_step(engine, batch: int, ctx: int, iters: int = 20) -> float:
-    """Median seconds of one decode step of ``batch`` sequences with ``ctx`` tokens in the cache."""
-    return decode_step_times(engine, batch, ctx, iters)["step_s"]
-
-
-def decode_step_times(engine, batch: int, ctx: int, iters: int = 20) -> dict:
-    """``{"step_s", "host_s"}``: median seconds of one decode step of ``batch`` sequences with ``ctx`` tokens
-    in the cache (call to synchronised end), and of its host part (call until the step's work is queued;
-    the device idles for it, since every step here starts after the previous one ended)."""
-    with _decode_batch(engine, batch, ctx) as b:
-        for _ in range(3):
-            engine.runner.run(b)
-        _sync(engine.device)
-        times, host = [], []
-        for _ in range(iters):
-            t = time.perf_counter()
-            engine.runner.run(b)
-            host.append(time.perf_counter() - t)
-            _sync(engine.device)
-            times.append(time.perf_counter() - t)
-        return {"step_s": statistics.median(times), "host_s": statistics.median(host)}
-
-
-@contextlib.contextmanager
-def _decode_batch(engine, batch: int, ctx: int):
-    """A decode batch of ``batch`` sequences with ``ctx - 1`` tokens cached (their pages freed afterwards)."""
-    cache = engine.cache
-    seqs = []
-    for i in range(batch):
-        s = Sequence(f"bench{i}", [1] * (ctx - 1), SamplingParams(max_tokens=2))
-        s.output_ids = [1]
-        s.pages = cache.allocator.allocate(-(-ctx // cache.page_size))
-        s.num_cached = ctx - 1
-        s.status = "running"
-        seqs.append(s)
-    try:
-        yield ScheduledBatch("decode", seqs, [1] * batch)
-    finally:
-        for s in seqs:
-            cache.allocator.free(s.pages)
-
-
-def step_anatomy(engine, batch: int, ctx: int, iters: int = 20) -> dict:
-    """Where a graphed decode step's wall time goes (CUDA only), medians in ms over ``iters`` steps:
-    host parts (``inputs_ms``: StepInputs, ``stage_ms``: the staging-buffer writes, ``run_ms``: the whole
-    ``DecodeGraphs.run`` call (the staging again, the replay's launch, whose graph copies the inputs), ``replay_call_ms``: the replay's
-    launch alone, ``logits_call_ms``); device parts timed back to back with the device never idle
-    (``graph_gpu_ms``: one replay, ``logits_gpu_ms``); ``step_ms`` as ``decode_step_times`` times it, and
-    ``idle_ms`` = step − graph − logits, the time the device waits on the host or sits between them."""
-    from kvbench.runtime.models.runner import StepInputs
-
-    r = engine.runner
-    g = r.graphs
-    if g is None:
-        return {"error": "no CUDA graphs for this engine"}
-    cache = engine.cache
-    med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
-    with _decode_batch(engine, batch, ctx) as b:
-        for _ in range(3):
-            r.run(b)
-        torch.cuda.synchronize()
-        parts: dict = {k: [] for k in ("inputs", "stage", "run", "replay_call", "logits_call", "step")}
-        for _ in range(iters):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            inp = StepInputs(b, cache.page_size, cache.scratch_page)
-            t1 = time.perf_counter()
-            g.stage(inp)  # idempotent: run() writes the same rows again
-            t2 = time.perf_counter()
-            hidden = g.run(inp)
-            t3 = time.perf_counter()
-            r.model.logits(hidden)
-            t4 = time.perf_counter()
-            torch.cuda.synchronize()
-            parts["inputs"].append(t1 - t0)
-            parts["stage"].append(t2 - t1)
-            parts["run"].append(t3 - t2)
-            parts["logits_call"].append(t4 - t3)
-            t = time.perf_counter()
-            r.run(b)
-            torch.cuda.synchronize()
-            parts["step"].append(time.perf_counter() - t)
-        bs = g._bucket(batch)
-        graph = g.graphs[bs]
-        for _ in range(iters):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            graph.replay()
-            parts["replay_call"].append(time.perf_counter() - t)
-        torch.cuda.synchronize()
-        out = {k + "_ms": med(v) for k, v in parts.items()}
-        hidden = g.outputs[bs][:batch]
-        for name, fn in (("graph_gpu_ms", graph.replay), ("logits_gpu_ms", lambda: r.model.logits(hidden))):
-            fn()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(iters):
-                fn()
-            e1.record()
-            torch.cuda.synchronize()
-            out[name] = e0.elapsed_time(e1) / iters
-        out["idle_ms"] = out["step_ms"] - out["graph_gpu_ms"] - out["logits_gpu_ms"]
-        return out
-
-
-def kernel_breakdown(engine, batch: int, ctx: int, steps: int = 3, top: int = 18) -> dict:
-    """GPU kernel time of one decode step by kernel name (torch profiler over ``steps`` steps after the
-    warm-up): ``{"kernel_ms_per_step": total, "kernels": [{"name", "ms_per_step", "launches_per_step"}, …]}``,
-    the ``top`` longest first.  Run it on an eager engine: a CUDA graph shows up as one replay."""
-    from torch.profiler import ProfilerActivity, profile
-
-    decode_step(engine, batch, ctx, iters=2)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decode_step(engine, batch, ctx, iters=steps)
-    runs = 3 + steps  # decode_step's three warm-up steps are inside the profile too
-    agg: dict = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            us = getattr(ev, "device_time_total", None)
-            us = ev.cuda_time_total if us is None else us
-            a = agg.setdefault(ev.name, [0.0, 0])
-            a[0] += us
-            a[1] += 1
-    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])
-    return {"kernel_ms_per_step": sum(v[0] for v in agg.values()) / runs / 1e3,
-            "kernels": [{"name": k[:120], "ms_per_step": v[0] / runs / 1e3, "launches_per_step": v[1] // runs}
-                        for k, v in rows[:top]]}
-
-
-def weight_bytes_read_per_step(model) -> int:
-    """All parameters except the embedding table (decode reads only its rows); a tied table is read
-    once as the LM head."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.config.tie_word_embeddings:
-        e = model.model.embed_tokens.weight
-        total -= e.numel() * e.element_size()
-    return total
-
-
-def peak_concurrency(engine, n_requests: int, prompt_len: int, gen_len: int) -> dict:
-    """Serve ``n_requests`` at once (stepping the engine in this thread); the largest running count."""
-    vocab = min(engine.parts.loaded.config.vocab_size, 200)
-    p = SamplingParams(max_tokens=gen_len, ignore_eos=True)
-    for i in range(n_requests):
-        engine.add_request([(i * 7 + j) % vocab for j in range(prompt_len)], p)
-    peak = 0
-    steps = 0
-    while engine.scheduler.has_work() or engine._inbox:
-        engine.step()
-        steps += 1
-        peak = max(peak, len(engine.scheduler.running))
-    return {"peak_running": peak, "preemptions": engine.scheduler.num_preemptions, "steps": steps}
 
 
 def generate_check(loaded, fmt: str, pre: str, dec: str, prompts, n_tok: int, device: str, budget_gb: float) -> dict:
@@ -285,7 +115,7 @@ PROMPTS = [
 ]
 
 
-def main(argv=None) -> None:
+def _parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m kvbench.tools.engine_perf")
     ap.add_argument("--out", default="perf.json")
     ap.add_argument("--model", default="synthetic:llama-3-8b")
@@ -296,64 +126,72 @@ def main(argv=None) -> None:
     ap.add_argument("--capacity-budget-gb", type=float, default=2.0)
     ap.add_argument("--formats", default="", help="comma list of KV formats for the decode and profile rows (default: one per element width)")
     ap.add_argument("--skip", default="", help="comma list of: bandwidth,decode,anatomy (of the graphed steps),profile,capacity,matrix,default,concurrent")
-    args = ap.parse_args(argv)
-    skip = set(filter(None, args.skip.split(",")))
-    formats = tuple(filter(None, args.formats.split(","))) or bench_formats()
+    return ap.parse_args(argv)
 
-    res: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                 "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "model": args.model}
 
-    def save():
-        tmp = args.out + ".tmp"
+class _Sections:
+    """The measurements of one run: each records its row in ``res`` and returns ``(section, row)`` (``matrix``
+    yields them); ``save`` rewrites ``--out``."""
+
+    def __init__(self, args, skip: set) -> None:
+        self.args, self.skip = args, skip
+        self.res: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                          "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "model": args.model}
+        self.pairs: list = []
+
+    def save(self) -> None:
+        tmp = self.args.out + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(res, f, indent=1)
-        os.replace(tmp, args.out)
+            json.dump(self.res, f, indent=1)
+        os.replace(tmp, self.args.out)
 
-    def bandwidth():
-        res["copy_bandwidth_GBs"] = copy_bandwidth(args.device) / 1e9
-        return ("bandwidth", {"copy_bandwidth_GBs": res["copy_bandwidth_GBs"]})
+    def _decode_cfg(self, fmt: str, eager: bool) -> EngineConfig:
+        a = self.args
+        return EngineConfig(model=a.model, kv_dtype=fmt, prefill_backend="torch", decode_backend=a.decode_backend,
+                            device=a.device, max_running=a.batch, max_model_len=a.ctx + 16,
+                            kv_budget_gb=a.batch * (a.ctx + 16) * 1.05 * _bpt(a.model, fmt) / 2**30,
+                            enforce_eager=eager)
 
-    def decode(fmt, eager):
-        cfg = EngineConfig(model=args.model, kv_dtype=fmt, prefill_backend="torch", decode_backend=args.decode_backend,
-                           device=args.device, max_running=args.batch, max_model_len=args.ctx + 16,
-                           kv_budget_gb=args.batch * (args.ctx + 16) * 1.05 * _bpt(args.model, fmt) / 2**30,
-                           enforce_eager=eager)
+    def bandwidth(self):
+        self.res["copy_bandwidth_GBs"] = copy_bandwidth(self.args.device) / 1e9
+        return ("bandwidth", {"copy_bandwidth_GBs": self.res["copy_bandwidth_GBs"]})
 
-        def step_row(e) -> dict:
-            tt = decode_step_times(e, args.batch, args.ctx)
-            t = tt["step_s"]
-            wb = weight_bytes_read_per_step(e.runner.model)
-            kvb = args.batch * args.ctx * e.cache.bytes_per_token
-            row = {"kv": fmt, "cuda_graphs": e.runner.graphs is not None, "step_ms": t * 1e3,
-                   "host_ms": tt["host_s"] * 1e3,
-                   "weight_GB": wb / 1e9, "kv_GB": kvb / 1e9, "mla": e.cache.spec.mla}
-            if "copy_bandwidth_GBs" in res:
-                roof = (wb + kvb) / (res["copy_bandwidth_GBs"] * 1e9)
-                row.update(roofline_ms=roof * 1e3, ratio=t / roof)
-            if e.runner.graphs is not None and "anatomy" not in skip:
-                row["anatomy"] = step_anatomy(e, args.batch, args.ctx)
-            return row
+    def _step_row(self, e, fmt: str) -> dict:
+        a = self.args
+        tt = decode_step_times(e, a.batch, a.ctx)
+        t = tt["step_s"]
+        wb = weight_bytes_read_per_step(e.runner.model)
+        kvb = a.batch * a.ctx * e.cache.bytes_per_token
+        row = {"kv": fmt, "cuda_graphs": e.runner.graphs is not None, "step_ms": t * 1e3,
+               "host_ms": tt["host_s"] * 1e3,
+               "weight_GB": wb / 1e9, "kv_GB": kvb / 1e9, "mla": e.cache.spec.mla}
+        if "copy_bandwidth_GBs" in self.res:
+            roof = (wb + kvb) / (self.res["copy_bandwidth_GBs"] * 1e9)
+            row.update(roofline_ms=roof * 1e3, ratio=t / roof)
+        if e.runner.graphs is not None and "anatomy" not in self.skip:
+            row["anatomy"] = step_anatomy(e, a.batch, a.ctx)
+        return row
 
+    def decode(self, fmt, eager):
+        cfg = self._decode_cfg(fmt, eager)
         try:
-            row = _with_engine(cfg, step_row)
+            row = _with_engine(cfg, lambda e: self._step_row(e, fmt))
         except Exception as ex:
             row = {"kv": fmt, "eager": eager, "error": f"{type(ex).__name__}: {ex}"[:300]}
-        res.setdefault("decode", []).append(row)
+        self.res.setdefault("decode", []).append(row)
         return ("decode", row)
 
-    def profile_step(fmt):
+    def profile_step(self, fmt):
         """Where an eager decode step's GPU time goes, by kernel (torch profiler)."""
-        cfg = EngineConfig(model=args.model, kv_dtype=fmt, prefill_backend="torch", decode_backend=args.decode_backend,
-                           device=args.device, max_running=args.batch, max_model_len=args.ctx + 16,
-                           kv_budget_gb=args.batch * (args.ctx + 16) * 1.05 * _bpt(args.model, fmt) / 2**30,
-                           enforce_eager=True)
-        row = {"kv": fmt, **_with_engine(cfg, lambda e: kernel_breakdown(e, args.batch, args.ctx))}
-        res.setdefault("profile", []).append(row)
+        cfg = self._decode_cfg(fmt, True)
+        row = {"kv": fmt, **_with_engine(cfg, lambda e: kernel_breakdown(e, self.args.batch, self.args.ctx))}
+        self.res.setdefault("profile", []).append(row)
         return ("profile", row)
 
-    def capacity(fmt):
-        cfg = EngineConfig(model=args.model, kv_dtype=fmt, device=args.device, prefill_backend="torch",
-                           decode_backend=args.decode_backend, kv_budget_gb=args.capacity_budget_gb, max_running=256,
+    def capacity(self, fmt):
+        a = self.args
+        cfg = EngineConfig(model=a.model, kv_dtype=fmt, device=a.device, prefill_backend="torch",
+                           decode_backend=a.decode_backend, kv_budget_gb=a.capacity_budget_gb, max_running=256,
                            max_model_len=2048, enforce_eager=True)
 
         def capacity_row(e) -> dict:
@@ -362,22 +200,25 @@ def main(argv=None) -> None:
                 r = peak_concurrency(e, n_requests=min(4 * plan.max_concurrency + 4, 256), prompt_len=1000, gen_len=24)
             except Exception as ex:
                 r = {"error": f"{type(ex).__name__}: {ex}"[:300]}
-            return {"kv": fmt, "budget_GiB": args.capacity_budget_gb, "bytes_per_token": e.cache.bytes_per_token,
+            return {"kv": fmt, "budget_GiB": a.capacity_budget_gb, "bytes_per_token": e.cache.bytes_per_token,
                     "planned_at_1024": plan.max_concurrency, **r}
 
         row = _with_engine(cfg, capacity_row)
-        res.setdefault("capacity", []).append(row)
+        self.res.setdefault("capacity", []).append(row)
         return ("capacity", row)
 
-    def matrix(key, model, budget):
-        for row in iter_format_matrix(model, args.device, PROMPTS, 32, budget, pairs):
-            res.setdefault(key, []).append(row)
+    def matrix(self, key, model, budget):
+        for row in iter_format_matrix(model, self.args.device, PROMPTS, 32, budget, self.pairs):
+            self.res.setdefault(key, []).append(row)
             yield (key, row)
 
-    def concurrent():
-        res["concurrent"] = concurrent_check(args.device)
-        return ("concurrent", res["concurrent"])
+    def concurrent(self):
+        self.res["concurrent"] = concurrent_check(self.args.device)
+        return ("concurrent", self.res["concurrent"])
 
+
+def _backend_pairs() -> list:
+    """The (prefill, decode) backend pairs of the format matrix; FlashInfer's where it is available."""
     pairs = [("triton", "triton"), ("torch", "triton"), ("triton", "torch")]
     from kvbench.runtime.attention.registry import backend_class
 
@@ -386,27 +227,42 @@ def main(argv=None) -> None:
             pairs += [("flashinfer", "flashinfer"), ("triton", "flashinfer")]
     except Exception as e:
         print("flashinfer not used:", e, flush=True)
+    return pairs
+
+
+def _steps(sec: _Sections, formats, skip: set) -> list:
+    """The run's measurements in order, less the ``--skip`` sections."""
+    args = sec.args
     steps = []
     if "bandwidth" not in skip:
-        steps.append(Step("copy bandwidth", bandwidth))
+        steps.append(Step("copy bandwidth", sec.bandwidth))
     if "decode" not in skip:
         steps += [Step(f"decode step {fmt} B={args.batch} L={args.ctx} {'eager' if eager else 'CUDA graphs'}",
-                       lambda fmt=fmt, eager=eager: decode(fmt, eager))
+                       lambda fmt=fmt, eager=eager: sec.decode(fmt, eager))
                   for fmt in formats for eager in (True, False)]
     if "profile" not in skip and args.device.startswith("cuda"):
-        steps += [Step(f"kernel breakdown {fmt} B={args.batch} L={args.ctx} eager", lambda fmt=fmt: profile_step(fmt))
+        steps += [Step(f"kernel breakdown {fmt} B={args.batch} L={args.ctx} eager", lambda fmt=fmt: sec.profile_step(fmt))
                   for fmt in formats]
     if "capacity" not in skip:
-        steps += [Step(f"capacity {fmt} {args.capacity_budget_gb} GiB", lambda fmt=fmt: capacity(fmt)) for fmt in format_names()]
+        steps += [Step(f"capacity {fmt} {args.capacity_budget_gb} GiB", lambda fmt=fmt: sec.capacity(fmt)) for fmt in format_names()]
     if "matrix" not in skip:
-        steps.append(Step(f"format x backend matrix {args.model}", lambda: matrix("matrix", args.model, 8.0)))
+        steps.append(Step(f"format x backend matrix {args.model}", lambda: sec.matrix("matrix", args.model, 8.0)))
     if "default" not in skip:
-        steps.append(Step("format x backend matrix, default model", lambda: matrix("matrix_default", None, 1.0)))
+        steps.append(Step("format x backend matrix, default model", lambda: sec.matrix("matrix_default", None, 1.0)))
     if "concurrent" not in skip:
-        steps.append(Step("16 concurrent requests, default model", concurrent))
-    for _ in stream_rows(steps, fmt=lambda kr: f"{kr[0]:<14} {json.dumps(kr[1])}",
+        steps.append(Step("16 concurrent requests, default model", sec.concurrent))
+    return steps
+
+
+def main(argv=None) -> None:
+    args = _parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    formats = tuple(filter(None, args.formats.split(","))) or bench_formats()
+    sec = _Sections(args, skip)
+    sec.pairs = _backend_pairs()
+    for _ in stream_rows(_steps(sec, formats, skip), fmt=lambda kr: f"{kr[0]:<14} {json.dumps(kr[1])}",
                          header=f"{'section':<14} row (JSON)"):
-        save()
+        sec.save()
 
 
 def _with_engine(cfg: EngineConfig, fn, loaded=None):

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from kvbench.kernels import reference as R
+from kvbench.kernels.config import AttentionParams, DecodeOptions, PagedKV, PrefillOptions
 from kvbench.kernels.formats import get_format, quantize_e2m1, scale_from_amax, unpack_nibbles
 
 __all__ = ["Case", "rel_err", "fp8_mismatch", "nvfp4_mismatch", "check_append", "check_decode", "check_prefill",
@@ -187,18 +188,17 @@ def check_append(fmt, t, hq, hk, d, page, *, rot=None, style="neox", dtype=torch
     slots = torch.where(torch.rand(t, generator=gen) < 0.1, -1, slots).to(device)
     cs = R.build_cos_sin_cache(4096, rot, device=device)
     qs = (q.float().abs().amax() / 448).reshape(1).to(device) if q_fp8 else None
-    kw = dict(kv_format=fmt, rotary_dim=rot, rope_style=style, q_scale=qs)
+    kw = dict(rotary_dim=rot, rope_style=style, q_scale=qs)
     # The reference runs on the CPU: torch's CUDA kernels divide by a Python scalar as a multiplication
     # by its reciprocal (nvfp4's ``amax / 6``), which is not the correctly rounded division of the spec.
     cpu = [x.cpu() if isinstance(x, torch.Tensor) else x for x in (q, k, v, pos, slots, cs, kc, vc, ks, vs, kbs, vbs, qs)]
-    ref = R.append_reference(*cpu[:10], k_block_scale=cpu[10], v_block_scale=cpu[11], q_scale=cpu[12],
-                             kv_format=fmt, rotary_dim=rot, rope_style=style)
+    ref = R.append_reference(*cpu[:6], PagedKV(fmt, *cpu[6:12]), q_scale=cpu[12], rotary_dim=rot, rope_style=style)
     ref = tuple(x.to(device) if x is not None else None for x in ref)
     kc2, vc2 = kc.clone(), vc.clone()  # clone keeps the strides, so the copies keep the page layout
     kbs2 = kbs.clone() if kbs is not None else None
     vbs2 = vbs.clone() if vbs is not None else None
     fn = fused_rope_quant_append if fused else unfused_rope_quant_append
-    out = fn(q, k, v, pos, slots, cs, kc2, vc2, ks, vs, k_block_scale=kbs2, v_block_scale=vbs2, **kw)
+    out = fn(q, k, v, pos, slots, cs, PagedKV(fmt, kc2, vc2, ks, vs, kbs2, vbs2), **kw)
     bad = plain_mismatch(out.q, ref[0], exact) + plain_mismatch(out.k, ref[1], exact)
     if q_fp8:
         bad += fp8_mismatch(out.q_fp8, ref[2], exact)
@@ -244,10 +244,9 @@ def check_decode(fmt, lens, hq, hk, d, page, *, dtype=torch.bfloat16, window=Non
     sk = (torch.randn(hq, generator=gen) * 2).to(device) if sinks else None
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     out = torch.full((len(lens), hq, d), float("nan"), dtype=dtype, device=device)
-    paged_decode(q, page_table=table, seq_lens=seq_lens, kv_format=fmt, sliding_window=window, sinks=sk,
-                 q_scale=qs, out=out, **kv, **launch)
-    ref = R.decode_reference(q, page_table=table, seq_lens=seq_lens, kv_format=fmt, sliding_window=window,
-                             sinks=sk, q_scale=qs, **kv)
+    attn = AttentionParams(sliding_window=window, sinks=sk, q_scale=qs)
+    paged_decode(q, PagedKV(fmt, **kv), table, seq_lens, attn=attn, out=out, opts=DecodeOptions(**launch))
+    ref = R.decode_reference(q, PagedKV(fmt, **kv), table, seq_lens, attn)
     label = f"{fmt} B={len(lens)} ctx<={max(lens)} {hq}/{hk} D={d} page={page}{_features(window, sinks, q_fp8, layout)}"
     return Case("decode", label, rel_err(out, ref), TOL[dtype])
 
@@ -267,14 +266,14 @@ def _prefill_run(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype, window, sinks
     sk = (torch.randn(hq, generator=gen) * 2).to(device) if sinks else None
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    attn = AttentionParams(sliding_window=window, sinks=sk, q_scale=qs)
     outs = []
     for launch in variants:
         out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
-        paged_prefill(q, k_new, v_new, cu, max(q_lens), page_table=table, seq_lens=seq_lens, kv_format=fmt,
-                      sliding_window=window, sinks=sk, q_scale=qs, out=out, **kv, **launch)
+        paged_prefill(q, k_new, v_new, cu, max(q_lens), PagedKV(fmt, **kv), table, seq_lens, attn=attn, out=out,
+                      opts=PrefillOptions(**launch))
         outs.append(out)
-    ref = R.prefill_reference(q, k_new, v_new, cu.cpu(), page_table=table, seq_lens=seq_lens, kv_format=fmt,
-                              sliding_window=window, sinks=sk, q_scale=qs, **kv)
+    ref = R.prefill_reference(q, k_new, v_new, cu.cpu(), PagedKV(fmt, **kv), table, seq_lens, attn)
     label = f"{fmt} new={q_lens} prefix={prefixes} {hq}/{hk} D={d} page={page}{_features(window, sinks, q_fp8, layout)}"
     return outs, ref, label
 

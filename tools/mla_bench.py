@@ -10,6 +10,7 @@ from typing import Iterator
 import torch
 
 from kvbench.core.formats import is_quantized
+from kvbench.kernels.config import MLADecodeOptions, MLAPrefillOptions
 from kvbench.kernels.mla import LatentCache, LatentLayout, rope_cos_sin_cache
 from kvbench.kernels.mla_append import mla_append, mla_append_unfused
 from kvbench.kernels.mla_decode import mla_decode
@@ -33,6 +34,15 @@ PREFILL_CASES = ((2, 8192, 4), (2, 8192, 16), (2, 8192, 256), (16, 4096, 64), (1
 STAGE_CASES = (("bf16", False), ("fp8_e4m3", False), ("fp8_e4m3", True), ("nvfp4", False))
 
 
+def _decode_fn(ql, qp, cache, pt, sl, kw: dict):
+    """``mla_decode`` as a thunk: ``kw`` holds the query's ``q_scale`` (if any) and launch options
+    (``MLADecodeOptions``), built once here rather than in every timed call."""
+    kw = dict(kw)
+    q_scale = kw.pop("q_scale", None)
+    opts = MLADecodeOptions(**kw)
+    return lambda: mla_decode(ql, qp, cache, pt, sl, SM, q_scale=q_scale, opts=opts)
+
+
 def iter_tune_decode(kv_dtype, dev, gen, batch=64, ctx=8192, heads=H) -> Iterator[dict]:
     """Every launch configuration of ``DECODE_CONFIGS`` (and the defaults, ``{}``) at ``batch`` × ``ctx``: a
     row per configuration, ``error`` where it does not compile."""
@@ -45,7 +55,7 @@ def iter_tune_decode(kv_dtype, dev, gen, batch=64, ctx=8192, heads=H) -> Iterato
     for cfg in configs:
         kw = dict(cfg, max_seq_len=ctx)
         try:
-            us = time_us(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw))
+            us = time_us(_decode_fn(ql, qp, cache, pt, sl, kw))
         except Exception as e:  # out of shared memory / registers for this tile: record and go on
             yield {"format": kv_dtype, "config": kw, "heads": heads, "error": f"{type(e).__name__}: {str(e)[:120]}"}
             continue
@@ -70,8 +80,8 @@ def iter_decode(kv_dtype, cfg, dev, gen, batches, ctxs, heads=H, fp8_query=False
             kw = dict(cfg, max_seq_len=ctx)
             if fp8_query:
                 ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
-            us = time_us(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw), ms=100)
-            g_us = graph_time_us(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw))
+            us = time_us(_decode_fn(ql, qp, cache, pt, sl, kw), ms=100)
+            g_us = graph_time_us(_decode_fn(ql, qp, cache, pt, sl, kw))
             flops = 2 * b * heads * ctx * (2 * RANK + ROPE)
             del cache
             yield {"format": kv_dtype, "heads": heads, "batch": b, "ctx": ctx, "us": us, "graph_us": g_us,
@@ -101,7 +111,8 @@ def iter_prefill(kv_dtype, dev, gen, heads=H, cases=((2, 8192, 256), (1, 0, 2048
         kw = {}
         if fp8_query:
             ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
-        fn = lambda: mla_prefill(ql, qp, cn, kn, cache, pt, sl, cu, SM, max_q_len=new, prefix_workspace=prefix_workspace, **kw)  # noqa: E731
+        opts = MLAPrefillOptions(max_q_len=new, prefix_workspace=prefix_workspace)
+        fn = lambda: mla_prefill(ql, qp, cn, kn, cache, pt, sl, cu, SM, q_scale=kw.get("q_scale"), opts=opts)  # noqa: E731
         us = time_us(fn, ms=100)
         graph = graph_time_us(fn)
         flops = 2 * heads * (2 * RANK + ROPE) * b * (new * prefix + new * (new + 1) // 2)  # visible keys per new token
@@ -125,11 +136,11 @@ def iter_stages(dev, gen, heads=(16, 128), stages=(2, 3, 4, 5, 6), batch=64, ctx
             kw = dict(max_seq_len=ctx)
             if q8:
                 ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
-            ref = mla_decode(ql, qp, cache, pt, sl, SM, **kw).double()
+            ref = _decode_fn(ql, qp, cache, pt, sl, kw)().double()
             for ns in (None,) + tuple(stages):
                 row = {"format": fmt, "query": "e4m3" if q8 else "bf16", "heads": nh, "stages": ns or "default"}
                 try:
-                    fn = lambda: mla_decode(ql, qp, cache, pt, sl, SM, num_stages=ns, **kw)  # noqa: E731
+                    fn = _decode_fn(ql, qp, cache, pt, sl, dict(kw, num_stages=ns))
                     row["diff"] = rel_err(fn(), ref)
                     row["graph_us"] = graph_time_us(fn)
                     row["GBps"] = nbytes / (row["graph_us"] * 1e-6) / 1e9
@@ -205,7 +216,7 @@ def iter_vs_flashinfer(dev, gen, heads=(128,), formats=("bf16", "fp8_e4m3", "nvf
                 if query != "bf16":
                     ql, qp, kw["q_scale"] = quantize_absorbed_query(ql0, qp0)
                 try:
-                    us = time_us(lambda: mla_decode(ql, qp, cache, pt, sl, SM, **kw), ms=100)
+                    us = time_us(_decode_fn(ql, qp, cache, pt, sl, kw), ms=100)
                 except Exception as e:  # noqa: BLE001 - e.g. fp8_pv where its kernel does not apply (not sm_90)
                     yield {"who": "kvbench", "format": fmt, "query": query, "heads": nh, "batch": batch, "ctx": ctx,
                            "error": f"{type(e).__name__}: {' '.join(str(e).split())[:150]}"}
@@ -213,7 +224,7 @@ def iter_vs_flashinfer(dev, gen, heads=(128,), formats=("bf16", "fp8_e4m3", "nvf
                 flops = 2 * batch * nh * ctx * (2 * RANK + ROPE)
                 if fmt == "bf16":
                     ours["bf16"] = us
-                    outs["bf16"] = (cache, pt, ql, qp, sl, mla_decode(ql, qp, cache, pt, sl, SM, **kw))
+                    outs["bf16"] = (cache, pt, ql, qp, sl, _decode_fn(ql, qp, cache, pt, sl, kw)())
                 yield {"who": "kvbench", "format": fmt, "query": query, "heads": nh, "batch": batch, "ctx": ctx,
                        "us": us, "TFLOPs": flops / (us * 1e-6) / 1e12, "GBps": nbytes / (us * 1e-6) / 1e9}
             if fmt != "bf16":

@@ -32,6 +32,7 @@ from kvbench.core.formats import get_spec, is_quantized
 from kvbench.core.io import atomic_write_text
 from kvbench.kernels.mla import LatentCache, LatentLayout, absorb_query, rope_cos_sin_cache, unabsorb_output
 from kvbench.kernels.mla_append import mla_append, mla_append_unfused
+from kvbench.kernels.config import MLADecodeOptions, MLAPrefillOptions
 from kvbench.kernels.mla_decode import mla_decode
 from kvbench.kernels.mla_prefill import mla_prefill
 from kvbench.kernels.mla_reference import (quantize_absorbed_query, ref_append_rows, ref_decode, ref_decode_latent,
@@ -95,7 +96,7 @@ def check_decode(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads=H, page=P
     sl = torch.tensor(lens, dtype=torch.int32, device=dev)
     ql = absorb_query(qn, w_uk).bfloat16()
     out = torch.full((b, heads, RANK), float("nan"), dtype=torch.bfloat16, device=dev)
-    o = mla_decode(ql, qp.bfloat16(), cache, pt, sl, SM, out=out, **launch)
+    o = mla_decode(ql, qp.bfloat16(), cache, pt, sl, SM, out=out, opts=MLADecodeOptions(**launch))
     ref = ref_decode(qn, qp.bfloat16().double(), cache, pt, sl, w_uk, w_uv, SM)
     err = rel_err(unabsorb_output(o.double(), w_uv.double()), ref)
     return {"rel_err": err, "pass": bool(err < 2e-2)}
@@ -112,7 +113,7 @@ def check_decode_fp8_query(kv_dtype, dev, gen, lens=(1, 100, 4097, 32768), heads
                                    torch.randn(b, heads, ROPE, generator=gen).to(dev))
     sl = torch.tensor(lens, dtype=torch.int32, device=dev)
     out = torch.full((b, heads, RANK), float("nan"), dtype=torch.bfloat16, device=dev)
-    o = mla_decode(ql8, qp8, cache, pt, sl, SM, q_scale=qs, out=out, **launch)
+    o = mla_decode(ql8, qp8, cache, pt, sl, SM, q_scale=qs, out=out, opts=MLADecodeOptions(**launch))
     err = rel_err(o, ref_decode_latent(ql8.float() * qs, qp8.float() * qs, cache, pt, sl, SM))
     return {"rel_err": err, "pass": bool(err < 2e-2)}
 
@@ -137,12 +138,13 @@ def check_prefill(kv_dtype, dev, gen, prefix=(0, 1000, 5000, 16), new=(300, 64, 
     out = torch.full((t, H, RANK), float("nan"), dtype=torch.bfloat16, device=dev)
     if fp8_query:
         ql8, qp8, qs = quantize_absorbed_query(absorb_query(qn, w_uk), qp)
-        o = mla_prefill(ql8, qp8, cn, kn, cache, pt, sl, cu, SM, q_scale=qs, out=out, **launch)
+        o = mla_prefill(ql8, qp8, cn, kn, cache, pt, sl, cu, SM, q_scale=qs, out=out, opts=MLAPrefillOptions(**launch))
         eye = torch.eye(RANK, dtype=torch.float64, device=dev)[None].expand(H, RANK, RANK)
         ref = ref_prefill(ql8.double() * qs.double(), qp8.double() * qs.double(), cn, kn, cache, pt, sl, cu, eye, eye, SM)
         err = rel_err(o, ref)
     else:
-        o = mla_prefill(absorb_query(qn, w_uk).bfloat16(), qp, cn, kn, cache, pt, sl, cu, SM, out=out, **launch)
+        o = mla_prefill(absorb_query(qn, w_uk).bfloat16(), qp, cn, kn, cache, pt, sl, cu, SM, out=out,
+                        opts=MLAPrefillOptions(**launch))
         ref = ref_prefill(qn, qp, cn, kn, cache, pt, sl, cu, w_uk, w_uv, SM)
         err = rel_err(unabsorb_output(o.double(), w_uv.double()), ref)
     return {"rel_err": err, "pass": bool(err < 2e-2)}

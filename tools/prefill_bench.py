@@ -117,14 +117,16 @@ class PrefillBench:
     def _causal_row(self, tma: bool) -> Iterator[Row]:
         import torch
 
+        from kvbench.kernels.config import PagedKV, PrefillOptions
         from kvbench.kernels.prefill import paged_prefill
 
         x = self.causal_inputs()
         out = torch.empty_like(x["q"])
         opt = {} if tma else dict(tma=False)
-        t, cfg, dflt = _best(lambda kw: paged_prefill(x["q"], x["kn"], x["vn"], x["cu"], self.seq, x["kc"], x["vc"],
-                                                      x["table"], x["lens"], kv_format="bf16", out=out,
-                                                      max_prefix_len=0, **opt, **kw), "prefill")
+        kv = PagedKV("bf16", x["kc"], x["vc"])
+        t, cfg, dflt = _best(lambda kw: paged_prefill(x["q"], x["kn"], x["vn"], x["cu"], self.seq, kv, x["table"],
+                                                      x["lens"], out=out,
+                                                      opts=PrefillOptions(max_prefix_len=0, **opt, **kw)), "prefill")
         name = f"prefill triton causal {self.seq} {self.hq}/{self.hk} D{self.d} (new tokens only)"
         if tma:
             self.res.pre["triton"] = _tflops(self.flops, t)
@@ -154,14 +156,17 @@ class PrefillBench:
         return f"extend {who} {fmt} prefix B{self.b}x({self.pre}+{self.new}){tag}"
 
     def _extend_row(self, fmt: str, tag: str, fp8_q: bool, opt: dict) -> Iterator[Row]:
+        from kvbench.kernels.config import AttentionParams, PagedKV, PrefillOptions
         from kvbench.kernels.prefill import paged_prefill
 
         x = self.extend_inputs(fmt)
         qq, qs = (x["q8"], x["qsc"]) if fp8_q else (x["qx"], None)
-        kv = dict(k_scale=x["ks"], v_scale=x["vs"], k_block_scale=x["kbs"], v_block_scale=x["vbs"], out=x["qx"].clone())
-        t, cfg, dflt = _best(lambda kw: paged_prefill(qq, x["knx"], x["vnx"], x["cux"], self.new, x["kc"], x["vc"],
-                                                      x["table"], x["lx"], kv_format=fmt, q_scale=qs,
-                                                      max_prefix_len=self.pre, **kv, **kw, **opt), f"extend {fmt}{tag}")
+        kv = PagedKV(fmt, x["kc"], x["vc"], x["ks"], x["vs"], x["kbs"], x["vbs"])
+        attn, out = AttentionParams(q_scale=qs), x["qx"].clone()
+        t, cfg, dflt = _best(lambda kw: paged_prefill(qq, x["knx"], x["vnx"], x["cux"], self.new, kv, x["table"],
+                                                      x["lx"], attn=attn, out=out,
+                                                      opts=PrefillOptions(max_prefix_len=self.pre, **kw, **opt)),
+                             f"extend {fmt}{tag}")
         self.res.pre[f"extend_{fmt}{tag.replace(' ', '_')}"] = t
         yield Row(self._extend_name("triton", fmt, tag), t, tflops=_tflops(self.fl, t), note=_note(len(CONFIGS), cfg, dflt))
 
@@ -290,6 +295,7 @@ def workspace_crossover(formats=("nvfp4", "fp8_e5m2"), new_lens=(16, 64, 128, 25
     comes from.  Each row: the workspace path's µs, the note the in-register µs and their ratio."""
     import torch
 
+    from kvbench.kernels.config import PagedKV, PrefillOptions
     from kvbench.kernels.prefill import paged_prefill
 
     rows = []
@@ -298,12 +304,13 @@ def workspace_crossover(formats=("nvfp4", "fp8_e5m2"), new_lens=(16, 64, 128, 25
             pb = PrefillBench(BenchResults(), seq=prefix + new, new=new, batch=batch, flashinfer=False,
                               layout=layout, formats=[fmt])
             x = pb.extend_inputs(fmt)
-            kv = dict(k_scale=x["ks"], v_scale=x["vs"], k_block_scale=x["kbs"], v_block_scale=x["vbs"],
-                      out=x["qx"].clone())
+            kv = PagedKV(fmt, x["kc"], x["vc"], x["ks"], x["vs"], x["kbs"], x["vbs"])
+            out = x["qx"].clone()
+            opts = {ws: PrefillOptions(max_prefix_len=prefix, prefix_workspace=ws) for ws in (True, False)}
 
-            def run(ws, x=x, kv=kv, new=new, fmt=fmt):
-                return paged_prefill(x["qx"], x["knx"], x["vnx"], x["cux"], new, x["kc"], x["vc"], x["table"],
-                                     x["lx"], kv_format=fmt, max_prefix_len=prefix, prefix_workspace=ws, **kv)
+            def run(ws, x=x, kv=kv, new=new, out=out, opts=opts):
+                return paged_prefill(x["qx"], x["knx"], x["vnx"], x["cux"], new, kv, x["table"], x["lx"], out=out,
+                                     opts=opts[ws])
 
             t_ws, t_reg = _bench(lambda: run(True)), _bench(lambda: run(False))
             row = Row(f"extend {fmt} B{batch}x({prefix}+{new}) prefix workspace", t_ws,

@@ -1,7 +1,7 @@
 """GPU timing probes of the Triton paged-attention kernels at chosen launch settings (docs/kernels.md).
 
 Every subcommand calls public functions only — ``kernels.decode.paged_decode`` and ``kernels.prefill.paged_prefill``
-through their keyword arguments, the appends through ``tools.append_bench.append_rows`` — on the inputs the
+with their launch options (``kernels.config.DecodeOptions`` / ``PrefillOptions``), the appends through ``tools.append_bench.append_rows`` — on the inputs the
 benchmarks build (``tools.decode_bench.decode_case``, ``tools.prefill_bench.PrefillBench``: random caches
 over pages in random order, 32 / 8 heads, head dim 128, page 16 unless a case says otherwise), timed as the
 benchmark times them (``tools.common.bench_us``: median of ``triton.testing.do_bench``), and
@@ -182,15 +182,19 @@ def _cells(ts) -> str:
 def _extend(paged_prefill, x: dict, fmt: str, new: int, pre: int, fp8_q: bool, kw: dict):
     """A call of ``paged_prefill`` over ``PrefillBench.extend_inputs`` (bf16 queries, or e4m3 ones with their
     scale) into one preallocated output, as the benchmark calls it."""
+    from kvbench.kernels.config import AttentionParams, PagedKV, PrefillOptions
+
     qq, qs = (x["q8"], x["qsc"]) if fp8_q else (x["qx"], None)
     out = x["qx"].clone()
-    return lambda: paged_prefill(qq, x["knx"], x["vnx"], x["cux"], new, x["kc"], x["vc"], x["table"], x["lx"],
-                                 kv_format=fmt, k_scale=x["ks"], v_scale=x["vs"], k_block_scale=x["kbs"],
-                                 v_block_scale=x["vbs"], q_scale=qs, max_prefix_len=pre, out=out, **kw)
+    kv = PagedKV(fmt, x["kc"], x["vc"], x["ks"], x["vs"], x["kbs"], x["vbs"])
+    attn, opts = AttentionParams(q_scale=qs), PrefillOptions(max_prefix_len=pre, **kw)
+    return lambda: paged_prefill(qq, x["knx"], x["vnx"], x["cux"], new, kv, x["table"], x["lx"], attn=attn, out=out,
+                                 opts=opts)
 
 
 def cmd_decode(a) -> None:
     torch = _torch()
+    from kvbench.kernels.config import DecodeOptions, PagedKV
     from kvbench.kernels.decode import paged_decode
     from kvbench.tools.decode_bench import decode_case
 
@@ -204,17 +208,19 @@ def cmd_decode(a) -> None:
             gen = torch.Generator().manual_seed(0)
             q, table, seq, kv, _ = decode_case(fmt, batch, a.ctx, 32, 8, 128, 16, gen, layout)
             out = torch.empty_like(q)
+            pkv = PagedKV(fmt, **kv)
             for cfg in (parse_config(c, DECODE_KEYS) for c in cfgs):
-                ts = _rounds(lambda: _us(lambda: paged_decode(q, page_table=table, seq_lens=seq, kv_format=fmt,
-                                                              out=out, **kv, **cfg)), a.rounds)
+                opts = DecodeOptions(**cfg)
+                ts = _rounds(lambda: _us(lambda: paged_decode(q, pkv, table, seq, out=out, opts=opts)), a.rounds)
                 per = f"{ts[0] / batch:.2f}" if isinstance(ts[0], float) else ""
                 print(f"| {fmt} | {layout} | {batch} × {a.ctx} | {label(cfg)} | {_cells(ts)} | {per} |", flush=True)
-            del q, table, seq, kv, out
+            del q, table, seq, kv, pkv, out
             torch.cuda.empty_cache()
 
 
 def cmd_hnd_emulated(a) -> None:
     torch = _torch()
+    from kvbench.kernels.config import PagedKV
     from kvbench.kernels.decode import paged_decode
     from kvbench.kernels.formats import get_format
     from kvbench.tools.kernel_check import as_layout, calibrated_scale, randn_outliers, random_page_table
@@ -241,15 +247,15 @@ def cmd_hnd_emulated(a) -> None:
 
         def product(lay):
             (kc, kbs), (vc, vbs) = planes["k"][lay], planes["v"][lay]
-            return lambda: paged_decode(q, kc, vc, table, seq, kv_format=fmt, k_scale=ks, v_scale=vs,
-                                        k_block_scale=kbs, v_block_scale=vbs)
+            kv = PagedKV(fmt, kc, vc, ks, vs, kbs, vbs)
+            return lambda: paged_decode(q, kv, table, seq)
 
         (kc, kbs), (vc, vbs) = planes["k"]["HND"], planes["v"]["HND"]
         qe, ke, ve, kbe, vbe, te, le = emulated_hnd_args(q, kc, vc, kbs, vbs, table, seq)
+        kve = PagedKV(fmt, ke, ve, ks[:1], vs[:1], kbe, vbe)
 
         def emul():
-            return paged_decode(qe, ke, ve, te, le, kv_format=fmt, k_scale=ks[:1], v_scale=vs[:1],
-                                k_block_scale=kbe, v_block_scale=vbe)
+            return paged_decode(qe, kve, te, le)
 
         ref, got = product("NHD")().double(), emul().reshape(b, 32, d).double()
         diff = float((got - ref).norm() / ref.norm())
@@ -261,6 +267,7 @@ def cmd_hnd_emulated(a) -> None:
 
 def cmd_layouts(a) -> None:
     torch = _torch()
+    from kvbench.kernels.config import PagedKV
     from kvbench.kernels.decode import paged_decode
     from kvbench.kernels.prefill import paged_prefill
     from kvbench.tools.append_bench import append_rows
@@ -275,9 +282,9 @@ def cmd_layouts(a) -> None:
         for lay in ("NHD", "HND"):
             q, table, seq, kv, _ = decode_case(fmt, 64, 8192, 32, 8, 128, 16, torch.Generator().manual_seed(0), lay)
             out = torch.empty_like(q)
-            cells.append(_cells(_rounds(lambda: _us(lambda: paged_decode(
-                q, page_table=table, seq_lens=seq, kv_format=fmt, out=out, **kv)), a.rounds)))
-            del q, table, seq, kv, out
+            pkv = PagedKV(fmt, **kv)
+            cells.append(_cells(_rounds(lambda: _us(lambda: paged_decode(q, pkv, table, seq, out=out)), a.rounds)))
+            del q, table, seq, kv, pkv, out
             torch.cuda.empty_cache()
         print(f"| decode 64 × 8192 | {fmt} | " + " | ".join(cells) + " |", flush=True)
     ext = {lay: PrefillBench(BenchResults(), flashinfer=False, layout=lay, formats=LAYOUT_EXTEND_FORMATS)

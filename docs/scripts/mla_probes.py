@@ -138,6 +138,30 @@ def decode_inputs(kv_dtype: str, batch: int, ctx: int, heads: int, dev, page: in
     return (ql, qp, cache, pt, sl), {"max_seq_len": ctx}
 
 
+def _decode(args, kw: dict):
+    """``mla_decode(*args, SM_SCALE)`` as a thunk; ``kw``: the query's ``q_scale`` (if any) and launch options
+    (``kernels.config.MLADecodeOptions``)."""
+    from kvbench.kernels.config import MLADecodeOptions
+    from kvbench.kernels.mla_decode import mla_decode
+
+    kw = dict(kw)
+    q_scale = kw.pop("q_scale", None)
+    opts = MLADecodeOptions(**kw)
+    return lambda: mla_decode(*args, SM_SCALE, q_scale=q_scale, opts=opts)
+
+
+def _prefill(args, kw: dict):
+    """``mla_prefill(*args, SM_SCALE)`` as a thunk; ``kw``: the query's ``q_scale`` (if any) and launch options
+    (``kernels.config.MLAPrefillOptions``)."""
+    from kvbench.kernels.config import MLAPrefillOptions
+    from kvbench.kernels.mla_prefill import mla_prefill
+
+    kw = dict(kw)
+    q_scale = kw.pop("q_scale", None)
+    opts = MLAPrefillOptions(**kw)
+    return lambda: mla_prefill(*args, SM_SCALE, q_scale=q_scale, opts=opts)
+
+
 def _try(fn):
     try:
         return fn()
@@ -150,8 +174,6 @@ def _cell(v) -> str:
 
 
 def cmd_workspace(a, dev) -> None:
-    from kvbench.kernels.mla_prefill import mla_prefill
-
     cases = [("fp8_e4m3", False), ("fp8_e4m3", True), ("nvfp4", False)]
     shapes = a.cases or WORKSPACE_CASES
     print("| heads | format | query | " + " | ".join(f"{b} × {p} + {n}" for b, p, n in shapes) + " |")
@@ -164,8 +186,8 @@ def cmd_workspace(a, dev) -> None:
             for b, p, n in shapes:
                 args, kw = prefill_inputs(fmt, b, p, n, h, q8, dev)
                 kw["num_splits"] = a.splits
-                regs = lambda: mla_prefill(*args, SM_SCALE, prefix_workspace=False, **kw)  # noqa: E731
-                ws = lambda: mla_prefill(*args, SM_SCALE, prefix_workspace=True, **kw)  # noqa: E731
+                regs = _prefill(args, dict(kw, prefix_workspace=False))
+                ws = _prefill(args, dict(kw, prefix_workspace=True))
                 r_us, w_us = _try(lambda: do_bench_us(regs)), _try(lambda: do_bench_us(ws))
                 diff = _try(lambda: rel(ws(), regs()))
                 cells.append(f"{_cell(r_us)} → {_cell(w_us)} ({diff:.1e})" if isinstance(diff, float)
@@ -174,8 +196,6 @@ def cmd_workspace(a, dev) -> None:
 
 
 def cmd_prefill_splits(a, dev) -> None:
-    from kvbench.kernels.mla_prefill import mla_prefill
-
     cases = a.cases or SPLIT_CASES
     print(f"query: {'e4m3' if a.e4m3_query else 'bf16'}\n")
     print("| heads | format | " + " | ".join(f"{b} × {p} + {n}" for b, p, n in cases) + " |")
@@ -185,15 +205,13 @@ def cmd_prefill_splits(a, dev) -> None:
             cells = []
             for b, p, n in cases:
                 args, kw = prefill_inputs(fmt, b, p, n, h, a.e4m3_query, dev)
-                one = _try(lambda: graph_us(lambda: mla_prefill(*args, SM_SCALE, num_splits=1, **kw)))
-                dflt = _try(lambda: graph_us(lambda: mla_prefill(*args, SM_SCALE, **kw)))
+                one = _try(lambda: graph_us(_prefill(args, dict(kw, num_splits=1))))
+                dflt = _try(lambda: graph_us(_prefill(args, kw)))
                 cells.append(f"{_cell(one)} → {_cell(dflt)}")
             print(f"| {h} | {fmt} | " + " | ".join(cells) + " |")
 
 
 def cmd_decode_splits(a, dev) -> None:
-    from kvbench.kernels.mla_decode import mla_decode
-
     splits = (None, 64, 128, 192, 256)
     print("| heads | format | batch × context | " + " | ".join("default" if s is None else f"{s} splits" for s in splits) + " |")
     print("|---|---|---|" + "---|" * len(splits))
@@ -201,19 +219,17 @@ def cmd_decode_splits(a, dev) -> None:
         for fmt in a.formats:
             for b, ctx in ((1, 131072), (1, 32768), (2, 32768)):
                 args, kw = decode_inputs(fmt, b, ctx, h, dev)
-                cells = [_cell(_try(lambda: graph_us(lambda: mla_decode(*args, SM_SCALE, num_splits=s, **kw))))
+                cells = [_cell(_try(lambda: graph_us(_decode(args, dict(kw, num_splits=s)))))
                          for s in splits]
                 print(f"| {h} | {fmt} | {b} × {ctx} | " + " | ".join(cells) + " |")
 
 
 def cmd_decode_stages(a, dev) -> None:
-    from kvbench.kernels.mla_decode import mla_decode
-
     stages = (None, 4, 5, 6)
     for h in a.heads:
         for fmt in a.formats:
             args, kw = decode_inputs(fmt, a.batch, a.ctx, h, dev)
-            ref = mla_decode(*args, SM_SCALE, **kw)
+            ref = _decode(args, kw)()
             variants = [("64-token tiles", {"block_n": 64}), ("32-token tiles", {"block_n": 32})]
             if fmt.startswith("fp8"):  # column chunks apply to fp8 latents read as 16-bit units
                 variants = [(f"64-token tiles, {c} chunk{'s' if c > 1 else ''}", {"block_n": 64, "chunks": c}) for c in (4, 2, 1)]
@@ -224,8 +240,7 @@ def cmd_decode_stages(a, dev) -> None:
             for label, extra in variants:
                 cells = []
                 for s in stages:
-                    def fn(s=s, extra=extra):
-                        return mla_decode(*args, SM_SCALE, num_stages=s, **extra, **kw)
+                    fn = _decode(args, dict(kw, num_stages=s, **extra))
                     us = _try(lambda: graph_us(fn))
                     d = _try(lambda: rel(fn(), ref))
                     cells.append(f"{_cell(us)} ({d:.0e})" if isinstance(d, float) else _cell(us))
@@ -233,20 +248,17 @@ def cmd_decode_stages(a, dev) -> None:
 
 
 def cmd_decode(a, dev) -> None:
-    from kvbench.kernels.mla_decode import mla_decode
-
     print("| heads | format | batch × context | graph µs | do_bench µs |")
     print("|---|---|---|---|---|")
     for h in a.heads:
         for fmt in a.formats:
             args, kw = decode_inputs(fmt, a.batch, a.ctx, h, dev)
-            fn = lambda: mla_decode(*args, SM_SCALE, **kw)  # noqa: E731
+            fn = _decode(args, kw)
             print(f"| {h} | {fmt} | {a.batch} × {a.ctx} | {_cell(_try(lambda: graph_us(fn)))} | {_cell(_try(lambda: do_bench_us(fn)))} |")
 
 
 def cmd_decode_wg(a, dev) -> None:
     from kvbench.kernels import mla_decode_wg
-    from kvbench.kernels.mla_decode import mla_decode
     from kvbench.kernels.mla_reference import quantize_absorbed_query
 
     cases = [("bf16", "bf16", "Triton", {"wgmma": False}, None), ("bf16", "bf16", "wgmma", {"wgmma": True}, None),
@@ -279,7 +291,7 @@ def cmd_decode_wg(a, dev) -> None:
                 mla_decode_wg.STAGES[True] = stages
             mla_decode_wg.PARTS["value"] = parts[0] if parts else 0
             try:
-                fn = lambda: mla_decode(ql, qp, cache, pt, sl, SM_SCALE, **kw)  # noqa: E731
+                fn = _decode((ql, qp, cache, pt, sl), kw)
                 if a.ncu:
                     for _ in range(3):
                         fn()

@@ -41,6 +41,7 @@ HQ, HK, D, PAGE, LAYOUT = 32, 8, 128, 16, "HND"
 def _append_inputs(fmt: str, t: int, gen):
     import torch
 
+    from kvbench.kernels.config import PagedKV
     from kvbench.kernels.reference import build_cos_sin_cache
     from kvbench.tools.kernel_check import make_cache
 
@@ -52,7 +53,7 @@ def _append_inputs(fmt: str, t: int, gen):
     slots = torch.randperm(64 * PAGE, device="cuda")[:t]
     kc, kbs, ks, _ = make_cache(fmt, 64, PAGE, HK, D, "cuda", gen, LAYOUT)
     vc, vbs, vs, _ = make_cache(fmt, 64, PAGE, HK, D, "cuda", gen, LAYOUT)
-    return (q, k, v, pos, slots, cs, kc, vc, ks, vs), dict(kv_format=fmt, k_block_scale=kbs, v_block_scale=vbs)
+    return q, k, v, pos, slots, cs, PagedKV(fmt, kc, vc, ks, vs, kbs, vbs)
 
 
 def _sweep(fn, kv_firsts=(True,), extra=None) -> list:
@@ -79,17 +80,16 @@ def append_shapes() -> None:
 
     gen = torch.Generator().manual_seed(0)
     for t in (1, 16, 128, 512):
-        args, _ = _append_inputs("bf16", t, gen)
-        q, k, v, pos, slots, cs, kcb, vcb, _, _ = args
-        plain = lambda: A.quantize_store(k, v, slots, kcb, vcb, kv_format="bf16")  # noqa: E731
+        q, k, v, pos, slots, cs, kvb = _append_inputs("bf16", t, gen)
+        plain = lambda: A.quantize_store(k, v, slots, kvb)  # noqa: E731
         pl_default, pl = bench_us(plain, graph=True), _sweep(plain)[0]
         print(f"T={t:4d} plain store: default {pl_default:.1f} us, best {pl[0]:.1f} (hb={pl[2]} warps={pl[3]})",
               flush=True)
         plain_us = min(pl_default, pl[0])
         for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
-            args, kw = _append_inputs(fmt, t, gen)
-            unf = lambda: A.unfused_rope_quant_append(*args, **kw)  # noqa: E731
-            fus = lambda: A.fused_rope_quant_append(*args, **kw)  # noqa: E731
+            args = _append_inputs(fmt, t, gen)
+            unf = lambda: A.unfused_rope_quant_append(*args)  # noqa: E731
+            fus = lambda: A.fused_rope_quant_append(*args)  # noqa: E731
             u_default, f_default = bench_us(unf, graph=True), bench_us(fus, graph=True)
             ub = _sweep(unf)[0]
             fb = _sweep(fus, (False, True))
@@ -129,8 +129,8 @@ def packed_stores() -> int:
     print(f"nvfp4 append cases with word stores: {n - bad}/{n} bit-exact", flush=True)
     gen = torch.Generator().manual_seed(0)
     for t in (1, 16, 128, 512):
-        args, kw = _append_inputs("nvfp4", t, gen)
-        fus = lambda: A.fused_rope_quant_append(*args, **kw)  # noqa: E731
+        args = _append_inputs("nvfp4", t, gen)
+        fus = lambda: A.fused_rope_quant_append(*args)  # noqa: E731
         best = {p: _sweep(fus, extra={"packed": p})[0] for p in (False, True)}
         print(f"T={t}: byte stores {best[False][0]:.2f} us (hb={best[False][2]} warps={best[False][3]}), "
               f"word stores {best[True][0]:.2f} us (hb={best[True][2]} warps={best[True][3]})", flush=True)
@@ -167,13 +167,12 @@ def append_variants(names=tuple(APPEND_VARIANTS), check=("before",), rounds: int
         gen = torch.Generator().manual_seed(0)
         for t in (1, 16, 128, 512):
             for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
-                args, kw = _append_inputs(fmt, t, gen)
-                q, k, v, pos, slots, cs, _, _, _, _ = args
-                pargs, _ = _append_inputs("bf16", t, gen)
-                kcb, vcb = pargs[6], pargs[7]
-                fns = {"fused": lambda: A.fused_rope_quant_append(*args, **kw),
-                       "unfused": lambda: A.unfused_rope_quant_append(*args, **kw),
-                       "plain": lambda: A.quantize_store(k, v, slots, kcb, vcb, kv_format="bf16")}
+                args = _append_inputs(fmt, t, gen)
+                q, k, v, pos, slots, cs, _ = args
+                kvb = _append_inputs("bf16", t, gen)[6]
+                fns = {"fused": lambda: A.fused_rope_quant_append(*args),
+                       "unfused": lambda: A.unfused_rope_quant_append(*args),
+                       "plain": lambda: A.quantize_store(k, v, slots, kvb)}
                 times = {(nm, part): [] for nm in names for part in fns}
                 for _ in range(rounds):
                     for nm in names:
@@ -192,6 +191,7 @@ def append_variants(names=tuple(APPEND_VARIANTS), check=("before",), rounds: int
 def decode_sweep() -> None:
     import torch
 
+    from kvbench.kernels.config import DecodeOptions, PagedKV
     from kvbench.kernels.decode import paged_decode
     from kvbench.tools.common import bench_us, copy_bandwidth
     from kvbench.tools.decode_bench import decode_case
@@ -201,10 +201,11 @@ def decode_sweep() -> None:
         q, table, seq, kv, nbytes = decode_case("nvfp4", b, ctx, HQ, HK, D, PAGE, torch.Generator().manual_seed(0),
                                                 LAYOUT)
         out = torch.empty_like(q)
+        pkv = PagedKV("nvfp4", **kv)
 
         def run(**cfg):
-            return bench_us(lambda: paged_decode(q, page_table=table, seq_lens=seq, kv_format="nvfp4", out=out,
-                                                 **kv, **cfg))
+            opts = DecodeOptions(**cfg)
+            return bench_us(lambda: paged_decode(q, pkv, table, seq, out=out, opts=opts))
 
         pct = lambda us: 100 * nbytes / (us * 1e-6) / 1e9 / copy  # noqa: E731
         default = run()
@@ -233,6 +234,7 @@ def nv4_layouts(shapes=("64x8192", "8x32768")) -> None:
     prefetch on / off, register caps and split counts."""
     import torch
 
+    from kvbench.kernels.config import DecodeOptions, PagedKV
     from kvbench.kernels.decode import paged_decode
     from kvbench.tools.common import bench_us, copy_bandwidth
     from kvbench.tools.decode_bench import decode_case
@@ -260,8 +262,8 @@ def nv4_layouts(shapes=("64x8192", "8x32768")) -> None:
                 cases[fmt] = decode_case(fmt, b, ctx, HQ, HK, D, PAGE, torch.Generator().manual_seed(0), LAYOUT)
             q, table, seq, kv, nbytes = cases[fmt]
             out = torch.empty_like(q)
-            us = bench_us(lambda: paged_decode(q, page_table=table, seq_lens=seq, kv_format=fmt, out=out, **kv, **kw),
-                          graph=True)
+            pkv, opts = PagedKV(fmt, **kv), DecodeOptions(**kw)
+            us = bench_us(lambda: paged_decode(q, pkv, table, seq, out=out, opts=opts), graph=True)
             print(f"B={b} L={ctx} {fmt} {kw or 'defaults'}: {us:.1f} us "
                   f"({100 * nbytes / (us * 1e-6) / 1e9 / copy:.0f}% of copy)", flush=True)
 
@@ -369,13 +371,14 @@ def gemm_layouts() -> None:
 def ncu_decode(fmt: str) -> None:
     import torch
 
+    from kvbench.kernels.config import PagedKV
     from kvbench.kernels.decode import paged_decode
     from kvbench.tools.decode_bench import decode_case
 
     q, table, seq, kv, _ = decode_case(fmt, 64, 8192, HQ, HK, D, PAGE, torch.Generator().manual_seed(0), LAYOUT)
     out = torch.empty_like(q)
     for _ in range(3):
-        paged_decode(q, page_table=table, seq_lens=seq, kv_format=fmt, out=out, **kv)
+        paged_decode(q, PagedKV(fmt, **kv), table, seq, out=out)
     torch.cuda.synchronize()
 
 
@@ -384,9 +387,9 @@ def ncu_append(fmt: str, t: int) -> None:
 
     from kvbench.kernels.append import fused_rope_quant_append
 
-    args, kw = _append_inputs(fmt, t, torch.Generator().manual_seed(0))
+    args = _append_inputs(fmt, t, torch.Generator().manual_seed(0))
     for _ in range(3):
-        fused_rope_quant_append(*args, **kw)
+        fused_rope_quant_append(*args)
     torch.cuda.synchronize()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -75,86 +75,113 @@ def _launch_listing(cfg, plans, parallel: int) -> list[str]:
     return lines
 
 
+# the command's arguments and options (module level, so ``sweep``'s signature stays short)
+ConfigArg = Annotated[str, typer.Argument(help="Sweep config YAML (e.g. configs/default.yaml)")]
+OutOpt = Annotated[Optional[str], typer.Option("--out", help="Run directory (default: runs/<config name>)")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Finish an interrupted run: skip done cells, redo the rest")]
+OnlyOpt = Annotated[Optional[str], typer.Option("--only", help="Run only cells matching key=value[,key=value]")]
+DataDirOpt = Annotated[Optional[str], typer.Option("--data-dir", help="Local dataset directory (overrides the config's data_dir)")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="List the cells and exit")]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar (off: one plain line per cell)")]
+ParallelOpt = Annotated[int, typer.Option("--parallel", help="Run up to N server cell groups at once, each server on its "
+                                          "own devices and port (load generators share this host's CPU)")]
+DevicesOpt = Annotated[Optional[str], typer.Option("--devices", help="GPU ids the servers may use, e.g. 0,1,2,3 "
+                                                   "(default: each target's devices, else the visible GPUs)")]
+
+
 def register(app: typer.Typer) -> None:
     @app.command("sweep")
     def sweep(
-        config: str = typer.Argument(..., help="Sweep config YAML (e.g. configs/default.yaml)"),
-        out: Optional[str] = typer.Option(None, "--out", help="Run directory (default: runs/<config name>)"),
-        resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run: skip done cells, redo the rest"),
-        only: Optional[str] = typer.Option(None, "--only", help="Run only cells matching key=value[,key=value]"),
-        data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local dataset directory (overrides the config's data_dir)"),
-        dry_run: bool = typer.Option(False, "--dry-run", help="List the cells and exit"),
-        progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar (off: one plain line per cell)"),
-        parallel: int = typer.Option(1, "--parallel", help="Run up to N server cell groups at once, each server on its "
-                                     "own devices and port (load generators share this host's CPU)"),
-        devices: Optional[str] = typer.Option(None, "--devices", help="GPU ids the servers may use, e.g. 0,1,2,3 "
-                                              "(default: each target's devices, else the visible GPUs)"),
+        config: ConfigArg, out: OutOpt = None, resume: ResumeOpt = False, only: OnlyOpt = None,
+        data_dir: DataDirOpt = None, dry_run: DryRunOpt = False, progress: ProgressOpt = True,
+        parallel: ParallelOpt = 1, devices: DevicesOpt = None,
     ) -> None:
         """Run the matrix of a sweep config: accuracy suites, fidelity, load tests and capacity per cell."""
         import logging
 
-        from kvbench.harness.matrix import expand, select
-        from kvbench.harness.sweep_config import SweepConfigError, load_config
-
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-        try:
-            cfg = load_config(config)
-            if data_dir is not None:
-                if not Path(data_dir).is_dir():
-                    raise SweepConfigError(f"--data-dir {data_dir} is not a directory")
-                cfg.data_dir = data_dir
-            elif cfg.data_dir is None and os.environ.get(DATA_DIR_ENV) and Path(os.environ[DATA_DIR_ENV]).is_dir():
-                # the suites would read it from the environment: record it (the manifest, --resume checks)
-                cfg.data_dir = os.environ[DATA_DIR_ENV]
-            cells = select(expand(cfg), only)
-            run_dir = Path(out or Path("runs") / cfg.name)
-            _check_run_dir(run_dir)
-            device_ids, plans = _device_plans(cfg, cells, parallel, devices)
-            launches = _launch_listing(cfg, plans, parallel)
-        except SweepConfigError as e:
-            raise UserError(str(e)) from None
+        cfg, cells, run_dir, device_ids, plans, launches = _plan(config, out, only, data_dir, parallel, devices)
         if dry_run:
-            if parallel > 1 or device_ids is not None or any(p.allowed is not None for p in plans):
-                _echo_device_plan(plans, parallel)
-            from kvbench.harness.sweep_dry_run import cell_line, check_models
-
-            check_models(cfg, cells)
-            for c in cells:
-                typer.echo(cell_line(cfg, c))
-            for line in launches:
-                typer.echo(line)
-            typer.echo(f"{len(cells)} cells -> {run_dir}")
+            _dry_run(cfg, cells, run_dir, device_ids, plans, launches, parallel)
             return
+        _run(cfg, config, run_dir, resume=resume, only=only, data_dir=data_dir, progress=progress,
+             parallel=parallel, devices=devices, device_ids=device_ids)
 
-        from kvbench.harness.runner import run_sweep
-        from kvbench.harness.sweep_hints import (
-            SweepTerminated,
-            finished_commands,
-            interrupted_lines,
-            resume_command,
-            sigterm_as_interrupt,
-        )
 
-        again = resume_command(config, run_dir, only=only, data_dir=data_dir, parallel=parallel, devices=devices)
-        try:
-            with sigterm_as_interrupt():
-                outcome = run_sweep(cfg, run_dir, resume=resume, only=only, progress=True if progress else None,
-                                    parallel=parallel, devices=device_ids)
-        except SweepConfigError as e:
-            raise UserError(str(e)) from None
-        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: say exactly how to finish the run
-            for line in interrupted_lines(again):
-                typer.echo(line, err=True)
-            raise typer.Exit(143 if isinstance(e, SweepTerminated) else 130) from None
-        typer.echo(
-            f"{run_dir}: {len(outcome.done)} cells done, {len(outcome.failed)} failed, "
-            f"{len(outcome.skipped)} already done (skipped)"
-        )
-        if outcome.failed:
-            typer.echo(f"failed cells (see {run_dir}/cells/<key>/summary.json and error.txt):", err=True)
-            for key in outcome.failed:
-                typer.echo(f"  {key}", err=True)
-            typer.echo(f"redo the failed cells with:\n  {again}", err=True)
-            raise typer.Exit(1)
-        report, gate = finished_commands(run_dir)
-        typer.echo(f"next: {report}   (tables and plots)\n      {gate}   (pass/fail against the config's gate)")
+def _plan(config: str, out: Optional[str], only: Optional[str], data_dir: Optional[str], parallel: int,
+          devices: Optional[str]):
+    """The config loaded (``--data-dir`` or the environment's data directory recorded), its cells, the run
+    directory, the device plans and the launch listing; a config error as a ``UserError``."""
+    from kvbench.harness.matrix import expand, select
+    from kvbench.harness.sweep_config import SweepConfigError, load_config
+
+    try:
+        cfg = load_config(config)
+        if data_dir is not None:
+            if not Path(data_dir).is_dir():
+                raise SweepConfigError(f"--data-dir {data_dir} is not a directory")
+            cfg.data_dir = data_dir
+        elif cfg.data_dir is None and os.environ.get(DATA_DIR_ENV) and Path(os.environ[DATA_DIR_ENV]).is_dir():
+            # the suites would read it from the environment: record it (the manifest, --resume checks)
+            cfg.data_dir = os.environ[DATA_DIR_ENV]
+        cells = select(expand(cfg), only)
+        run_dir = Path(out or Path("runs") / cfg.name)
+        _check_run_dir(run_dir)
+        device_ids, plans = _device_plans(cfg, cells, parallel, devices)
+        launches = _launch_listing(cfg, plans, parallel)
+    except SweepConfigError as e:
+        raise UserError(str(e)) from None
+    return cfg, cells, run_dir, device_ids, plans, launches
+
+
+def _dry_run(cfg, cells, run_dir: Path, device_ids, plans, launches: list[str], parallel: int) -> None:
+    """``--dry-run``: the device plan (when devices are in play), every cell and launch command, the count."""
+    if parallel > 1 or device_ids is not None or any(p.allowed is not None for p in plans):
+        _echo_device_plan(plans, parallel)
+    from kvbench.harness.sweep_dry_run import cell_line, check_models
+
+    check_models(cfg, cells)
+    for c in cells:
+        typer.echo(cell_line(cfg, c))
+    for line in launches:
+        typer.echo(line)
+    typer.echo(f"{len(cells)} cells -> {run_dir}")
+
+
+def _run(cfg, config: str, run_dir: Path, *, resume: bool, only: Optional[str], data_dir: Optional[str],
+         progress: bool, parallel: int, devices: Optional[str], device_ids) -> None:
+    """Run the sweep and say how it went: the counts, how to redo failed cells (exit 1) or finish an
+    interrupted run (exit 130 / 143), else the report and gate commands."""
+    from kvbench.harness.runner import run_sweep
+    from kvbench.harness.sweep_config import SweepConfigError
+    from kvbench.harness.sweep_hints import (
+        SweepTerminated,
+        finished_commands,
+        interrupted_lines,
+        resume_command,
+        sigterm_as_interrupt,
+    )
+
+    again = resume_command(config, run_dir, only=only, data_dir=data_dir, parallel=parallel, devices=devices)
+    try:
+        with sigterm_as_interrupt():
+            outcome = run_sweep(cfg, run_dir, resume=resume, only=only, progress=True if progress else None,
+                                parallel=parallel, devices=device_ids)
+    except SweepConfigError as e:
+        raise UserError(str(e)) from None
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: say exactly how to finish the run
+        for line in interrupted_lines(again):
+            typer.echo(line, err=True)
+        raise typer.Exit(143 if isinstance(e, SweepTerminated) else 130) from None
+    typer.echo(
+        f"{run_dir}: {len(outcome.done)} cells done, {len(outcome.failed)} failed, "
+        f"{len(outcome.skipped)} already done (skipped)"
+    )
+    if outcome.failed:
+        typer.echo(f"failed cells (see {run_dir}/cells/<key>/summary.json and error.txt):", err=True)
+        for key in outcome.failed:
+            typer.echo(f"  {key}", err=True)
+        typer.echo(f"redo the failed cells with:\n  {again}", err=True)
+        raise typer.Exit(1)
+    report, gate = finished_commands(run_dir)
+    typer.echo(f"next: {report}   (tables and plots)\n      {gate}   (pass/fail against the config's gate)")

@@ -161,7 +161,8 @@ class BackendOptions:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from kvbench.runtime.config import normalize_quantize_query, query_quant_phases
+        from kvbench.core.kv_config import query_quant_phases
+        from kvbench.runtime.config import normalize_quantize_query
 
         self.quantize_query = normalize_quantize_query(self.quantize_query)
         self.query_fp8_prefill, self.query_fp8_decode = query_quant_phases(self.quantize_query)

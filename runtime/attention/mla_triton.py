@@ -58,16 +58,18 @@ def triton_forward_mla(backend, q_nope, q_pe, c_kv, k_pe, layer: MLAAttentionLay
             qa = torch.where(rows, quantize_query_fp8(qa, layer.q_scale), qa)
             ql, qp = qa[..., :r].contiguous(), qa[..., r:].to(qp.dtype).contiguous()
     if meta.phase == "decode":
+        from kvbench.kernels.config import MLADecodeOptions
         from kvbench.kernels.mla_decode import mla_decode
 
         B = meta.num_seqs
         o_lat = mla_decode(ql[:B], qp[:B], lc, meta.page_table, meta.seq_lens, layer.softmax_scale, q_scale=q_scale,
-                           max_seq_len=max(int(meta.max_seqlen_k), 1))
+                           opts=MLADecodeOptions(max_seq_len=max(int(meta.max_seqlen_k), 1)))
         if T != B:
             full = torch.zeros(T, H, r, dtype=o_lat.dtype, device=o_lat.device)
             full[:B] = o_lat
             o_lat = full
     else:
+        from kvbench.kernels.config import MLAPrefillOptions
         from kvbench.kernels.mla_prefill import mla_prefill
 
         if meta.has_roundtrip:  # decode semantics: these rows see their latent as stored
@@ -77,6 +79,7 @@ def triton_forward_mla(backend, q_nope, q_pe, c_kv, k_pe, layer: MLAAttentionLay
             lat, _ = stored_new_kv(cache, layer.layer_idx, meta, lat, lat)
             c_kv, k_rot = lat[:, 0, :r].contiguous(), lat[:, 0, r:].to(k_rot.dtype).contiguous()
         o_lat = mla_prefill(ql, qp, c_kv, k_rot, lc, meta.page_table, meta.seq_lens, meta.cu_seqlens_q,
-                            layer.softmax_scale, max_q_len=max(int(meta.max_seqlen_q), 1), q_scale=q_scale)
+                            layer.softmax_scale, q_scale=q_scale,
+                            opts=MLAPrefillOptions(max_q_len=max(int(meta.max_seqlen_q), 1)))
     out = unabsorb(o_lat.to(q_nope.dtype), layer.w_uv)
     return out.reshape(T, H * layer.v_head_dim)

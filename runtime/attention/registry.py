@@ -11,33 +11,30 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from kvbench.core.backends import backend_names
+from kvbench.core.backends import BACKEND_SPECS, backend_names
 from kvbench.core.formats import format_names
 from kvbench.runtime.attention.base import PHASES, BackendOptions, UnsupportedBackend
 
 if TYPE_CHECKING:
     from kvbench.runtime.attention.base import AttentionBackend
 
-__all__ = ["BACKEND_PATHS", "backend_class", "supports", "support_table", "check_supported", "create_backend"]
+__all__ = ["backend_paths", "backend_class", "supports", "support_table", "check_supported", "create_backend"]
 
-# the implementation of each backend of the table (kvbench.core.backends)
-BACKEND_PATHS: dict[str, str] = {
-    "torch": "kvbench.runtime.attention.torch_backend:TorchBackend",
-    "triton": "kvbench.runtime.attention.triton_backend:TritonBackend",
-    "flashinfer": "kvbench.runtime.attention.flashinfer_backend:FlashInferBackend",
-}
-_undeclared = set(BACKEND_PATHS) - set(backend_names())
-if _undeclared:  # every implementation has its entry in the table
-    raise ImportError(f"attention backends missing from kvbench.core.backends: {sorted(_undeclared)}")
+
+
+def backend_paths() -> dict[str, str]:
+    """The implementation of each backend of the table, "kvbench.runtime.attention.<module>:Class" from its
+    ``BackendSpec.impl`` (a module of this package), table order."""
+    return {name: f"{__package__}.{spec.impl}" for name, spec in BACKEND_SPECS.items() if spec.impl}
 
 
 def backend_class(name: str) -> type:
-    path = BACKEND_PATHS.get(name)
+    path = backend_paths().get(name)
     if path is None:
         if name in backend_names():
             raise UnsupportedBackend(f"attention backend {name!r} is in the backend table (kvbench.core.backends) but has "
-                                     "no implementation in runtime/attention/registry.py BACKEND_PATHS")
-        raise UnsupportedBackend(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_PATHS)}")
+                                     "implementation (BackendSpec.impl)")
+        raise UnsupportedBackend(f"unknown attention backend {name!r}; known: {', '.join(backend_paths())}")
     mod, _, attr = path.partition(":")
     try:
         return getattr(importlib.import_module(mod), attr)
@@ -60,7 +57,7 @@ def supports(name: str, kv_dtype: str, phase: str, mla: bool = False) -> bool:
 def support_table(kv_dtypes=None, mla: bool = False) -> dict[str, dict[str, list[str]]]:
     """``{backend: {phase: [kv formats]}}`` of the supported combinations (of MLA models with ``mla``)."""
     kv_dtypes = kv_dtypes or format_names()
-    return {b: {p: [f for f in kv_dtypes if supports(b, f, p, mla)] for p in PHASES} for b in BACKEND_PATHS}
+    return {b: {p: [f for f in kv_dtypes if supports(b, f, p, mla)] for p in PHASES} for b in backend_paths()}
 
 
 def _table_text(mla: bool = False) -> str:

@@ -96,23 +96,21 @@ class TritonBackend:
     # ------------------------------------------------------------------------------ forward
     def forward(self, q, k, v, layer: AttentionLayer, cache, meta: AttentionMetadata) -> torch.Tensor:
         from kvbench.kernels.append import fused_rope_quant_append, unfused_rope_quant_append
+        from kvbench.kernels.config import AttentionParams, PagedKV, PrefillOptions
         from kvbench.kernels.decode import paged_decode
         from kvbench.kernels.prefill import paged_prefill
 
         li = layer.layer_idx
         fmt = cache.fmt_of(li).name
         T, H, D = q.shape
-        kc = dict(
-            k_cache=cache.k_data[li], v_cache=cache.v_data[li],
-            k_scale=cache.k_scale[li], v_scale=cache.v_scale[li],
-        )
-        bs = dict(k_block_scale=cache.k_block_scale[li], v_block_scale=cache.v_block_scale[li])
+        kv = PagedKV(fmt, cache.k_data[li], cache.v_data[li], cache.k_scale[li], cache.v_scale[li],
+                     cache.k_block_scale[li], cache.v_block_scale[li])
         which = query_fp8(self.opts, meta)
         q_scale = self._q_scale(layer.q_scale, q.device) if which is True else None
         append = fused_rope_quant_append if self.opts.fused_append else unfused_rope_quant_append
         app = append(
-            q, k, v, meta.positions, meta.slot_mapping, self._cos_sin_cache(meta.rope), kv_format=fmt,
-            rotary_dim=meta.rope.rotary_dim, rope_style=meta.rope.style, q_scale=q_scale, **kc, **bs,
+            q, k, v, meta.positions, meta.slot_mapping, self._cos_sin_cache(meta.rope), kv,
+            rotary_dim=meta.rope.rotary_dim, rope_style=meta.rope.style, q_scale=q_scale,
         )
         qq = app.q_fp8 if q_scale is not None else app.q
         if which is not True and which is not False:  # mixed step: the quantized rows rounded in torch
@@ -120,14 +118,12 @@ class TritonBackend:
 
             rows = query_fp8_rows(which, meta, T)[:, None, None]
             qq = torch.where(rows, quantize_query_fp8(app.q, layer.q_scale), app.q)
-        attn = dict(
-            kv_format=fmt, sm_scale=layer.softmax_scale, sliding_window=layer.sliding_window,
-            sinks=layer.sinks, q_scale=q_scale, out_dtype=q.dtype, **kc, **bs,
-        )
+        attn = AttentionParams(sm_scale=layer.softmax_scale, sliding_window=layer.sliding_window, sinks=layer.sinks,
+                               q_scale=q_scale)
         if meta.phase == "decode":
             B = meta.num_seqs
             out = torch.zeros(T, H, D, dtype=q.dtype, device=q.device) if T != B else None
-            res = paged_decode(qq[:B], page_table=meta.page_table, seq_lens=meta.seq_lens, **attn)
+            res = paged_decode(qq[:B], kv, meta.page_table, meta.seq_lens, attn=attn, out_dtype=q.dtype)
             if out is None:
                 out = res
             else:
@@ -135,7 +131,7 @@ class TritonBackend:
         else:
             k_new, v_new = stored_new_kv(cache, li, meta, app.k, v) if meta.has_roundtrip else (app.k, v)
             out = paged_prefill(
-                qq, k_new, v_new, meta.cu_seqlens_q, int(meta.max_seqlen_q), page_table=meta.page_table,
-                seq_lens=meta.seq_lens, max_prefix_len=self._max_prefix(meta), **attn,
+                qq, k_new, v_new, meta.cu_seqlens_q, int(meta.max_seqlen_q), kv, meta.page_table, meta.seq_lens,
+                attn=attn, out_dtype=q.dtype, opts=PrefillOptions(max_prefix_len=self._max_prefix(meta)),
             )
         return out.reshape(T, H * D)

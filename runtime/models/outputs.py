@@ -1,16 +1,17 @@
 """Per-request output bookkeeping: appending sampled tokens, stop ids / stop strings / length checks,
 incremental detokenization with stop-string hold-back, stream deltas and the final RequestOutput.
 
-Scoring sequences run in prefill passes (``Sequence.score_from``) keep their continuation inside the
-prompt (the scheduler feeds it), so their scored tokens are recorded with ``record_scored`` and never
-appended to ``output_ids``; ``request_output`` reports them as the context plus the scored tokens."""
+Scoring sequences (``Sequence.scoring``, ``runtime/scoring.py``) report their forced tokens; those of kind
+``SeqKind.SCORE_PREFILL`` keep their continuation inside the prompt after ``score_from`` (the scheduler feeds
+it), so their scored tokens are recorded with ``record_scored`` and never appended to ``output_ids``;
+``request_output`` reports them as the context plus the scored tokens."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from kvbench.runtime.engine_api import RequestOutput, StreamDelta
-from kvbench.runtime.scheduler import Sequence
+from kvbench.runtime.scheduler import SeqKind, Sequence
 from kvbench.core.tokenizer import IncrementalDetokenizer
 
 __all__ = ["OutputProcessor"]
@@ -46,9 +47,8 @@ class OutputProcessor:
         st["greedy"].append(greedy)
         reason: Optional[str] = None
         detok: IncrementalDetokenizer = st["detok"]
-        forced = st.get("forced")
-        if forced is not None:
-            if len(seq.output_ids) >= len(forced):
+        if seq.scoring is not None:
+            if len(seq.output_ids) >= len(seq.scoring.forced):
                 reason = "length"
             return reason, self._delta(seq, tok, lp, top_ids, top_lps, "")
         is_stop_tok = tok in set(p.stop_token_ids) or (not p.ignore_eos and tok in self.eos)
@@ -84,7 +84,7 @@ class OutputProcessor:
         st["top_ids"].append(top_ids)
         st["top_lps"].append(top_lps)
         st["greedy"].append(greedy)
-        return "length" if len(st["logprobs"]) >= len(st["forced"]) else None
+        return "length" if len(st["logprobs"]) >= len(seq.scoring.forced) else None
 
     def _delta(self, seq: Sequence, tok, lp, top_ids, top_lps, text: str) -> StreamDelta:
         want = seq.params.logprobs is not None
@@ -107,12 +107,12 @@ class OutputProcessor:
 
     def request_output(self, seq: Sequence, d: StreamDelta) -> RequestOutput:
         st = seq.state
-        want = seq.params.logprobs is not None or st.get("forced") is not None
+        want = seq.params.logprobs is not None or seq.scoring is not None
         tops = None
         if seq.params.logprobs:
             tops = [dict(zip(i or [], v or [])) for i, v in zip(st["top_ids"], st["top_lps"])]
-        if seq.score_from is not None:  # the continuation rides in the prompt; report it as the output
-            prompt, toks = seq.prompt_ids[: seq.score_from], st["forced"][: len(st["logprobs"])]
+        if seq.kind is SeqKind.SCORE_PREFILL:  # the continuation rides in the prompt; report it as the output
+            prompt, toks = seq.prompt_ids[: seq.score_from], seq.scoring.forced[: len(st["logprobs"])]
         else:
             prompt, toks = seq.prompt_ids, seq.output_ids
         return RequestOutput(

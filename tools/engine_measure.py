@@ -1,0 +1,190 @@
+"""The engine measurements of ``engine_perf`` (docs/performance.md): the device's copy bandwidth, decode steps
+(timed whole and taken apart, ``step_anatomy``), a step's GPU kernels by name, and the concurrency a KV budget
+serves.  ``engine_perf`` runs them as its sections and re-exports them."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+
+from kvbench.core.client import SamplingParams
+from kvbench.runtime.scheduler import ScheduledBatch, Sequence
+
+
+def _sync(dev):
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, gib: float = 2.0) -> float:
+    n = int(gib * 2**30) // 4
+    a = torch.empty(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    _sync(device)
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        b.copy_(a)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    del a, b
+    return 2 * n * 4 / statistics.median(times)
+
+
+def decode_step(engine, batch: int, ctx: int, iters: int = 20) -> float:
+    """Median seconds of one decode step of ``batch`` sequences with ``ctx`` tokens in the cache."""
+    return decode_step_times(engine, batch, ctx, iters)["step_s"]
+
+
+def decode_step_times(engine, batch: int, ctx: int, iters: int = 20) -> dict:
+    """``{"step_s", "host_s"}``: median seconds of one decode step of ``batch`` sequences with ``ctx`` tokens
+    in the cache (call to synchronised end), and of its host part (call until the step's work is queued;
+    the device idles for it, since every step here starts after the previous one ended)."""
+    with _decode_batch(engine, batch, ctx) as b:
+        for _ in range(3):
+            engine.runner.run(b)
+        _sync(engine.device)
+        times, host = [], []
+        for _ in range(iters):
+            t = time.perf_counter()
+            engine.runner.run(b)
+            host.append(time.perf_counter() - t)
+            _sync(engine.device)
+            times.append(time.perf_counter() - t)
+        return {"step_s": statistics.median(times), "host_s": statistics.median(host)}
+
+
+@contextlib.contextmanager
+def _decode_batch(engine, batch: int, ctx: int):
+    """A decode batch of ``batch`` sequences with ``ctx - 1`` tokens cached (their pages freed afterwards)."""
+    cache = engine.cache
+    seqs = []
+    for i in range(batch):
+        s = Sequence(f"bench{i}", [1] * (ctx - 1), SamplingParams(max_tokens=2))
+        s.output_ids = [1]
+        s.pages = cache.allocator.allocate(-(-ctx // cache.page_size))
+        s.num_cached = ctx - 1
+        s.status = "running"
+        seqs.append(s)
+    try:
+        yield ScheduledBatch("decode", seqs, [1] * batch)
+    finally:
+        for s in seqs:
+            cache.allocator.free(s.pages)
+
+
+def step_anatomy(engine, batch: int, ctx: int, iters: int = 20) -> dict:
+    """Where a graphed decode step's wall time goes (CUDA only), medians in ms over ``iters`` steps:
+    host parts (``inputs_ms``: StepInputs, ``stage_ms``: the staging-buffer writes, ``run_ms``: the whole
+    ``DecodeGraphs.run`` call (the staging again, the replay's launch, whose graph copies the inputs), ``replay_call_ms``: the replay's
+    launch alone, ``logits_call_ms``); device parts timed back to back with the device never idle
+    (``graph_gpu_ms``: one replay, ``logits_gpu_ms``); ``step_ms`` as ``decode_step_times`` times it, and
+    ``idle_ms`` = step − graph − logits, the time the device waits on the host or sits between them."""
+    from kvbench.runtime.models.runner import StepInputs
+
+    r = engine.runner
+    g = r.graphs
+    if g is None:
+        return {"error": "no CUDA graphs for this engine"}
+    cache = engine.cache
+    med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    with _decode_batch(engine, batch, ctx) as b:
+        for _ in range(3):
+            r.run(b)
+        torch.cuda.synchronize()
+        parts: dict = {k: [] for k in ("inputs", "stage", "run", "replay_call", "logits_call", "step")}
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            inp = StepInputs(b, cache.page_size, cache.scratch_page)
+            t1 = time.perf_counter()
+            g.stage(inp)  # idempotent: run() writes the same rows again
+            t2 = time.perf_counter()
+            hidden = g.run(inp)
+            t3 = time.perf_counter()
+            r.model.logits(hidden)
+            t4 = time.perf_counter()
+            torch.cuda.synchronize()
+            parts["inputs"].append(t1 - t0)
+            parts["stage"].append(t2 - t1)
+            parts["run"].append(t3 - t2)
+            parts["logits_call"].append(t4 - t3)
+            t = time.perf_counter()
+            r.run(b)
+            torch.cuda.synchronize()
+            parts["step"].append(time.perf_counter() - t)
+        bs = g._bucket(batch)
+        graph = g.graphs[bs]
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            graph.replay()
+            parts["replay_call"].append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+        out = {k + "_ms": med(v) for k, v in parts.items()}
+        hidden = g.outputs[bs][:batch]
+        for name, fn in (("graph_gpu_ms", graph.replay), ("logits_gpu_ms", lambda: r.model.logits(hidden))):
+            fn()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(iters):
+                fn()
+            e1.record()
+            torch.cuda.synchronize()
+            out[name] = e0.elapsed_time(e1) / iters
+        out["idle_ms"] = out["step_ms"] - out["graph_gpu_ms"] - out["logits_gpu_ms"]
+        return out
+
+
+def kernel_breakdown(engine, batch: int, ctx: int, steps: int = 3, top: int = 18) -> dict:
+    """GPU kernel time of one decode step by kernel name (torch profiler over ``steps`` steps after the
+    warm-up): ``{"kernel_ms_per_step": total, "kernels": [{"name", "ms_per_step", "launches_per_step"}, …]}``,
+    the ``top`` longest first.  Run it on an eager engine: a CUDA graph shows up as one replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decode_step(engine, batch, ctx, iters=2)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decode_step(engine, batch, ctx, iters=steps)
+    runs = 3 + steps  # decode_step's three warm-up steps are inside the profile too
+    agg: dict = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            us = getattr(ev, "device_time_total", None)
+            us = ev.cuda_time_total if us is None else us
+            a = agg.setdefault(ev.name, [0.0, 0])
+            a[0] += us
+            a[1] += 1
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])
+    return {"kernel_ms_per_step": sum(v[0] for v in agg.values()) / runs / 1e3,
+            "kernels": [{"name": k[:120], "ms_per_step": v[0] / runs / 1e3, "launches_per_step": v[1] // runs}
+                        for k, v in rows[:top]]}
+
+
+def weight_bytes_read_per_step(model) -> int:
+    """All parameters except the embedding table (decode reads only its rows); a tied table is read
+    once as the LM head."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        e = model.model.embed_tokens.weight
+        total -= e.numel() * e.element_size()
+    return total
+
+
+def peak_concurrency(engine, n_requests: int, prompt_len: int, gen_len: int) -> dict:
+    """Serve ``n_requests`` at once (stepping the engine in this thread); the largest running count."""
+    vocab = min(engine.parts.loaded.config.vocab_size, 200)
+    p = SamplingParams(max_tokens=gen_len, ignore_eos=True)
+    for i in range(n_requests):
+        engine.add_request([(i * 7 + j) % vocab for j in range(prompt_len)], p)
+    peak = 0
+    steps = 0
+    while engine.scheduler.has_work() or engine._inbox:
+        engine.step()
+        steps += 1
+        peak = max(peak, len(engine.scheduler.running))
+    return {"peak_running": peak, "preemptions": engine.scheduler.num_preemptions, "steps": steps}
