@@ -1,6 +1,6 @@
 """What model a path holds: a fingerprint cheap enough to take on every run (a few MB read, never the whole
 file) and strict enough that a file rewritten at the same path (re-quantized, re-exported) reads as another
-model.  Used by the fidelity reference cache (suites/fidelity_cache.py) to never reuse a reference computed
+model.  Used by the fidelity reference cache (suites/fidelity/cache.py) to never reuse a reference computed
 from other weights; both the engine side and the harness can call it (core imports nothing else from kvbench).
 
 A file's fingerprint is its resolved path, size, modification time (ns) and a SHA-256 over its head (for a

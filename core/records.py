@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-__all__ = ["SCHEMA_VERSION", "ITEM_FIELDS", "ITEM_ERROR_FIELDS", "REQUEST_FIELDS", "missing_fields", "check_record"]
+__all__ = ["SCHEMA_VERSION", "ITEM_FIELDS", "ITEM_ERROR_FIELDS", "REQUEST_FIELDS", "REPLICA_FIELD", "missing_fields",
+           "check_record"]
 
 SCHEMA_VERSION = 1
 
@@ -24,6 +25,9 @@ REQUEST_FIELDS = (
     "request_id", "success", "error", "prompt_tokens", "output_tokens", "start_s", "ttft_s", "latency_s",
     "itl_s", "tpot_s",
 )
+# an optional field of item and request records: the base URL of the replica that served the request, on
+# targets of several data-parallel replicas only (records of a one-URL target have no such field)
+REPLICA_FIELD = "replica"
 
 
 def missing_fields(record: dict, fields: Iterable[str] = ITEM_FIELDS) -> list[str]:
@@ -32,8 +36,12 @@ def missing_fields(record: dict, fields: Iterable[str] = ITEM_FIELDS) -> list[st
 
 
 def check_record(record: dict, fields: Iterable[str] = ITEM_FIELDS, kind: str = "item") -> dict:
-    """Return ``record`` unchanged, or raise ValueError naming the missing fields."""
+    """Return ``record`` unchanged, or raise ValueError naming the missing fields (or a ``replica`` that is not
+    a URL string)."""
     missing = missing_fields(record, fields)
     if missing:
         raise ValueError(f"{kind} record lacks field(s) {', '.join(missing)}")
+    replica = record.get(REPLICA_FIELD)
+    if REPLICA_FIELD in record and not (isinstance(replica, str) and replica.startswith(("http://", "https://"))):
+        raise ValueError(f"{kind} record's {REPLICA_FIELD} must be the replica's base URL, got {replica!r}")
     return record

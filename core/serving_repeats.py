@@ -1,5 +1,5 @@
 """Load tests repeated: per-repeat summaries combined into one, with their spread, and the machine load of
-every repeat combined.  Pure functions, used by the load generator (``harness/loadgen_repeats.py``) and by the
+every repeat combined.  Pure functions, used by the load generator (``harness/loadgen/repeats.py``) and by the
 reports, which recompute each repeat from its request records (the records' ``repeat`` index).
 
 Combined figures (``combine_summaries``), over the repeats of one cell:

@@ -57,7 +57,7 @@ def parse_diagnostics(d: Any, path: str = "diagnostics") -> Optional[Diagnostics
 
 def wants_diagnostics(spec: Optional[DiagnosticsSpec], cell_config: dict, client) -> bool:
     """A quantized, non-A/A accuracy cell on an embedded engine."""
-    from kvbench.core.formats import get_spec
+    from kvbench.core import get_spec
 
     if spec is None or cell_config.get("aa_control"):
         return False

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
-from kvbench.core.client import Client
+from kvbench.core import Client
 from kvbench.harness.matrix import Cell
-from kvbench.harness.sweep_config import SuiteSpec, SweepConfig
+from kvbench.harness.sweep.config import SuiteSpec, SweepConfig
 
 
 @dataclass
@@ -41,8 +41,8 @@ class DefaultWork:
         self.sweep = sweep
 
     def suite(self, spec: SuiteSpec, client: Client, cell: Cell, fidelity: FidelityRef) -> tuple[list[dict], dict]:
-        from kvbench.suites.base import SuiteOptions
-        from kvbench.suites.registry import FidelityContext, RunContext, needs_reference, run_suite
+        from kvbench.suites import SuiteOptions
+        from kvbench.suites import FidelityContext, RunContext, needs_reference, run_suite
 
         params = dict(spec.params)
         ctx = RunContext()
@@ -71,8 +71,8 @@ class DefaultWork:
         return merge_requests(target, top, getattr(spec, "request", None))
 
     def load(self, base_url: str, model_id: str, cell: Cell) -> tuple[dict, list[dict]]:
-        from kvbench.harness.loadgen import LoadConfig
-        from kvbench.harness.loadgen_repeats import run_repeats
+        from kvbench.harness.loadgen.run import LoadConfig
+        from kvbench.harness.loadgen.repeats import run_repeats
 
         ld, slo, conc = self.sweep.load, self.sweep.slo, cell.concurrency
         cfg = LoadConfig(

@@ -11,7 +11,7 @@ import importlib
 
 import typer
 
-from kvbench.core.plugins import PluginError, load_plugins
+from kvbench.core import PluginError, load_plugins
 from kvbench.harness import __version__
 from kvbench.harness.cli_errors import KvbenchGroup, report_error
 from kvbench.harness.term import Typer

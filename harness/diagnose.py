@@ -29,11 +29,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from kvbench.core.formats import get_spec
-from kvbench.core.layer_formats import SKIP_FORMAT, layer_dtypes_summary
-from kvbench.runtime.config import EngineConfig
+from kvbench.core import get_spec
+from kvbench.core import SKIP_FORMAT, layer_dtypes_summary
+from kvbench.runtime import EngineConfig
 # the engine side (loading the model once, KL runs, probes, capacity of layer maps) is the runtime's
-from kvbench.runtime.diagnostics_meter import REF_CACHE_BYTES, KLMeter, TextIds, capacity_basis, capacity_rows, load_for
+from kvbench.runtime import REF_CACHE_BYTES, KLMeter, TextIds, capacity_basis, capacity_rows, load_for
 
 __all__ = ["DIAG_SCHEMA", "DiagnoseSettings", "KLMeter", "run_diagnosis", "texts_to_ids", "check_diagnosable", "load_for",
            "diagnosis_texts", "capacity_rows", "REF_CACHE_BYTES", "TextIds"]
@@ -80,9 +80,9 @@ def diagnosis_texts(tokenizer, client, limit: int, data_dir: Optional[str], text
     """The fidelity suite's texts as ``(context, continuation)`` ids and their label: the first ``limit`` GSM8K
     test solutions, or long texts of ``text_tokens`` tokens (GSM8K solutions concatenated, or ``haystack_file``);
     ``client`` counts tokens for long texts (anything ``suites.fidelity_texts.token_counter`` takes)."""
-    from kvbench.suites.base import SuiteOptions
-    from kvbench.suites.fidelity import gsm8k_texts
-    from kvbench.suites.fidelity_texts import build_long_texts, long_text_spec, token_counter
+    from kvbench.suites import SuiteOptions
+    from kvbench.suites import gsm8k_texts
+    from kvbench.suites import build_long_texts, long_text_spec, token_counter
 
     extra = {k: v for k, v in (("text_tokens", text_tokens), ("haystack_file", haystack_file)) if v}
     opts = SuiteOptions(limit=limit, data_dir=data_dir, progress=False, extra=extra)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kvbench.runtime.config import EngineConfig
+from kvbench.runtime import EngineConfig
 
 __all__ = ["confirm_config", "DEFAULT_RULER"]
 

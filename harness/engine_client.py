@@ -19,9 +19,9 @@ import inspect
 import time
 from typing import Iterator, Optional
 
-from kvbench.core.client import GenRequest, GenResult, ScoreRequest, ScoreResult
+from kvbench.core import GenRequest, GenResult, ScoreRequest, ScoreResult
 from kvbench.harness.request_options import RequestOptionsError
-from kvbench.runtime.config import EngineConfig
+from kvbench.runtime import EngineConfig
 
 __all__ = ["EngineClient", "sharing_client"]
 
@@ -29,7 +29,7 @@ __all__ = ["EngineClient", "sharing_client"]
 class EngineClient:
     def __init__(self, config: Optional[EngineConfig] = None, engine=None):
         if engine is None:
-            from kvbench.runtime.engine import Engine
+            from kvbench.runtime import Engine
 
             engine = Engine(config or EngineConfig())
         self.engine = engine
@@ -102,7 +102,7 @@ class EngineClient:
             if bos is None:
                 raise ValueError("score needs a non-empty context (the tokenizer has no BOS token to stand in)")
             ctx = [bos]
-        from kvbench.runtime.sampling import MAX_SCORE_LOGPROBS
+        from kvbench.runtime import MAX_SCORE_LOGPROBS
 
         gather = getattr(request, "gather_ids", None)
         full_top_k = int(getattr(request, "full_top_k", 0) or 0)
@@ -119,7 +119,7 @@ class EngineClient:
     def tokenizer(self):
         """The engine's own tokenizer as a ``harness.prompt_tokenizer.PromptTokenizer``; its ``prompt_ids``
         is exactly what ``generate`` sends."""
-        from kvbench.suites.prompt_tokenizer import HFPromptTokenizer
+        from kvbench.suites import HFPromptTokenizer
 
         return HFPromptTokenizer(self.engine.tokenizer, f"engine:{self.model_id}", prompt_ids=self._prompt_ids)
 
@@ -144,7 +144,7 @@ def sharing_client(config: EngineConfig, other) -> EngineClient:
     loaded = getattr(getattr(engine, "parts", None), "loaded", None)
     if loaded is None or not _same_weights(config, getattr(engine, "config", None)):
         return EngineClient(config)
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime import Engine
 
     return EngineClient(engine=Engine(config, loaded=loaded))
 
@@ -152,7 +152,7 @@ def sharing_client(config: EngineConfig, other) -> EngineClient:
 def _same_weights(a: EngineConfig, b: Optional[EngineConfig]) -> bool:
     if not isinstance(b, EngineConfig) or a.model != b.model or a.seed != b.seed:
         return False
-    from kvbench.runtime.models.engine_setup import engine_device, engine_dtype
+    from kvbench.runtime import engine_device, engine_dtype
 
     da, db = engine_device(a), engine_device(b)
     return da == db and engine_dtype(a, da) == engine_dtype(b, db)

@@ -1,4 +1,4 @@
-"""What a fidelity reference's cache key holds (suites/fidelity_cache.py): the reference model's identity
+"""What a fidelity reference's cache key holds (suites/fidelity/cache.py): the reference model's identity
 (core/model_identity.py) and the reference's settings that change its logits.
 
 Embedded engine (``kvbench eval``, embedded sweep targets): the model's file identity (GGUF, HF directory,
@@ -55,14 +55,14 @@ class ReferenceKey:
 
 def local_model_identity(name: Optional[str], seed: int = 0) -> dict:
     """The identity of ``--model`` as the embedded engine resolves it (runtime/models/loader.py)."""
-    from kvbench.runtime.models.hub import is_hub_id
+    from kvbench.runtime import is_hub_id
 
     kind, loc = _resolve(name)
     if not Path(loc).exists() and kind != "synthetic":  # the default model not fetched: nothing loaded it here
         return {"kind": kind, "path": loc, "absent": True}
     shape = None
     if kind == "synthetic":
-        from kvbench.runtime.models.synthetic import parse_synthetic
+        from kvbench.runtime import parse_synthetic
 
         shape = asdict(parse_synthetic(loc))
     return model_identity(kind, loc, seed=seed, shape=shape, hub_id=name if is_hub_id(name) else None)
@@ -70,7 +70,7 @@ def local_model_identity(name: Optional[str], seed: int = 0) -> dict:
 
 def _resolve(name: Optional[str]) -> tuple[str, str]:
     """``resolve_model``, except that the default model is never fetched just to be identified."""
-    from kvbench.runtime.models.loader import MODEL_PRESETS, resolve_model
+    from kvbench.runtime import MODEL_PRESETS, resolve_model
 
     if name is None or name in MODEL_PRESETS:
         from kvbench.runtime import default_model as dm
@@ -81,7 +81,7 @@ def _resolve(name: Optional[str]) -> tuple[str, str]:
 
 def engine_settings(cfg) -> dict:
     """The fields of EngineConfig ``cfg`` that change logits, device type and compute dtype resolved."""
-    from kvbench.runtime.models.engine_setup import engine_device, engine_dtype
+    from kvbench.runtime import engine_device, engine_dtype
 
     d = {k: v for k, v in cfg.to_dict().items() if k not in LOGITS_NEUTRAL}
     if cfg.kv_scales != "calibrate":

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from kvbench.harness.cell_work import CellWork, FidelityRef
-from kvbench.core.client import Client
+from kvbench.core import Client
 from kvbench.harness.matrix import Cell, cell_config, engine_options
-from kvbench.core.io import canonical_key
-from kvbench.harness.sweep_config import SuiteSpec, SweepConfig
+from kvbench.core import canonical_key
+from kvbench.harness.sweep.config import SuiteSpec, SweepConfig
 from kvbench.harness.targets import TargetSession
 
 
@@ -75,7 +75,7 @@ class FidelityRefs:
             target = self.sweep.target(ref.config["target"])
             if target.type == "embedded" and hasattr(session.client, "engine"):
                 from kvbench.harness.engine_client import sharing_client
-                from kvbench.runtime.config import EngineConfig
+                from kvbench.runtime import EngineConfig
 
                 return sharing_client(EngineConfig(**ekw), session.client)  # one copy of the weights
             stack = ExitStack()
@@ -92,7 +92,7 @@ class FidelityRefs:
         target's model identity and logits-relevant engine settings; a server's or endpoint's reported model,
         launch command and backends, its ``/v1/models`` card read from this cell's server (same model)."""
         from kvbench.harness.fidelity_key import embedded_reference_key, server_reference_key
-        from kvbench.runtime.config import EngineConfig
+        from kvbench.runtime import EngineConfig
 
         target = self.sweep.target(ref.config["target"])
         if target.type == "embedded":
@@ -131,7 +131,7 @@ class FidelityGuardedWork:
         self.work, self.refs = work, refs
 
     def suite(self, spec: SuiteSpec, client: Client, cell: Cell, fidelity: FidelityRef):
-        from kvbench.suites.registry import needs_reference
+        from kvbench.suites import needs_reference
 
         if not needs_reference(spec.name):
             return self.work.suite(spec, client, cell, fidelity)

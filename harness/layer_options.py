@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from kvbench.core.kv_config import list_valued_options
-from kvbench.core.layer_formats import parse_layer_set, resolve_layer_dtypes
+from kvbench.core import list_valued_options
+from kvbench.core import parse_layer_set, resolve_layer_dtypes
 
 __all__ = ["LAYER_OPTIONS", "model_layers", "check_model_layers", "check_model_layers_overlap", "vllm_skip_words"]
 
@@ -44,7 +44,7 @@ def _model_config(ref: Optional[str]):
         return None
     try:
         if ref.startswith("synthetic:"):
-            from kvbench.runtime.models.synthetic import parse_synthetic
+            from kvbench.runtime import parse_synthetic
 
             cfg = parse_synthetic(ref)
         else:
@@ -52,7 +52,7 @@ def _model_config(ref: Optional[str]):
             f = p / "config.json"
             if not (p.is_dir() and f.is_file()):
                 return None
-            from kvbench.runtime.models.hf_config import from_hf_config
+            from kvbench.runtime import from_hf_config
 
             raw = json.loads(f.read_text(encoding="utf-8"))
             if not isinstance(raw, dict):

@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvbench.core.kv_config import KVConfig, is_kv_option, kv_option_names
-from kvbench.core.store import matches, parse_selector
-from kvbench.core.io import canonical_key
-from kvbench.harness.sweep_axes import cell_fields, entries
-from kvbench.harness.sweep_config import CELL_KEYS, DEFAULT_MODEL, SweepConfig, SweepConfigError
+from kvbench.core import KVConfig, is_kv_option, kv_option_names
+from kvbench.core import matches, parse_selector
+from kvbench.core import canonical_key
+from kvbench.harness.sweep.axes import cell_fields, entries
+from kvbench.harness.sweep.config import CELL_KEYS, DEFAULT_MODEL, SweepConfig, SweepConfigError
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def _aa_control_cells(sweep: SweepConfig, cells: list[Cell]) -> list[Cell]:
     They run last, each in a fresh engine, at a different concurrency (``aa_concurrency``), so the paired
     comparison of a cell with its control measures the stack's nondeterminism for that configuration
     (batching, scheduling, float reductions; a quantized cache can turn a last-bit difference into a
-    different token) — the floor under any delta (reports/discriminative.py)."""
+    different token) — the floor under any delta (reports/gate/discriminative.py)."""
     acc = [c for c in cells if c.run_accuracy]
     if not acc or not sweep.suites:
         return []

@@ -20,7 +20,7 @@ __all__ = ["looks_like_path", "check_model_ref"]
 def looks_like_path(ref: str) -> bool:
     """A reference that can only mean a local file or directory: it starts with ``.``, ``/`` or ``~``, ends
     with ``.gguf``, or holds a path separator without reading as a hub id."""
-    from kvbench.runtime.models.hub import HUB_ID
+    from kvbench.runtime import HUB_ID
 
     if ref.startswith((".", "/", "~")) or ref.lower().endswith(".gguf"):
         return True
@@ -35,7 +35,7 @@ def check_model_ref(ref: Optional[str]) -> None:
     pass (a hub id is fetched when the model loads)."""
     if ref is None or ref.startswith("synthetic:"):
         return
-    from kvbench.runtime.models.hub import cached_snapshot, hub_offline, is_hub_id, local_copy_hint
+    from kvbench.runtime import cached_snapshot, hub_offline, is_hub_id, local_copy_hint
 
     p = Path(ref).expanduser()
     if p.exists():

@@ -25,7 +25,7 @@ import random
 import time
 from typing import Iterator, Optional
 
-from kvbench.core.client import GenRequest, GenResult, RequestFailed, SamplingParams, ScoreRequest, ScoreResult
+from kvbench.core import GenRequest, GenResult, RequestFailed, SamplingParams, ScoreRequest, ScoreResult
 
 
 def _root(base_url: str) -> str:
@@ -305,7 +305,7 @@ class OpenAIClient:
     def tokenizer(self):
         """The server's tokenizer through its ``/tokenize`` route (``harness.prompt_tokenizer``); raises
         ``PromptTokenizerError`` (saying to pass ``--tokenizer``) when the server has none."""
-        from kvbench.suites.prompt_tokenizer import RemotePromptTokenizer
+        from kvbench.suites import RemotePromptTokenizer
 
         if getattr(self, "_prompt_tokenizer", None) is None:
             auth = self._http.headers.get("Authorization", "")

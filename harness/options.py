@@ -13,11 +13,11 @@ from typing import Callable, Optional
 
 import typer
 
-from kvbench.core.backends import PHASES, assert_supported, backend_names
-from kvbench.core.formats import AUTO_FORMAT, ENGINE_ALIASES, KV_SCALE_POLICIES, canonical_format, format_names
-from kvbench.harness.launch_options import external_backend_engines
+from kvbench.core import PHASES, assert_supported, backend_names
+from kvbench.core import AUTO_FORMAT, ENGINE_ALIASES, KV_SCALE_POLICIES, canonical_format, format_names
+from kvbench.harness.launch.options import external_backend_engines
 from kvbench.harness.layer_options import LAYER_OPTIONS, check_model_layers, check_model_layers_overlap
-from kvbench.runtime.config import ConfigError, EngineConfig
+from kvbench.runtime import ConfigError, EngineConfig
 
 _PANEL = "Engine"
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from kvbench.harness.matrix import Cell
-from kvbench.harness.sweep_config import SweepConfig, SweepConfigError
+from kvbench.harness.sweep.config import SweepConfig, SweepConfigError
 
 log = logging.getLogger(__name__)
 

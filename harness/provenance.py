@@ -7,7 +7,7 @@ import functools
 from pathlib import Path
 from typing import Optional
 
-from kvbench.harness.sweep_config import SweepConfig
+from kvbench.harness.sweep.config import SweepConfig
 
 _VERSIONED = ("kvbench", "torch", "triton", "transformers", "numpy", "flashinfer-python", "sglang", "vllm", "lm-eval")
 

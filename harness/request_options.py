@@ -9,20 +9,9 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable
 
-from kvbench.core.request_options import (  # noqa: F401
-    DEFAULT_MAX_RETRIES,
-    DEFAULT_TIMEOUT_S,
-    OWN_BODY_KEYS,
-    REASONING_EFFORTS,
-    REQUEST_KEYS,
-    RequestOptionsError,
-    apply_request,
-    describe_request,
-    effective_options,
-    merge_requests,
-)
+from kvbench.core import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, OWN_BODY_KEYS, REASONING_EFFORTS, REQUEST_KEYS, RequestOptionsError, apply_request, describe_request, effective_options, merge_requests
 from kvbench.harness.config_checks import _check_keys, _fail, _int, _mapping, _num
-from kvbench.suites.registry import PROMPT_STYLE_SUITES, prompt_styles
+from kvbench.suites import PROMPT_STYLE_SUITES, prompt_styles
 
 
 def parse_request(value: Any, path: str) -> dict:

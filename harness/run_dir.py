@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from kvbench.harness.matrix import Cell
-from kvbench.core.store import STATUS_DONE, RunStore
-from kvbench.harness.sweep_config import SweepConfig, SweepConfigError
+from kvbench.core import STATUS_DONE, RunStore
+from kvbench.harness.sweep.config import SweepConfig, SweepConfigError
 
 
 class RunInUseError(SweepConfigError):
@@ -121,7 +121,7 @@ def _backfill(prev: dict, cur: dict) -> dict:
     set to something else did not produce the old cells and still reads as a change."""
     from dataclasses import MISSING, fields
 
-    from kvbench.harness.sweep_specs import LoadSpec, SuiteSpec, TargetSpec
+    from kvbench.harness.sweep.specs import LoadSpec, SuiteSpec, TargetSpec
 
     def defaults(cls) -> dict:
         out = {}

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvbench.core.memory import release_memory, rss_bytes
+from kvbench.core import release_memory, rss_bytes
 from kvbench.harness.cell_work import CellWork, DefaultWork, FidelityRef  # noqa: F401 - re-exported
 from kvbench.harness.fidelity_refs import _BorrowedClient, FidelityGuardedWork, FidelityRefs  # noqa: F401 - re-exported
 from kvbench.harness.matrix import Cell, engine_options, expand, groups, select
@@ -36,12 +36,12 @@ from kvbench.harness.provenance import (  # noqa: F401 - re-exported
     package_versions,
 )
 from kvbench.harness.run_dir import RunInUseError, RunLock, _check_resume  # noqa: F401 - re-exported
-from kvbench.core.store import STATUS_DONE, STATUS_FAILED, RunStore
-from kvbench.core.io import atomic_write_text, remove_stale_temp_files
-from kvbench.harness.sweep_config import SweepConfig, SweepConfigError
-from kvbench.harness.sweep_display import SweepDisplay as _Display
+from kvbench.core import STATUS_DONE, STATUS_FAILED, RunStore
+from kvbench.core import atomic_write_text, remove_stale_temp_files
+from kvbench.harness.sweep.config import SweepConfig, SweepConfigError
+from kvbench.harness.sweep.display import SweepDisplay as _Display
 from kvbench.harness.targets import TargetSession, open_target, reap_stale
-from kvbench.suites.registry import PRIMARY_METRICS
+from kvbench.suites import PRIMARY_METRICS
 
 log = logging.getLogger(__name__)
 

@@ -3,10 +3,14 @@
 * ``embedded``: the in-process engine, ``EngineClient(EngineConfig)``; for the load test an
   OpenAI-compatible server (runtime/server.py) is started in-process on a free loopback port.
 * ``server``: an external server started from a launch template (placeholders and option flags:
-  harness/launch_options.py), waited on until its health URL answers,
+  harness/launch/options.py), waited on until its health URL answers,
   its stdout/stderr captured to a log file, its whole process group killed afterwards (the process
   handling: harness/processes.py).
-* ``endpoint``: an already-running OpenAI-compatible URL (nothing started, nothing killed).
+* ``endpoint``: an already-running OpenAI-compatible URL (nothing started, nothing killed); or several, the
+  data-parallel replicas of one server configuration (``base_url`` a list; harness/replica_set.py): each
+  health-checked and serving the same model, requests spread by ``ReplicaClient`` (harness/replica_client.py),
+  the flush sent to every replica, the capacity summed, ``base_url()`` a ``ReplicaURL`` for the load test
+  (harness/loadgen/replicas.py).
 
 ``open_target`` is a context manager; a session is opened once per cell group (all concurrency levels of
 one engine configuration) and closed even when a cell fails.
@@ -23,7 +27,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from kvbench.core.client import Client
+from kvbench.core import Client
 from kvbench.harness.processes import (  # noqa: F401 - re-exported for importers of this module
     _CAUSE_MARKS,
     _PRCTL,
@@ -39,8 +43,9 @@ from kvbench.harness.processes import (  # noqa: F401 - re-exported for importer
     spawn_logged,
     wait_healthy,
 )
+from kvbench.harness.replica_set import replica_urls
 from kvbench.harness.server_capacity import server_capacity
-from kvbench.harness.sweep_config import TargetSpec
+from kvbench.harness.sweep.config import TargetSpec
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +73,13 @@ def served_model_id(base_url: str, timeout: float = 10.0) -> str:
 
 
 def flush_cache(base_url: str, spec: Optional[str], api_key: Optional[str] = None) -> None:
-    """Flush a server's prefix cache (``'POST /flush_cache'`` style spec; None = nothing to flush)."""
+    """Flush a server's prefix cache (``'POST /flush_cache'`` style spec; None = nothing to flush); a
+    ``ReplicaURL``: every replica's."""
     if not spec:
+        return
+    if len(replica_urls(base_url)) > 1:
+        for url in replica_urls(base_url):
+            flush_cache(url, spec, api_key)
         return
     import httpx
 
@@ -154,7 +164,7 @@ def _in_process_server(engine, host: str = "127.0.0.1") -> Iterator[str]:
     """Serve ``engine`` over HTTP from a thread of this process (runtime/server.py's app under uvicorn)."""
     import uvicorn
 
-    from kvbench.runtime.server import create_app
+    from kvbench.runtime import create_app
 
     port = free_port(host)
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host=host, port=port, log_level="warning"))
@@ -174,7 +184,7 @@ def open_embedded(engine_kwargs: dict) -> Iterator[TargetSession]:
     from contextlib import ExitStack
 
     from kvbench.harness.engine_client import EngineClient
-    from kvbench.runtime.config import EngineConfig
+    from kvbench.runtime import EngineConfig
 
     client = EngineClient(EngineConfig(**engine_kwargs))
     engine = getattr(client, "engine", None)
@@ -208,12 +218,12 @@ def open_embedded(engine_kwargs: dict) -> Iterator[TargetSession]:
 
 # -------------------------------------------------------------------------------- server
 def render_launch(spec: TargetSpec, cell_config: dict, port: int, devices: Optional[list[int]] = None) -> str:
-    """The launch command of a cell group (harness/launch_options.py: placeholders filled and shell-quoted,
+    """The launch command of a cell group (harness/launch/options.py: placeholders filled and shell-quoted,
     names mapped through ``kv_dtype_map`` / ``backend_map``, ``option_flags`` and extra arguments added).
     ``devices``: the GPU ids the server was given (``{devices}``; default: the target's ``devices``, else
     0..tp_size-1).  A template that cannot carry the cell raises ``TargetError`` (the config check refuses
     such cells before any launch)."""
-    from kvbench.harness.launch_options import LaunchError, render_command
+    from kvbench.harness.launch.options import LaunchError, render_command
 
     try:
         return render_command(spec, cell_config, port, devices)
@@ -271,6 +281,10 @@ def open_server(spec: TargetSpec, cell_config: dict, log_path: Path,
 # ------------------------------------------------------------------------------ endpoint
 @contextmanager
 def open_endpoint(spec: TargetSpec) -> Iterator[TargetSession]:
+    if getattr(spec, "replicas", None):
+        with _open_replicas(spec) as session:
+            yield session
+        return
     url = spec.base_url
     wait_healthy(f"{url}{spec.health_path}", min(spec.health_timeout_s, 60.0))
     model_id = spec.model_id or served_model_id(url)
@@ -281,6 +295,36 @@ def open_endpoint(spec: TargetSpec) -> Iterator[TargetSession]:
                                            api_key=spec.api_key)
         yield TargetSession(client, model_id, url=url, flush=lambda: flush_cache(url, spec.flush_cache, spec.api_key),
                             capacity=capacity, info={"type": "endpoint", "url": url})
+    finally:
+        client.close()
+
+
+@contextmanager
+def _open_replicas(spec: TargetSpec) -> Iterator[TargetSession]:
+    """An endpoint target of several replicas: every one healthy (else a ``TargetError`` naming it) and
+    serving the same model (``check_same_model``); one client per replica behind a ``ReplicaClient``."""
+    from kvbench.harness.replica_client import ReplicaClient
+    from kvbench.harness.replica_set import ReplicaURL, check_same_model, replica_capacity
+
+    urls = list(spec.replicas)
+    for url in urls:
+        try:
+            wait_healthy(f"{url}{spec.health_path}", min(spec.health_timeout_s, 60.0))
+        except TargetError as e:
+            raise TargetError(f"replica {url} of target {spec.name!r} is not up: {e}") from None
+    try:
+        model_id = check_same_model(urls, spec.model_id, spec.api_key)
+    except (ValueError, ConnectionError) as e:
+        raise TargetError(f"target {spec.name!r}: {e}") from None
+    client = ReplicaClient([http_client(url, model_id, spec.api_key, spec) for url in urls])
+    try:
+        def capacity() -> Optional[dict]:
+            return replica_capacity(urls, [server_capacity(None, u, engine_kind=getattr(spec, "engine_kind", None),
+                                                           api_key=spec.api_key) for u in urls])
+
+        yield TargetSession(client, model_id, url=ReplicaURL(urls, spec.replica_load), capacity=capacity,
+                            flush=lambda: flush_cache(ReplicaURL(urls), spec.flush_cache, spec.api_key),
+                            info={"type": "endpoint", "url": urls[0], "replicas": urls, "replica_load": spec.replica_load})
     finally:
         client.close()
 

@@ -12,7 +12,7 @@ rather than send it down a path that would read its bytes as fp8.
 
 from __future__ import annotations
 
-from kvbench.core.formats import get_spec
+from kvbench.core import get_spec
 
 __all__ = ["FMT_PLAIN", "FMT_FP8", "FMT_NVFP4", "format_code"]
 

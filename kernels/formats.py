@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from kvbench.core.formats import BUILTIN_FORMATS, FORMAT_SPECS, FormatSpec, get_spec
+from kvbench.core import BUILTIN_FORMATS, FORMAT_SPECS, FormatSpec, get_spec
 
 __all__ = [
     "QuantizedKV",

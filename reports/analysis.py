@@ -16,10 +16,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from kvbench.reports import stats
+from kvbench.reports.stats import paired as stats
 from kvbench.reports.load import FIDELITY_SUITE, CellData, original_of
 from kvbench.reports.item_records import accuracy_suites, error_counts, error_keys, item_scores, paired_scores, suite_metrics
-from kvbench.suites.registry import primary_metric
+from kvbench.suites import primary_metric
 from kvbench.reports.long_context import LengthRow, RecoveryRow, length_row, length_suites, recovery_row
 from kvbench.reports.position import PositionRow, position_row
 

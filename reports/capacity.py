@@ -8,7 +8,7 @@ import math
 from typing import Optional
 
 from kvbench.reports.analysis import Analysis
-from kvbench.reports.plot_style import series_key
+from kvbench.reports.render.plot_style import series_key
 
 __all__ = ["planned_at_request", "load_request_sizes"]
 

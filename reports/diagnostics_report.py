@@ -16,11 +16,11 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from kvbench.core.io import atomic_write_text
-from kvbench.reports.diagnostics_plots import (DIAGNOSTICS_SCHEMA, heads_matrix, layer_mean, layer_rows,
+from kvbench.core import atomic_write_text
+from kvbench.reports.render.diagnostics_plots import (DIAGNOSTICS_SCHEMA, heads_matrix, layer_mean, layer_rows,
                                                skip_layer_indices, write_diagnostics_plots)
-from kvbench.reports.html_style import CSS as _CSS
-from kvbench.reports.html_style import img as _img
+from kvbench.reports.render.html_style import CSS as _CSS
+from kvbench.reports.render.html_style import img as _img
 from kvbench.reports.tables import Table, fmt_num
 
 __all__ = ["section_title", "summary_text", "top_layers", "top_layers_table", "capacity_table", "render_markdown",
@@ -53,7 +53,7 @@ def _pct(x: float, digits: int = 2) -> str:
 
 
 def section_title(diag: dict) -> str:
-    from kvbench.reports.diagnostics_plots import short_model
+    from kvbench.reports.render.diagnostics_plots import short_model
 
     return f"Where the error comes from: {short_model(diag.get('model', '?'), 60)} {diag.get('kv_dtype', '?')}"
 

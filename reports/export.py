@@ -69,13 +69,13 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from kvbench.core.io import atomic_write_text
-from kvbench.reports import stats
+from kvbench.core import atomic_write_text
+from kvbench.reports.stats import paired as stats
 from kvbench.reports.analysis import Analysis
 from kvbench.reports.diagnostics_export import (DIAGNOSTICS_COLUMNS, DIAGNOSTICS_TABLE, diagnostics_entries,
                                                 diagnostics_rows)
 from kvbench.reports.load import CellData
-from kvbench.suites.registry import primary_metric
+from kvbench.suites import primary_metric
 from kvbench.reports.long_context import AucEstimate, PairedAuc
 
 __all__ = ["SCHEMA_VERSION", "SECTIONS", "frames", "write_exports", "load_tables", "to_document"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from kvbench.reports.load import CellData
-from kvbench.suites.registry import needs_reference, primary_metric
+from kvbench.suites import needs_reference, primary_metric
 
 __all__ = ["item_scores", "is_error", "error_keys", "error_counts", "paired_scores", "accuracy_suites", "suite_metrics"]
 

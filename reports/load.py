@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from kvbench.core.formats import format_names, plain_names
-from kvbench.core.kv_config import kv_option_names, list_valued_options, options_text
-from kvbench.core.store import RunStore, StoreError, matches, parse_selector
+from kvbench.core import format_names, plain_names
+from kvbench.core import kv_option_names, list_valued_options, options_text
+from kvbench.core import RunStore, StoreError, matches, parse_selector
 
 __all__ = [
     "RunLoadError",

@@ -3,7 +3,7 @@ accuracy by context length, the area under the accuracy-vs-length curve, recover
 cell, and the length × depth grid of mean scores.
 
 The area under the curve (AUC) and its intervals (one cell's, and a candidate's paired against the
-baseline) are in ``reports/auc.py``, re-exported here.  Per-length paired deltas use ``stats.paired_delta``
+baseline) are in ``reports/stats/auc.py``, re-exported here.  Per-length paired deltas use ``stats.paired_delta``
 (Newcombe for 0/1 scores with one repeat).
 """
 
@@ -14,11 +14,11 @@ from typing import Optional
 
 import numpy as np
 
-from kvbench.reports import stats
-from kvbench.reports.auc import AucEstimate, PairedAuc, auc, auc_estimate, auc_weights, paired_auc  # noqa: F401
+from kvbench.reports.stats import paired as stats
+from kvbench.reports.stats.auc import AucEstimate, PairedAuc, auc, auc_estimate, auc_weights, paired_auc  # noqa: F401
 from kvbench.reports.load import FIDELITY_SUITE, CellData
 from kvbench.reports.item_records import item_scores
-from kvbench.suites.registry import primary_metric
+from kvbench.suites import primary_metric
 
 __all__ = ["LENGTH_FIELD", "length_suites", "scores_by_length", "auc_weights", "auc", "AucEstimate", "auc_estimate",
            "PairedAuc", "paired_auc", "LengthRow", "length_row", "RecoveryRow", "recovery_row", "Heatmap", "heatmap",

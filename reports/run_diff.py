@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from kvbench.core.kv_config import options_text
+from kvbench.core import options_text
 from kvbench.reports.load import CellData, RunData
 from kvbench.reports.item_records import accuracy_suites, item_scores
 

@@ -22,6 +22,10 @@ def _limit(x: Optional[float], digits: str = "g") -> str:
 
 
 def _conc(cell: CellData, s: dict) -> str:
+    if (s.get("replicas") or 1) > 1:  # data-parallel replicas: the concurrency each one got
+        per = s.get("concurrency_per_replica")
+        text = "∞" if per is None else _limit(per)
+        return f"{text} × {s['replicas']} replicas" + (", each" if s.get("replica_load") == "each" else "")
     if s.get("max_concurrency") is not None:
         return _limit(s["max_concurrency"])
     return str(cell.concurrency) if cell.concurrency is not None else "—"
@@ -67,6 +71,14 @@ def _load_warnings(a: Analysis) -> list[str]:
     return list(dict.fromkeys(out + ([loaded] if loaded else [])))
 
 
+def _replica_note(a: Analysis) -> str:
+    if not any((s.get("replicas") or 1) > 1 for _, s in a.serving):
+        return ""
+    return (" (\"c × N replicas\": c requests in flight on each of N data-parallel replicas of one server configuration; "
+            "one load test over all of them at once, num_prompts and rate × N, throughputs their sum; \", each\": one "
+            "replica at a time, figures pooled over them, throughputs the mean per replica)")
+
+
 def load_table(a: Analysis) -> Table:
     rows = []
     for cell, s in _ordered(a):
@@ -91,7 +103,7 @@ def load_table(a: Analysis) -> Table:
         ["series", "conc.", "rate (req/s)", "burstiness", "ok/failed", "req/s", "out tok/s", "out tok/s × base",
          "total tok/s", "goodput req/s", "peak conc.", "max running w/o queue", "peak KV", "preemptions", "repeats",
          "machine load"], rows,
-        note="conc.: the load test's concurrency cap; rate: configured arrival rate (∞ = all requests at once); "
+        note="conc.: the load test's concurrency cap" + _replica_note(a) + "; rate: configured arrival rate (∞ = all requests at once); "
              "burstiness: gamma shape of the inter-arrival times (1 = Poisson). Throughputs, goodput and peak "
              f"concurrency (most requests in flight at the client) are recomputed from requests.jsonl; goodput: {goodput}. "
              "With several repeats (load.repeats) a figure is the median over the repeats, with the lowest and highest "

@@ -10,7 +10,9 @@
 - copied from ``summary.json``'s ``load`` entry: the arrival settings (``request_rate``, ``burstiness``,
   ``max_concurrency``, ``num_prompts``, dataset and lengths; stores from before they were recorded there
   fall back to ``load.config``) and the server's ``/metrics`` samples (``load.server_metrics``: most requests
-  running, most running while none waited, peak KV usage, preemptions during the run).
+  running, most running while none waited, peak KV usage, preemptions during the run);
+- on a target of several data-parallel replicas only: ``replicas`` (N), ``replica_load`` (``aggregate``: one
+  load test over all of them at once; ``each``: one at a time) and ``concurrency_per_replica``.
 
 With repeated load tests (``load.repeats``; each request record carries its ``repeat``) every repeat is
 recomputed from its own records and the repeats are combined (``core.serving_repeats``): medians, counts added
@@ -26,8 +28,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from kvbench.core.serving_metrics import summarize
-from kvbench.core.serving_repeats import combine_machine, combine_summaries, group_by_repeat
+from kvbench.core import summarize
+from kvbench.core import combine_machine, combine_summaries, group_by_repeat
 from kvbench.reports.load import CellData
 
 __all__ = ["serving_summary", "LATENCY_METRICS", "LATENCY_STATS", "SETTING_KEYS", "SERVER_KEYS"]
@@ -118,6 +120,8 @@ def serving_summary(cell: CellData) -> dict:
     sm = load.get("server_metrics") or {}
     for key in SERVER_KEYS:
         out[key] = sm.get(key) if sm.get("available") else None
+    if isinstance(load.get("replicas"), int) and load["replicas"] > 1:  # data-parallel replicas (docs/scale-out.md)
+        out.update({k: load.get(k) for k in ("replicas", "replica_load", "concurrency_per_replica")})
     return out
 
 

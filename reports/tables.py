@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvbench.reports.analysis import Analysis
-from kvbench.reports.discriminative import delta_blind
+from kvbench.reports.gate.discriminative import delta_blind
 from kvbench.reports.load import CellData, kv_text
 from kvbench.reports.item_records import accuracy_suites, error_counts
-from kvbench.suites.registry import primary_metric
+from kvbench.suites import primary_metric
 
 __all__ = ["Table", "html_text", "fmt_pct", "fmt_pp", "fmt_p", "fmt_num", "fmt_errors"]
 

@@ -19,15 +19,15 @@ from typing import Optional
 
 import numpy as np
 
-from kvbench.reports import stats
+from kvbench.reports.stats import paired as stats
 from kvbench.reports.analysis import Analysis, FidelityRow
-from kvbench.reports.discriminative import errored, scores
-from kvbench.reports.gate import (Check, GateError, GateResult, GateThresholds, merge_gate_config, run_gate)
+from kvbench.reports.gate.discriminative import errored, scores
+from kvbench.reports.gate.check import (Check, GateError, GateResult, GateThresholds, merge_gate_config, run_gate)
 from kvbench.reports.load import CellData, RunData, selector_text
-from kvbench.suites.registry import primary_metric
+from kvbench.suites import primary_metric
 from kvbench.reports.long_context import RecoveryRow
 from kvbench.reports.capacity import load_request_sizes, planned_at_request
-from kvbench.reports.plots import series_key
+from kvbench.reports.render.plots import series_key
 
 __all__ = ["Ratio", "SuiteLine", "ServingLine", "Capacity", "Verdict", "Verdicts", "build_verdicts", "paired_ratio", "verdict_records",
            "cell_selector", "LATENCY_KEYS"]
@@ -152,7 +152,7 @@ class Verdict:
 
     @property
     def reasons(self) -> list[str]:
-        from kvbench.reports.gate_output import check_name
+        from kvbench.reports.gate.output import check_name
 
         def name(c: Check) -> str:
             if c.kind == "accuracy":
@@ -182,7 +182,7 @@ class Verdicts:
 
 def _selector_view(cfg: dict) -> dict:
     """A cell config with its KV entry's options beside the top-level keys (``none`` where one is not set)."""
-    from kvbench.core.kv_config import kv_option_names
+    from kvbench.core import kv_option_names
 
     out = {k: v for k, v in cfg.items() if k != "options"}
     opts = cfg.get("options") or {}
@@ -301,7 +301,7 @@ def verdict_records(v: Optional[Verdicts]) -> dict[str, list[dict]]:
     """The verdicts and the gate's checks as flat rows for the machine-readable tables (``reports.export``)."""
     if v is None:
         return {}
-    from kvbench.reports.gate_output import check_json
+    from kvbench.reports.gate.output import check_json
 
     cards = []
     for card in v.cards:

@@ -7,8 +7,8 @@ import html
 import math
 from typing import Optional
 
-from kvbench.reports.gate_output import check_name
-from kvbench.reports.gate_plan import plan_result, plan_row, PLAN_COLUMNS
+from kvbench.reports.gate.output import check_name
+from kvbench.reports.gate.plan import plan_result, plan_row, PLAN_COLUMNS
 from kvbench.reports.tables import Table, fmt_num, fmt_pct, fmt_pp, html_text
 from kvbench.reports.verdict import Ratio, Verdict, Verdicts
 
@@ -103,7 +103,7 @@ def _accuracy_table(card: Verdict, conf: float) -> Table:
 
 
 def _primary(suite: str) -> str:
-    from kvbench.suites.registry import primary_metric
+    from kvbench.suites import primary_metric
 
     return primary_metric(suite)
 

@@ -7,9 +7,9 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Optional
 
-from kvbench.core.backends import backend_names
-from kvbench.core.formats import KV_SCALE_POLICIES, format_names, get_spec
-from kvbench.core.kv_config import KV_OPTIONS, QUERY_QUANT_MODES, KVConfig, query_quant_mode
+from kvbench.core import backend_names
+from kvbench.core import KV_SCALE_POLICIES, format_names, get_spec
+from kvbench.core import KV_OPTIONS, QUERY_QUANT_MODES, KVConfig, query_quant_mode
 
 # KV formats and attention backends are the tables' (kvbench.core.formats / core.backends): read them when
 # validating, so a format registered after this import is accepted too.

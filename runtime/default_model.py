@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
-from kvbench.core.io import cache_dir
+from kvbench.core import cache_dir
 
 __all__ = ["DEFAULT_MODEL_ID", "WHEEL_NAME", "WHEEL_VERSION", "GGUF_MEMBER", "cache_dir", "default_model_path"]
 

@@ -20,8 +20,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from kvbench.core.layer_formats import (SKIP_FORMAT, canonical_skip_layers, format_layer_list, mixed_bytes_per_token,
-                                        parse_layer_set, resolve_layer_dtypes)
+from kvbench.core import SKIP_FORMAT, canonical_skip_layers, format_layer_list, mixed_bytes_per_token, parse_layer_set, resolve_layer_dtypes
 from kvbench.runtime.config import EngineConfig, context_length
 
 __all__ = ["REF_CACHE_BYTES", "TextIds", "KLMeter", "load_for", "run_config", "capacity_rows", "capacity_basis"]

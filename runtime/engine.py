@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from kvbench.core.client import SamplingParams, ScoreResult
+from kvbench.core import SamplingParams, ScoreResult
 from kvbench.runtime.config import EngineConfig
 from kvbench.runtime.engine_api import CapacityReport, EngineStats, RequestOutput, StreamDelta
 from kvbench.runtime.models.engine_setup import build_engine_parts

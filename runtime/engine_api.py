@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Protocol, Sequence
 
-from kvbench.core.client import SamplingParams  # re-exported: one definition of sampling params
+from kvbench.core import SamplingParams
 
 __all__ = [
     "SamplingParams",

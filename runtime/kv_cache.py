@@ -24,8 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvbench.core.formats import get_spec
-from kvbench.kernels.formats import KVFormat, QuantizedKV, get_format
+from kvbench.core import get_spec
+from kvbench.kernels import KVFormat, QuantizedKV, get_format
 from kvbench.runtime.config import KVCacheSpec
 
 __all__ = [

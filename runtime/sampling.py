@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvbench.core.client import SamplingParams
+from kvbench.core import SamplingParams
 
 __all__ = ["SampleRow", "SampleOutput", "sample", "validate_params"]
 

@@ -13,8 +13,8 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from kvbench.core.formats import get_spec
-from kvbench.kernels.formats import get_format, scale_from_amax
+from kvbench.core import get_spec
+from kvbench.kernels import get_format, scale_from_amax
 
 log = logging.getLogger("kvbench.scales")
 

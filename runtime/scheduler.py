@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from kvbench.core.client import SamplingParams
+from kvbench.core import SamplingParams
 from kvbench.runtime.kv_cache import PageAllocator, pages_needed
 
 if TYPE_CHECKING:

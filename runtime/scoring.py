@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from kvbench.core.client import SamplingParams, ScoreResult
+from kvbench.core import SamplingParams, ScoreResult
 from kvbench.runtime.scheduler import SeqKind
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from math import comb
 
-from kvbench.core.client import GenRequest, SamplingParams
+from kvbench.core import GenRequest, SamplingParams
 from kvbench.suites import eval_styles as styles
 from kvbench.suites.base import GenerationTask, Item, Scored, SuiteOptions
 from kvbench.suites.data import HubSource, load_rows

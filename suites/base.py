@@ -13,9 +13,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from kvbench.core.client import GenRequest, GenResult, SamplingParams
-from kvbench.core.records import check_record
-from kvbench.core.request_options import REQUEST_KEYS, apply_request, describe_request, effective_options
+from kvbench.core import GenRequest, GenResult, SamplingParams
+from kvbench.core import check_record
+from kvbench.core import REQUEST_KEYS, apply_request, describe_request, effective_options
 
 
 class SuiteError(RuntimeError):

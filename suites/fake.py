@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from kvbench.core.client import GenRequest, GenResult, ScoreRequest, ScoreResult
+from kvbench.core import GenRequest, GenResult, ScoreRequest, ScoreResult
 
 ALPHABET = string.printable + "\x00"  # 100 printable symbols + an "unknown" symbol
 VOCAB = len(ALPHABET)

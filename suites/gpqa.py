@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 
-from kvbench.core.client import GenRequest, SamplingParams
+from kvbench.core import GenRequest, SamplingParams
 from kvbench.suites import eval_styles as styles
 from kvbench.suites.base import GenerationTask, Item, Scored, SuiteOptions
 from kvbench.suites.data import DataError, HubSource, load_rows

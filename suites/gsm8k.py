@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from typing import Optional
 
-from kvbench.core.client import GenRequest, SamplingParams
+from kvbench.core import GenRequest, SamplingParams
 from kvbench.suites.base import GenerationTask, Item, Scored, SuiteError, SuiteOptions
 from kvbench.suites.data import HubSource, load_rows
 from kvbench.suites.extract import (

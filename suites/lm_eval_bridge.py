@@ -22,9 +22,9 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from kvbench.core.client import Client, GenRequest, SamplingParams, ScoreRequest, classify_error
-from kvbench.core.request_options import effective_options
-from kvbench.core.io import prompt_hash
+from kvbench.core import Client, GenRequest, SamplingParams, ScoreRequest, classify_error
+from kvbench.core import effective_options
+from kvbench.core import prompt_hash
 from kvbench.suites.base import SuiteError, SuiteOptions, SuiteResult, summarize_records
 from kvbench.suites.extract import INVALID
 

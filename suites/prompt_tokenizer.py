@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional, Protocol, Sequence
 
-from kvbench.core.client import GenRequest
+from kvbench.core import GenRequest
 
 
 class PromptTokenizerError(ValueError):
@@ -164,7 +164,7 @@ class RemotePromptTokenizer:
 
 def load_prompt_tokenizer(spec: str) -> PromptTokenizer:
     """``--tokenizer``: a directory (HF files or one .gguf), a tokenizer.json, a .gguf file, or a hub name."""
-    from kvbench.core.tokenizer import load_tokenizer
+    from kvbench.core import load_tokenizer
 
     p = Path(spec).expanduser()
     try:
@@ -196,7 +196,7 @@ def _hub_tokenizer(name: str) -> PromptTokenizer:
 
     import httpx
 
-    from kvbench.core.tokenizer import Tokenizer
+    from kvbench.core import Tokenizer
 
     def load(local_only: bool):
         from transformers import AutoTokenizer

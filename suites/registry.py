@@ -2,7 +2,7 @@
 
 Generation suites: ``gsm8k``, ``gsm8k_cot``, ``gsm8k_chat``, ``aime24``, ``aime25``, ``gpqa_diamond``, and
 ``ruler`` (synthetic long-context tasks built with the target's tokenizer, options in ``opts.extra``: see
-suites/ruler_params.py).  ``fidelity`` needs a reference (``FidelityContext``); ``lm_eval:<task>`` runs any
+suites/ruler/params.py).  ``fidelity`` needs a reference (``FidelityContext``); ``lm_eval:<task>`` runs any
 lm-eval task.
 ``--protocol`` picks a variant of a suite (``gsm8k`` + ``cot`` → ``gsm8k_cot``).
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvbench.core.client import Client
+from kvbench.core import Client
 from kvbench.suites.base import GenerationTask, SuiteError, SuiteOptions, SuiteResult
 
 
@@ -76,7 +76,7 @@ REFERENCE_SUITES = ("fidelity",)
 
 
 def _ruler_params(params: dict) -> None:
-    from kvbench.suites.ruler_params import parse_params
+    from kvbench.suites.ruler.params import parse_params
 
     parse_params(params)
 
@@ -156,7 +156,7 @@ def resolve(name: str, protocol: Optional[str] = None) -> str:
 
 @dataclass
 class FidelityContext:
-    """How the fidelity suite finds its reference (see suites/fidelity.py)."""
+    """How the fidelity suite finds its reference (see suites/fidelity/suite.py)."""
 
     label: str
     make_client: Callable[[], Client]
@@ -183,7 +183,7 @@ def run_suite(name: str, client: Client, opts: SuiteOptions, ctx: Optional[RunCo
     if needs_reference(name):
         if ctx.fidelity is None:
             raise SuiteError("the fidelity suite needs a reference configuration")
-        from kvbench.suites.fidelity import FidelitySuite, Reference
+        from kvbench.suites.fidelity.suite import FidelitySuite, Reference
 
         f = ctx.fidelity
         suite = FidelitySuite(Reference(f.label, f.make_client, f.key), f.cache_dir, f.top_k, f.greedy_tokens, f.exact)
@@ -191,7 +191,7 @@ def run_suite(name: str, client: Client, opts: SuiteOptions, ctx: Optional[RunCo
     from kvbench.suites.runner import run_generation
 
     if name == "ruler":
-        from kvbench.suites.ruler import make_ruler
+        from kvbench.suites.ruler.suite import make_ruler
 
         return run_generation(make_ruler(client, opts), client, opts)
     if name not in GENERATION_SUITES:

@@ -9,7 +9,7 @@ from typer.main import get_command
 from typer.testing import CliRunner
 
 from kvbench.core.formats import ENGINE_ALIASES, canonical_format, format_names
-from kvbench.harness.launch_options import EXTERNAL_BACKENDS, external_backend_engines
+from kvbench.harness.launch.options import EXTERNAL_BACKENDS, external_backend_engines
 from kvbench.harness.options import ENGINE_ALIAS_PARAMS, ENGINE_PARAMS, engine_options
 from kvbench.core.io import canonical_key
 
@@ -145,7 +145,7 @@ def test_real_commands_carry_the_aliases():
 
 def test_sweep_kv_entries_take_engine_spellings_with_the_same_cell_keys():
     from kvbench.harness.matrix import expand
-    from kvbench.harness.sweep_config import parse_config
+    from kvbench.harness.sweep.config import parse_config
 
     def keys(kv):
         raw = {"engine": {"device": "cpu"}, "axes": {"backends": ["torch"], "kv": kv, "concurrency": [1]}}

@@ -11,9 +11,13 @@ import pytest
 from kvbench.core.kv_config import kv_option_names
 
 from kvbench.core.request_options import REQUEST_KEYS
-from kvbench.harness import cell_diagnostics, launch_options, sweep_axes, sweep_config, sweep_specs
-from kvbench.harness.sweep_config import SweepConfigError
-from kvbench.suites import ruler_params
+from kvbench.harness import cell_diagnostics
+from kvbench.harness.launch import options as launch_options
+from kvbench.harness.sweep import axes as sweep_axes
+from kvbench.harness.sweep import config as sweep_config
+from kvbench.harness.sweep import specs as sweep_specs
+from kvbench.harness.sweep.config import SweepConfigError
+from kvbench.suites.ruler import params as ruler_params
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 

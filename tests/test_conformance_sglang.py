@@ -45,7 +45,7 @@ def sweep(tmp_path: Path, model, launch: str = LAUNCH, **over) -> dict:
 
 
 def test_sglang_sweep_conformance(tmp_path):
-    from kvbench.harness.sweep_config import parse_config
+    from kvbench.harness.sweep.config import parse_config
 
     model = make_model(tmp_path)
     raw = sweep(tmp_path, str(model))
@@ -201,7 +201,7 @@ def test_session_of_an_sglang_server_errors_and_capacity(tmp_path):
     """open_server straight: the engine's 400 body reaches the client as an http error with its message; the
     session's capacity() reads this launch's lines (not an earlier launch's in the same log) and /metrics."""
     from kvbench.core.client import GenRequest, SamplingParams
-    from kvbench.harness.sweep_config import parse_config
+    from kvbench.harness.sweep.config import parse_config
     from kvbench.harness.targets import open_server
 
     model = make_model(tmp_path)

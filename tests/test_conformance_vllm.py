@@ -80,7 +80,7 @@ def test_vllm_sweep_conformance(tmp_path):
                     {"backends": "TRITON_ATTN", "kv": "bf16"},
                     {"backends": {"backend": "FLASHINFER", "extra_args": "--enforce-eager"},
                      "kv": {"dtype": "fp8_e4m3", "scales": "calibrate"}}]})
-    from kvbench.harness.sweep_config import parse_config
+    from kvbench.harness.sweep.config import parse_config
 
     assert parse_config(raw).targets[0].engine_kind == "vllm"  # sniffed from the launch text
     t0 = time.monotonic()
@@ -225,7 +225,7 @@ def test_an_endpoint_target_gets_capacity_from_metrics(tmp_path):
     /metrics (vllm:cache_config_info: blocks x block size), like a server target."""
     import subprocess
 
-    from kvbench.harness.sweep_specs import TargetSpec
+    from kvbench.harness.sweep.specs import TargetSpec
     from kvbench.harness.targets import free_port, kill_group, open_endpoint
 
     model = make_model(tmp_path)

@@ -95,7 +95,7 @@ def test_cli_help_is_generated_from_the_tables():
 
 
 def test_suite_names_come_from_the_registry():
-    from kvbench.harness.sweep_config import SweepConfigError, parse_config
+    from kvbench.harness.sweep.config import SweepConfigError, parse_config
     from kvbench.suites.registry import is_suite_name, prompt_styles, suite_names
 
     assert suite_names()[:6] == ["gsm8k", "gsm8k_cot", "gsm8k_chat", "aime24", "aime25", "gpqa_diamond"]

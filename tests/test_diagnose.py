@@ -135,7 +135,7 @@ def _data_dir(tmp_path):
 
 def test_command_writes_diagnosis_report_and_a_confirm_sweep_that_loads(tmp_path):
     from kvbench.harness.cli import app
-    from kvbench.harness.sweep_config import load_config
+    from kvbench.harness.sweep.config import load_config
     from kvbench.harness.matrix import expand
 
     out = tmp_path / "diag"
@@ -167,7 +167,7 @@ def test_sweep_cells_carry_diagnostics_and_the_report_draws_them(tmp_path):
     from kvbench.harness.matrix import expand
     from kvbench.harness.runner import run_sweep
     from kvbench.core.store import RunStore
-    from kvbench.harness.sweep_config import SweepConfigError, parse_config
+    from kvbench.harness.sweep.config import SweepConfigError, parse_config
     from kvbench.harness.cli import app
 
     raw = {
@@ -239,7 +239,7 @@ def test_a_map_with_per_layer_formats_is_diagnosed_layer_by_layer():
     """nvfp4 with layer 0 in bf16 and layer 2 in fp8_e4m3: leave-one-out also switches layer 2 (a format of its
     own) to bf16, and the suggestion is spelled as options an engine and a sweep accept."""
     from kvbench.harness.diagnose_confirm import confirm_config
-    from kvbench.harness.sweep_config import parse_config
+    from kvbench.harness.sweep.config import parse_config
 
     loaded = load_model(MODEL, seed=4)
     cfg = EngineConfig(model=MODEL, kv_dtype="nvfp4", kv_scales="calibrate", kv_dtype_skip_layers="0", kv_layer_dtypes="2:fp8_e4m3")

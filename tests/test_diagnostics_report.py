@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.reports import diagnostics_plots as dp
+from kvbench.reports.render import diagnostics_plots as dp
 from kvbench.reports import diagnostics_report as dr
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvbench.core.client import GenRequest, GenResult, RequestFailed, classify_error
-from kvbench.reports import stats
+from kvbench.reports.stats import paired as stats
 from kvbench.reports.analysis import analyze
 from kvbench.reports.load import CellData
 from kvbench.reports.item_records import accuracy_suites, error_counts, error_keys, is_error, item_scores, paired_scores

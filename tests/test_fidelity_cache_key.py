@@ -1,4 +1,4 @@
-"""The fidelity reference cache key (suites/fidelity_cache.py, harness/fidelity_key.py, core/model_identity.py):
+"""The fidelity reference cache key (suites/fidelity/cache.py, harness/fidelity_key.py, core/model_identity.py):
 a model rewritten at the same path is a miss that says why, logits-changing engine settings are misses,
 scheduling-only settings and concurrency are hits, and the size cap evicts least recently used entries."""
 
@@ -16,9 +16,9 @@ from kvbench.harness.fidelity_key import embedded_reference_key, server_referenc
 from kvbench.runtime.config import EngineConfig
 from kvbench.suites.base import SuiteOptions
 from kvbench.suites.fake import FakeClient
-from kvbench.suites.fidelity import FidelitySuite, Reference
-from kvbench.suites.fidelity_cache import MAX_MB_ENV, ReferenceCache, entry_key
-from kvbench.suites.fidelity_ref import RefText, Text
+from kvbench.suites.fidelity.suite import FidelitySuite, Reference
+from kvbench.suites.fidelity.cache import MAX_MB_ENV, ReferenceCache, entry_key
+from kvbench.suites.fidelity.ref import RefText, Text
 
 MB = 2**20
 
@@ -60,7 +60,7 @@ def test_gguf_rewritten_at_the_same_path_rebuilds_the_reference(tmp_path, caplog
     _run(tmp_path / "cache", key, refs)
     assert refs.made == 1  # the second run read the cache
     _write(model, seed=2, keep_mtime_of=model)  # "re-quantized" in place: same size, same mtime
-    with caplog.at_level(logging.INFO, logger="kvbench.suites.fidelity"):
+    with caplog.at_level(logging.INFO, logger="kvbench.suites.fidelity.suite"):
         _run(tmp_path / "cache", key, refs)
     assert refs.made == 2, "a rewritten model file must not reuse the cached reference"
     assert any("model file changed since the cached reference" in r.getMessage() and "content hash changed" in r.getMessage()
@@ -146,7 +146,7 @@ def test_logits_changing_settings_miss_scheduling_settings_hit(tmp_path):
 def test_sweep_reference_key_ignores_concurrency(tmp_path):
     from kvbench.harness.fidelity_refs import FidelityRefs
     from kvbench.harness.matrix import expand
-    from kvbench.harness.sweep_config import parse_config
+    from kvbench.harness.sweep.config import parse_config
 
     cfg = parse_config({"model": "synthetic:llama-3.2-1b,layers=1", "engine": {"device": "cpu"},
                         "axes": {"kv": ["bf16", "fp8_e4m3"], "concurrency": [1, 4]},
@@ -164,7 +164,7 @@ def test_sweep_reference_key_ignores_concurrency(tmp_path):
 
 
 def test_server_key_holds_the_served_model_and_a_local_model_path(tmp_path):
-    from kvbench.harness.sweep_specs import TargetSpec
+    from kvbench.harness.sweep.specs import TargetSpec
 
     model = tmp_path / "m.gguf"
     _write(model, seed=4, size=MB)

@@ -1,5 +1,5 @@
 """Top-k and gathered log-probs taken in the engine as rows are computed (no [T, V] tensor) equal what full rows
-give, and the fidelity suite gets the same figures from either path (suites/fidelity.py, runtime/engine.py)."""
+give, and the fidelity suite gets the same figures from either path (suites/fidelity/suite.py, runtime/engine.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from kvbench.core.client import ScoreRequest
 from kvbench.harness.engine_client import EngineClient
 from kvbench.runtime.config import EngineConfig
 from kvbench.suites.base import SuiteOptions
-from kvbench.suites.fidelity import FidelitySuite, Reference
-from kvbench.suites.fidelity_ref import Text, topk_from_full
+from kvbench.suites.fidelity.suite import FidelitySuite, Reference
+from kvbench.suites.fidelity.ref import Text, topk_from_full
 
 MODEL = "synthetic:llama-3.2-1b,layers=2,hidden=64,heads=2,kv_heads=1,head_dim=32,intermediate_size=128,vocab=600"
 
@@ -88,7 +88,7 @@ def test_exact_rows_budget_bounds_texts_in_flight():
     import threading
     import time
 
-    from kvbench.suites.fidelity_ref import RowBudget
+    from kvbench.suites.fidelity.ref import RowBudget
 
     budget, lock, state = RowBudget(100), threading.Lock(), {"now": 0, "max": 0}
 

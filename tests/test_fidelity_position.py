@@ -11,9 +11,9 @@ import pytest
 
 from kvbench.suites.base import SuiteError, SuiteOptions
 from kvbench.suites.fake import FakeClient, tokenize
-from kvbench.suites.fidelity import FidelitySuite, Reference
-from kvbench.suites.fidelity_metrics import bucket_edges, by_position_sums, pooled_by_position
-from kvbench.suites.fidelity_texts import LongTextSpec, build_long_texts, fit_to_tokens, long_text_spec
+from kvbench.suites.fidelity.suite import FidelitySuite, Reference
+from kvbench.suites.fidelity.metrics import bucket_edges, by_position_sums, pooled_by_position
+from kvbench.suites.fidelity.texts import LongTextSpec, build_long_texts, fit_to_tokens, long_text_spec
 
 QUESTIONS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
              "clips did Natalia sell altogether in April and May?",

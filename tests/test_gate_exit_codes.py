@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from kvbench.harness.cli import app
 from kvbench.core.store import RunStore
 from kvbench.core.io import read_jsonl
-from kvbench.reports import stats
+from kvbench.reports.stats import paired as stats
 from kvbench.reports.load import load_run, select
 from kvbench.reports.item_records import item_scores
 

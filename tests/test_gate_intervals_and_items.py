@@ -18,13 +18,13 @@ from kvbench.harness.cli import app
 from kvbench.harness.runner import run_sweep
 from kvbench.core.store import RunStore
 from kvbench.core.io import read_jsonl
-from kvbench.harness.sweep_config import parse_config
+from kvbench.harness.sweep.config import parse_config
 from kvbench.harness.targets import TargetSession
-from kvbench.reports import stats
+from kvbench.reports.stats import paired as stats
 from kvbench.reports.analysis import _fidelity, analyze
-from kvbench.reports.gate import GateError, GateThresholds, gate_one, run_gate
+from kvbench.reports.gate.check import GateError, GateThresholds, gate_one, run_gate
 from kvbench.reports.load import CellData, load_run
-from kvbench.suites import fidelity_metrics as fm
+from kvbench.suites.fidelity import metrics as fm
 from kvbench.suites.fake import FakeClient
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -75,7 +75,7 @@ def test_gate_refuses_mismatched_item_sets(mismatched_run):
 
 
 def test_rate_check_is_not_dropped_on_mismatch():
-    from kvbench.reports.gate import _rate_check
+    from kvbench.reports.gate.check import _rate_check
 
     base = _cell("bf16", [True] * 10)
     cand = _cell("fp8", [True] * 10)

@@ -15,8 +15,8 @@ from kvbench.harness.cli import app
 from kvbench.harness.config_checks import SweepConfigError
 from kvbench.core.store import RunStore
 from kvbench.core.io import read_jsonl
-from kvbench.harness.sweep_specs import SuiteSpec, _gate
-from kvbench.reports import stats
+from kvbench.harness.sweep.specs import SuiteSpec, _gate
+from kvbench.reports.stats import paired as stats
 from kvbench.reports.load import load_run, select
 from kvbench.reports.item_records import item_scores
 from kvbench.reports.long_context import paired_auc, scores_by_length

@@ -1,4 +1,4 @@
-"""Gate thresholds (merging config sections) and metric selection in reports/gate.py."""
+"""Gate thresholds (merging config sections) and metric selection in reports/gate/check.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.reports.gate import GateError, GateThresholds, merge_gate_config, run_gate
+from kvbench.reports.gate.check import GateError, GateThresholds, merge_gate_config, run_gate
 from kvbench.reports.load import load_run
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -75,7 +75,7 @@ def _cell(key, correct):
 
 
 def test_inconclusive_versus_clear_failure():
-    from kvbench.reports.gate import gate_one, summary_line, GateResult
+    from kvbench.reports.gate.check import gate_one, summary_line, GateResult
 
     base = _cell("bf16", [True] * 10 + [False] * 10)
     same_mean = _cell("fp8", [False] + [True] * 9 + [True] + [False] * 9)  # one lost, one gained: Δ = 0
@@ -91,6 +91,6 @@ def test_inconclusive_versus_clear_failure():
 
 def test_rate_increase_limits_may_be_unset():
     """A config may leave a rate limit null: validation does not compare None with a number."""
-    from kvbench.reports.gate import GateThresholds
+    from kvbench.reports.gate.check import GateThresholds
 
     GateThresholds(max_invalid_rate_increase=None, max_truncation_rate_increase=None).validate()

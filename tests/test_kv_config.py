@@ -10,7 +10,7 @@ from kvbench.core.io import canonical_key
 from kvbench.core.kv_config import KVConfig, KVOption, kv_option_names, register_kv_option, unregister_kv_option
 from kvbench.core.store import matches, parse_selector
 from kvbench.harness.matrix import engine_options, expand, groups
-from kvbench.harness.sweep_config import SweepConfigError, parse_config
+from kvbench.harness.sweep.config import SweepConfigError, parse_config
 from kvbench.harness.targets import render_launch
 from kvbench.reports.load import CellData, assign_short_labels
 from kvbench.runtime.config import EngineConfig

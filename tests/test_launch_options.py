@@ -1,5 +1,5 @@
-"""Every cell option reaches a server's launch command or the config is refused (harness/launch_options.py,
-harness/sweep_axes.py): placeholders, option_flags, extra arguments, engine backend names, refusals with the
+"""Every cell option reaches a server's launch command or the config is refused (harness/launch/options.py,
+harness/sweep/axes.py): placeholders, option_flags, extra arguments, engine backend names, refusals with the
 key path and what to add, and --dry-run / a real sweep refusing the same configs."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
-from kvbench.harness.launch_options import sniff_engine_kind
+from kvbench.harness.launch.options import sniff_engine_kind
 from kvbench.harness.matrix import expand, groups
-from kvbench.harness.sweep_config import SweepConfigError, TargetSpec, parse_config
+from kvbench.harness.sweep.config import SweepConfigError, TargetSpec, parse_config
 from kvbench.harness.targets import TargetError, render_launch
 
 SGL = ("python -m sglang.launch_server --model-path {model} --port {port} --tp-size {tp_size} "

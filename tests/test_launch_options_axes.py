@@ -12,7 +12,7 @@ import pytest
 from kvbench.harness.matrix import expand, groups
 from kvbench.harness.runner import run_sweep
 from kvbench.core.store import RunStore
-from kvbench.harness.sweep_config import SweepConfigError, load_config, parse_config
+from kvbench.harness.sweep.config import SweepConfigError, load_config, parse_config
 from kvbench.harness.targets import TargetSession
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

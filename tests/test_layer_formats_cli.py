@@ -19,10 +19,10 @@ from kvbench.core.layer_formats import (canonical_layer_dtypes, canonical_skip_l
 from kvbench.harness.cli import app
 from kvbench.harness.commands.capacity import capacity_rows
 from kvbench.harness.config_checks import SweepConfigError
-from kvbench.harness.launch_options import render_command
+from kvbench.harness.launch.options import render_command
 from kvbench.harness.matrix import engine_options, expand
 from kvbench.harness.options import engine_options as engine_flags
-from kvbench.harness.sweep_config import parse_config
+from kvbench.harness.sweep.config import parse_config
 from kvbench.runtime.config import EngineConfig
 
 SYN = "synthetic:llama-3-8b,layers=4"

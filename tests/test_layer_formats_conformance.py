@@ -63,9 +63,9 @@ def test_placeholder_renders_what_vllm_parses():
     sys.path.insert(0, str(FAKE_VLLM.parent))
     import fake_vllm
 
-    from kvbench.harness.launch_options import render_command
+    from kvbench.harness.launch.options import render_command
     from kvbench.harness.matrix import expand
-    from kvbench.harness.sweep_config import parse_config
+    from kvbench.harness.sweep.config import parse_config
 
     raw = {"model": "/m", "targets": [{"name": "vllm", "type": "server", "option_flags": {},
                                        "launch": LAUNCH + " --kv-cache-dtype-skip-layers {kv_skip_layers}"}],
@@ -78,7 +78,7 @@ def test_placeholder_renders_what_vllm_parses():
 
 
 def test_sglang_refuses_skip_layers():
-    from kvbench.harness.sweep_config import SweepConfigError, parse_config
+    from kvbench.harness.sweep.config import SweepConfigError, parse_config
 
     launch = (f"{PYTHON} {FAKE_SGLANG} --model-path {{model}} --kv-cache-dtype {{kv_dtype}} --host {{host}} "
               "--port {port}")

@@ -348,3 +348,84 @@ def test_walker_flags_unlisted_package_folder(tmp_path):
     listed = set(data["tool"]["setuptools"]["packages"])
     found = {mod if init else mod.rpartition(".")[0] for _, mod, init in iter_modules(root)}
     assert found - listed == {"kvbench.runtime.other"}
+
+
+# --------------------------------------------------------------------------- entry points
+def _exports(init: Path) -> dict[str, str]:
+    """A package's entry point: ``{name: submodule}`` from its ``__init__``'s ``_EXPORTS`` table (read, not
+    imported)."""
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def entry_point_violations(root: Path) -> list[str]:
+    """Cross-package imports that skip a package's entry point (``from kvbench.runtime.config import
+    EngineConfig`` where ``kvbench.runtime`` exports it) or take a private name (``_x``) from another package."""
+    exports = {pkg.split(".")[1]: _exports(d / "__init__.py") for pkg, d in package_dirs(root).items()
+               if pkg.count(".") == 1 and (d / "__init__.py").exists()}
+    out: list[str] = []
+    for path, module, _init in iter_modules(root):
+        mine = module.split(".")[1] if module.count(".") >= 1 else ""
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvbench.")):
+                continue
+            parts = node.module.split(".")
+            if len(parts) < 2 or parts[1] == mine:
+                continue
+            rel = path.relative_to(root)
+            for a in node.names:
+                if a.name.startswith("_"):
+                    out.append(f"{rel}:{node.lineno} imports the private name {a.name} from {node.module}")
+                elif len(parts) > 2 and a.name in exports.get(parts[1], {}):
+                    out.append(f"{rel}:{node.lineno} imports {a.name} from {node.module}; use the entry point "
+                               f"kvbench.{parts[1]}")
+    return out
+
+
+def test_no_entry_point_name_is_a_submodule_name():
+    """``from kvbench.core import model_identity`` would give the submodule once it is imported, not the function
+    of that name: such a name stays a deep import (``from kvbench.core.model_identity import model_identity``)."""
+    clashes = []
+    for pkg, d in package_dirs(ROOT).items():
+        if pkg.count(".") != 1 or not (d / "__init__.py").exists():
+            continue
+        subs = {p.stem for p in d.rglob("*.py")} | {p.name for p in d.rglob("*") if p.is_dir()}
+        clashes += [f"{pkg}.{n}" for n in _exports(d / "__init__.py") if n in subs]
+    assert not clashes, clashes
+
+
+def test_other_packages_use_entry_points_and_no_private_names():
+    found = entry_point_violations(ROOT)
+    assert not found, f"{len(found)} import(s) around an entry point:\n" + "\n".join(found)
+
+
+def test_every_entry_point_name_resolves_without_loading_torch():
+    code = textwrap.dedent("""
+        import importlib, sys
+        for pkg in ("core", "kernels", "runtime", "suites", "reports"):
+            m = importlib.import_module("kvbench." + pkg)
+            assert m.__all__, pkg
+        import kvbench.runtime
+        kvbench.runtime.EngineConfig
+        assert "torch" not in sys.modules, "an entry point loaded torch"
+        for pkg in ("core", "kernels", "runtime", "suites", "reports"):
+            m = importlib.import_module("kvbench." + pkg)
+            for name in m.__all__:
+                getattr(m, name)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_entry_point_rule_sees_a_skipped_entry_point(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "__init__.py").write_text('_EXPORTS = {"Thing": "mod"}\n')
+    (tmp_path / "b" / "__init__.py").write_text("")
+    (tmp_path / "b" / "use.py").write_text("from kvbench.a.mod import Thing, _hidden\nfrom kvbench.a import Thing\n")
+    (tmp_path / "pyproject.toml").write_text('[tool.setuptools]\npackage-dir = {"kvbench.a" = "a", "kvbench.b" = "b"}\n')
+    found = entry_point_violations(tmp_path)
+    assert sorted(found) == ["b/use.py:1 imports Thing from kvbench.a.mod; use the entry point kvbench.a",
+                             "b/use.py:1 imports the private name _hidden from kvbench.a.mod"]

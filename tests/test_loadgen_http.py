@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import asyncio
 
-from kvbench.harness.loadgen_http import HttpPool, stream_request
+from kvbench.harness.loadgen.http import HttpPool, stream_request
 
 
 def _sse(*events: bytes) -> bytes:
@@ -81,7 +81,7 @@ def test_bad_json_and_error_events_are_reported_after_the_stream():
 
 
 def _times(api: str, events: list[tuple[float, dict]]):
-    from kvbench.harness.loadgen_http import StreamOutcome, _event
+    from kvbench.harness.loadgen.http import StreamOutcome, _event
 
     out, parts = StreamOutcome(request_id="r", start=0.0), []
     for t, obj in events:
@@ -117,9 +117,9 @@ def test_a_chat_role_chunk_times_the_first_token_once():
 def test_a_finished_request_frees_its_slot_before_it_is_parsed(monkeypatch):
     """Under a concurrency cap the next request goes out as soon as a response ends; parsing a finished stream
     (a JSON parse per token) must not hold the slot, or every replacement request leaves late."""
-    import kvbench.harness.loadgen_http as http
-    from kvbench.harness.loadgen import LoadConfig, _run_async
-    from kvbench.harness.loadgen_datasets import LoadItem
+    import kvbench.harness.loadgen.http as http
+    from kvbench.harness.loadgen.run import LoadConfig, _run_async
+    from kvbench.harness.loadgen.datasets import LoadItem
 
     ok = (b'{"choices":[{"index":0,"text":"a","finish_reason":"length"}],"usage":{"completion_tokens":1}}', b"[DONE]")
     sent, seen_at_parse = [], []

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from kvbench.harness.loadgen import LoadConfig, format_block, jsonable
-from kvbench.harness.loadgen_datasets import random_items, sharegpt_items
+from kvbench.harness.loadgen.run import LoadConfig, format_block, jsonable
+from kvbench.harness.loadgen.datasets import random_items, sharegpt_items
 from kvbench.core.serving_metrics import peak_concurrency, peak_output_throughput, percentile, summarize
-from kvbench.harness.loadgen_server_metrics import parse_prometheus
+from kvbench.harness.loadgen.server_metrics import parse_prometheus
 
 
 def _rec(rid, start, ttft, itl, out_tokens, prompt=10, ok=True):

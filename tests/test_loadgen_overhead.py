@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from kvbench.harness.loadgen import LoadConfig, run_load
+from kvbench.harness.loadgen.run import LoadConfig, run_load
 
 FAKE_SERVER = r'''
 import asyncio, json, sys, time

@@ -15,13 +15,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_server_fakes import FakeEngine, serve  # noqa: E402
 
 from kvbench.core.serving_repeats import combine_machine, combine_summaries, group_by_repeat  # noqa: E402
-from kvbench.harness import loadgen_machine  # noqa: E402
+from kvbench.harness.loadgen import machine as loadgen_machine  # noqa: E402
 from kvbench.harness.cell_work import DefaultWork  # noqa: E402
 from kvbench.harness.config_checks import SweepConfigError  # noqa: E402
-from kvbench.harness.loadgen import LoadConfig  # noqa: E402
-from kvbench.harness.loadgen_machine import MachineProbe, proc_stat_times  # noqa: E402
-from kvbench.harness.loadgen_repeats import run_repeats, spread_lines  # noqa: E402
-from kvbench.harness.sweep_specs import LoadSpec, _load  # noqa: E402
+from kvbench.harness.loadgen.run import LoadConfig  # noqa: E402
+from kvbench.harness.loadgen.machine import MachineProbe, proc_stat_times  # noqa: E402
+from kvbench.harness.loadgen.repeats import run_repeats, spread_lines  # noqa: E402
+from kvbench.harness.sweep.specs import LoadSpec, _load  # noqa: E402
 from kvbench.runtime.server import create_app  # noqa: E402
 
 

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_server_fakes import FakeEngine, serve  # noqa: E402
 
 from kvbench.harness.cli import app  # noqa: E402
-from kvbench.harness.loadgen import LoadConfig, run_load, write_outputs  # noqa: E402
+from kvbench.harness.loadgen.run import LoadConfig, run_load, write_outputs  # noqa: E402
 from kvbench.runtime.server import create_app  # noqa: E402
 
 RECORD_KEYS = {"request_id", "success", "error", "prompt_tokens", "output_tokens", "start_s", "ttft_s", "latency_s", "itl_s", "tpot_s"}

@@ -8,7 +8,7 @@ import pytest
 
 from kvbench.harness.matrix import engine_options, expand, groups, select
 from kvbench.core.io import canonical_key
-from kvbench.harness.sweep_config import CELL_KEYS, SweepConfigError, load_config, parse_config
+from kvbench.harness.sweep.config import CELL_KEYS, SweepConfigError, load_config, parse_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -104,7 +104,7 @@ def test_default_config_matrix():
 
 def test_aa_control_adds_one_copy_of_the_baseline_accuracy_cell():
     from kvbench.harness.matrix import expand
-    from kvbench.harness.sweep_config import SweepConfigError, parse_config
+    from kvbench.harness.sweep.config import SweepConfigError, parse_config
 
     raw = {"axes": {"kv": ["bf16", "fp8_e4m3"], "concurrency": [1, 4]}, "accuracy_concurrency": 4,
            "baseline": {"kv_dtype": "bf16"}, "aa_control": True, "suites": [{"name": "gsm8k", "limit": 2}]}
@@ -149,7 +149,7 @@ def test_aa_control_for_candidates():
     import pytest
 
     from kvbench.harness.matrix import expand
-    from kvbench.harness.sweep_config import SweepConfigError, parse_config
+    from kvbench.harness.sweep.config import SweepConfigError, parse_config
 
     raw = {"axes": {"kv": ["bf16", "fp8_e4m3", "nvfp4"], "concurrency": [1, 4]}, "accuracy_concurrency": 4,
            "baseline": {"kv_dtype": "bf16"}, "suites": [{"name": "gsm8k", "limit": 2}]}

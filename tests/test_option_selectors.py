@@ -49,7 +49,7 @@ def test_reproduce_selector_tells_skip_cells_apart():
 
 def test_sweep_only_takes_option_keys():
     from kvbench.harness.matrix import expand, select
-    from kvbench.harness.sweep_config import SweepConfigError, parse_config
+    from kvbench.harness.sweep.config import SweepConfigError, parse_config
 
     cfg = parse_config({"model": "synthetic:llama-3-8b,layers=4", "axes": {"kv": [
         {"dtype": "fp8_e4m3", "scales": "calibrate"}, {"dtype": "fp8_e4m3", "scales": "calibrate", "kv_dtype_skip_layers": [3, 0]}]},
@@ -63,7 +63,7 @@ def test_sweep_only_takes_option_keys():
 
 def test_sweep_baseline_may_name_kv_options():
     from kvbench.harness.matrix import expand
-    from kvbench.harness.sweep_config import SweepConfigError, parse_config
+    from kvbench.harness.sweep.config import SweepConfigError, parse_config
 
     raw = {"model": "synthetic:llama-3-8b,layers=4", "load": {"enabled": False}, "suites": ["fidelity"],
            "axes": {"kv": [{"dtype": "fp8_e4m3", "scales": "calibrate"},

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvbench.harness.config_checks import SweepConfigError
-from kvbench.harness.loadgen import LoadConfig, build_items, load_settings
-from kvbench.harness.loadgen_datasets import custom_items
-from kvbench.harness.sweep_config import expand_env, parse_config
+from kvbench.harness.loadgen.run import LoadConfig, build_items, load_settings
+from kvbench.harness.loadgen.datasets import custom_items
+from kvbench.harness.sweep.config import expand_env, parse_config
 from kvbench.reports.compare import device_text, run_meta
 
 
@@ -51,7 +51,7 @@ def test_model_paths_take_environment_variables(monkeypatch):
 
 
 def test_recipe_for_the_real_vllm_parses_with_its_default_path(monkeypatch):
-    from kvbench.harness.sweep_config import load_config
+    from kvbench.harness.sweep.config import load_config
 
     monkeypatch.delenv("KVBENCH_SMOL_HF", raising=False)
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "vllm-fp8-kv-smol.yaml"))

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
 from kvbench.harness.matrix import expand, groups
-from kvbench.harness.sweep_config import load_config
+from kvbench.harness.sweep.config import load_config
 from kvbench.harness.targets import render_launch
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -64,8 +64,8 @@ def test_no_literal_backticks_in_the_html(report):
                     reason="needs Debian's chromium (CI installs it and sets KVBENCH_REQUIRE_CHROMIUM=1)")
 def test_wide_tables_fit_the_page(tmp_path):
     """A table of long cells wraps inside the page instead of running past it (and out of a 1400-px shot)."""
-    from kvbench.reports import screenshot as shot
-    from kvbench.reports.html_style import CSS as _CSS
+    from kvbench.reports.render import screenshot as shot
+    from kvbench.reports.render.html_style import CSS as _CSS
     from kvbench.reports.tables import Table
 
     row = ["1,259.6 / 1,260.2 / 1,615.4  (+3% / +3% / −1%)"] * 9

@@ -1,4 +1,4 @@
-"""Ship-decision figures (reports/plots_ship.py): the Pareto front, accuracy against throughput, capacity per
+"""Ship-decision figures (reports/render/plots_ship.py): the Pareto front, accuracy against throughput, capacity per
 format, latency percentiles; on constructed runs (tests/test_reports_load.py ``make_run``)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from kvbench.reports.analysis import Analysis
 from kvbench.reports.compare import report_analysis
 from kvbench.reports.load import load_run
-from kvbench.reports.plots import fidelity_plot, series_key, serving_plot, write_plots
-from kvbench.reports.plots_ship import (
+from kvbench.reports.render.plots import fidelity_plot, series_key, serving_plot, write_plots
+from kvbench.reports.render.plots_ship import (
     accuracy_throughput_plot,
     accuracy_throughput_points,
     capacity_plot,
@@ -156,7 +156,7 @@ def test_measured_concurrency_and_capacity_second_panel(analysis, tmp_path):
 
 
 def test_write_plots_names_and_report_sections(analysis, tmp_path):
-    from kvbench.reports.html import ReportMeta, write_report
+    from kvbench.reports.render.html import ReportMeta, write_report
 
     out = write_plots(analysis, tmp_path / "p")
     assert {"accuracy_throughput", "latency", "capacity", "serving"} <= set(out)

@@ -22,7 +22,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
-from kvbench.reports import screenshot as shot
+from kvbench.reports.render import screenshot as shot
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reports_load import make_run  # noqa: E402

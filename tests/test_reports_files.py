@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
 from kvbench.core.store import RunStore
-from kvbench.reports import stats
+from kvbench.reports.stats import paired as stats
 from kvbench.reports.compare import compare_analysis, load_runs, report_analysis
 from kvbench.reports.load import load_run
 from kvbench.reports.item_records import item_scores

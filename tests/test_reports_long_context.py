@@ -18,13 +18,13 @@ from typer.testing import CliRunner
 from kvbench.harness.cli import app
 from kvbench.core.store import RunStore
 from kvbench.core.io import canonical_key
-from kvbench.reports import stats
+from kvbench.reports.stats import paired as stats
 from kvbench.reports.compare import report_analysis
 from kvbench.reports.load import load_run
 from kvbench.reports.item_records import accuracy_suites, item_scores, suite_metrics
 from kvbench.reports.long_context import auc, auc_estimate, auc_weights, heatmap, paired_auc
 from kvbench.reports.long_context_tables import NA_BASELINE_ZERO, recovery_table
-from kvbench.suites.fidelity_metrics import bucket_edges, by_position_sums, pooled_by_position
+from kvbench.suites.fidelity.metrics import bucket_edges, by_position_sums, pooled_by_position
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reports_files import _check_png  # noqa: E402

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
 from kvbench.harness.runner import run_sweep
-from kvbench.harness.sweep_config import parse_config
+from kvbench.harness.sweep.config import parse_config
 from kvbench.harness.targets import TargetSession
 
 N = 200
@@ -97,7 +97,7 @@ def test_report_and_gate_on_a_runner_written_run(tmp_path):
 def test_candidate_controls_reach_the_gate_and_the_report(tmp_path):
     """``aa_control: all`` through the real runner: the candidate's own control is its noise floor in the gate,
     and the report's A/A table compares each control with the cell it reruns."""
-    from kvbench.reports.gate import GateThresholds, run_gate
+    from kvbench.reports.gate.check import GateThresholds, run_gate
     from kvbench.reports.load import load_run
 
     sweep = parse_config({

@@ -13,7 +13,7 @@ import pytest
 
 from kvbench.core.client import GenRequest, GenResult, SamplingParams
 from kvbench.harness.request_options import RequestOptionsError, apply_request, merge_requests
-from kvbench.harness.sweep_config import SweepConfigError, parse_config
+from kvbench.harness.sweep.config import SweepConfigError, parse_config
 from kvbench.suites.base import SuiteError, SuiteOptions
 from kvbench.suites.fake import FakeClient
 from kvbench.suites.registry import run_suite

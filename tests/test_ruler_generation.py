@@ -12,9 +12,9 @@ import pytest
 
 from kvbench.suites.prompt_tokenizer import HFPromptTokenizer, JsonPromptTokenizer
 from kvbench.suites.base import Item, SuiteError, SuiteOptions, item_seed, request_text
-from kvbench.suites.ruler import RulerTask, tolerance
-from kvbench.suites.ruler_params import TASKS, parse_params
-from kvbench.suites.ruler_words import ADJECTIVES, ESSAY, NOISE_LINE, NOUNS
+from kvbench.suites.ruler.suite import RulerTask, tolerance
+from kvbench.suites.ruler.params import TASKS, parse_params
+from kvbench.suites.ruler.words import ADJECTIVES, ESSAY, NOISE_LINE, NOUNS
 
 SPECIALS = ["<s>", "<unk>", "<|user|>", "<|end|>", "<|assistant|>"]
 

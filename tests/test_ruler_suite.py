@@ -17,11 +17,11 @@ from kvbench.core.client import GenRequest, GenResult
 from kvbench.harness.commands import eval as eval_cmd
 from kvbench.suites.prompt_tokenizer import JsonPromptTokenizer
 from kvbench.core.records import ITEM_FIELDS
-from kvbench.harness.sweep_config import SweepConfigError, parse_config
+from kvbench.harness.sweep.config import SweepConfigError, parse_config
 from kvbench.suites.base import SuiteError, SuiteInputError, SuiteOptions
 from kvbench.suites.registry import run_suite
-from kvbench.suites.ruler_tasks import string_match_all
-from kvbench.suites.ruler_words import ADJECTIVES, ESSAY, NOISE_LINE, NOUNS
+from kvbench.suites.ruler.tasks import string_match_all
+from kvbench.suites.ruler.words import ADJECTIVES, ESSAY, NOISE_LINE, NOUNS
 
 RULER_FIELDS = ("task", "context_length", "context_tokens", "depth", "answers")
 KVBENCH = str(Path(sys.executable).parent / "kvbench")

@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import pytest
 
-from kvbench.harness.loadgen_server_metrics import parse_prometheus
+from kvbench.harness.loadgen.server_metrics import parse_prometheus
 from kvbench.harness.server_admission import admission_limit
 from kvbench.harness.server_capacity import (merge_capacity, parse_metrics_capacity, parse_startup_log, server_capacity,
                                              sniff_engine)

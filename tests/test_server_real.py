@@ -108,7 +108,7 @@ def test_aborted_streams_free_their_pages(real):
 
 
 def test_load_generator_small_run(real):
-    from kvbench.harness.loadgen import LoadConfig, run_load
+    from kvbench.harness.loadgen.run import LoadConfig, run_load
 
     url, engine = real
     cfg = LoadConfig(num_prompts=8, max_concurrency=4, input_len=32, output_len=8, metrics_interval_s=0.2)

@@ -17,8 +17,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from test_reports_load import make_run  # noqa: E402
 
-from kvbench.harness.loadgen import LoadConfig, jsonable, load_settings  # noqa: E402
-from kvbench.harness.loadgen_server_metrics import MetricsSampler, counter_increase  # noqa: E402
+from kvbench.harness.loadgen.run import LoadConfig, jsonable, load_settings  # noqa: E402
+from kvbench.harness.loadgen.server_metrics import MetricsSampler, counter_increase  # noqa: E402
 from kvbench.core.store import RunStore  # noqa: E402
 from kvbench.reports.analysis import Analysis  # noqa: E402
 from kvbench.reports.compare import report_analysis  # noqa: E402
@@ -267,7 +267,7 @@ def test_counter_increase_handles_restarts_and_gaps():
 def test_load_summary_records_settings_and_preemptions():
     from test_server_fakes import FakeEngine, serve
 
-    from kvbench.harness.loadgen import run_load
+    from kvbench.harness.loadgen.run import run_load
     from kvbench.runtime.server import create_app
 
     engine = FakeEngine(step_s=0.002, max_running=2)

@@ -196,7 +196,7 @@ def test_serving_plot_draws_the_repeat_spread(tmp_path, monkeypatch):
     from matplotlib.axes import Axes
 
     from kvbench.reports.analysis import Analysis
-    from kvbench.reports.plots import serving_plot
+    from kvbench.reports.render.plots import serving_plot
 
     drawn = []
     real = Axes.errorbar

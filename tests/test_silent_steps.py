@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from kvbench.harness import runner as runner_mod
 from kvbench.harness.cli import app
 from kvbench.core.store import RunStore
-from kvbench.harness.sweep_display import SweepDisplay, eta_seconds, format_eta
-from kvbench.harness.sweep_hints import resume_command
+from kvbench.harness.sweep.display import SweepDisplay, eta_seconds, format_eta
+from kvbench.harness.sweep.hints import resume_command
 from kvbench.harness.targets import TargetSession
 from kvbench.runtime import step_notes
 from kvbench.runtime.models.loader import load_model
@@ -285,7 +285,7 @@ def test_sigterm_stops_like_ctrl_c():
     import os
     import signal
 
-    from kvbench.harness.sweep_hints import SweepTerminated, sigterm_as_interrupt
+    from kvbench.harness.sweep.hints import SweepTerminated, sigterm_as_interrupt
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SweepTerminated):
@@ -302,7 +302,7 @@ def test_sweep_lines_are_not_wrapped_off_a_terminal():
 
     line = ("fp8_e5m2/calibrate torch c=16 (81.6 s): ruler 0.611, gsm8k_chat 0.000, fidelity KL 3.80e-02, "
             "63.7 out tok/s")
-    code = ("from kvbench.harness.sweep_display import SweepDisplay\n"
+    code = ("from kvbench.harness.sweep.display import SweepDisplay\n"
             "d = SweepDisplay(2, True)\n"
             "with d:\n"
             f"    d.finished('[green]done[/]   ' + {line!r}, seconds=1.0)\n")

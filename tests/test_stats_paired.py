@@ -1,4 +1,4 @@
-"""Paired deltas, bootstrap and per-cell estimates (reports/stats.py)."""
+"""Paired deltas, bootstrap and per-cell estimates (reports/stats/paired.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from kvbench.reports import stats
+from kvbench.reports.stats import paired as stats
 
 
 def _binary(n, p, seed):

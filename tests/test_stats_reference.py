@@ -1,4 +1,4 @@
-"""reports/stats.py against scipy and published reference values."""
+"""reports/stats/paired.py against scipy and published reference values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from kvbench.reports import stats
+from kvbench.reports.stats import paired as stats
 
 
 @pytest.mark.parametrize("df", [1, 2, 3, 7, 29, 120, 1000])

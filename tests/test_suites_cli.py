@@ -90,7 +90,7 @@ def test_eval_bad_input(tmp_path, fake):
 
 def test_fidelity_table(tmp_path):
     from kvbench.core.io import atomic_write_json
-    from kvbench.suites.fidelity_table import table
+    from kvbench.suites.fidelity.table import table
 
     fid = {"kl_mean": 0.0123, "kl_p99": 0.2, "kl_max": 1.5, "top1_agree": 0.97, "ppl_ref": 2.0, "ppl_cand": 2.1,
            "first_divergence": 12.5, "n_tokens": 300}
@@ -108,7 +108,7 @@ def test_fidelity_table(tmp_path):
 
 def test_fidelity_paired(tmp_path):
     from kvbench.core.io import atomic_write_jsonl
-    from kvbench.suites.fidelity_table import paired
+    from kvbench.suites.fidelity.table import paired
 
     keys = ("kl_mean", "nll_cand", "top1_agree", "first_divergence")
     for name, kls in (("a", [0.1, 0.3]), ("b", [0.0, 0.0])):

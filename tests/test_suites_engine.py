@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.suites.base import SuiteOptions
-from kvbench.suites.fidelity import FidelitySuite, Reference
+from kvbench.suites.fidelity.suite import FidelitySuite, Reference
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 

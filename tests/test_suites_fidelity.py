@@ -8,9 +8,9 @@ import pytest
 from kvbench.core.records import ITEM_FIELDS
 from kvbench.suites.base import SuiteOptions
 from kvbench.suites.fake import VOCAB, FakeClient
-from kvbench.suites.fidelity import FidelitySuite, Reference
-from kvbench.suites.fidelity_metrics import first_divergence, kl_full, kl_topk_overlap, kl_topk_tail, pooled_summary
-from kvbench.suites.fidelity_ref import Text, topk_from_full
+from kvbench.suites.fidelity.suite import FidelitySuite, Reference
+from kvbench.suites.fidelity.metrics import first_divergence, kl_full, kl_topk_overlap, kl_topk_tail, pooled_summary
+from kvbench.suites.fidelity.ref import Text, topk_from_full
 
 SCORE_KEYS = {"kl_mean", "kl_p99", "kl_max", "top1_agree", "nll_ref", "nll_cand", "ppl_ref", "ppl_cand", "first_divergence", "n_tokens"}
 

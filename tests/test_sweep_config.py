@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.harness.sweep_config import SweepConfigError, load_config, parse_config
+from kvbench.harness.sweep.config import SweepConfigError, load_config, parse_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -134,7 +134,7 @@ def test_default_config_is_the_cpu_matrix():
 
 
 def test_gate_section_is_what_the_gate_reads():
-    from kvbench.reports.gate import GateThresholds, merge_gate_config
+    from kvbench.reports.gate.check import GateThresholds, merge_gate_config
 
     raw = with_("gate", {"max_drop": 0.03, "max_kl_mean": 0.2, "metrics": ["gsm8k_chat:accuracy"], "confidence": 0.9})
     t = merge_gate_config(GateThresholds(), parse_config(raw).to_dict()["gate"])

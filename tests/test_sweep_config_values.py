@@ -11,7 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from kvbench.harness.cli import app
-from kvbench.harness.sweep_config import SweepConfigError, load_config, parse_config
+from kvbench.harness.sweep.config import SweepConfigError, load_config, parse_config
 
 BASE = {
     "name": "t",

@@ -11,7 +11,7 @@ from kvbench.harness.matrix import expand
 from kvbench.harness.runner import run_sweep
 from kvbench.core.records import ITEM_FIELDS, REQUEST_FIELDS
 from kvbench.core.store import RunStore
-from kvbench.harness.sweep_config import parse_config
+from kvbench.harness.sweep.config import parse_config
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _config():
-    from kvbench.harness.sweep_config import parse_config
+    from kvbench.harness.sweep.config import parse_config
 
     return parse_config({
         "name": "memory-guard", "model": MODEL,

@@ -23,7 +23,7 @@ from kvbench.harness.matrix import expand, groups
 from kvbench.harness.parallel import GroupScheduler, parse_devices, plan_groups, simulate, visible_devices
 from kvbench.harness.runner import run_sweep
 from kvbench.core.store import RunStore
-from kvbench.harness.sweep_config import SweepConfigError, parse_config
+from kvbench.harness.sweep.config import SweepConfigError, parse_config
 from kvbench.harness.targets import TargetSession, free_port
 
 KVS = ("bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
@@ -472,7 +472,7 @@ def test_cli_flags_are_checked_and_dry_run_shows_the_device_plan(tmp_path, monke
     r = run(app, ["sweep", str(cfg), "--dry-run", "--out", str(tmp_path / "r")])
     assert r.exit_code == 0 and "device plan" not in r.output  # no device options: the listing as before
 
-    from kvbench.harness import sweep_config
+    from kvbench.harness.sweep import config as sweep_config
 
     real = sweep_config.load_config
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvbench.harness.matrix import expand
 from kvbench.core.store import RunStore
-from kvbench.harness.sweep_config import parse_config
+from kvbench.harness.sweep.config import parse_config
 
 RAW = {
     "name": "crash",
@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     import json, sys, time
     from contextlib import contextmanager
     from kvbench.harness.runner import run_sweep
-    from kvbench.harness.sweep_config import parse_config
+    from kvbench.harness.sweep.config import parse_config
     from kvbench.harness.targets import TargetSession
 
     raw, out, events, resume = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"

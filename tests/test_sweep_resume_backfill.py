@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 
 from kvbench.harness.runner import run_sweep
-from kvbench.harness.sweep_config import SweepConfigError, parse_config
+from kvbench.harness.sweep.config import SweepConfigError, parse_config
 from kvbench.harness.targets import TargetSession
 
 RAW = {

@@ -22,7 +22,7 @@ from kvbench.harness.cli import app
 from kvbench.harness.matrix import expand
 from kvbench.harness.runner import RunInUseError, RunLock, run_sweep
 from kvbench.core.store import RunStore
-from kvbench.harness.sweep_config import SweepConfigError, parse_config
+from kvbench.harness.sweep.config import SweepConfigError, parse_config
 from kvbench.harness.targets import TargetSession
 
 RAW = {

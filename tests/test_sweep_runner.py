@@ -14,7 +14,7 @@ from kvbench.harness.matrix import expand
 from kvbench.harness.runner import run_sweep
 from kvbench.core.store import RunStore
 from kvbench.core.io import atomic_write_json
-from kvbench.harness.sweep_config import SweepConfigError, parse_config
+from kvbench.harness.sweep.config import SweepConfigError, parse_config
 from kvbench.harness.targets import TargetSession
 
 

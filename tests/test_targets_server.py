@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.harness.sweep_config import SweepConfigError, TargetSpec, parse_config
+from kvbench.harness.sweep.config import SweepConfigError, TargetSpec, parse_config
 from kvbench.harness.targets import TargetError, _start_time, kill_group, open_server, reap_stale, render_launch
 
 CELL = {"model": "default", "target": "srv", "prefill_backend": "torch", "decode_backend": "torch",
@@ -57,7 +57,7 @@ def test_render_launch_maps_and_quotes():
     cmd = render_launch(spec, {**CELL, "model": "/models/my model"}, 8123)
     assert cmd == "serve --m '/models/my model' --kv fp8 --p TORCH_SDPA --d TORCH_SDPA --s calibrate 127.0.0.1:8123"
     with pytest.raises(SweepConfigError, match=r"targets\[0\].launch: unknown placeholder \{gpu\}.*\{kv_dtype\}"):
-        server_spec("serve {gpu} {port}")  # the config refuses it (harness/launch_options.py)
+        server_spec("serve {gpu} {port}")  # the config refuses it (harness/launch/options.py)
     with pytest.raises(TargetError, match=r"unknown placeholder 'gpu'.*\{kv_dtype\}"):
         render_launch(TargetSpec(name="srv", type="server", launch="serve {gpu} {port}"), CELL, 1)
 
@@ -114,7 +114,7 @@ def test_orphans_of_a_killed_sweep_are_reaped(tmp_path):
     script = tmp_path / "launcher.py"
     script.write_text(textwrap.dedent(f"""
         import sys, time
-        from kvbench.harness.sweep_config import parse_config
+        from kvbench.harness.sweep.config import parse_config
         from kvbench.harness.targets import open_server
         spec = parse_config({{"targets": [{{"name": "srv", "type": "server", "health_timeout_s": 600,
                  "launch": "sleep 600 & exec sleep 601 # {{port}}"}}]}}).targets[0]
@@ -159,7 +159,7 @@ def test_kvbench_serve_through_a_launch_template(tmp_path):
     """Start `kvbench serve` (with a stray child in its process group), wait for /health, drive it with
     generate and a small load test, then check the log was captured and the whole group is gone."""
     from kvbench.core.client import GenRequest, SamplingParams
-    from kvbench.harness.loadgen import LoadConfig, run_load
+    from kvbench.harness.loadgen.run import LoadConfig, run_load
 
     launch = (
         "sleep 600 & exec {python} -m kvbench.harness serve --model {model} --kv-dtype {kv_dtype} "

@@ -62,7 +62,7 @@ def test_table_entry_and_refusals(toy):
 
 
 def test_unregistered_format_is_refused_everywhere():
-    from kvbench.harness.sweep_config import SweepConfigError, parse_config
+    from kvbench.harness.sweep.config import SweepConfigError, parse_config
     from kvbench.runtime.config import ConfigError, EngineConfig
 
     assert TOY not in format_names()
@@ -171,7 +171,7 @@ def test_runtime_registry_refuses_triton(toy):
 
 
 def test_sweep_config_and_unit_scales(toy, recwarn):
-    from kvbench.harness.sweep_config import parse_config
+    from kvbench.harness.sweep.config import parse_config
     from kvbench.runtime.scales import unit_scales
 
     cfg = parse_config({"axes": {"kv": ["bf16", TOY]}})
@@ -179,7 +179,7 @@ def test_sweep_config_and_unit_scales(toy, recwarn):
     unit_scales(TOY, 2)  # no tensor scale: unit scales are exact, no warning
     assert not [w for w in recwarn if "unit scales" in str(w.message)]
     # on the triton backend the sweep config is refused when it loads, naming the backend and what it runs
-    from kvbench.harness.sweep_config import SweepConfigError
+    from kvbench.harness.sweep.config import SweepConfigError
 
     with pytest.raises(SweepConfigError, match=rf"the triton backend does not run {TOY} for prefill \(it runs bf16, "):
         parse_config({"axes": {"kv": ["bf16", TOY], "backends": ["torch", "triton"]}})

@@ -15,8 +15,8 @@ import pytest
 
 from kvbench.core.store import RunStore
 from kvbench.core.io import canonical_key
-from kvbench.reports.gate import GateError, GateThresholds, run_gate
-from kvbench.reports.gate_plan import plan_result
+from kvbench.reports.gate.check import GateError, GateThresholds, run_gate
+from kvbench.reports.gate.plan import plan_result
 from kvbench.reports.load import load_run
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from kvbench.harness.cli import app
 from kvbench.core.store import RunStore
 from kvbench.core.io import canonical_key
-from kvbench.reports.gate import WORD_EXIT, GateThresholds, run_gate
-from kvbench.reports.gate_plan import plan_result
+from kvbench.reports.gate.check import WORD_EXIT, GateThresholds, run_gate
+from kvbench.reports.gate.plan import plan_result
 from kvbench.reports.load import load_run
 
 CFG = {"model": "m", "target": "embedded", "prefill_backend": "torch", "decode_backend": "torch", "kv_scales": "unit",

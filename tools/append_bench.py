@@ -62,10 +62,10 @@ def append_rows(res: BenchResults, t: int, *, hq=32, hk=8, d=128, page=16, layou
     in its note); ``res.app[(t, fmt)] = (fused, unfused, plain)`` µs for the targets."""
     import torch
 
-    from kvbench.core.formats import get_spec
-    from kvbench.kernels.append import fused_rope_quant_append, quantize_store, unfused_rope_quant_append
-    from kvbench.kernels.config import PagedKV
-    from kvbench.kernels.reference import build_cos_sin_cache
+    from kvbench.core import get_spec
+    from kvbench.kernels import fused_rope_quant_append, quantize_store, unfused_rope_quant_append
+    from kvbench.kernels import PagedKV
+    from kvbench.kernels import build_cos_sin_cache
     from kvbench.tools.kernel_check import make_cache
 
     gen = torch.Generator().manual_seed(seed + t)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from kvbench.core.backends import supported_formats
-from kvbench.core.formats import get_spec
+from kvbench.core import supported_formats
+from kvbench.core import get_spec
 
 __all__ = ["kernel_formats", "plain_and_quantized", "mla_formats", "is_plain", "bench_formats", "Row", "ROW_HEADER", "speedup", "bench_us", "graph_us",
            "copy_bandwidth", "fi_kv"]

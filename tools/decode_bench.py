@@ -72,8 +72,8 @@ def decode_rows(res: BenchResults, fmt: str, *, batch=64, ctx=8192, hq=32, hk=8,
     defaults.  ``main``: a row of the chosen layout (kept for the targets)."""
     import torch
 
-    from kvbench.kernels.config import DecodeOptions, PagedKV
-    from kvbench.kernels.decode import paged_decode
+    from kvbench.kernels import DecodeOptions, PagedKV
+    from kvbench.kernels import paged_decode
 
     gen = torch.Generator().manual_seed(seed)
     q, table, seq, kv, nbytes = decode_case(fmt, batch, ctx, hq, hk, d, page, gen, layout)
@@ -239,8 +239,8 @@ def sweep_decode(copy_gbps, formats=None, batch=64, ctx=8192, hq=32, hk=8, d=128
     rows (fastest first per format).  Used to choose ``decode._DEFAULTS``."""
     import torch
 
-    from kvbench.kernels.config import DecodeOptions, PagedKV
-    from kvbench.kernels.decode import paged_decode
+    from kvbench.kernels import DecodeOptions, PagedKV
+    from kvbench.kernels import paged_decode
 
     gen = torch.Generator().manual_seed(0)
     rows = []

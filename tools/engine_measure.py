@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from kvbench.core.client import SamplingParams
-from kvbench.runtime.scheduler import ScheduledBatch, Sequence
+from kvbench.core import SamplingParams
+from kvbench.runtime import ScheduledBatch, Sequence
 
 
 def _sync(dev):
@@ -85,7 +85,7 @@ def step_anatomy(engine, batch: int, ctx: int, iters: int = 20) -> dict:
     launch alone, ``logits_call_ms``); device parts timed back to back with the device never idle
     (``graph_gpu_ms``: one replay, ``logits_gpu_ms``); ``step_ms`` as ``decode_step_times`` times it, and
     ``idle_ms`` = step − graph − logits, the time the device waits on the host or sits between them."""
-    from kvbench.runtime.models.runner import StepInputs
+    from kvbench.runtime import StepInputs
 
     r = engine.runner
     g = r.graphs

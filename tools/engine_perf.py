@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from kvbench.core.client import SamplingParams
-from kvbench.core.formats import format_names
-from kvbench.runtime.config import EngineConfig
+from kvbench.core import SamplingParams
+from kvbench.core import format_names
+from kvbench.runtime import EngineConfig
 from kvbench.tools.common import bench_formats
 from kvbench.tools.engine_measure import (  # noqa: F401 - re-exported: the measurements are this tool's API
     copy_bandwidth,
@@ -61,7 +61,7 @@ def generate_check(loaded, fmt: str, pre: str, dec: str, prompts, n_tok: int, de
 def iter_format_matrix(model_name, device, prompts_text, n_tok, budget_gb, pairs):
     """Every registered format × (prefill, decode) backend pair: a row each as it is measured (an unsupported
     pair is reported, not hidden)."""
-    from kvbench.runtime.models.loader import load_model
+    from kvbench.runtime import load_model
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     loaded = load_model(model_name, device=device, dtype=dtype)
@@ -89,7 +89,7 @@ def format_matrix(*a, **k) -> list[dict]:
 def concurrent_check(device: str, n: int = 16, n_tok: int = 256) -> dict:
     """Default model: ``n`` requests of ``n_tok`` greedy tokens at once; all finish, and two of them
     equal the same requests run alone (first divergence reported)."""
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime import Engine
 
     e = Engine(EngineConfig(device=device, kv_budget_gb=0.5, max_running=n))
     try:
@@ -220,7 +220,7 @@ class _Sections:
 def _backend_pairs() -> list:
     """The (prefill, decode) backend pairs of the format matrix; FlashInfer's where it is available."""
     pairs = [("triton", "triton"), ("torch", "triton"), ("triton", "torch")]
-    from kvbench.runtime.attention.registry import backend_class
+    from kvbench.runtime import backend_class
 
     try:
         if backend_class("flashinfer").available()[0]:
@@ -268,7 +268,7 @@ def main(argv=None) -> None:
 def _with_engine(cfg: EngineConfig, fn, loaded=None):
     """``fn(engine)`` on a fresh engine, which is shut down and its memory returned afterwards (even on error),
     so the next configuration starts from an empty device."""
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime import Engine
 
     e = Engine(cfg, loaded=loaded)
     try:
@@ -289,8 +289,8 @@ def _free() -> None:
 
 def _bpt(model: str, fmt: str) -> float:
     """KV bytes per token of a synthetic model (latent plane for MLA), for sizing the decode budget."""
-    from kvbench.runtime.kv_cache import bytes_per_token
-    from kvbench.runtime.models.synthetic import parse_synthetic
+    from kvbench.runtime import bytes_per_token
+    from kvbench.runtime import parse_synthetic
 
     cfg = parse_synthetic(model) if model and model.startswith("synthetic:") else None
     if cfg is None:

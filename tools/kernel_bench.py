@@ -51,7 +51,7 @@ def mla_argv(check: bool, quick: bool, out: Optional[str]) -> list:
 def plan(res: BenchResults, want, *, quick=False, flashinfer=True, layout="HND", decode_shape=None) -> list[Step]:
     """The measurements of the parts in ``want`` (decode, prefill, append), in order: the copy bandwidth
     first, and within a part kvbench's row of a problem before its anchors."""
-    from kvbench.core.backends import supported_formats
+    from kvbench.core import supported_formats
 
     def copy_row():
         res.copy = copy_bandwidth()
@@ -225,7 +225,7 @@ def main(check: bool = False, quick: bool = False, out: Optional[str] = None, fl
     for name, ok, detail in tg:
         print(f"{'MET ' if ok else 'MISS'}  {name:<55} {detail}")
     if out:
-        from kvbench.core.io import atomic_write_text
+        from kvbench.core import atomic_write_text
 
         doc = dict(device=dev, date=stamp, torch=torch.__version__, layout=layout, rows=[asdict(r) for r in rows],
                    targets=[dict(name=n, met=ok, value=v) for n, ok, v in tg])

@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 
 from kvbench.kernels import reference as R
-from kvbench.kernels.config import AttentionParams, DecodeOptions, PagedKV, PrefillOptions
-from kvbench.kernels.formats import get_format, quantize_e2m1, scale_from_amax, unpack_nibbles
+from kvbench.kernels import AttentionParams, DecodeOptions, PagedKV, PrefillOptions
+from kvbench.kernels import get_format, quantize_e2m1, scale_from_amax, unpack_nibbles
 
 __all__ = ["Case", "rel_err", "fp8_mismatch", "nvfp4_mismatch", "check_append", "check_decode", "check_prefill",
            "check_prefill_q_split", "CASE_HEADER", "main"]
@@ -174,7 +174,7 @@ def _tokens(gen, t, heads, d, dtype, device, scale=1.0):
 
 def check_append(fmt, t, hq, hk, d, page, *, rot=None, style="neox", dtype=torch.bfloat16, q_fp8=False,
                  fused=True, device="cuda", seed=0, exact=True, layout="NHD") -> Case:
-    from kvbench.kernels.append import fused_rope_quant_append, unfused_rope_quant_append
+    from kvbench.kernels import fused_rope_quant_append, unfused_rope_quant_append
 
     gen = torch.Generator().manual_seed(seed)
     rot = rot or d
@@ -236,7 +236,7 @@ def _features(window, sinks, q_fp8, layout="NHD"):
 
 def check_decode(fmt, lens, hq, hk, d, page, *, dtype=torch.bfloat16, window=None, sinks=False, q_fp8=False,
                  device="cuda", seed=0, layout="NHD", **launch) -> Case:
-    from kvbench.kernels.decode import paged_decode
+    from kvbench.kernels import paged_decode
 
     gen = torch.Generator().manual_seed(seed)
     kv, table = _attn_inputs(fmt, lens, hk, d, page, device, gen, layout)
@@ -255,7 +255,7 @@ def _prefill_run(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype, window, sinks
                  layout="NHD"):
     """The prefill kernel once per launch-option dict in ``variants`` on the same fresh inputs (outputs
     poisoned first) → (outputs, float64 reference, label)."""
-    from kvbench.kernels.prefill import paged_prefill
+    from kvbench.kernels import paged_prefill
 
     gen = torch.Generator().manual_seed(seed)
     lens = [a + b for a, b in zip(q_lens, prefixes)]
@@ -347,7 +347,7 @@ def markdown(results: list[Case], summary: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from kvbench.core.io import atomic_write_text
+    from kvbench.core import atomic_write_text
     from kvbench.tools.kernel_check_grid import gpu_cases
 
     ap = argparse.ArgumentParser(prog="python -m kvbench.tools.kernel_check", description=__doc__.split("\n\n")[0])

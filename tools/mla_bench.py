@@ -9,13 +9,14 @@ from typing import Iterator
 
 import torch
 
-from kvbench.core.formats import is_quantized
-from kvbench.kernels.config import MLADecodeOptions, MLAPrefillOptions
-from kvbench.kernels.mla import LatentCache, LatentLayout, rope_cos_sin_cache
-from kvbench.kernels.mla_append import mla_append, mla_append_unfused
+from kvbench.core import is_quantized
+from kvbench.kernels import MLADecodeOptions, MLAPrefillOptions
+from kvbench.kernels import LatentCache, LatentLayout, rope_cos_sin_cache
+from kvbench.kernels import mla_append_unfused
+from kvbench.kernels.mla_append import mla_append
 from kvbench.kernels.mla_decode import mla_decode
 from kvbench.kernels.mla_prefill import mla_prefill
-from kvbench.kernels.mla_reference import quantize_absorbed_query
+from kvbench.kernels import quantize_absorbed_query
 from kvbench.tools.mla_common import (H, PAGE, RANK, ROPE, SM, cache_for, decode_setup, fill_cache, graph_time_us,
                                       rel_err, time_us)
 

@@ -28,15 +28,15 @@ import traceback
 
 import torch
 
-from kvbench.core.formats import get_spec, is_quantized
-from kvbench.core.io import atomic_write_text
-from kvbench.kernels.mla import LatentCache, LatentLayout, absorb_query, rope_cos_sin_cache, unabsorb_output
-from kvbench.kernels.mla_append import mla_append, mla_append_unfused
-from kvbench.kernels.config import MLADecodeOptions, MLAPrefillOptions
+from kvbench.core import get_spec, is_quantized
+from kvbench.core import atomic_write_text
+from kvbench.kernels import LatentCache, LatentLayout, absorb_query, rope_cos_sin_cache, unabsorb_output
+from kvbench.kernels import mla_append_unfused
+from kvbench.kernels.mla_append import mla_append
+from kvbench.kernels import MLADecodeOptions, MLAPrefillOptions
 from kvbench.kernels.mla_decode import mla_decode
 from kvbench.kernels.mla_prefill import mla_prefill
-from kvbench.kernels.mla_reference import (quantize_absorbed_query, ref_append_rows, ref_decode, ref_decode_latent,
-                                           ref_prefill)
+from kvbench.kernels import quantize_absorbed_query, ref_append_rows, ref_decode, ref_decode_latent, ref_prefill
 from kvbench.tools.common import bench_formats, mla_formats
 from kvbench.tools.mla_common import (H, NOPE, PAGE, RANK, ROPE, SM, VD, cache_for, copy_bandwidth, fill_cache,
                                       random_weights, rel_err)

@@ -8,10 +8,10 @@ import math
 
 import torch
 
-from kvbench.core.formats import is_quantized
-from kvbench.kernels.formats import get_format
-from kvbench.kernels.mla import LatentCache, LatentLayout
-from kvbench.kernels.mla_reference import sequence_slots
+from kvbench.core import is_quantized
+from kvbench.kernels import get_format
+from kvbench.kernels import LatentCache, LatentLayout
+from kvbench.kernels import sequence_slots
 from kvbench.tools.common import graph_us
 
 __all__ = ["H", "RANK", "ROPE", "NOPE", "VD", "PAGE", "SM", "time_us", "graph_time_us", "copy_bandwidth", "cache_for",

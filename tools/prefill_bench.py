@@ -117,8 +117,8 @@ class PrefillBench:
     def _causal_row(self, tma: bool) -> Iterator[Row]:
         import torch
 
-        from kvbench.kernels.config import PagedKV, PrefillOptions
-        from kvbench.kernels.prefill import paged_prefill
+        from kvbench.kernels import PagedKV, PrefillOptions
+        from kvbench.kernels import paged_prefill
 
         x = self.causal_inputs()
         out = torch.empty_like(x["q"])
@@ -156,8 +156,8 @@ class PrefillBench:
         return f"extend {who} {fmt} prefix B{self.b}x({self.pre}+{self.new}){tag}"
 
     def _extend_row(self, fmt: str, tag: str, fp8_q: bool, opt: dict) -> Iterator[Row]:
-        from kvbench.kernels.config import AttentionParams, PagedKV, PrefillOptions
-        from kvbench.kernels.prefill import paged_prefill
+        from kvbench.kernels import AttentionParams, PagedKV, PrefillOptions
+        from kvbench.kernels import paged_prefill
 
         x = self.extend_inputs(fmt)
         qq, qs = (x["q8"], x["qsc"]) if fp8_q else (x["qx"], None)
@@ -295,8 +295,8 @@ def workspace_crossover(formats=("nvfp4", "fp8_e5m2"), new_lens=(16, 64, 128, 25
     comes from.  Each row: the workspace path's µs, the note the in-register µs and their ratio."""
     import torch
 
-    from kvbench.kernels.config import PagedKV, PrefillOptions
-    from kvbench.kernels.prefill import paged_prefill
+    from kvbench.kernels import PagedKV, PrefillOptions
+    from kvbench.kernels import paged_prefill
 
     rows = []
     for fmt in formats:

@@ -2,7 +2,7 @@
 
 Runs the fidelity suite on the embedded default model in every KV format (calibrated scales, torch backend)
 and prints, per format, the token-weighted KL mean, perplexity ratio and top-1 agreement with the gate's
-one-sided bounds over texts, and the word each check gets at the default limits (reports/gate_types.py):
+one-sided bounds over texts, and the word each check gets at the default limits (reports/gate/types.py):
 
     python docs/scripts/fidelity_limits.py --out runs/fid-limits [--limit 32] [--data-dir ../shared/data]
     python docs/scripts/fidelity_limits.py --out runs/fid-limits --table-only   # reprint from finished runs
@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvbench.reports.gate import _limit_check
-from kvbench.reports.gate_types import DEFAULT_MAX_KL_MEAN, DEFAULT_MAX_PPL_RATIO
-from kvbench.reports.intervals import weighted_mean_upper
+from kvbench.reports.gate.check import _limit_check
+from kvbench.reports.gate.types import DEFAULT_MAX_KL_MEAN, DEFAULT_MAX_PPL_RATIO
+from kvbench.reports.stats.intervals import weighted_mean_upper
 
 FORMATS = ("bf16:unit", "fp8_e4m3:calibrate", "fp8_e5m2:calibrate", "nvfp4:calibrate")
 

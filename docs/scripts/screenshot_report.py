@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from kvbench.reports.screenshot import ChromiumNotFound, capture
+from kvbench.reports.render.screenshot import ChromiumNotFound, capture
 
 
 def main(argv=None) -> int:

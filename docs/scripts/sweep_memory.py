@@ -125,7 +125,7 @@ def run(config: str, out: Optional[str], data_dir: Optional[str], interval: floa
     from kvbench.harness.cell_work import DefaultWork
     from kvbench.harness.matrix import expand
     from kvbench.harness.runner import run_sweep
-    from kvbench.harness.sweep_config import load_config
+    from kvbench.harness.sweep.config import load_config
 
     cfg = load_config(config)
     if data_dir is not None:

@@ -289,7 +289,7 @@ def write_prompts(path: Path, n: int, tokens: int, seed: int) -> None:
 
     from tokenizers import Tokenizer
 
-    from kvbench.suites.ruler_words import COMMON_WORDS
+    from kvbench.suites.ruler.words import COMMON_WORDS
 
     tok = Tokenizer.from_file(str(SMOL / "tokenizer.json"))
     rng = random.Random(seed)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from kvbench.core.formats import AUTO_FORMAT, ENGINE_ALIASES, names_text
+from kvbench.core import AUTO_FORMAT, ENGINE_ALIASES, names_text
 from kvbench.harness.errors import UserError
 
 
@@ -23,7 +23,7 @@ def resolve_shape(model_shape: str, model_config: Optional[str] = None, tp: int 
     directory) when given, else of ``--model-shape`` (a built-in name, any case, or a path as --model-config)."""
     from pathlib import Path
 
-    from kvbench.runtime.model_shapes import get_shape, load_shape, shard_shape
+    from kvbench.runtime import get_shape, load_shape, shard_shape
 
     if model_config is not None:
         shape = load_shape(model_config)
@@ -36,7 +36,7 @@ def resolve_shape(model_shape: str, model_config: Optional[str] = None, tp: int 
 
 
 def _builtin_names() -> tuple[str, ...]:
-    from kvbench.runtime.model_shapes import SHAPES
+    from kvbench.runtime import SHAPES
 
     return tuple(SHAPES)
 
@@ -61,14 +61,14 @@ def shape_windows(model_shape: str, model_config: Optional[str], num_layers: int
         if isinstance(cfg, dict) and isinstance(cfg.get("layer_types"), list) and cfg.get("sliding_window"):
             windows = [int(cfg["sliding_window"]) if t == "sliding_attention" else None for t in cfg["layer_types"]]
         elif isinstance(cfg, dict):
-            from kvbench.runtime.models.hf_config import from_hf_config
+            from kvbench.runtime import from_hf_config
 
             try:
                 windows = from_hf_config(cfg).sliding_windows
             except (ValueError, KeyError, TypeError):  # an architecture the engine does not run: no windows known
                 windows = None
     else:
-        from kvbench.runtime.models.synthetic import SYNTHETIC_PRESETS, parse_synthetic
+        from kvbench.runtime import SYNTHETIC_PRESETS, parse_synthetic
 
         name = model_shape.strip().lower()
         if name in SYNTHETIC_PRESETS:
@@ -84,10 +84,9 @@ def mixed_row(shape, whole, model_shape: str, model_config: Optional[str], kv_dt
     bytes per token summed over the layers (``mixed_bytes_per_token``)."""
     from dataclasses import replace
 
-    from kvbench.core.formats import canonical_format
-    from kvbench.core.layer_formats import (canonical_layer_dtypes, canonical_skip_layers, layer_dtypes_summary,
-                                            mixed_bytes_per_token, resolve_layer_dtypes)
-    from kvbench.runtime.kv_cache import plan_capacity
+    from kvbench.core import canonical_format
+    from kvbench.core import canonical_layer_dtypes, canonical_skip_layers, layer_dtypes_summary, mixed_bytes_per_token, resolve_layer_dtypes
+    from kvbench.runtime import plan_capacity
 
     main = _canonical("--kv-dtype", canonical_format, kv_dtype)
     skip = _canonical("--kv-dtype-skip-layers", canonical_skip_layers, skip_layers)
@@ -124,8 +123,8 @@ def capacity_rows(model_shape: str, kv_budget_gb: float, context: int, page_size
     """One row per KV format: bytes per token, pages, tokens and max concurrency in ``kv_budget_gb`` GiB
     (per GPU when ``tp`` > 1: the rows' ``tp`` / ``kv_heads_per_gpu`` / ``split`` say how).  With
     ``skip_layers`` / ``layer_dtypes`` one mixed row (main format ``kv_dtype``) follows that format's row."""
-    from kvbench.core.formats import canonical_format, format_names
-    from kvbench.runtime.kv_cache import plan_capacity
+    from kvbench.core import canonical_format, format_names
+    from kvbench.runtime import plan_capacity
 
     # the flags' own names in the messages; plan_capacity checks the same for library callers
     if not (math.isfinite(kv_budget_gb) and kv_budget_gb > 0):

@@ -30,10 +30,11 @@ def register(app: typer.Typer) -> None:
         n_boot: int = typer.Option(10_000, "--bootstrap", help="Paired-bootstrap resamples."),
         seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
     ) -> None:
-        from kvbench.core.store import OutDirError, check_out_dir
-        from kvbench.reports.compare import compare_analysis, load_runs, run_meta
-        from kvbench.reports.html import ReportMeta, write_report
-        from kvbench.reports.load import RunLoadError
+        from kvbench.core import OutDirError, check_out_dir
+        from kvbench.reports import compare_analysis, load_runs, run_meta
+        from kvbench.reports import ReportMeta
+        from kvbench.reports.render.html import write_report
+        from kvbench.reports import RunLoadError
 
         if not 0.5 < confidence < 1.0:
             _fail(f"--confidence must be in (0.5, 1), got {confidence}")
@@ -56,7 +57,7 @@ def register(app: typer.Typer) -> None:
         cmd = ["kvbench", "compare", *map(str, runs), "--out", str(out)]
         meta = ReportMeta(title=f"kvbench compare: {' vs '.join(r.name for r in data)}", command=shlex.join(cmd), rows=rows)
         written = write_report(analysis, out, meta)
-        from kvbench.reports.run_diff import diff_runs, format_diff
+        from kvbench.reports import diff_runs, format_diff
 
         text = "\n".join(format_diff(diff_runs(data[0], r)) for r in data[1:])
         (out / "compare.md").write_text(text)

@@ -41,9 +41,9 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a diagnosis OUT already holds"),
     ) -> None:
         """Per-layer and per-head KV error (K and V), each layer's KL contribution, and a checked skip-layer suggestion."""
-        from kvbench.core.io import atomic_write_json, atomic_write_text
+        from kvbench.core import atomic_write_json, atomic_write_text
         from kvbench.harness.diagnose import DiagnoseSettings, check_diagnosable, diagnosis_texts, load_for, run_diagnosis
-        from kvbench.runtime.config import context_length
+        from kvbench.runtime import context_length
 
         out_dir = Path(out)
         if (out_dir / "diagnostics.json").exists() and not overwrite:

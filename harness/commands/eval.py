@@ -15,7 +15,7 @@ refused unless ``--overwrite`` is given, and a run that fails before producing a
 configuration with bf16 KV, unit scales and torch backends (with ``--endpoint`` too: the reference is the
 embedded engine); its top-k figures are cached per (model identity, logits-relevant settings, texts) in
 ``--fidelity-cache`` (default ``$KVBENCH_CACHE/fidelity``, ``~/.cache/kvbench/fidelity``), capped by
-``KVBENCH_FIDELITY_CACHE_MAX_MB`` (suites/fidelity_cache.py; harness/fidelity_key.py says what the key holds).
+``KVBENCH_FIDELITY_CACHE_MAX_MB`` (suites/fidelity/cache.py; harness/fidelity_key.py says what the key holds).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kvbench.harness.commands.eval_support import (Borrowed, cache_dir, check_pa
                                                    print_summary, request_options, run_suites, suite_names_of,
                                                    suite_plan, write_results)
 from kvbench.harness.options import engine_options
-from kvbench.suites.registry import RunContext, suite_names
+from kvbench.suites import RunContext, suite_names
 
 _RULER = "Long context (--suite ruler)"
 
@@ -56,8 +56,8 @@ def _open_client(engine, endpoint: Optional[str], http: Optional[dict] = None):
 def _fidelity_context(engine, endpoint, client, fidelity_cache, fidelity_exact, fidelity_top_k, greedy_tokens):
     """Where the fidelity suite finds its reference: the engine's reference configuration (the candidate itself
     when they are the same), sharing the candidate's weights; cached under --fidelity-cache."""
-    from kvbench.core.io import canonical_key
-    from kvbench.suites.registry import FidelityContext
+    from kvbench.core import canonical_key
+    from kvbench.suites import FidelityContext
 
     ref_cfg = _reference_config(engine)
     label = f"{client.model_id}:ref-bf16-torch:{canonical_key(ref_cfg.to_dict())}"
@@ -122,7 +122,7 @@ def eval_cmd(
     import json
     import logging
 
-    from kvbench.suites.base import SuiteError
+    from kvbench.suites import SuiteError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request otherwise

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from kvbench.suites.registry import PROMPT_STYLE_SUITES, SUITE_FLAGS
+from kvbench.suites import PROMPT_STYLE_SUITES, SUITE_FLAGS
 
 def cache_dir(opt: Optional[str]) -> Path:
     if opt:
@@ -46,7 +46,7 @@ def request_options(endpoint: Optional[str], values: dict, extra_body: Optional[
 
     from kvbench.harness.config_checks import SweepConfigError
     from kvbench.harness.request_options import parse_request
-    from kvbench.suites.base import SuiteError
+    from kvbench.suites import SuiteError
 
     raw = {k: v for k, v in values.items() if v is not None}
     if extra_body is not None:
@@ -66,7 +66,7 @@ def request_options(endpoint: Optional[str], values: dict, extra_body: Optional[
 
 def http_options(endpoint: Optional[str], api_key: Optional[str], timeout: Optional[float], retries: Optional[int]) -> dict:
     from kvbench.harness.request_options import DEFAULT_MAX_RETRIES
-    from kvbench.suites.base import SuiteError
+    from kvbench.suites import SuiteError
 
     given = {"--api-key": api_key, "--request-timeout": timeout, "--max-retries": retries}
     if not endpoint:
@@ -85,7 +85,7 @@ def http_options(endpoint: Optional[str], api_key: Optional[str], timeout: Optio
 def style_extra(names: list[str], style: Optional[str]) -> dict:
     """``--prompt-style`` for gpqa_diamond / aime (kvbench, gpt_oss, simple_evals) as those suites' params."""
     from kvbench.harness.request_options import prompt_styles
-    from kvbench.suites.base import SuiteError
+    from kvbench.suites import SuiteError
 
     if style is None:
         return {}
@@ -106,7 +106,7 @@ def usage_error(msg: str) -> None:
 
 def check_paths(data_dir: Optional[str], out: Optional[str], overwrite: bool) -> Optional[Path]:
     """Fail fast (before the model loads) on a --data-dir or --out that cannot work; returns --out as a Path."""
-    from kvbench.core.store import OutDirError, check_out_dir
+    from kvbench.core import OutDirError, check_out_dir
 
     if data_dir is not None:
         d = Path(data_dir)
@@ -184,7 +184,7 @@ def run_diagnosis(spec, client, data_dir: Optional[str], out_dir: Path) -> dict:
     """Diagnose the eval's engine; OUT/diagnostics/ gets diagnostics.json and report.md / report.html."""
     import sys
 
-    from kvbench.core.io import atomic_write_json
+    from kvbench.core import atomic_write_json
     from kvbench.harness.cell_diagnostics import brief, run_cell_diagnostics
     from kvbench.reports.diagnostics_report import write_report
 
@@ -218,7 +218,7 @@ class SuitePlan:
 
 
 def suite_names_of(suite: Optional[str], lm_eval: Optional[str], protocol: Optional[str]) -> list[str]:
-    from kvbench.suites.registry import resolve
+    from kvbench.suites import resolve
 
     names = [s.strip() for s in (suite or "").split(",") if s.strip()]
     if lm_eval:
@@ -230,8 +230,8 @@ def suite_plan(names: list[str], flags: dict, prompt_style: Optional[str], endpo
                request: dict, opts_kw: dict):
     """Check the suite flags against the suites chosen (``flags``: suite param -> value, None when not given)
     and build the plan; ``SuiteError`` says which flag does not apply."""
-    from kvbench.suites.base import SuiteError, SuiteOptions
-    from kvbench.suites.registry import check_params
+    from kvbench.suites import SuiteError, SuiteOptions
+    from kvbench.suites import check_params
 
     gen_style = prompt_style if prompt_style in _GEN_STYLES else None
     flags = {**flags, "prompt_style": None if gen_style else prompt_style}
@@ -266,9 +266,9 @@ def run_suites(plan: SuitePlan, client, ctx, diag_spec, data_dir: Optional[str],
     an error keeps what finished."""
     import logging
 
-    from kvbench.suites.base import SuiteError, SuiteInputError
-    from kvbench.suites.data import DataError
-    from kvbench.suites.registry import run_suite
+    from kvbench.suites import SuiteError, SuiteInputError
+    from kvbench.suites import DataError
+    from kvbench.suites import run_suite
 
     records: list[dict] = []
     summaries: dict[str, dict] = {}
@@ -295,7 +295,7 @@ def run_suites(plan: SuitePlan, client, ctx, diag_spec, data_dir: Optional[str],
 def write_results(out_dir: Optional[Path], out: Optional[str], records: list, summary: dict, error: Optional[str]):
     """items.jsonl and summary.json into --out (atomically); nothing when no record finished and there was an
     error (whatever --out held stays).  Returns --out as reported, None when nothing was written."""
-    from kvbench.core.io import atomic_write_json, atomic_write_jsonl
+    from kvbench.core import atomic_write_json, atomic_write_jsonl
 
     if out_dir is None:
         return out

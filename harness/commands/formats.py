@@ -7,8 +7,8 @@ import typer
 
 def format_rows() -> list[dict]:
     """One row per registered format (``kvbench.core.formats``), in table order."""
-    from kvbench.core.backends import PHASES, backend_names, supported_formats
-    from kvbench.core.formats import FORMAT_SPECS
+    from kvbench.core import PHASES, backend_names, supported_formats
+    from kvbench.core import FORMAT_SPECS
 
     rows = []
     for f in FORMAT_SPECS.values():
@@ -27,7 +27,7 @@ def format_rows() -> list[dict]:
 
 
 def _backends_text(backends: dict) -> str:
-    from kvbench.core.backends import PHASES
+    from kvbench.core import PHASES
 
     return ", ".join(b if len(ps) == len(PHASES) else f"{b} ({'/'.join(ps)})" for b, ps in backends.items()) or "-"
 

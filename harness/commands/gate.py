@@ -1,6 +1,6 @@
 """`kvbench gate RUN --baseline SELECTOR --candidate SELECTOR`: non-inferiority exit code for CI.
 
-Exit 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 4 NOT DISCRIMINATIVE (reports/gate.py says which wins), 2 for missing
+Exit 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 4 NOT DISCRIMINATIVE (reports/gate/check.py says which wins), 2 for missing
 data or a usage error: the same word the report's verdict card shows for the same run.  The long-context score gates as ``--metric ruler`` (per-item scores.ruler), ``ruler:L<length>`` or ``ruler:auc``.  Prints the
 deciding table and, last, one summary line: under GitHub Actions (``GITHUB_ACTIONS=true``) or with
 ``--annotations`` a workflow command (``::notice::`` / ``::warning::`` / ``::error::``) that the runner shows as
@@ -37,7 +37,7 @@ def _annotating(flag: Optional[bool]) -> bool:
 
 
 def _summary_text(line: str, annotate: bool) -> str:
-    """The gate's summary line (a workflow command, reports/gate_output.py) as printed: unchanged when
+    """The gate's summary line (a workflow command, reports/gate/output.py) as printed: unchanged when
     annotating, else its message alone after ``kvbench gate:``."""
     m = _WORKFLOW_COMMAND.fullmatch(line)
     if annotate or m is None:
@@ -90,7 +90,7 @@ def _step_summary(result) -> None:
     path = os.environ.get("GITHUB_STEP_SUMMARY")
     if not path:
         return
-    from kvbench.reports.gate import GATE_COLUMNS, check_row
+    from kvbench.reports import GATE_COLUMNS, check_row
 
     lines = [f"### kvbench gate: {result.word}", "",
              "| " + " | ".join(GATE_COLUMNS) + " |", "|" + "---|" * len(GATE_COLUMNS)]
@@ -122,9 +122,9 @@ def register(app: typer.Typer) -> None:
         json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the decision as JSON here."),
         annotations: Optional[bool] = typer.Option(None, "--annotations/--no-annotations", show_default=False, help="Print the summary line and errors as GitHub Actions workflow commands (::notice:: / ::warning:: / ::error::). Default: only under GitHub Actions (GITHUB_ACTIONS=true); elsewhere a plain 'kvbench gate: ...' line."),
     ) -> None:
-        from kvbench.core.io import atomic_write_json
-        from kvbench.reports.gate import GateError, GateThresholds, format_table, merge_gate_config, run_gate, summary_line, to_json
-        from kvbench.reports.load import RunLoadError, load_run
+        from kvbench.core import atomic_write_json
+        from kvbench.reports import GateError, GateThresholds, format_table, merge_gate_config, run_gate, summary_line, to_json
+        from kvbench.reports import RunLoadError, load_run
 
         try:
             data = load_run(run)
@@ -132,7 +132,7 @@ def register(app: typer.Typer) -> None:
             if config is not None:
                 from dataclasses import asdict
 
-                from kvbench.harness.sweep_config import SweepConfigError, load_config
+                from kvbench.harness.sweep.config import SweepConfigError, load_config
 
                 try:
                     t = merge_gate_config(t, asdict(load_config(config).gate))
@@ -154,7 +154,7 @@ def register(app: typer.Typer) -> None:
         typer.echo(format_table(result))
         doc = to_json(result)
         if plan:
-            from kvbench.reports.gate_plan import format_plan, plan_result
+            from kvbench.reports import format_plan, plan_result
 
             plans = plan_result(result, power)
             typer.echo("")

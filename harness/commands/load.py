@@ -63,8 +63,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from pathlib import Path
 
-        from kvbench.harness.loadgen import LoadConfig, discover_model, format_block, server_root, write_outputs
-        from kvbench.harness.loadgen_repeats import run_repeats, spread_lines
+        from kvbench.harness.loadgen.run import LoadConfig, discover_model, format_block, server_root, write_outputs
+        from kvbench.harness.loadgen.repeats import run_repeats, spread_lines
 
         levels = _levels(max_concurrency)
         try:
@@ -101,7 +101,7 @@ def register(app: typer.Typer) -> None:
                 write_outputs(str(Path(out) / f"c{cfg.max_concurrency or 'inf'}"), summary, records)
             summaries.append(summary)
         if out:
-            from kvbench.core.io import atomic_write_json
+            from kvbench.core import atomic_write_json
 
             atomic_write_json(Path(out) / "summary.json", {"levels": summaries})
             typer.echo(f"wrote {out}/summary.json and c<N>/requests.jsonl")

@@ -25,11 +25,12 @@ def register(app: typer.Typer) -> None:
         n_boot: int = typer.Option(10_000, "--bootstrap", help="Paired-bootstrap resamples."),
         seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
     ) -> None:
-        from kvbench.core.store import OutDirError, check_out_dir
-        from kvbench.reports.compare import report_analysis, run_meta
-        from kvbench.reports.html import ReportMeta, write_report
-        from kvbench.reports.load import RunLoadError, load_run, selector_text
-        from kvbench.reports.tables import series_label
+        from kvbench.core import OutDirError, check_out_dir
+        from kvbench.reports import report_analysis, run_meta
+        from kvbench.reports import ReportMeta
+        from kvbench.reports.render.html import write_report
+        from kvbench.reports import RunLoadError, load_run, selector_text
+        from kvbench.reports import series_label
 
         if not 0.5 < confidence < 1.0:
             _fail(f"--confidence must be in (0.5, 1), got {confidence}")
@@ -60,7 +61,7 @@ def register(app: typer.Typer) -> None:
         meta_rows.append(("statistics", f"{100 * confidence:g}% intervals; paired deltas: Newcombe for 0/1 scores (K=1), else paired bootstrap {n_boot} resamples, seed {seed}; Holm; long-context AUC: bootstrap over questions within each length, same resamples and seed"))
         meta = ReportMeta(title=f"kvbench report: {data.config.get('name') or data.name}", command=shlex.join(cmd),
                           rows=meta_rows)
-        from kvbench.reports.verdict import build_verdicts, verdict_records
+        from kvbench.reports import build_verdicts, verdict_records
 
         verdicts = build_verdicts(data, analysis, baseline)
         if verdicts is not None:

@@ -67,7 +67,7 @@ def register(app: typer.Typer) -> None:
         if host not in ("127.0.0.1", "localhost", "::1"):
             typer.echo(f"warning: binding {host}: the server has no authentication", err=True)
         check_port_free(host, port)  # before the model loads: a busy port fails at once
-        from kvbench.runtime.server import run_server
+        from kvbench.runtime import run_server
 
         limit = None if max_body_mb is None else int(max_body_mb * 2**20)
         run_server(engine, host=host, port=port, log_level=log_level, max_body_bytes=limit)

@@ -15,8 +15,8 @@ DATA_DIR_ENV = "KVBENCH_DATA_DIR"  # suites.data.DATA_DIR_ENV (not imported: --h
 
 def _check_run_dir(run_dir: Path) -> None:
     """A run directory must be a directory or creatable (``store.check_out_dir``), as a config error."""
-    from kvbench.core.store import OutDirError, check_out_dir
-    from kvbench.harness.sweep_config import SweepConfigError
+    from kvbench.core import OutDirError, check_out_dir
+    from kvbench.harness.sweep.config import SweepConfigError
 
     try:
         check_out_dir(run_dir, "--out")
@@ -49,9 +49,9 @@ def _launch_listing(cfg, plans, parallel: int) -> list[str]:
     """The exact launch command of every server cell group (``--dry-run``; rendered before a real sweep too,
     so a template that cannot carry a cell stops it).  The port is the target's ``port`` or ``<port>`` (a
     free one is picked per launch); devices are those the device plan gives the group, if any."""
-    from kvbench.harness.launch_options import PORT_STAND_IN
+    from kvbench.harness.launch.options import PORT_STAND_IN
     from kvbench.harness.parallel import simulate
-    from kvbench.harness.sweep_config import SweepConfigError
+    from kvbench.harness.sweep.config import SweepConfigError
     from kvbench.harness.targets import TargetError, render_launch
 
     lines: list[str] = []
@@ -113,7 +113,7 @@ def _plan(config: str, out: Optional[str], only: Optional[str], data_dir: Option
     """The config loaded (``--data-dir`` or the environment's data directory recorded), its cells, the run
     directory, the device plans and the launch listing; a config error as a ``UserError``."""
     from kvbench.harness.matrix import expand, select
-    from kvbench.harness.sweep_config import SweepConfigError, load_config
+    from kvbench.harness.sweep.config import SweepConfigError, load_config
 
     try:
         cfg = load_config(config)
@@ -138,7 +138,7 @@ def _dry_run(cfg, cells, run_dir: Path, device_ids, plans, launches: list[str], 
     """``--dry-run``: the device plan (when devices are in play), every cell and launch command, the count."""
     if parallel > 1 or device_ids is not None or any(p.allowed is not None for p in plans):
         _echo_device_plan(plans, parallel)
-    from kvbench.harness.sweep_dry_run import cell_line, check_models
+    from kvbench.harness.sweep.dry_run import cell_line, check_models
 
     check_models(cfg, cells)
     for c in cells:
@@ -153,8 +153,8 @@ def _run(cfg, config: str, run_dir: Path, *, resume: bool, only: Optional[str], 
     """Run the sweep and say how it went: the counts, how to redo failed cells (exit 1) or finish an
     interrupted run (exit 130 / 143), else the report and gate commands."""
     from kvbench.harness.runner import run_sweep
-    from kvbench.harness.sweep_config import SweepConfigError
-    from kvbench.harness.sweep_hints import (
+    from kvbench.harness.sweep.config import SweepConfigError
+    from kvbench.harness.sweep.hints import (
         SweepTerminated,
         finished_commands,
         interrupted_lines,

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol, runtime_checkable
 
-from kvbench.core.backends import PHASES  # re-exported: the phases of the backend table
+from kvbench.core import PHASES
 
 if TYPE_CHECKING:  # torch is imported lazily by the modules that run kernels
     import torch
@@ -161,7 +161,7 @@ class BackendOptions:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from kvbench.core.kv_config import query_quant_phases
+        from kvbench.core import query_quant_phases
         from kvbench.runtime.config import normalize_quantize_query
 
         self.quantize_query = normalize_quantize_query(self.quantize_query)

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbench.core.backends import is_supported
+from kvbench.core import is_supported
 from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, apply_rope
 from kvbench.runtime.attention.torch_backend import quantize_step_query
 

@@ -21,7 +21,7 @@ __all__ = ["triton_forward_mla", "latent_cache_view"]
 
 def latent_cache_view(cache, layer_idx: int, rank: int):
     """``kernels.mla.LatentCache`` over one layer's latent plane of the paged pool (no copy)."""
-    from kvbench.kernels.mla import LatentCache, LatentLayout
+    from kvbench.kernels import LatentCache, LatentLayout
 
     spec = cache.spec
     if not spec.mla:
@@ -31,7 +31,8 @@ def latent_cache_view(cache, layer_idx: int, rank: int):
 
 
 def triton_forward_mla(backend, q_nope, q_pe, c_kv, k_pe, layer: MLAAttentionLayer, cache, meta: AttentionMetadata) -> torch.Tensor:
-    from kvbench.kernels.mla_append import mla_append, mla_append_unfused
+    from kvbench.kernels import mla_append_unfused
+    from kvbench.kernels.mla_append import mla_append
 
     T, H = q_nope.shape[:2]
     r = layer.kv_lora_rank
@@ -58,7 +59,7 @@ def triton_forward_mla(backend, q_nope, q_pe, c_kv, k_pe, layer: MLAAttentionLay
             qa = torch.where(rows, quantize_query_fp8(qa, layer.q_scale), qa)
             ql, qp = qa[..., :r].contiguous(), qa[..., r:].to(qp.dtype).contiguous()
     if meta.phase == "decode":
-        from kvbench.kernels.config import MLADecodeOptions
+        from kvbench.kernels import MLADecodeOptions
         from kvbench.kernels.mla_decode import mla_decode
 
         B = meta.num_seqs
@@ -69,7 +70,7 @@ def triton_forward_mla(backend, q_nope, q_pe, c_kv, k_pe, layer: MLAAttentionLay
             full[:B] = o_lat
             o_lat = full
     else:
-        from kvbench.kernels.config import MLAPrefillOptions
+        from kvbench.kernels import MLAPrefillOptions
         from kvbench.kernels.mla_prefill import mla_prefill
 
         if meta.has_roundtrip:  # decode semantics: these rows see their latent as stored

@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from kvbench.core.backends import BACKEND_SPECS, backend_names
-from kvbench.core.formats import format_names
+from kvbench.core import BACKEND_SPECS, backend_names
+from kvbench.core import format_names
 from kvbench.runtime.attention.base import PHASES, BackendOptions, UnsupportedBackend
 
 if TYPE_CHECKING:

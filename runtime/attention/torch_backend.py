@@ -24,7 +24,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from kvbench.core.backends import is_supported
+from kvbench.core import is_supported
 from kvbench.runtime.attention.base import (
     AttentionLayer,
     AttentionMetadata,

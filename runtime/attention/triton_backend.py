@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbench.core.backends import is_supported
+from kvbench.core import is_supported
 from kvbench.runtime.attention.base import (AttentionLayer, AttentionMetadata, BackendOptions, RopeCache, query_fp8,
                                             query_fp8_rows, stored_new_kv)
 
@@ -95,10 +95,10 @@ class TritonBackend:
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, q, k, v, layer: AttentionLayer, cache, meta: AttentionMetadata) -> torch.Tensor:
-        from kvbench.kernels.append import fused_rope_quant_append, unfused_rope_quant_append
-        from kvbench.kernels.config import AttentionParams, PagedKV, PrefillOptions
-        from kvbench.kernels.decode import paged_decode
-        from kvbench.kernels.prefill import paged_prefill
+        from kvbench.kernels import fused_rope_quant_append, unfused_rope_quant_append
+        from kvbench.kernels import AttentionParams, PagedKV, PrefillOptions
+        from kvbench.kernels import paged_decode
+        from kvbench.kernels import paged_prefill
 
         li = layer.layer_idx
         fmt = cache.fmt_of(li).name

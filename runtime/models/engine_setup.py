@@ -9,10 +9,10 @@ from typing import Any, Optional
 
 import torch
 
-from kvbench.core.formats import get_spec
+from kvbench.core import get_spec
 from kvbench.runtime.attention.base import BackendOptions, build_rope_cache
 from kvbench.runtime.attention.registry import check_supported, create_backend
-from kvbench.core.layer_formats import layer_dtypes_summary, resolve_layer_dtypes
+from kvbench.core import layer_dtypes_summary, resolve_layer_dtypes
 from kvbench.runtime.config import ConfigError, EngineConfig, KVCacheSpec, context_in_cache, context_length
 from kvbench.runtime.engine_api import CapacityReport
 from kvbench.runtime.kv_cache import PagedKVCache, bytes_per_token, plan_capacity
@@ -80,13 +80,13 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device, loaded: LoadedModel
     act = cfg.max_num_batched_tokens * (3 * m.intermediate_size + 6 * m.hidden_size) * 4
     act += cfg.max_running * m.vocab_size * 4 * 3 + 512 * 2**20
     if m.is_mla and get_spec(cfg.kv_dtype).quantized:  # the MLA prefill's prefix workspace (kernels/mla_prefill.py)
-        from kvbench.kernels.mla_prefill import WORKSPACE_BYTES
+        from kvbench.kernels import WORKSPACE_BYTES
 
         act += WORKSPACE_BYTES
     elif not m.is_mla and (get_spec(cfg.kv_dtype).quantized or cfg.kv_layer_dtypes):
         # the extend's float16 prefix workspace over a quantized cache (kernels/prefill.py; a layer map may hold
         # quantized layers over a 16-bit default)
-        from kvbench.kernels.prefill import WORKSPACE_CAP_BYTES
+        from kvbench.kernels import WORKSPACE_CAP_BYTES
 
         act += WORKSPACE_CAP_BYTES
     return max(free * cfg.mem_fraction - act, 64 * 2**20)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kvbench.kernels.fused_ops import rms_norm, silu_mul
+from kvbench.kernels import rms_norm, silu_mul
 from kvbench.runtime.attention.base import AttentionBackend, AttentionLayer, AttentionMetadata
 from kvbench.runtime.models.config import ModelConfig
 

@@ -170,7 +170,7 @@ def _load(name: Optional[str], kind: str, loc: str, device: torch.device, dtype:
         model_id = loc
     elif kind == "gguf":
         from kvbench.runtime.models.gguf_loader import load_gguf_cached
-        from kvbench.core.tokenizer import load_tokenizer
+        from kvbench.core import load_tokenizer
 
         cfg, state = load_gguf_cached(loc, on_part=note.part)
         note.part(f"building {cfg.num_layers} layers")
@@ -182,7 +182,7 @@ def _load(name: Optional[str], kind: str, loc: str, device: torch.device, dtype:
         model_id = _display_id(name, kind, loc)
     else:
         from kvbench.runtime.models.hf_loader import load_hf_dir
-        from kvbench.core.tokenizer import load_tokenizer
+        from kvbench.core import load_tokenizer
 
         note.part("reading safetensors")
         cfg, state, scales = load_hf_dir(loc)

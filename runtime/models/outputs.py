@@ -12,7 +12,7 @@ from typing import Optional
 
 from kvbench.runtime.engine_api import RequestOutput, StreamDelta
 from kvbench.runtime.scheduler import SeqKind, Sequence
-from kvbench.core.tokenizer import IncrementalDetokenizer
+from kvbench.core import IncrementalDetokenizer
 
 __all__ = ["OutputProcessor"]
 

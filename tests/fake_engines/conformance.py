@@ -63,7 +63,7 @@ def make_data(root: Path) -> Path:
 
 def run(raw: dict, out: Path, **kw):
     from kvbench.harness.runner import run_sweep
-    from kvbench.harness.sweep_config import parse_config
+    from kvbench.harness.sweep.config import parse_config
 
     return run_sweep(parse_config(raw), out, progress=False, **kw)
 
