@@ -21,6 +21,8 @@ _EXPORTS = {
     "PROMPT_STYLE_SUITES": "registry",
     "RunContext": "registry",
     "SUITE_FLAGS": "registry",
+    "SUITE_FLAG_POSITIVE": "registry",
+    "SUITE_FLAG_REQUIRES": "registry",
     "check_params": "registry",
     "is_suite_name": "registry",
     "needs_reference": "registry",

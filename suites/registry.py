@@ -91,6 +91,10 @@ SUITE_FLAGS: dict[str, dict[str, str]] = {
     "fidelity": {"text_tokens": "--fidelity-text-tokens", "position_buckets": "--position-buckets",
                  "haystack_file": "--haystack-file"},
 }
+# a suite takes a flag only together with another of its flags: (suite, param) -> the param it needs
+SUITE_FLAG_REQUIRES: dict[tuple[str, str], str] = {("fidelity", "haystack_file"): "text_tokens"}
+# flags whose value must be a positive number
+SUITE_FLAG_POSITIVE = {("fidelity", "text_tokens"), ("fidelity", "position_buckets")}
 
 
 def primary_metric(name: str) -> str:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from kvbench.suites import PROMPT_STYLE_SUITES, SUITE_FLAGS
+from kvbench.suites import PROMPT_STYLE_SUITES, SUITE_FLAG_POSITIVE, SUITE_FLAG_REQUIRES, SUITE_FLAGS
 
 def cache_dir(opt: Optional[str]) -> Path:
     if opt:
@@ -201,17 +201,17 @@ _GEN_STYLES = ("kvbench", "gpt_oss", "simple_evals")  # gpqa / aime's --prompt-s
 
 @dataclass
 class SuitePlan:
-    """What `kvbench eval` runs: the concrete suites, their options, and the params of the suites that take
-    their own flags (SUITE_FLAGS in suites/registry.py)."""
+    """What `kvbench eval` runs: the concrete suites, their options, and each suite's params from the flags it
+    declares (SUITE_FLAGS in suites/registry.py)."""
 
     names: list
     opts: object  # SuiteOptions
-    fid_extra: dict
+    extras: dict  # suite -> params from its flags
     style_extra: dict
 
     def options_for(self, name: str):
-        if name == "fidelity":
-            return replace(self.opts, extra=self.fid_extra)
+        if name in self.extras:
+            return replace(self.opts, extra=self.extras[name])
         if name in PROMPT_STYLE_SUITES:
             return replace(self.opts, extra=self.style_extra)
         return self.opts
@@ -226,39 +226,51 @@ def suite_names_of(suite: Optional[str], lm_eval: Optional[str], protocol: Optio
     return [resolve(n, protocol) for n in (names or ["gsm8k"])]
 
 
+def _flag_owners(param: str, flags: dict, names: list[str]) -> list[str]:
+    """The chosen suites that take ``param`` from its flag (a flag that needs another is taken only with it)."""
+    return [s for s, table in SUITE_FLAGS.items() if param in table and s in names
+            and flags.get(SUITE_FLAG_REQUIRES.get((s, param), param)) is not None]
+
+
+def _not_applicable(param: str) -> str:
+    """``--haystack-file applies to --suite ruler only (and to fidelity with --fidelity-text-tokens)``."""
+    owners = [s for s, table in SUITE_FLAGS.items() if param in table]
+    plain = [s for s in owners if (s, param) not in SUITE_FLAG_REQUIRES]
+    flag = SUITE_FLAGS[owners[0]][param]
+    text = f"{flag} applies to --suite {' or '.join(plain or owners)} only"
+    for s in owners:
+        if (s, param) in SUITE_FLAG_REQUIRES:
+            text += f" (and to {s} with {SUITE_FLAGS[s][SUITE_FLAG_REQUIRES[(s, param)]]})"
+    return text
+
+
 def suite_plan(names: list[str], flags: dict, prompt_style: Optional[str], endpoint: Optional[str],
                request: dict, opts_kw: dict):
-    """Check the suite flags against the suites chosen (``flags``: suite param -> value, None when not given)
-    and build the plan; ``SuiteError`` says which flag does not apply."""
-    from kvbench.suites import SuiteError, SuiteOptions
-    from kvbench.suites import check_params
+    """Check the suite flags against the suites chosen (``flags``: suite param -> value, None when not given;
+    which suite takes which flag is the registry's SUITE_FLAGS) and build the plan; ``SuiteError`` says which
+    flag does not apply."""
+    from kvbench.suites import SuiteError, SuiteOptions, check_params
 
     gen_style = prompt_style if prompt_style in _GEN_STYLES else None
     flags = {**flags, "prompt_style": None if gen_style else prompt_style}
-    ruler, fid = SUITE_FLAGS["ruler"], SUITE_FLAGS["fidelity"]
-    extra = {k: flags[k] for k in ruler if flags.get(k) is not None}
-    long_fidelity = "fidelity" in names and flags.get("text_tokens") is not None
-    fid_extra: dict = {"haystack_file": flags["haystack_file"]} if long_fidelity and flags.get("haystack_file") else {}
-    ruler_only = [k for k in extra if not (long_fidelity and k in fid)]
-    if ruler_only and "ruler" not in names:
-        flag = ruler[ruler_only[0]]
-        raise SuiteError(f"{flag} applies to --suite ruler only"
-                         + (" (and to fidelity with --fidelity-text-tokens)" if ruler_only[0] in fid else ""))
-    for k in (k for k in fid if k not in ruler):
-        v = flags.get(k)
-        if v is None:
+    extras: dict[str, dict] = {s: {} for s in SUITE_FLAGS if s in names}
+    for param in dict.fromkeys(p for table in SUITE_FLAGS.values() for p in table):
+        value = flags.get(param)
+        if value is None:
             continue
-        if "fidelity" not in names:
-            raise SuiteError(f"{fid[k]} applies to --suite fidelity only")
-        if v <= 0:
-            raise SuiteError(f"{fid[k]} must be positive, got {v}")
-        fid_extra[k] = v
+        owners = _flag_owners(param, flags, names)
+        if not owners:
+            raise SuiteError(_not_applicable(param))
+        for s in owners:
+            if (s, param) in SUITE_FLAG_POSITIVE and value <= 0:
+                raise SuiteError(f"{SUITE_FLAGS[s][param]} must be positive, got {value}")
+            extras[s][param] = value
     if flags.get("tokenizer") is not None and not endpoint:
         raise SuiteError("--tokenizer applies to --endpoint only (the embedded engine uses its own tokenizer)")
-    if "ruler" in names:
-        check_params("ruler", extra)
-    opts = SuiteOptions(request=request, extra=extra, **opts_kw)
-    return SuitePlan(names, opts, fid_extra, style_extra(names, gen_style))
+    for s, params in extras.items():
+        check_params(s, params)
+    opts = SuiteOptions(request=request, **opts_kw)
+    return SuitePlan(names, opts, extras, style_extra(names, gen_style))
 
 
 def run_suites(plan: SuitePlan, client, ctx, diag_spec, data_dir: Optional[str], out_dir: Optional[Path]):
