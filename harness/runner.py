@@ -10,7 +10,9 @@ cells and change what only reports read (gate, description), never what produced
 (``_check_resume``).  What a cell runs comes from a ``CellWork`` (``cell_work.py``; tests
 inject fakes, the default ``DefaultWork`` calls the suites, the fidelity suite and the load generator); the
 manifest's provenance (git, versions, device, dates) comes from ``provenance.py``.  ``parallel > 1`` runs
-several cell groups at once, each server on its own devices and port (``parallel.py``).
+several cell groups at once, each server on its own devices and port (``parallel.py``); an ``executor``
+(``ray_executor.py``, ``kvbench sweep --executor ray``) runs each group elsewhere through ``_run_group`` and
+sends each cell's files back to be written here (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -74,25 +76,31 @@ def _manifest(store: RunStore, sweep: SweepConfig, cells: list[Cell], resume: bo
 def run_sweep(sweep: SweepConfig, out: Path | str, resume: bool = False, only: Optional[str] = None,
               work: Optional[CellWork] = None, progress: Optional[bool] = True,
               opener: Callable = open_target, parallel: int = 1,
-              devices: Optional[list[int]] = None) -> SweepOutcome:
+              devices: Optional[list[int]] = None, executor=None) -> SweepOutcome:
     """Run (or resume) the sweep into ``out``; returns which cells finished, failed or were skipped.
 
     ``parallel``: up to that many cell groups at once (``harness/parallel.py``; 1: one after another);
     ``devices``: the GPU ids servers may use (``--devices``; default: each target's ``devices``, else
     the visible GPUs when ``parallel > 1``).  Device plans are checked before anything is touched (a
     ``SweepConfigError`` when a server can never get its ``tp_size`` devices).  The run directory is
-    locked (``RunLock``) before anything in it is read or written."""
+    locked (``RunLock``) before anything in it is read or written.  ``executor``: where the cell groups run
+    (None: in this process; ``harness/ray_executor.py`` ``RayExecutor``: as Ray tasks, connected before the
+    run directory is locked and disconnected afterwards)."""
     store = RunStore(out)
     all_cells = expand(sweep)
     cells = select(all_cells, only)
     plan_groups(sweep, groups(cells), parallel, devices)  # fail early: nothing is locked or written yet
-    with RunLock(store.root):
-        return _run_locked(sweep, store, all_cells, cells, resume, only, work, progress, opener, parallel, devices)
+    if executor is None:
+        with RunLock(store.root):
+            return _run_locked(sweep, store, all_cells, cells, resume, only, work, progress, opener, parallel, devices)
+    with executor.connected(), RunLock(store.root):
+        return _run_locked(sweep, store, all_cells, cells, resume, only, work, progress, opener, parallel, devices,
+                           executor=executor)
 
 
 def _run_locked(sweep: SweepConfig, store: RunStore, all_cells: list[Cell], cells: list[Cell], resume: bool,
                 only: Optional[str], work: Optional[CellWork], progress: Optional[bool], opener: Callable,
-                parallel: int = 1, devices: Optional[list[int]] = None) -> SweepOutcome:
+                parallel: int = 1, devices: Optional[list[int]] = None, executor=None) -> SweepOutcome:
     if store.exists() and not resume:
         raise SweepConfigError(f"{store.root} already holds a run; pass --resume to finish it or choose another --out")
     manifest = _manifest(store, sweep, all_cells, resume, only)
@@ -117,8 +125,14 @@ def _run_locked(sweep: SweepConfig, store: RunStore, all_cells: list[Cell], cell
         work = FidelityGuardedWork(work, refs)  # one computation per fidelity reference
     if parallel > 1 or devices is not None:
         manifest["runs"][-1].update(parallel=parallel, devices=devices)
-    with _Display(len(todo), progress if todo else False, parallel=parallel) as display:
-        _run_groups(sweep, store, plans, work, refs, opener, display, outcome, parallel)
+    if executor is not None:  # the groups run elsewhere (each computes its own fidelity references)
+        manifest["runs"][-1].update(executor.manifest_info())
+        store.write_manifest(manifest)
+        with executor.display(len(todo), progress if todo else False) as display:
+            executor.run_groups(sweep, store, plans, work, opener, display, outcome)
+    else:
+        with _Display(len(todo), progress if todo else False, parallel=parallel) as display:
+            _run_groups(sweep, store, plans, work, refs, opener, display, outcome, parallel)
     if parallel > 1 or any(p.allowed is not None for p in plans):
         manifest["runs"][-1]["cell_devices"] = _cell_devices(store, todo)
 
@@ -189,10 +203,13 @@ def _cell_devices(store: RunStore, cells: list[Cell]) -> dict[str, Optional[list
 
 
 def _run_group(sweep, store, group, work, refs, opener, display, outcome, devices: Optional[list[int]] = None,
-               stop: Optional[threading.Event] = None, parallel: int = 1, pass_devices: bool = False) -> None:
+               stop: Optional[threading.Event] = None, parallel: int = 1, pass_devices: bool = False,
+               after_cell: Optional[Callable[[Cell], None]] = None) -> None:
     """One target launch for the cells of ``group``.  ``devices``: the GPU ids the group was given (passed
     to the opener as ``devices=`` when ``pass_devices``, recorded in the session info); ``stop``: once
-    set, no further cell starts and none is marked done."""
+    set, no further cell starts and none is marked done; ``after_cell``: called with each cell once its
+    files and status are written (done or failed; a Ray worker sends them to the driver from there)."""
+    after_cell = after_cell or (lambda cell: None)
     first = group[0]
     spec = sweep.target(first.config["target"])
     log_path = store.root / "logs" / f"{first.key}.log"
@@ -210,6 +227,7 @@ def _run_group(sweep, store, group, work, refs, opener, display, outcome, device
             _record_failure(store, cell, err, traceback.format_exc(), startup if cell is first else {})
             outcome.failed.append(cell.key)
             display.finished(f"[red]failed[/] {cell.label}: {err.splitlines()[0]}")
+            after_cell(cell)
         return
     startup_s = round(time.monotonic() - t_start, 3)
     if devices is not None:
@@ -223,6 +241,7 @@ def _run_group(sweep, store, group, work, refs, opener, display, outcome, device
             ok = _run_cell(sweep, store, cell, session, work, refs, display, stop=stop,
                            startup_s=startup_s if cell is first else None)
             (outcome.done if ok else outcome.failed).append(cell.key)
+            after_cell(cell)
     finally:
         ctx.__exit__(None, None, None)
 

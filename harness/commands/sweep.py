@@ -1,4 +1,5 @@
-"""`kvbench sweep CONFIG [--out RUN] [--resume] [--only SELECTOR]`: run a sweep matrix into a run directory."""
+"""`kvbench sweep CONFIG [--out RUN] [--resume] [--only SELECTOR] [--executor ray [--address ADDR]]`: run a sweep
+matrix into a run directory (the cell groups in this process, or as Ray tasks: ``harness/ray_executor.py``)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,18 @@ ParallelOpt = Annotated[int, typer.Option("--parallel", help="Run up to N server
                                           "own devices and port (load generators share this host's CPU)")]
 DevicesOpt = Annotated[Optional[str], typer.Option("--devices", help="GPU ids the servers may use, e.g. 0,1,2,3 "
                                                    "(default: each target's devices, else the visible GPUs)")]
+ExecutorOpt = Annotated[str, typer.Option("--executor", help="Where cell groups run: local (this process) or ray "
+                                          "(one Ray task per group, results sent back to this run directory; "
+                                          'needs pip install "kvbench\\[ray]")', show_default=True)]
+AddressOpt = Annotated[Optional[str], typer.Option(
+    "--address", help="Ray cluster address for --executor ray, e.g. 10.0.0.5:6379 or ray://head:10001 "
+    "(default: $RAY_ADDRESS, a Ray started on this machine, else a new local one)")]
+RayRetriesOpt = Annotated[Optional[int], typer.Option(
+    "--ray-retries", help="--executor ray: new attempts of a cell group whose worker or node died, for its "
+    "unfinished cells (default 1; then they are recorded failed)")]
+RayCpusOpt = Annotated[Optional[float], typer.Option(
+    "--ray-cpus-per-group", help="--executor ray: CPUs each cell group's task reserves (default 1; GPUs follow "
+    "the target: a server's tp_size, 1 for an embedded engine on CUDA)")]
 
 
 def register(app: typer.Typer) -> None:
@@ -94,18 +107,49 @@ def register(app: typer.Typer) -> None:
     def sweep(
         config: ConfigArg, out: OutOpt = None, resume: ResumeOpt = False, only: OnlyOpt = None,
         data_dir: DataDirOpt = None, dry_run: DryRunOpt = False, progress: ProgressOpt = True,
-        parallel: ParallelOpt = 1, devices: DevicesOpt = None,
+        parallel: ParallelOpt = 1, devices: DevicesOpt = None, executor: ExecutorOpt = "local",
+        address: AddressOpt = None, ray_retries: RayRetriesOpt = None, ray_cpus_per_group: RayCpusOpt = None,
     ) -> None:
         """Run the matrix of a sweep config: accuracy suites, fidelity, load tests and capacity per cell."""
         import logging
 
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        ray = _ray_options(executor, address, ray_retries, ray_cpus_per_group, parallel, devices, dry_run)
         cfg, cells, run_dir, device_ids, plans, launches = _plan(config, out, only, data_dir, parallel, devices)
         if dry_run:
-            _dry_run(cfg, cells, run_dir, device_ids, plans, launches, parallel)
+            _dry_run(cfg, cells, run_dir, device_ids, plans, launches, parallel, ray)
             return
         _run(cfg, config, run_dir, resume=resume, only=only, data_dir=data_dir, progress=progress,
-             parallel=parallel, devices=devices, device_ids=device_ids)
+             parallel=parallel, devices=devices, device_ids=device_ids, ray=ray)
+
+
+def _ray_options(executor: str, address: Optional[str], retries: Optional[int], cpus: Optional[float], parallel: int,
+                 devices: Optional[str], dry_run: bool):
+    """``RayOptions`` for ``--executor ray`` (Ray imported, unless ``--dry-run``), None for ``local``; a
+    ``UserError`` for an unknown executor, Ray flags without ``--executor ray``, or ``--parallel`` /
+    ``--devices`` with it (Ray places the groups and gives them their GPUs)."""
+    from kvbench.harness.ray_executor import EXECUTORS, RayOptions, import_ray
+    from kvbench.harness.sweep.config import SweepConfigError
+
+    if executor not in EXECUTORS:
+        raise UserError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
+    flags = {"--address": address, "--ray-retries": retries, "--ray-cpus-per-group": cpus}
+    if executor != "ray":
+        given = [f for f, v in flags.items() if v is not None]
+        if given:
+            raise UserError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --executor ray only")
+        return None
+    if parallel != 1 or devices is not None:
+        raise UserError("--parallel and --devices are for the local executor: with --executor ray each cell group is "
+                        "a Ray task and Ray decides where and how many run at once, and which GPUs they get")
+    try:
+        opts = RayOptions(address=address, retries=1 if retries is None else retries,
+                          cpus_per_group=1.0 if cpus is None else cpus)
+        if not dry_run:
+            import_ray()
+    except SweepConfigError as e:
+        raise UserError(str(e)) from None
+    return opts
 
 
 def _plan(config: str, out: Optional[str], only: Optional[str], data_dir: Optional[str], parallel: int,
@@ -134,9 +178,12 @@ def _plan(config: str, out: Optional[str], only: Optional[str], data_dir: Option
     return cfg, cells, run_dir, device_ids, plans, launches
 
 
-def _dry_run(cfg, cells, run_dir: Path, device_ids, plans, launches: list[str], parallel: int) -> None:
-    """``--dry-run``: the device plan (when devices are in play), every cell and launch command, the count."""
-    if parallel > 1 or device_ids is not None or any(p.allowed is not None for p in plans):
+def _dry_run(cfg, cells, run_dir: Path, device_ids, plans, launches: list[str], parallel: int, ray=None) -> None:
+    """``--dry-run``: the device plan (when devices are in play) or the Ray tasks, every cell and launch command,
+    the count."""
+    if ray is not None:
+        _echo_ray_plan(cfg, plans, ray)
+    elif parallel > 1 or device_ids is not None or any(p.allowed is not None for p in plans):
         _echo_device_plan(plans, parallel)
     from kvbench.harness.sweep.dry_run import cell_line, check_models
 
@@ -148,8 +195,34 @@ def _dry_run(cfg, cells, run_dir: Path, device_ids, plans, launches: list[str], 
     typer.echo(f"{len(cells)} cells -> {run_dir}")
 
 
+def _echo_ray_plan(cfg, plans, ray) -> None:
+    """``--dry-run --executor ray``: the Ray task of each cell group and what it reserves."""
+    from kvbench.harness.ray_executor import describe_resources
+
+    where = ray.address or "$RAY_ADDRESS, a Ray started on this machine, else a new local one"
+    typer.echo(f"executor ray ({where}; --ray-retries {ray.retries}): one task per cell group")
+    for p in plans:
+        n = len(p.cells)
+        typer.echo(f"  {p.cells[0].label} ({n} cell{'s' if n != 1 else ''}, {p.kind} target {p.target}): "
+                   f"{describe_resources(cfg, p, ray.cpus_per_group)}")
+
+
+def _ray_words(ray) -> list[str]:
+    """The ``--executor ray`` flags of the resume command (those that were given, and the executor)."""
+    if ray is None:
+        return []
+    words = ["--executor", "ray"]
+    if ray.address is not None:
+        words += ["--address", ray.address]
+    if ray.retries != 1:
+        words += ["--ray-retries", str(ray.retries)]
+    if ray.cpus_per_group != 1:
+        words += ["--ray-cpus-per-group", f"{ray.cpus_per_group:g}"]
+    return words
+
+
 def _run(cfg, config: str, run_dir: Path, *, resume: bool, only: Optional[str], data_dir: Optional[str],
-         progress: bool, parallel: int, devices: Optional[str], device_ids) -> None:
+         progress: bool, parallel: int, devices: Optional[str], device_ids, ray=None) -> None:
     """Run the sweep and say how it went: the counts, how to redo failed cells (exit 1) or finish an
     interrupted run (exit 130 / 143), else the report and gate commands."""
     from kvbench.harness.runner import run_sweep
@@ -162,11 +235,19 @@ def _run(cfg, config: str, run_dir: Path, *, resume: bool, only: Optional[str], 
         sigterm_as_interrupt,
     )
 
-    again = resume_command(config, run_dir, only=only, data_dir=data_dir, parallel=parallel, devices=devices)
+    import shlex
+
+    again = " ".join([resume_command(config, run_dir, only=only, data_dir=data_dir, parallel=parallel,
+                                     devices=devices), *map(shlex.quote, _ray_words(ray))])
+    extra = {}
+    if ray is not None:
+        from kvbench.harness.ray_executor import RayExecutor
+
+        extra["executor"] = RayExecutor(ray)
     try:
         with sigterm_as_interrupt():
             outcome = run_sweep(cfg, run_dir, resume=resume, only=only, progress=True if progress else None,
-                                parallel=parallel, devices=device_ids)
+                                parallel=parallel, devices=device_ids, **extra)
     except SweepConfigError as e:
         raise UserError(str(e)) from None
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: say exactly how to finish the run

@@ -1,0 +1,409 @@
+"""``kvbench sweep --executor ray`` on a local two-node Ray cluster (CPU): the same cells and item records as a
+local sweep, a worker that dies mid-cell (retried; with no retries its cell fails and the rest finishes), a
+driver killed mid-sweep then resumed, Ctrl-C.  The cluster (a head and a second node, ``ray start --block`` in
+their own process groups) is started once for the module and torn down by killing those two process groups.
+
+The flag handling (``--executor``, ``--address``, ``--ray-retries``, ``--ray-cpus-per-group``, the resume
+command, the error without Ray) is checked without a cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from kvbench.core import RunStore
+from kvbench.harness.cli import app
+from kvbench.harness.matrix import expand
+from kvbench.harness.runner import run_sweep
+from kvbench.harness.sweep.config import SweepConfigError, parse_config
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+BIN = Path(sys.executable).parent
+MODEL = "synthetic:llama-3-8b,layers=2,hidden=64,heads=2,kv_heads=1,head_dim=32,intermediate_size=128,vocab=300"
+TIMING_FIELDS = ("latency_s",)  # item fields that are wall-clock times
+
+# CI installs Ray (the test extra): there a missing Ray fails these tests instead of skipping them
+needs_ray = pytest.mark.skipif(find_spec("ray") is None and not os.environ.get("CI"),
+                               reason='Ray is not installed (pip install "kvbench[ray]")')
+
+
+def raw_config(data_dir: Path) -> dict:
+    """Two KV formats x two concurrencies of a tiny synthetic model: two cell groups of two cells each (the
+    suites run in the concurrency-1 cell, the load test in both)."""
+    return {
+        "name": "ray", "model": MODEL,
+        "engine": {"device": "cpu", "dtype": "float32", "kv_budget_gb": 0.01, "max_model_len": 512, "max_running": 4},
+        "axes": {"kv": ["bf16", {"dtype": "fp8_e4m3", "scales": "unit"}], "concurrency": [1, 2]},
+        "suites": [{"name": "gsm8k_chat", "limit": 2, "max_tokens": 6},
+                   {"name": "fidelity", "limit": 2, "params": {"top_k": 8, "greedy_tokens": 4}}],
+        "load": {"num_prompts": 2, "input_len": 12, "output_len": 3, "warmup": 0, "metrics_interval_s": 0},
+        "baseline": {"kv_dtype": "bf16"}, "aa_control": False, "data_dir": str(data_dir),
+    }
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("data")
+    rows = [{"question": f"Tom has {i} apples and buys {i + 3} more. How many apples does he have?",
+             "answer": f"He has {i} + {i + 3} = {2 * i + 3} apples.\n#### {2 * i + 3}"} for i in range(6)]
+    (d / "gsm8k_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_node(args: list[str], log: Path, env: dict) -> subprocess.Popen:
+    """``ray start ... --block`` in a process group of its own; returns once it says the node runs."""
+    with open(log, "w") as out:
+        p = subprocess.Popen([str(BIN / "ray"), "start", *args, "--disable-usage-stats", "--block"], stdout=out,
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while "Ray runtime started" not in log.read_text():
+        if p.poll() is not None or time.monotonic() > deadline:
+            _stop_node(p)
+            raise RuntimeError(f"ray start {' '.join(args)} did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return p
+
+
+def _stop_node(p: subprocess.Popen) -> None:
+    """Its whole process group (the node's raylet, GCS, workers): SIGTERM, then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL too: the group's processes that outlive its leader
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(2 if sig == signal.SIGTERM else 10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster of two nodes: the head (2 CPUs) and a second node (1 CPU, resource ``node2``), with
+    a temporary directory of their own (sessions, logs, the address file; removed afterwards) and without
+    token authentication (``RAY_AUTH_MODE=disabled``, here too); its processes have tests/ on PYTHONPATH (the
+    work hooks).  This process stays connected (the in-process sweeps reuse the connection); yields the address."""
+    import ray
+
+    temp = Path(tempfile.mkdtemp(prefix="kvb-ray-"))  # short: Ray's socket paths live under it
+    port = _free_port()
+    auth = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)}
+    address = f"127.0.0.1:{port}"
+    nodes = []
+    try:
+        nodes.append(_start_node(["--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                                  f"--temp-dir={temp}"], temp / "head.log", env))
+        nodes.append(_start_node([f"--address={address}", "--num-cpus=1", '--resources={"node2": 1}',
+                                  f"--temp-dir={temp}"], temp / "node2.log", env))
+        ray.init(address=address, logging_level="WARNING")
+        deadline = time.monotonic() + 60
+        while sum(1 for n in ray.nodes() if n.get("Alive")) < 2:
+            assert time.monotonic() < deadline, "the second Ray node never joined"
+            time.sleep(0.2)
+        yield address
+    finally:
+        ray.shutdown()
+        for p in reversed(nodes):
+            _stop_node(p)
+        shutil.rmtree(temp, ignore_errors=True)
+        if auth is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = auth
+
+
+def _executor(address: str, **kw):
+    from kvbench.harness.ray_executor import RayExecutor, RayOptions
+
+    return RayExecutor(RayOptions(address=address, **kw))
+
+
+def _items(store: RunStore, key: str) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in store.read_items(key)]
+
+
+def _calls(path: Path) -> list[tuple[str, str, str]]:
+    return [tuple(line.split()) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# ------------------------------------------------------------------------------ flags (no cluster; before it starts)
+def _write(tmp_path, data_dir) -> Path:
+    p = tmp_path / "ray.yaml"
+    p.write_text(yaml.safe_dump(raw_config(data_dir)))
+    return p
+
+
+def test_ray_flags_need_the_ray_executor_and_exclude_parallel(tmp_path, data_dir):
+    cfg = str(_write(tmp_path, data_dir))
+    for extra, msg in ((["--address", "x:1"], "--address applies to --executor ray only"),
+                       (["--ray-retries", "2", "--ray-cpus-per-group", "2"],
+                        "--ray-retries, --ray-cpus-per-group apply to --executor ray only"),
+                       (["--executor", "dask"], "--executor: expected one of local, ray, got 'dask'"),
+                       (["--executor", "ray", "--parallel", "2"],
+                        "--parallel and --devices are for the local executor"),
+                       (["--executor", "ray", "--ray-retries", "-1", "--dry-run"],
+                        "--ray-retries must be a whole number")):
+        r = CliRunner().invoke(app, ["sweep", cfg, "--out", str(tmp_path / "r"), *extra])
+        assert r.exit_code == 2 and msg in r.output, r.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_dry_run_lists_the_ray_tasks_without_connecting(tmp_path, data_dir):
+    r = CliRunner().invoke(app, ["sweep", str(_write(tmp_path, data_dir)), "--dry-run", "--executor", "ray",
+                                 "--address", "10.9.9.9:6379", "--ray-cpus-per-group", "2"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0] == "executor ray (10.9.9.9:6379; --ray-retries 1): one task per cell group"
+    assert sum(1 for line in lines if line.endswith("(2 cells, embedded target embedded): 2 CPU, 0 GPU")) == 2
+
+
+def test_missing_ray_names_the_extra(tmp_path, data_dir, monkeypatch):
+    from kvbench.harness.ray_executor import RayExecutor
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails
+    r = CliRunner().invoke(app, ["sweep", str(_write(tmp_path, data_dir)), "--executor", "ray"])
+    assert r.exit_code == 2 and 'pip install "kvbench[ray]"' in r.output, r.output
+    with pytest.raises(SweepConfigError, match=r'pip install "kvbench\[ray\]"'):
+        run_sweep(parse_config(raw_config(data_dir)), tmp_path / "r", executor=RayExecutor())
+    assert not (tmp_path / "r").exists()
+
+
+@needs_ray
+def test_an_address_nobody_answers_stops_before_the_run_directory(tmp_path, data_dir):
+    port = _free_port()  # closed again: nothing listens there
+    r = CliRunner().invoke(app, ["sweep", str(_write(tmp_path, data_dir)), "--out", str(tmp_path / "r"),
+                                 "--executor", "ray", "--address", f"127.0.0.1:{port}"])
+    assert r.exit_code == 2, r.output
+    assert f"--executor ray: no Ray cluster answers at 127.0.0.1:{port}" in r.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_resume_command_keeps_the_ray_flags(tmp_path, data_dir, monkeypatch):
+    from kvbench.harness import ray_executor, runner
+
+    def interrupted(*args, **kw):
+        assert kw["executor"].options.address == "h:6379" and kw["executor"].options.retries == 3
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_sweep", interrupted)
+    monkeypatch.setattr(ray_executor, "import_ray", lambda: None)  # no Ray needed to get this far
+    cfg = str(_write(tmp_path, data_dir))
+    r = CliRunner().invoke(app, ["sweep", cfg, "--out", str(tmp_path / "r"), "--executor", "ray", "--address", "h:6379",
+                                 "--ray-retries", "3", "--ray-cpus-per-group", "0.5"])
+    assert r.exit_code == 130, r.output
+    cmd = r.output.splitlines()[-1].strip()
+    assert shlex.split(cmd)[4:] == [str(tmp_path / "r"), "--resume", "--executor", "ray", "--address", "h:6379",
+                                    "--ray-retries", "3", "--ray-cpus-per-group", "0.5"]
+
+
+def test_group_resources_follow_the_target():
+    from kvbench.harness.matrix import groups
+    from kvbench.harness.parallel import plan_groups
+    from kvbench.harness.ray_executor import group_resources
+
+    raw = {"targets": [{"name": "srv", "type": "server", "tp_size": 2,
+                        "launch": "serve --port {port} --tp {tp_size} --kv {kv_dtype}"},
+                       {"name": "gpu", "type": "embedded", "engine": {"device": "cuda"}},
+                       {"name": "cpu", "type": "embedded", "engine": {"device": "cpu"}},
+                       {"name": "auto", "type": "embedded"},
+                       {"name": "ep", "type": "endpoint", "base_url": "http://h:8000"}],
+           "axes": {"kv": ["bf16"], "concurrency": [1]}, "aa_control": False}
+    cfg = parse_config(raw)
+    plans = {p.target: p for p in plan_groups(cfg, groups(expand(cfg)), 1)}
+    want = {"srv": (2, 0), "gpu": (1, 1), "cpu": (0, 0), "auto": (1, 0), "ep": (0, 0)}  # (with GPUs, without)
+    for name, (with_gpus, without) in want.items():
+        assert group_resources(cfg, plans[name], 1.5, 8) == {"num_cpus": 1.5, "num_gpus": with_gpus}, name
+        assert group_resources(cfg, plans[name], 1.5, 0)["num_gpus"] == without, name
+
+
+# ------------------------------------------------------------------------------ on the cluster
+@pytest.mark.slow
+@needs_ray
+@pytest.mark.timeout(240)
+def test_ray_sweep_writes_what_a_local_sweep_writes(cluster, data_dir, tmp_path):
+    import torch
+
+    cfg = parse_config(raw_config(data_dir))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on the workers (one CPU each): the same float reductions
+    try:
+        local = run_sweep(cfg, tmp_path / "local", progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    remote = run_sweep(cfg, tmp_path / "ray", progress=None, executor=_executor(cluster))
+    assert local.ok and remote.ok, (local.failed, remote.failed)
+    keys = [c.key for c in expand(cfg)]
+    assert local.done == remote.done == keys
+    lst, rst = RunStore(tmp_path / "local"), RunStore(tmp_path / "ray")
+    assert [c.key for c in lst.cells()] == [c.key for c in rst.cells()]
+    for key in keys:
+        assert rst.status(key) == "done"
+        assert _items(rst, key) == _items(lst, key), key
+        assert len(rst.read_requests(key)) == len(lst.read_requests(key)) == 2
+        assert rst.read_json(key, "capacity") == lst.read_json(key, "capacity")
+        node = rst.read_json(key, "summary")["target"]["ray_node"]
+        assert node["node_id"] and node["hostname"]
+        assert (rst.cell_dir(key) / "server.log").exists() == (lst.cell_dir(key) / "server.log").exists()
+    assert sum(1 for k in keys if lst.read_items(k)) == 2  # the two concurrency-1 cells ran the suites
+    run = rst.manifest()["runs"][-1]
+    assert run["executor"] == "ray" and run["ray_nodes"] == 2 and run["ray_address"].endswith(cluster.split(":")[1])
+    assert run["done"] == 4 and "executor" not in lst.manifest()["runs"][-1]
+    assert not list((tmp_path / "ray").glob("fidelity/*"))  # the references were computed on the workers
+
+
+@pytest.mark.slow
+@needs_ray
+@pytest.mark.timeout(240)
+def test_a_worker_that_dies_mid_cell_is_retried_and_only_its_unfinished_cells_rerun(cluster, data_dir, tmp_path):
+    from ray_sweep_hooks import Hooks, HookWork
+
+    cfg = parse_config(raw_config(data_dir))
+    keys = [c.key for c in expand(cfg)]  # bf16 c1, bf16 c2, fp8 c1, fp8 c2
+    calls = tmp_path / "calls.txt"
+    work = HookWork(cfg, Hooks(str(calls), exit_in=keys[3]))  # the fp8 group's second cell, in its load test
+    out = run_sweep(cfg, tmp_path / "run", progress=None, work=work, executor=_executor(cluster, retries=1))
+    assert out.ok and out.done == keys, out.failed
+    ran = _calls(calls)
+    # fp8 c1 finished before the worker died: the retried task skipped it (one run of its suites and load)
+    assert [c for c in ran if c[0] == keys[2]] and len({c[2] for c in ran if c[0] == keys[2]}) == 1
+    assert sum(1 for c in ran if c[0] == keys[2] and c[1] == "load") == 1
+    retried = [c for c in ran if c[0] == keys[3]]
+    assert [c[1] for c in retried] == ["load", "load"] and retried[0][2] != retried[1][2]  # a new worker
+    assert all(sum(1 for c in ran if c[0] == k and c[1] == "load") == 1 for k in keys[:2])
+    st = RunStore(tmp_path / "run")
+    assert all(st.status(k) == "done" for k in keys) and st.read_json(keys[3], "summary")["error"] is None
+
+
+@pytest.mark.slow
+@needs_ray
+@pytest.mark.timeout(240)
+def test_without_retries_the_cell_of_a_dead_worker_fails_and_resume_finishes_it_locally(cluster, data_dir, tmp_path):
+    from ray_sweep_hooks import Hooks, HookWork
+
+    cfg = parse_config(raw_config(data_dir))
+    keys = [c.key for c in expand(cfg)]
+    work = HookWork(cfg, Hooks(str(tmp_path / "calls.txt"), exit_in=keys[1]))  # the bf16 group's second cell
+    out = run_sweep(cfg, tmp_path / "run", progress=None, work=work, executor=_executor(cluster, retries=0))
+    assert out.failed == [keys[1]] and out.done == [keys[0], *keys[2:]]
+    st = RunStore(tmp_path / "run")
+    summary = st.read_json(keys[1], "summary")
+    assert st.status(keys[1]) == "failed" and summary["error"].startswith("Ray worker died: WorkerCrashedError")
+    assert "WorkerCrashedError" in (st.cell_dir(keys[1]) / "error.txt").read_text()
+    # --resume with the local executor redoes exactly that cell (same store, same cell keys)
+    again = run_sweep(cfg, tmp_path / "run", resume=True, progress=False)
+    assert again.done == [keys[1]] and again.skipped == [keys[0], *keys[2:]]
+    assert st.status(keys[1]) == "done" and "ray_node" not in st.read_json(keys[1], "summary")["target"]
+    runs = st.manifest()["runs"]
+    assert [r.get("executor") for r in runs] == ["ray", None] and runs[0]["failed"] == 1
+
+
+class Driver:
+    """``kvbench sweep CONFIG --executor ray --address ADDR`` as a subprocess whose fp8 group is held up (the first
+    suite of its first cell sleeps, once: ``ray_sweep_hooks`` as a plugin), so that cells still run when the
+    first one is written."""
+
+    def __init__(self, tmp_path: Path, data_dir: Path, address: str):
+        cfg_path = tmp_path / "ray.yaml"
+        cfg_path.write_text(yaml.safe_dump(raw_config(data_dir)))
+        self.keys = [c.key for c in expand(parse_config(raw_config(data_dir)))]
+        self.calls, self.run, self.log = tmp_path / "calls.txt", tmp_path / "run", tmp_path / "driver.log"
+        hook = {"calls": str(self.calls), "sleep_in": self.keys[2], "sleep_s": 120}
+        self.env = {**os.environ, "KVBENCH_PLUGINS": "ray_sweep_hooks", "PYTHONPATH": str(TESTS),
+                    "KVBENCH_TEST_HOOK": json.dumps(hook)}
+        self.argv = [str(BIN / "kvbench"), "sweep", str(cfg_path), "--out", str(self.run), "--no-progress",
+                     "--executor", "ray", "--address", address]
+        self.store = RunStore(self.run)
+
+    def start_until_a_cell_is_done(self) -> subprocess.Popen:
+        with open(self.log, "w") as log:
+            driver = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + 120
+        try:
+            while not any(self.store.is_done(k) for k in self.keys):
+                assert driver.poll() is None and time.monotonic() < deadline, self.log.read_text()
+                time.sleep(0.05)
+        except BaseException:
+            driver.kill()
+            raise
+        return driver
+
+    def sleeper_ends(self, timeout: float = 30) -> bool:
+        """The worker process that sleeps in the fp8 group's first suite has ended."""
+        pid = int(next(c[2] for c in _calls(self.calls) if c[0] == self.keys[2]))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            time.sleep(0.2)
+        return False
+
+
+@pytest.mark.slow
+@needs_ray
+@pytest.mark.timeout(240)
+def test_a_killed_driver_is_resumed_with_the_ray_executor(cluster, data_dir, tmp_path):
+    """The driver is killed (SIGKILL) once its first cell is written: its tasks end with it.  The rerun with
+    ``--resume --executor ray`` finishes the rest and does not rerun the cells that were done."""
+    d = Driver(tmp_path, data_dir, cluster)
+    keys, st = d.keys, d.store
+    driver = d.start_until_a_cell_is_done()
+    driver.kill()  # no clean-up of any kind
+    driver.wait(30)
+    done = [k for k in keys if st.is_done(k)]
+    assert done and keys[2] not in done and keys[3] not in done
+    assert d.sleeper_ends()  # Ray ends the tasks of a driver that died
+    stamps = {k: (st.cell_dir(k) / "summary.json").stat().st_mtime_ns for k in done}
+
+    r = subprocess.run([*d.argv, "--resume"], capture_output=True, text=True, env=d.env, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"{4 - len(done)} cells done, 0 failed, {len(done)} already done (skipped)" in r.stdout
+    assert all(st.is_done(k) for k in keys)
+    assert {k: (st.cell_dir(k) / "summary.json").stat().st_mtime_ns for k in done} == stamps
+    ran = _calls(d.calls)
+    assert all(sum(1 for c in ran if c[0] == k and c[1] == "load") == 1 for k in done)  # not rerun
+    runs = st.manifest()["runs"]
+    assert len(runs) == 2 and all(r["executor"] == "ray" and r["ray_nodes"] == 2 for r in runs)
+    assert "finished" not in runs[0] and runs[1]["resume"] is True
+
+
+@pytest.mark.slow
+@needs_ray
+@pytest.mark.timeout(240)
+def test_ctrl_c_cancels_the_running_tasks_and_prints_the_resume_command(cluster, data_dir, tmp_path):
+    d = Driver(tmp_path, data_dir, cluster)
+    driver = d.start_until_a_cell_is_done()
+    driver.send_signal(signal.SIGINT)
+    assert driver.wait(60) == 130, d.log.read_text()
+    assert d.sleeper_ends(timeout=10)  # cancelled (force), not left sleeping
+    out = d.log.read_text().splitlines()
+    i = out.index("resume it with:")
+    cmd = shlex.split(out[i + 1])
+    assert cmd[:2] == ["kvbench", "sweep"] and cmd[2:] == [*d.argv[2:5], "--resume", *d.argv[6:]]
+    assert "--no-progress" not in cmd and [k for k in d.keys if d.store.is_done(k)]
+    assert not any(d.store.is_done(k) for k in d.keys[2:])
