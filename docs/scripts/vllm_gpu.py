@@ -155,6 +155,9 @@ def step_setup(args) -> None:
 
 
 def step_accuracy(args) -> None:
+    if not (Path(args.data_dir) / "gsm8k_test.jsonl").is_file():
+        raise SystemExit(f"--data-dir {args.data_dir} has no gsm8k_test.jsonl: carry a copy of the GSM8K data there "
+                         "(docs/external-engines.md) or pass --data-dir")
     env = bundle_env()
     env["KVBENCH_SMOL_HF"] = str(SMOL)
     run = Path(args.out) / "run-smol"
@@ -398,7 +401,9 @@ def main() -> None:
     sw = sub.add_parser("sweep")
     sw.add_argument("--timeout", type=float, default=None, help="stop the sweep after this many seconds (resume later)")
     a = sub.add_parser("accuracy")
-    a.add_argument("--data-dir", default=str(REPO / ".scratch/data"))
+    a.add_argument("--data-dir", default=os.environ.get("KVBENCH_DATA_DIR", str(REPO / ".scratch/data")),
+                   help="GSM8K copies for the fidelity texts (a folder with gsm8k_test.jsonl, e.g. ../shared/data carried "
+                        "to the GPU machine; default $KVBENCH_DATA_DIR, else .scratch/data)")
     v = sub.add_parser("serve-vllm")
     v.add_argument("kv", nargs="+", choices=list(VLLM_KV))
     v.add_argument("--eager", action="store_true", help="--enforce-eager (starts in under a minute; no CUDA graphs)")

@@ -34,7 +34,7 @@ from dataclasses import asdict, replace
 from typing import Optional
 
 from kvbench.core import combine_machine, summarize
-from kvbench.harness.loadgen.run import (LoadConfig, _lag_monitor, _summary, _warm_up, build_items, jsonable, run_load,
+from kvbench.harness.loadgen.run import (LoadConfig, _lag_monitor, dispatch, _summary, _warm_up, build_items, jsonable, run_load,
                                          server_root)
 from kvbench.harness.replica_set import check_same_model, replica_mode, replica_urls
 
@@ -155,8 +155,6 @@ async def _run_async(urls: list[str], model: str, cfg: LoadConfig, per_cap: Opti
 async def _send_all(pools, sides, path: str, work: list, cfg: LoadConfig, per_cap: Optional[int]):
     """``run._send_all`` over several replicas: each request takes a replica slot (``_Slots``) on its arrival
     schedule → ``(outcomes, replica index per request, t0, duration, lags, samplers)``."""
-    import random
-
     from kvbench.harness.loadgen.http import parse_stream, send_stream
     from kvbench.harness.loadgen.server_metrics import MetricsSampler
 
@@ -181,16 +179,7 @@ async def _send_all(pools, sides, path: str, work: list, cfg: LoadConfig, per_ca
     side = [asyncio.create_task(_lag_monitor(stop, lags))]
     if cfg.metrics_interval_s > 0:
         side += [asyncio.create_task(s.run()) for s in samplers]
-    rng = random.Random(cfg.seed)
-    tasks, due = [], t0
-    for i, (_, payload) in enumerate(work):
-        if i and math.isfinite(cfg.request_rate):
-            due += rng.gammavariate(cfg.burstiness, 1.0 / (cfg.request_rate * cfg.burstiness))
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i, payload)))
-    outcomes = await asyncio.gather(*tasks)
+    outcomes = await dispatch(work, cfg, t0, one)
     duration = time.perf_counter() - t0
     stop.set()
     for s in samplers:

@@ -137,6 +137,24 @@ def _record(outcome, item: LoadItem, t0: float, tokenizer) -> tuple[dict, str]:
     return rec, source
 
 
+async def dispatch(work: list, cfg: "LoadConfig", t0: float, one) -> list:
+    """Start ``one(i, payload)`` for every request of ``work`` at its arrival time (``cfg.request_rate`` and
+    ``burstiness``; all at once for an infinite rate) and gather the outcomes in order."""
+    import random
+
+    rng = random.Random(cfg.seed)
+    tasks, due = [], t0
+    for i, (_, payload) in enumerate(work):
+        if i and math.isfinite(cfg.request_rate):
+            # arrivals on an absolute schedule: a late wake-up does not delay every later request
+            due += rng.gammavariate(cfg.burstiness, 1.0 / (cfg.request_rate * cfg.burstiness))
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, payload)))
+    return await asyncio.gather(*tasks)
+
+
 async def _lag_monitor(stop: asyncio.Event, lags: list[float], period: float = 0.005) -> None:
     while not stop.is_set():
         t = time.perf_counter()
@@ -198,8 +216,6 @@ async def _warm_up(pool, root: str, path: str, payloads: list[dict], cfg: LoadCo
 async def _send_all(pool, side_pool, path: str, work: list, cfg: LoadConfig):
     """The timed run: every request of ``work`` on its arrival schedule under the concurrency cap, with the
     event-loop lag and ``/metrics`` sampled beside it → ``(outcomes, t0, duration, lags, sampler)``."""
-    import random
-
     from kvbench.harness.loadgen.http import parse_stream, send_stream
     from kvbench.harness.loadgen.server_metrics import MetricsSampler
 
@@ -230,17 +246,7 @@ async def _send_all(pool, side_pool, path: str, work: list, cfg: LoadConfig):
     side = [asyncio.create_task(_lag_monitor(stop, lags))]
     if cfg.metrics_interval_s > 0:
         side.append(asyncio.create_task(sampler.run()))
-    rng = random.Random(cfg.seed)
-    tasks, due = [], t0
-    for i, (_, payload) in enumerate(work):
-        if i and math.isfinite(cfg.request_rate):
-            # arrivals on an absolute schedule: a late wake-up does not delay every later request
-            due += rng.gammavariate(cfg.burstiness, 1.0 / (cfg.request_rate * cfg.burstiness))
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i, payload)))
-    outcomes = await asyncio.gather(*tasks)
+    outcomes = await dispatch(work, cfg, t0, one)
     duration = time.perf_counter() - t0
     stop.set()
     sampler.stop()
