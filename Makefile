@@ -16,6 +16,7 @@ TORCH_INDEX ?=
 RUN ?= runs/demo
 DATA_DIR ?= ../shared/data
 PYTEST_ARGS ?=
+TEST_JOBS ?= 2
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC := $(if $(HAS_GPU),$(TORCH_GPU),$(TORCH_CPU))
@@ -38,8 +39,12 @@ demo: setup
 	$(BIN)/kvbench sweep configs/default.yaml --out $(RUN) --resume $(if $(wildcard $(DATA_DIR)),--data-dir $(DATA_DIR))
 	$(BIN)/kvbench report $(RUN) --out $(RUN)/report
 
+# The suite in two runs: everything but the `serial` tests on TEST_JOBS workers (pytest-xdist), then the serial
+# ones alone (tests/conftest.py says which and why).  Exit status 5 (nothing selected) is not a failure, so
+# `make test PYTEST_ARGS=tests/test_x.py` works for any file.
 test: setup
-	$(BIN)/python -m pytest -q --timeout 900 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --timeout 900 -n $(TEST_JOBS) -m "not serial" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc
+	$(BIN)/python -m pytest -q --timeout 900 -m serial $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

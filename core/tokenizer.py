@@ -69,6 +69,13 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @cached_property
+    def byte_pieces(self) -> Optional[list]:
+        """For a byte-level BPE tokenizer: each token id's UTF-8 bytes (None for a special token, which
+        ``decode`` skips), so that decoding is joining bytes; None for any other tokenizer, or when joining
+        bytes does not give ``decode``'s text on a sample of every added token and random ids."""
+        return _bound_or_none(lambda spec: byte_pieces(spec, self), self._definition())
+
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self._tok.convert_ids_to_tokens(list(ids))
 
@@ -164,6 +171,33 @@ def byte_level_token_bound(spec: dict) -> Optional[tuple[int, str]]:
         return None  # a continuation byte is dropped: a multi-byte character might vanish whole
     longest = max([len(t) for t in vocab] + [len(a["content"].encode("utf-8")) for a in added])
     return longest, "".join(chr(b) for b in missing if b < 0x80)
+
+
+def byte_pieces(spec: dict, tok: "Tokenizer") -> Optional[list]:
+    """``Tokenizer.byte_pieces`` from a tokenizer.json definition, checked against ``tok.decode``."""
+    found = _byte_level_bpe(spec)
+    dec = spec.get("decoder") or {}
+    kinds = [d.get("type") for d in (dec.get("decoders", []) if dec.get("type") == "Sequence" else [dec])]
+    if found is None or kinds != ["ByteLevel"]:
+        return None
+    vocab, added = found
+    pieces: list = [b""] * tok.vocab_size
+    for t, i in vocab.items():
+        if 0 <= i < len(pieces):
+            pieces[i] = bytes(_CHAR_BYTES[c] for c in t)  # KeyError (no fast path) for a character outside the map
+    for a in added:
+        if 0 <= a["id"] < len(pieces):
+            pieces[a["id"]] = None if a.get("special") else a["content"].encode("utf-8")
+    import random
+
+    rng = random.Random(0)
+    extra = [a["id"] for a in added if 0 <= a["id"] < len(pieces)]
+    samples = [[rng.randrange(len(pieces)) for _ in range(rng.randint(1, 12))] for _ in range(200)]
+    samples += [extra[k:k + 8] + [rng.randrange(len(pieces))] for k in range(0, len(extra), 8)]
+    for ids in samples:
+        if b"".join(pieces[i] or b"" for i in ids).decode("utf-8", "replace") != tok.decode(ids):
+            return None
+    return pieces
 
 
 _BOUND_SLICE = 1 << 20  # characters measured per step (a few milliseconds each)
@@ -304,8 +338,20 @@ class IncrementalDetokenizer:
         self._ids = list(self.prompt_tail)
         self._prefix = max(len(self._ids) - 5, 0)
         self._read = len(self._ids)
+        # byte-level BPE: text is the UTF-8 of the joined token bytes, so the bytes not yet emitted are all
+        # the state (the same deltas as decoding the window, at a dict lookup per token instead of two decodes)
+        self._pieces = getattr(self.tokenizer, "byte_pieces", None)
+        self._pending = bytearray()
 
     def add(self, token_id: int) -> str:
+        if self._pieces is not None:
+            self._pending += self._pieces[int(token_id)] or b""
+            new_text = self._pending.decode("utf-8", "replace")
+            if not new_text or new_text.endswith("\ufffd"):
+                return ""
+            self._pending.clear()
+            self.text += new_text
+            return new_text
         self._ids.append(int(token_id))
         prefix_text = self.tokenizer.decode(self._ids[self._prefix : self._read])
         new_text = self.tokenizer.decode(self._ids[self._prefix :])
@@ -318,6 +364,11 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Emit whatever is held back (at the end of a request)."""
+        if self._pieces is not None:
+            delta = self._pending.decode("utf-8", "replace")
+            self._pending.clear()
+            self.text += delta
+            return delta
         rest = self.tokenizer.decode(self._ids[self._prefix :])
         prefix_text = self.tokenizer.decode(self._ids[self._prefix : self._read])
         delta = rest[len(prefix_text) :] if len(rest) > len(prefix_text) else ""

@@ -53,6 +53,9 @@ ENGINE_PARAMS: dict[str, tuple[object, object]] = {
     "mem_fraction": (float, _opt(0.85, "--mem-fraction", help="Fraction of free device memory for the KV cache")),
     "max_running": (int, _opt(64, "--max-running", help="Maximum concurrently running requests")),
     "max_num_batched_tokens": (int, _opt(2048, "--max-batched-tokens", help="Chunked-prefill token budget per step")),
+    "mixed_prefill": (bool, _opt(False, "--mixed-prefill/--no-mixed-prefill",
+                                 help="Run the decoding requests' next tokens inside prefill steps (one token each, decode "
+                                      "semantics) rather than holding them while a prompt chunk runs")),
     "max_model_len": (Optional[int], _opt(None, "--max-model-len", help="Context length limit (default: the model's)")),
     "device": (Optional[str], _opt(None, "--device", help="cpu or cuda[:N] (default: cuda when available)")),
     "dtype": (Optional[str], _opt(None, "--dtype", help="Compute dtype: float32 (CPU default), bfloat16 (GPU default), float16")),

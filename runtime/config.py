@@ -142,6 +142,8 @@ class EngineConfig:
     mem_fraction: float = 0.85
     max_running: int = 64
     max_num_batched_tokens: int = 2048  # chunked-prefill token budget per step
+    # decode rows ride in prefill steps (one token each, decode semantics) instead of waiting for them
+    mixed_prefill: bool = False
     max_model_len: Optional[int] = None  # None = the model's own context length
     device: Optional[str] = None  # None = cuda if available else cpu
     dtype: Optional[str] = None  # None = float32 on CPU, bfloat16 on GPU
@@ -180,8 +182,9 @@ class EngineConfig:
                 setattr(self, name, opt.engine_value(opt.parse(value)))
             except ValueError as e:
                 raise ConfigError(f"{name}: {e}", name) from None
-        if not isinstance(self.enforce_eager, bool):
-            raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}", "enforce_eager")
+        for name in ("enforce_eager", "mixed_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}", name)
         for name, optional in (("page_size", False), ("max_running", False), ("max_num_batched_tokens", False),
                                ("max_model_len", True), ("calibration_prompts", False)):
             v = getattr(self, name)

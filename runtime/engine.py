@@ -57,7 +57,8 @@ class Engine:
         self.cache = parts.cache
         self.runner = parts.runner
         self.scales = parts.scales
-        self.scheduler = Scheduler(self.cache.allocator, self.cache.page_size, self.config.max_running, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.cache.allocator, self.cache.page_size, self.config.max_running,
+                                   self.config.max_num_batched_tokens, mixed=self.config.mixed_prefill)
         self.out = OutputProcessor(self.tokenizer)
         self._inbox: list = []
         self._inbox_lock = threading.Lock()
@@ -204,9 +205,9 @@ class Engine:
         if batch is None:
             return 0
         out = self.runner.run_rows(batch)
-        for seq, q in zip(batch.seqs, batch.q_lens):
+        for k, (seq, q) in enumerate(zip(batch.seqs, batch.q_lens)):
             seq.num_cached += q
-            if batch.phase == "prefill":
+            if batch.phase == "prefill" and k >= batch.decode_rows:
                 self._stats.prompt_tokens += q
         if out is None:
             return batch.num_tokens

@@ -70,31 +70,40 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow], top_n: Sequence[int] = ()) -> SampleOutput:
-    """``logits`` float32 ``[N, V]``; ``top_n[i]`` = how many top logprobs row i wants (0 = none)."""
+    """``logits`` float32 ``[N, V]``; ``top_n[i]`` = how many top logprobs row i wants (0 = none).
+
+    The host waits on the device a fixed number of times per call, not once per row: the argmax of every row,
+    then the chosen tokens' log-probs in one gather, then one top-k per distinct ``top_n``.  Only rows that
+    draw (temperature > 0) or mask ids (``banned``) are handled one by one."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     argmax = logp.argmax(dim=-1).tolist()
-    out = SampleOutput([], [], [], [], [], logp)
+    n = len(rows)
+    toks = list(argmax)
     for i, r in enumerate(rows):
-        row = logits[i].float()
-        if r.banned:
-            row = row.clone()
-            row[list(r.banned)] = float("-inf")
         if r.forced is not None:
-            tok = int(r.forced)
-        elif r.params.temperature == 0:
-            tok = int(row.argmax()) if r.banned else argmax[i]
-        else:
-            probs = torch.softmax(_filter(row, r.params), dim=-1)
-            tok = int(torch.multinomial(probs, 1, generator=r.generator))
-        out.token_ids.append(tok)
-        out.logprobs.append(float(logp[i, tok]))
-        out.greedy.append(tok == argmax[i])
-        n = top_n[i] if i < len(top_n) else 0
-        if n:
-            v, ids = torch.topk(logp[i], n)
-            out.top_ids.append(ids.tolist())
-            out.top_logprobs.append(v.tolist())
-        else:
-            out.top_ids.append(None)
-            out.top_logprobs.append(None)
+            toks[i] = int(r.forced)
+        elif r.banned or r.params.temperature != 0:
+            row = logits[i].float()
+            if r.banned:
+                row = row.clone()
+                row[list(r.banned)] = float("-inf")
+            if r.params.temperature == 0:
+                toks[i] = int(row.argmax())
+            else:
+                probs = torch.softmax(_filter(row, r.params), dim=-1)
+                toks[i] = int(torch.multinomial(probs, 1, generator=r.generator))
+    out = SampleOutput(toks, [], [None] * n, [None] * n, [t == a for t, a in zip(toks, argmax)], logp)
+    if n:
+        chosen = torch.tensor(toks, dtype=torch.int64).to(logp.device, non_blocking=True)
+        out.logprobs = logp.gather(1, chosen[:, None]).squeeze(1).tolist()
+    by_n: dict[int, list[int]] = {}
+    for i in range(n):
+        k = top_n[i] if i < len(top_n) else 0
+        if k:
+            by_n.setdefault(k, []).append(i)
+    for k, idx in by_n.items():
+        sel = logp if len(idx) == n else logp[torch.tensor(idx, dtype=torch.int64).to(logp.device)]
+        v, ids = torch.topk(sel, k, dim=-1)
+        for i, vi, ii in zip(idx, v.tolist(), ids.tolist()):
+            out.top_logprobs[i], out.top_ids[i] = vi, ii
     return out

@@ -4,7 +4,10 @@ preemption by recompute, a cap on running sequences.
 Each step is either a **prefill** step (sequences whose cached tokens lag behind their known tokens:
 new prompts, later chunks of long prompts, recomputation after preemption) or a **decode** step (every
 running sequence whose prompt is cached and that has all but its newest token cached; a prompt's last
-token is prefilled even when it is the only one left).
+token is prefilled even when it is the only one left).  With ``mixed`` (``EngineConfig.mixed_prefill``) a
+prefill step also carries every decoding sequence's next token (one row each, first in the token budget):
+the runner gives those rows decode semantics (``StepInputs``: round-trip rows), so they read the cache as a
+decode step would, and decoding never waits for a prompt chunk.
 
 Teacher-forced scoring sequences carry ``score_from``: the prompt holds context + continuation, and a
 prefill chunk never straddles ``score_from`` (the continuation chunks run with decode semantics, see
@@ -125,6 +128,7 @@ class ScheduledBatch:
     phase: str  # "prefill" | "decode"
     seqs: list[Sequence]
     q_lens: list[int]  # new tokens per sequence this step
+    decode_rows: int = 0  # a mixed prefill step: its first sequences are decode rows (one token, decode semantics)
 
     @property
     def num_tokens(self) -> int:
@@ -132,7 +136,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, page_size: int, max_running: int, max_batched_tokens: int):
+    def __init__(self, allocator: PageAllocator, page_size: int, max_running: int, max_batched_tokens: int,
+                 mixed: bool = False):
+        self.mixed = mixed
         self.allocator = allocator
         self.page_size = page_size
         self.max_running = max_running
@@ -208,13 +214,29 @@ class Scheduler:
 
     # -------------------------------------------------------------------------------- schedule
     def schedule(self) -> Optional[ScheduledBatch]:
+        if self.mixed:
+            return self._schedule_mixed()
         batch = self._schedule_prefill()
         if batch is not None:
             return batch
         return self._schedule_decode()
 
-    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
-        budget = self.max_batched_tokens
+    def _schedule_mixed(self) -> Optional[ScheduledBatch]:
+        """Decode rows first (they may preempt), then prefill chunks in what is left of the budget; a decode
+        row whose sequence a prefill chunk preempted (or readmitted) leaves the step."""
+        if not any(not s.in_decode for s in self.running) and not self.waiting:
+            return self._schedule_decode()
+        dec = self._schedule_decode()
+        dec_seqs = dec.seqs if dec is not None else []
+        pre = self._schedule_prefill(self.max_batched_tokens - len(dec_seqs))
+        if pre is None:
+            return dec
+        chunked = set(map(id, pre.seqs))
+        dec_seqs = [s for s in dec_seqs if s.status == SeqStatus.RUNNING and s.in_decode and id(s) not in chunked]
+        return ScheduledBatch("prefill", dec_seqs + pre.seqs, [1] * len(dec_seqs) + pre.q_lens, len(dec_seqs))
+
+    def _schedule_prefill(self, budget: Optional[int] = None) -> Optional[ScheduledBatch]:
+        budget = self.max_batched_tokens if budget is None else budget
         seqs: list[Sequence] = []
         q_lens: list[int] = []
         # 1) running sequences in the middle of a chunked prefill

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
@@ -28,6 +30,44 @@ __all__ = ["Job", "JobContext", "echo_logprobs", "run_job"]
 _DISCONNECT_POLL_S = 0.5
 
 
+class _LoopInbox:
+    """Deltas from the engine thread on their way to one event loop.  The engine hands over a token of every
+    running request each step; waking the loop once per token (a write to its self-pipe each, under the GIL
+    the engine thread needs for its next step) grew the step with the batch, so the deltas wait in one list
+    and the loop is woken only when the list was empty (one wake-up per step, or fewer)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: list = []
+        self._lock = threading.Lock()
+
+    def put(self, queue: asyncio.Queue, delta: StreamDelta) -> None:
+        with self._lock:
+            self._items.append((queue, delta))
+            if len(self._items) > 1:
+                return  # a wake-up is already on its way
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, delta in items:
+            queue.put_nowait(delta)
+
+
+_INBOXES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopInbox]" = weakref.WeakKeyDictionary()
+
+
+def _inbox(loop: asyncio.AbstractEventLoop) -> _LoopInbox:
+    box = _INBOXES.get(loop)
+    if box is None:
+        box = _INBOXES.setdefault(loop, _LoopInbox(loop))
+    return box
+
+
 class Job:
     """The engine requests behind one HTTP request, with one event queue fed from the engine thread."""
 
@@ -37,12 +77,10 @@ class Job:
         self.index: dict[str, int] = {}
         self.open: set[str] = set()
         self._checked = time.monotonic()
+        self._inbox = _inbox(loop)
 
     def _push(self, delta: StreamDelta) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
-        except RuntimeError:  # loop closed during shutdown
-            pass
+        self._inbox.put(self.queue, delta)
 
     def submit(self, base_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> None:
         try:

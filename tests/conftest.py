@@ -13,6 +13,9 @@ import os
 import pytest
 
 _CALLER_INTERPRET = os.environ.get("TRITON_INTERPRET")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker: the workers already fill the cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.pop("COLUMNS", None)  # pytest-xdist sets its own terminal's width (80) in the workers; tables follow it
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 GPU_SKIP_REASON = "needs a CUDA device: run `pytest -m gpu` on a GPU machine"
@@ -49,7 +52,21 @@ def gpu_skip_reason():
     return None
 
 
+# Test files that time themselves, start servers that other tests' load would slow past a deadline, or run a Ray
+# cluster: `make test` runs them alone after the rest has run on several workers (pytest-xdist).
+SERIAL_FILES = frozenset({
+    "test_conformance_sglang.py", "test_conformance_vllm.py", "test_loadgen_repeats.py", "test_out_dirs.py",
+    "test_package.py", "test_replicas.py", "test_report_screenshot.py", "test_report_consistency.py",
+    "test_request_options_http.py", "test_server_long_prompts.py", "test_server_prep.py", "test_serving_spread.py",
+    "test_silent_steps.py", "test_targets_server.py", "test_sweep_ray.py", "test_sweep_parallel.py",
+    "test_server_real.py", "test_loadgen_server.py", "test_loadgen_http.py", "test_loadgen_overhead.py", "test_server_cli.py",
+})
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
     gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
     reason = gpu_skip_reason() if gpu else None
     if reason:

@@ -21,6 +21,7 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.eos = set(int(i) for i in getattr(tokenizer, "eos_token_ids", []) or [])
+        getattr(tokenizer, "byte_pieces", None)  # built once here (~0.1 s), not on the first token
 
     def init(self, seq: Sequence) -> None:
         p = seq.params

@@ -106,7 +106,7 @@ class StepInputs:
                     sample_idx.append(i)
                     sample_pos.append(p)
             else:
-                roundtrip.append(False)
+                roundtrip.append(i < batch.decode_rows)  # a mixed step's decode rows read their K/V as stored
                 if start + q == seq.num_tokens:
                     sample_rows.append(cu[-1] - 1)
                     sample_idx.append(i)

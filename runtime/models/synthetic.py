@@ -139,6 +139,13 @@ class ByteTokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self.decode([i]) for i in ids]
 
+    @property
+    def byte_pieces(self) -> list[bytes]:
+        """Each id's bytes (``decode`` joins them): incremental detokenization joins bytes too."""
+        if getattr(self, "_pieces", None) is None:
+            self._pieces = [bytes([i if i < 128 else 97 + i % 26]) for i in range(self.vocab_size)]
+        return self._pieces
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + ("\nassistant:" if add_generation_prompt else "")
 
