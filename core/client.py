@@ -64,6 +64,12 @@ class RequestFailed(ConnectionError, RuntimeError):
         self.retries = int(retries)  # connection retries made before giving up
 
 
+class TargetGone(RuntimeError):
+    """The target can serve no request any more (every replica of a data-parallel target is out of rotation,
+    harness/replica_client.py).  Unlike a failed request it is never recorded as one item's error: a suite
+    stops, and so does its cell (recorded failed; ``--resume`` redoes it)."""
+
+
 def classify_error(exc: BaseException) -> str:
     """The ``ERROR_KINDS`` entry of an exception raised by a client's ``generate``: its own ``error_kind``
     when it carries one, else by type (timeouts, httpx's transport and protocol errors, connection errors,

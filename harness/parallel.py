@@ -11,9 +11,11 @@ in the calling thread, exactly as before.  With N > 1 up to N groups run at once
   (and no ``--devices``) servers get no devices and run side by side on ports alone.  A group waits until
   enough devices are free; they return to the pool once its server is killed.  A target whose
   ``tp_size`` exceeds its devices is a config error before anything starts.  A server target with a
-  fixed ``port`` runs one group at a time.
-* ``endpoint`` groups that share one URL run one at a time (they would measure each other's load);
-  groups of different endpoints may overlap.
+  fixed ``port`` runs one group at a time.  A server target of ``replicas: N`` launches N servers per group:
+  the group takes ``N × tp_size`` devices (also with ``--parallel 1`` when GPUs are visible: replicas never
+  share one), each replica ``tp_size`` of them in order, and its fixed ports are ``port`` .. ``port + N - 1``.
+* ``endpoint`` groups that share a server run one at a time (they would measure each other's load): every
+  URL of a replica list is held; groups of disjoint endpoints may overlap.
 * ``embedded`` groups run one at a time (the engine lives in this process, on its device; when that
   device is in the pool it is held while an embedded group runs, so no server is placed on it).
 
@@ -115,10 +117,39 @@ class GroupPlan:
     need: int = 0  # devices per launch (tp_size) when ``allowed`` is set
     exclusive: tuple[str, ...] = field(default_factory=tuple)  # held by one running group at a time
     tp_size: int = 1
+    replicas: int = 1  # copies of the server the group launches (a server target's ``replicas``)
 
 
 def target_tp_size(spec) -> int:
     return int(getattr(spec, "tp_size", 1) or 1)
+
+
+def target_replicas(spec) -> int:
+    """Copies of the server a server target launches (its ``replicas``, default 1)."""
+    return int(getattr(spec, "server_replicas", 1) or 1)
+
+
+def replica_devices(devices: Optional[list[int]], replicas: int, tp: int) -> list[Optional[list[int]]]:
+    """The devices of each of ``replicas`` servers of ``tp`` devices from the ``devices`` a group was given, in
+    order (None: none assigned, for every replica); a ``SweepConfigError`` when they are too few."""
+    if devices is None:
+        return [None] * replicas
+    if len(devices) < replicas * tp:
+        raise SweepConfigError(f"{replicas} replicas of tp_size {tp} need {replicas * tp} devices, got "
+                               f"{len(devices)} ({','.join(map(str, devices)) or 'none'})")
+    return [list(devices[i * tp:(i + 1) * tp]) for i in range(replicas)]
+
+
+def exclusive_keys(spec) -> tuple[str, ...]:
+    """What one running group holds alone: every URL of an endpoint (each replica), every fixed port of a server
+    (replica i listens on ``port + i``)."""
+    from kvbench.harness.replica_set import server_key
+
+    if spec.type == "endpoint":
+        return tuple(f"endpoint:{server_key(u)}" for u in (getattr(spec, "replicas", None) or [spec.base_url]))
+    if spec.type == "server" and spec.port:
+        return tuple(f"port:{spec.host}:{spec.port + i}" for i in range(target_replicas(spec)))
+    return ()
 
 
 def plan_groups(sweep: SweepConfig, groups: list[list[Cell]], parallel: int, devices: Optional[list[int]] = None,
@@ -126,8 +157,9 @@ def plan_groups(sweep: SweepConfig, groups: list[list[Cell]], parallel: int, dev
     """One ``GroupPlan`` per group; a ``SweepConfigError`` when a server can never get its devices.
 
     Devices are assigned to a server group when ``devices`` (``--devices``) is given or its target lists
-    ``devices``, or with ``parallel > 1`` when GPUs are visible; otherwise none (at ``parallel == 1`` that
-    is the behaviour of a sweep without these options: the server sees what this process sees)."""
+    ``devices``, or with ``parallel > 1`` (or a target of several ``replicas``) when GPUs are visible; otherwise
+    none (at ``parallel == 1`` that is the behaviour of a sweep without these options: the server sees what this
+    process sees)."""
     if parallel < 1:
         raise SweepConfigError(f"--parallel must be at least 1, got {parallel}")
     seen: dict[str, list[int]] = {}
@@ -140,26 +172,24 @@ def plan_groups(sweep: SweepConfig, groups: list[list[Cell]], parallel: int, dev
     plans = []
     for g in groups:
         spec = sweep.target(g[0].config["target"])
-        tp = target_tp_size(spec)
-        p = GroupPlan(cells=g, target=spec.name, kind=spec.type, tp_size=tp)
+        tp, reps = target_tp_size(spec), target_replicas(spec)
+        p = GroupPlan(cells=g, target=spec.name, kind=spec.type, tp_size=tp, replicas=reps,
+                      exclusive=exclusive_keys(spec))
         if spec.type == "server":
             allowed = devices if devices is not None else getattr(spec, "devices", None)
-            if allowed is None and parallel > 1:
+            if allowed is None and (parallel > 1 or reps > 1):  # replicas never share a device
                 allowed = _visible() or None
             if allowed is not None:
                 allowed = list(allowed)
-                if tp > len(allowed):
+                if tp * reps > len(allowed):
                     src = ("--devices" if devices is not None else "its devices" if getattr(spec, "devices", None)
                            is not None else "the visible GPUs")
-                    raise SweepConfigError(
-                        f"target {spec.name!r}: tp_size {tp} needs {tp} devices per server, but {src} "
-                        f"{allowed} hold{'s' if len(allowed) == 1 else ''} only {len(allowed)}")
-                p.allowed, p.need = allowed, tp
-            if spec.port:
-                p.exclusive = (f"port:{spec.host}:{spec.port}",)
-        elif spec.type == "endpoint":
-            p.exclusive = (f"endpoint:{spec.base_url}",)
-        else:  # embedded: in this process, one group at a time, on this process's device
+                    each = f"{reps} replicas × tp_size {tp} need {tp * reps} devices" if reps > 1 else \
+                        f"tp_size {tp} needs {tp} devices per server"
+                    raise SweepConfigError(f"target {spec.name!r}: {each}, but {src} {allowed} "
+                                           f"hold{'s' if len(allowed) == 1 else ''} only {len(allowed)}")
+                p.allowed, p.need = allowed, tp * reps
+        elif spec.type == "embedded":  # in this process, one group at a time, on this process's device
             p.exclusive = ("embedded",)
             if parallel > 1:
                 try:

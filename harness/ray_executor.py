@@ -3,7 +3,7 @@
 The driver (this module, inside ``run_sweep``) connects to a Ray cluster (``--address``; none: what
 ``ray.init()`` finds, else a Ray of its own on this machine), creates a ``CellSink`` actor and submits one task
 per cell group (``ray_worker.run_group_task``) with the resources the group declares (``group_resources``):
-``num_cpus`` (``--ray-cpus-per-group``, default 1) and ``num_gpus``: a server's ``tp_size`` and 1 for an
+``num_cpus`` (``--ray-cpus-per-group``, default 1) and ``num_gpus``: a server's ``tp_size`` (× its ``replicas``) and 1 for an
 embedded engine on CUDA when the cluster has GPUs, 0 otherwise.  Ray sets ``CUDA_VISIBLE_DEVICES`` on the worker
 to the GPUs it gave the task, and a server the task launches inherits it.  Groups that must not overlap
 locally still do not (one endpoint URL, a server's fixed port); embedded groups run side by side, each in its
@@ -75,7 +75,7 @@ def group_resources(sweep: SweepConfig, plan: GroupPlan, cpus: float, cluster_gp
     spec = sweep.target(plan.target)
     gpus = 0
     if spec.type == "server" and cluster_gpus > 0:
-        gpus = plan.tp_size
+        gpus = plan.tp_size * plan.replicas  # every replica its own tp_size GPUs
     elif spec.type == "embedded":
         device = engine_options(sweep, plan.cells[0]).get("device")
         if device is None:  # the engine's default: cuda when there is one

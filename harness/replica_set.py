@@ -1,7 +1,8 @@
 """Data-parallel replicas: several already-running servers of ONE configuration behind one endpoint target
 (``base_url: [URL1, URL2, ...]``; docs/config.md "targets", docs/scale-out.md "Data-parallel replicas").
 
-* ``parse_base_urls``: the config's ``base_url``, one http(s) URL or a list of distinct ones.
+* ``parse_base_urls``: the config's ``base_url``, one http(s) URL or a list of distinct ones; ``urls_of_flag``
+  the same for ``kvbench eval --endpoint`` / ``kvbench load --base-url`` (repeated, or comma lists).
 * ``ReplicaURL``: the URL a target session hands the load test (``TargetSession.base_url()``): a ``str`` equal
   to the first replica's URL, so whatever treats it as one URL (the fidelity key, a ``/v1/models`` read) still
   works, carrying every replica (``replicas``) and the load mode (``mode``: ``aggregate`` or ``each``);
@@ -22,8 +23,8 @@ from urllib.parse import urlsplit
 
 from kvbench.harness.config_checks import _fail, _str
 
-__all__ = ["REPLICA_LOAD_MODES", "ReplicaURL", "replica_urls", "replica_mode", "parse_base_urls",
-           "check_same_model", "replica_capacity"]
+__all__ = ["REPLICA_LOAD_MODES", "ReplicaURL", "replica_urls", "replica_mode", "parse_base_urls", "server_key",
+           "urls_of_flag", "check_same_model", "replica_capacity"]
 
 REPLICA_LOAD_MODES = ("aggregate", "each")  # one load test over all replicas at once | one replica at a time
 
@@ -57,6 +58,13 @@ def replica_mode(url: str) -> str:
     return getattr(url, "mode", "aggregate")
 
 
+def server_key(url: str) -> str:
+    """``scheme://host:port/path`` of ``url`` as ``_key`` reads it: one text per server (the lock of a sweep's
+    groups that use it)."""
+    scheme, host, port, path = _key(url)
+    return f"{scheme}://{host}:{port}{path}"
+
+
 def _key(url: str) -> tuple:
     """What makes two URLs the same server: scheme, host (any case), port (the scheme's default filled in) and
     path (without a trailing ``/`` or ``/v1``)."""
@@ -87,6 +95,16 @@ def parse_base_urls(value: Any, path: str) -> list[str]:
             _fail(where, f"{url} is already listed ({same}): each replica is one server, listed once")
         urls.append(url)
     return urls
+
+
+def urls_of_flag(values, flag: str) -> list[str]:
+    """The URLs of a repeatable command-line flag whose values may be comma lists (``--endpoint A --endpoint
+    B,C``); several are checked as a ``base_url`` list is (``parse_base_urls``: an error names ``flag[i]``),
+    one is returned as given."""
+    urls = [u.strip() for v in (values or []) for u in str(v).split(",") if u.strip()]
+    if not urls:
+        _fail(flag, "expected a URL (http://host:port)")
+    return urls if len(urls) == 1 else parse_base_urls(urls, flag)
 
 
 def _models(url: str, api_key: Optional[str], timeout_s: float) -> list[dict]:

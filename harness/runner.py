@@ -287,6 +287,7 @@ def _run_cell(sweep: SweepConfig, store: RunStore, cell: Cell, session: TargetSe
         if summary["capacity"] is not None:
             store.write_json(cell.key, "capacity", summary["capacity"])
         summary["elapsed_s"] = round(time.monotonic() - t0, 3)
+        _replica_health(session, summary)
         if stop is not None and stop.is_set():  # its server may have been killed under it: not done
             raise SweepInterrupted("the sweep was stopped while this cell ran; --resume redoes it")
         store.write_json(cell.key, "summary", summary)
@@ -296,13 +297,25 @@ def _run_cell(sweep: SweepConfig, store: RunStore, cell: Cell, session: TargetSe
         return True
     except Exception as e:
         summary["elapsed_s"] = round(time.monotonic() - t0, 3)
+        _replica_health(session, summary)
         err = f"{type(e).__name__}: {e}"
         _record_failure(store, cell, err, traceback.format_exc(), summary)
         display.finished(f"[red]failed[/] {cell.label}: {err.splitlines()[0][:200]}", summary["elapsed_s"] + startup_s)
         log.warning("cell %s (%s) failed: %s", cell.key, cell.label, err)
         return False
     finally:
-        session.log_offset = _copy_log_slice(session.log_path, getattr(session, "log_offset", 0), d / "server.log")
+        if callable(getattr(session, "copy_log", None)):  # several launched replicas: each one's log
+            session.copy_log(d / "server.log")
+        else:
+            session.log_offset = _copy_log_slice(session.log_path, getattr(session, "log_offset", 0), d / "server.log")
+
+
+def _replica_health(session, summary: dict) -> None:
+    """A target of several replicas: which are in rotation, which were taken out and why, the failovers
+    (harness/replica_client.py), as ``summary["replica_health"]``."""
+    health = getattr(session, "replica_health", None)
+    if callable(health):
+        summary["replica_health"] = health()
 
 
 _RESULT_FILES = ("items.jsonl", "requests.jsonl", "capacity.json", "summary.json", "error.txt", "server.log",

@@ -6,11 +6,12 @@
   harness/launch/options.py), waited on until its health URL answers,
   its stdout/stderr captured to a log file, its whole process group killed afterwards (the process
   handling: harness/processes.py).
-* ``endpoint``: an already-running OpenAI-compatible URL (nothing started, nothing killed); or several, the
-  data-parallel replicas of one server configuration (``base_url`` a list; harness/replica_set.py): each
-  health-checked and serving the same model, requests spread by ``ReplicaClient`` (harness/replica_client.py),
-  the flush sent to every replica, the capacity summed, ``base_url()`` a ``ReplicaURL`` for the load test
-  (harness/loadgen/replicas.py).
+* ``endpoint``: an already-running OpenAI-compatible URL (nothing started, nothing killed).
+
+A server target of ``replicas: N`` (N copies launched, each on its own port and devices) and an endpoint whose
+``base_url`` lists several URLs are data-parallel replicas of one server configuration
+(harness/replica_targets.py): requests spread and moved off a failing replica by ``ReplicaClient``
+(harness/replica_client.py), the load test over every replica (harness/loadgen/replicas.py).
 
 ``open_target`` is a context manager; a session is opened once per cell group (all concurrency levels of
 one engine configuration) and closed even when a cell fails.
@@ -21,13 +22,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
-from kvbench.core import Client
 from kvbench.harness.processes import (  # noqa: F401 - re-exported for importers of this module
     _CAUSE_MARKS,
     _PRCTL,
@@ -43,108 +42,18 @@ from kvbench.harness.processes import (  # noqa: F401 - re-exported for importer
     spawn_logged,
     wait_healthy,
 )
-from kvbench.harness.replica_set import replica_urls
 from kvbench.harness.server_capacity import server_capacity
 from kvbench.harness.sweep.config import TargetSpec
+from kvbench.harness.target_session import (  # noqa: F401 - re-exported for importers of this module
+    FLUSH_ATTEMPTS,
+    TargetSession,
+    _flush_succeeded,
+    flush_cache,
+    http_client,
+    served_model_id,
+)
 
 log = logging.getLogger(__name__)
-
-
-def http_client(base_url: str, model_id: Optional[str], api_key: Optional[str] = None,
-                spec: Optional[TargetSpec] = None) -> Client:
-    """The OpenAI-compatible ``Client`` of an HTTP target, with the target's per-request ``timeout_s`` and
-    ``max_retries`` (defaults 3600 s and 3 without a spec); its connection pool is unbounded."""
-    from kvbench.harness.openai_client import OpenAIClient
-    from kvbench.harness.request_options import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S
-
-    return OpenAIClient(base_url=base_url, model=model_id, api_key=api_key,
-                        timeout=getattr(spec, "timeout_s", DEFAULT_TIMEOUT_S),
-                        max_retries=getattr(spec, "max_retries", DEFAULT_MAX_RETRIES))
-
-
-def served_model_id(base_url: str, timeout: float = 10.0) -> str:
-    """The first model id listed by ``GET {base_url}/v1/models``."""
-    r = _get(f"{base_url}/v1/models", timeout)
-    r.raise_for_status()
-    data = r.json().get("data") or []
-    if not data:
-        raise TargetError(f"{base_url}/v1/models lists no model")
-    return data[0]["id"]
-
-
-def flush_cache(base_url: str, spec: Optional[str], api_key: Optional[str] = None) -> None:
-    """Flush a server's prefix cache (``'POST /flush_cache'`` style spec; None = nothing to flush); a
-    ``ReplicaURL``: every replica's."""
-    if not spec:
-        return
-    if len(replica_urls(base_url)) > 1:
-        for url in replica_urls(base_url):
-            flush_cache(url, spec, api_key)
-        return
-    import httpx
-
-    method, path = spec.split()
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    delay = 0.25
-    for attempt in range(FLUSH_ATTEMPTS):
-        r = httpx.request(method, f"{base_url}{path}", headers=headers, timeout=60.0)
-        if r.status_code >= 400:
-            raise TargetError(f"{method} {base_url}{path} (prefix-cache flush) answered HTTP {r.status_code}: {r.text[:200]}")
-        if _flush_succeeded(r):
-            return
-        if attempt + 1 < FLUSH_ATTEMPTS:
-            time.sleep(delay)
-            delay = min(delay * 2, 4.0)
-    raise TargetError(f"{method} {base_url}{path} (prefix-cache flush) answered {r.text[:200]!r} {FLUSH_ATTEMPTS} times: "
-                      "the server kept its prefix cache (vLLM refuses while blocks are held by running requests); "
-                      "the next cell would reuse cached prefixes")
-
-
-FLUSH_ATTEMPTS = 8  # vLLM's reset fails while requests still hold blocks (aborted streams are freed within a step or two)
-
-
-def _flush_succeeded(r) -> bool:
-    """A 2xx flush answer that does not say it failed: vLLM answers ``{"success": false}`` with HTTP 200 while
-    blocks are held (vllm/entrypoints/serve/dev/cache/api_router.py); sglang answers plain text."""
-    try:
-        body = r.json()
-    except ValueError:
-        return True
-    return not (isinstance(body, dict) and body.get("success") is False)
-
-
-class TargetSession:
-    """An open target.  ``client`` answers generate/score; ``base_url()`` is an OpenAI-compatible URL
-    for the load generator; ``capacity()`` the KV capacity when the target knows it; ``flush()`` empties
-    a prefix cache between cells; ``log_path`` the captured server log, if any."""
-
-    def __init__(self, client: Client, model_id: str, url: Optional[str] = None,
-                 capacity: Optional[Callable[[], Optional[dict]]] = None,
-                 flush: Optional[Callable[[], None]] = None,
-                 url_factory: Optional[Callable[[], str]] = None,
-                 log_path: Optional[Path] = None, info: Optional[dict] = None):
-        self.client = client
-        self.model_id = model_id
-        self._url = url
-        self._url_factory = url_factory
-        self._capacity = capacity
-        self._flush = flush
-        self.log_path = log_path
-        self.info = info or {}
-
-    def base_url(self) -> str:
-        if self._url is None:
-            if self._url_factory is None:
-                raise TargetError("this target has no HTTP endpoint for the load test")
-            self._url = self._url_factory()
-        return self._url
-
-    def capacity(self) -> Optional[dict]:
-        return self._capacity() if self._capacity else None
-
-    def flush(self) -> None:
-        if self._flush:
-            self._flush()
 
 
 # ------------------------------------------------------------------------------ embedded
@@ -245,7 +154,14 @@ def open_server(spec: TargetSpec, cell_config: dict, log_path: Path,
                 devices: Optional[list[int]] = None) -> Iterator[TargetSession]:
     """Launch, health-wait and finally kill a server.  ``devices``: the GPU ids it may use (its
     ``CUDA_VISIBLE_DEVICES``, over the target's ``env``; ``{devices}`` in the template; recorded in the
-    session's ``info``); None leaves the environment as it is."""
+    session's ``info``); None leaves the environment as it is.  A target of ``replicas: N`` launches N copies
+    (harness/replica_targets.py)."""
+    if int(getattr(spec, "server_replicas", 1) or 1) > 1:
+        from kvbench.harness.replica_targets import open_server_replicas
+
+        with open_server_replicas(spec, cell_config, log_path, devices) as session:
+            yield session
+        return
     port = spec.port or free_port(spec.host)
     cmd = _render_launch(spec, cell_config, port, devices)
     log_path = Path(log_path)
@@ -282,7 +198,9 @@ def open_server(spec: TargetSpec, cell_config: dict, log_path: Path,
 @contextmanager
 def open_endpoint(spec: TargetSpec) -> Iterator[TargetSession]:
     if getattr(spec, "replicas", None):
-        with _open_replicas(spec) as session:
+        from kvbench.harness.replica_targets import open_endpoint_replicas
+
+        with open_endpoint_replicas(spec) as session:
             yield session
         return
     url = spec.base_url
@@ -295,36 +213,6 @@ def open_endpoint(spec: TargetSpec) -> Iterator[TargetSession]:
                                            api_key=spec.api_key)
         yield TargetSession(client, model_id, url=url, flush=lambda: flush_cache(url, spec.flush_cache, spec.api_key),
                             capacity=capacity, info={"type": "endpoint", "url": url})
-    finally:
-        client.close()
-
-
-@contextmanager
-def _open_replicas(spec: TargetSpec) -> Iterator[TargetSession]:
-    """An endpoint target of several replicas: every one healthy (else a ``TargetError`` naming it) and
-    serving the same model (``check_same_model``); one client per replica behind a ``ReplicaClient``."""
-    from kvbench.harness.replica_client import ReplicaClient
-    from kvbench.harness.replica_set import ReplicaURL, check_same_model, replica_capacity
-
-    urls = list(spec.replicas)
-    for url in urls:
-        try:
-            wait_healthy(f"{url}{spec.health_path}", min(spec.health_timeout_s, 60.0))
-        except TargetError as e:
-            raise TargetError(f"replica {url} of target {spec.name!r} is not up: {e}") from None
-    try:
-        model_id = check_same_model(urls, spec.model_id, spec.api_key)
-    except (ValueError, ConnectionError) as e:
-        raise TargetError(f"target {spec.name!r}: {e}") from None
-    client = ReplicaClient([http_client(url, model_id, spec.api_key, spec) for url in urls])
-    try:
-        def capacity() -> Optional[dict]:
-            return replica_capacity(urls, [server_capacity(None, u, engine_kind=getattr(spec, "engine_kind", None),
-                                                           api_key=spec.api_key) for u in urls])
-
-        yield TargetSession(client, model_id, url=ReplicaURL(urls, spec.replica_load), capacity=capacity,
-                            flush=lambda: flush_cache(ReplicaURL(urls), spec.flush_cache, spec.api_key),
-                            info={"type": "endpoint", "url": urls[0], "replicas": urls, "replica_load": spec.replica_load})
     finally:
         client.close()
 

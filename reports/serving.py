@@ -22,10 +22,10 @@ def _limit(x: Optional[float], digits: str = "g") -> str:
 
 
 def _conc(cell: CellData, s: dict) -> str:
-    if (s.get("replicas") or 1) > 1:  # data-parallel replicas: the concurrency each one got
-        per = s.get("concurrency_per_replica")
+    if s.get("replica_load"):  # data-parallel replicas: the concurrency each one got
+        per, n = s.get("concurrency_per_replica"), s.get("replicas")
         text = "∞" if per is None else _limit(per)
-        return f"{text} × {s['replicas']} replicas" + (", each" if s.get("replica_load") == "each" else "")
+        return f"{text} × {n} replica{'s' if n != 1 else ''}" + (", each" if s.get("replica_load") == "each" else "")
     if s.get("max_concurrency") is not None:
         return _limit(s["max_concurrency"])
     return str(cell.concurrency) if cell.concurrency is not None else "—"
@@ -72,7 +72,7 @@ def _load_warnings(a: Analysis) -> list[str]:
 
 
 def _replica_note(a: Analysis) -> str:
-    if not any((s.get("replicas") or 1) > 1 for _, s in a.serving):
+    if not any(s.get("replica_load") for _, s in a.serving):
         return ""
     return (" (\"c × N replicas\": c requests in flight on each of N data-parallel replicas of one server configuration; "
             "one load test over all of them at once, num_prompts and rate × N, throughputs their sum; \", each\": one "

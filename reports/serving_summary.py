@@ -11,7 +11,7 @@
   ``max_concurrency``, ``num_prompts``, dataset and lengths; stores from before they were recorded there
   fall back to ``load.config``) and the server's ``/metrics`` samples (``load.server_metrics``: most requests
   running, most running while none waited, peak KV usage, preemptions during the run);
-- on a target of several data-parallel replicas only: ``replicas`` (N), ``replica_load`` (``aggregate``: one
+- on a target of data-parallel replicas only: ``replicas`` (N, those in rotation), ``replica_load`` (``aggregate``: one
   load test over all of them at once; ``each``: one at a time) and ``concurrency_per_replica``.
 
 With repeated load tests (``load.repeats``; each request record carries its ``repeat``) every repeat is
@@ -120,7 +120,7 @@ def serving_summary(cell: CellData) -> dict:
     sm = load.get("server_metrics") or {}
     for key in SERVER_KEYS:
         out[key] = sm.get(key) if sm.get("available") else None
-    if isinstance(load.get("replicas"), int) and load["replicas"] > 1:  # data-parallel replicas (docs/scale-out.md)
+    if load.get("replica_urls"):  # data-parallel replicas (docs/scale-out.md); N may be 1 when the others left rotation
         out.update({k: load.get(k) for k in ("replicas", "replica_load", "concurrency_per_replica")})
     return out
 

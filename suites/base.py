@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -154,6 +155,25 @@ class GenerationTask(ABC):
         p = self.params(opts, 0)
         samp = "greedy" if p.temperature == 0 else f"t{p.temperature:g}-p{p.top_p:g}" + (f"-k{p.top_k}" if p.top_k else "")
         return f"{samp}:max{p.max_tokens}{describe_request(p)}"
+
+
+# A client over N data-parallel replicas (harness/replica_client.py) says so with ``replica_count``; the
+# suites keep ``concurrency`` requests in flight per replica and name the replica in each record.
+def replica_width(client) -> int:
+    """How many replicas the client spreads requests over (1 for any other client)."""
+    return max(1, int(getattr(client, "replica_count", 1) or 1))
+
+
+def pinned(client):
+    """A context in which the calling thread's requests go to one replica (a no-op for other clients)."""
+    pin = getattr(client, "pinned", None)
+    return pin() if callable(pin) else nullcontext()
+
+
+def served_by(client) -> Optional[str]:
+    """The replica that served the calling thread's last request (None for a client of one server)."""
+    fn = getattr(client, "served_by", None)
+    return fn() if callable(fn) else None
 
 
 def is_error_record(rec: dict) -> bool:

@@ -4,7 +4,9 @@
 task's ``until`` as stop strings, ``max_gen_toks``, greedy unless the task samples), ``loglikelihood`` →
 teacher-forced ``Client.score`` (sum of continuation log-probs, all-greedy flag),
 ``loglikelihood_rolling`` → ``score`` of the whole text after an empty context (no windowing: a text
-longer than the context is an error).  Requests run concurrently on a thread pool.
+longer than the context is an error).  Requests run concurrently on a thread pool of ``concurrency``; over
+data-parallel replicas (harness/replica_client.py) ``concurrency`` documents per replica, each document's
+requests on one replica, which its record names (``replica``).
 
 Records: one per document; ``scores`` holds every per-sample metric as ``"<metric>,<filter>"`` (lm-eval's
 own naming); ``correct`` is the first metric of the first filter when it is 0/1, else null.  A document
@@ -22,10 +24,11 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from kvbench.core import Client, GenRequest, SamplingParams, ScoreRequest, classify_error
+from kvbench.core import REPLICA_FIELD, Client, GenRequest, SamplingParams, ScoreRequest, TargetGone, classify_error
 from kvbench.core import effective_options
 from kvbench.core import prompt_hash
-from kvbench.suites.base import SuiteError, SuiteOptions, SuiteResult, summarize_records
+from kvbench.suites.base import (SuiteError, SuiteOptions, SuiteResult, pinned, replica_width, served_by,
+                                 summarize_records)
 from kvbench.suites.extract import INVALID
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,8 @@ def _make_lm_class():
             self._lock = threading.Lock()
 
         def _note(self, req, **m) -> None:
+            if replica_width(self.client) > 1:  # which replica served (or last failed) this request
+                m[REPLICA_FIELD] = served_by(self.client)
             with self._lock:
                 self.meta[(req.task_name, req.doc_id)].append(m)
 
@@ -52,8 +57,25 @@ def _make_lm_class():
         def _map(self, fn, requests):
             if not requests:
                 return []
-            with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(requests)))) as pool:
-                return list(pool.map(fn, requests))
+            width = replica_width(self.client)
+            if width == 1:
+                with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(requests)))) as pool:
+                    return list(pool.map(fn, requests))
+            # data-parallel replicas: a document's requests go to one replica, one after another (``pinned``),
+            # with ``concurrency`` documents in flight per replica
+            docs: dict[tuple, list[int]] = {}
+            for i, req in enumerate(requests):
+                docs.setdefault((req.task_name, req.doc_id), []).append(i)
+            out: list = [None] * len(requests)
+
+            def doc(indices: list[int]) -> None:
+                with pinned(self.client):
+                    for i in indices:
+                        out[i] = fn(requests[i])
+
+            with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency * width, len(docs)))) as pool:
+                list(pool.map(doc, docs.values()))
+            return out
 
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
             return self._map(lambda req: _generate_one(self, req), requests)
@@ -101,6 +123,8 @@ def _generate_one(lm, req) -> str:
     gen = _gen_request(req, lm.max_gen_toks)
     try:
         res = lm.client.generate(gen)
+    except TargetGone:  # no replica left: the suite stops
+        raise
     except Exception as e:  # a failed request: recorded as an error, no answer
         lm._failed(req, f"{type(e).__name__}: {e}", classify_error(e), retries=getattr(e, "retries", 0))
         return ""
@@ -120,8 +144,8 @@ def _score_one(lm, req, context: str, continuation: str):
     t0 = time.perf_counter()
     try:
         res = lm.client.score(ScoreRequest(context=context, continuation=continuation))
-    except NotImplementedError:
-        raise  # the target cannot score at all: not one failed request
+    except (NotImplementedError, TargetGone):
+        raise  # the target cannot score at all (or no replica is left): not one failed request
     except Exception as e:  # a failed request: the document becomes an error record
         lm._failed(req, f"{type(e).__name__}: {e}", classify_error(e), time.perf_counter() - t0)
         return None
@@ -202,6 +226,9 @@ def samples_to_records(task: str, samples: list[dict], meta: dict, protocol: str
             "reasoning": "\n".join(m["reasoning"] for m in ms if m.get("reasoning")) or None,
             "retries": int(sum(m.get("retries") or 0 for m in ms)),
         })
+        replica = next((m[REPLICA_FIELD] for m in reversed(ms) if m.get(REPLICA_FIELD)), None)
+        if replica is not None:  # data-parallel replicas: the one that served the document's last request
+            records[-1][REPLICA_FIELD] = replica
     return records
 
 

@@ -3,7 +3,8 @@
 Work units are (item, repeat) pairs submitted to a thread pool of ``opts.concurrency`` workers (the
 embedded engine batches concurrent calls; an HTTP client keeps that many requests in flight; a client over N
 data-parallel replicas, ``replica_count`` N, gets ``concurrency × N`` workers: ``concurrency`` per replica, and
-each record names the replica that served it, ``replica``, from the client's ``served_by()``).  Records come
+each record names the replica that served it, ``replica``, from the client's ``served_by()``; when no replica is
+left the client raises ``TargetGone`` and the suite stops with it).  Records come
 back in dataset order whatever the completion order, and a failed request (it raises, or returns
 finish_reason ``error``) becomes a record with ``finish_reason = "error"``, ``error`` (the message) and
 ``error_kind`` (``core.client.ERROR_KINDS``), no ``correct`` and no scores: counted apart from wrong
@@ -21,11 +22,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
-from kvbench.core import Client, GenResult, classify_error
+from kvbench.core import REPLICA_FIELD, Client, GenResult, TargetGone, classify_error
 from kvbench.core import prompt_hash
-from kvbench.core.records import REPLICA_FIELD
 from kvbench.suites.base import (GenerationTask, SuiteError, SuiteOptions, SuiteResult, is_error_record, item_seed,
-                                 make_record, summarize_records)
+                                 make_record, replica_width, served_by, summarize_records)
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,7 @@ def run_generation(task: GenerationTask, client: Client, opts: SuiteOptions) -> 
         item = task.prepare(items[i], k, seed)
         return i, k, seed, item, task.build(item, k, task.params(opts, seed))
 
-    served_by = getattr(client, "served_by", None)  # a client over several replicas (harness/replica_client.py)
-    served_by = served_by if callable(served_by) else None
-    width = max(1, int(getattr(client, "replica_count", 1) or 1))  # the concurrency applies per replica
+    many = replica_width(client) > 1  # a client over several replicas (harness/replica_client.py)
     check = getattr(client, "check_request", None)
     if callable(check):
         try:
@@ -92,6 +90,8 @@ def run_generation(task: GenerationTask, client: Client, opts: SuiteOptions) -> 
         retries: Optional[int] = None
         try:
             result = client.generate(req)
+        except TargetGone:  # no replica left: the suite stops (never one item's error)
+            raise
         except Exception as e:  # a failed request is recorded, never dropped
             error, kind = f"{type(e).__name__}: {e}", classify_error(e)
             retries = int(getattr(e, "retries", 0) or 0)
@@ -106,16 +106,20 @@ def run_generation(task: GenerationTask, client: Client, opts: SuiteOptions) -> 
         record = make_record(task.name, item, k, seed, req, result, scored, protocol, prompt_hash, error, kind, retries)
         for key, value in task.record_fields(item).items():
             record.setdefault(key, value)  # never overrides a make_record field
-        if served_by is not None:  # several replicas: which one served (or failed) this request
-            record[REPLICA_FIELD] = served_by()
+        if many:  # several replicas: which one served (or last failed) this request
+            record[REPLICA_FIELD] = served_by(client)
         return record
 
     with progress_bar(len(units), task.name, opts.progress) as advance:
-        with ThreadPoolExecutor(max_workers=min(opts.concurrency * width, len(units))) as pool:
+        with ThreadPoolExecutor(max_workers=min(opts.concurrency * replica_width(client), len(units))) as pool:
             futures = {pool.submit(one, idx): idx for idx in range(len(units))}
-            for fut in as_completed(futures):
-                records[futures[fut]] = fut.result()
-                advance()
+            try:
+                for fut in as_completed(futures):
+                    records[futures[fut]] = fut.result()
+                    advance()
+            except TargetGone:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
 
     if errors:
         log.warning("%s: %d of %d requests failed; first: %s", task.name, len(errors), len(units), errors[0])

@@ -3,7 +3,8 @@ replicas"): the config spelling and its checks, the replica checks when the targ
 serving the same model), flush and capacity over every replica, least-loaded dispatch with the concurrency
 bound per replica, and, with two ``kvbench serve`` processes of a tiny synthetic model, a sweep whose item
 records show both replicas and equal a one-replica run, a load test aggregated over both (and one replica at a
-time), and a replica that fails mid-run (failed requests, not a crash)."""
+time), a replica that fails mid-run (its requests served by the other, it taken out of rotation), a cell whose
+replicas all fail (failed, then redone by --resume), and ``kvbench eval`` / ``kvbench load`` over two replicas."""
 
 from __future__ import annotations
 
@@ -40,11 +41,13 @@ def _free_port() -> int:
 class FakeReplica:
     """A stdlib HTTP server in a thread: ``/health``, ``/v1/models`` (``model``, ``max_model_len``), ``/metrics`` (an
     SGLang KV pool of ``tokens``), ``POST /flush_cache`` (counted); a completion request is counted and its
-    connection closed unanswered: a replica that fails once requests arrive."""
+    connection closed unanswered (a replica that fails once requests arrive), or with ``answer`` set a chat
+    completion is answered ``The answer is 7.``"""
 
     def __init__(self, model: str = "tiny", max_model_len=None, tokens=None):
         self.model, self.max_model_len, self.tokens = model, max_model_len, tokens
         self.flushes = self.completions = 0
+        self.answer = False
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -77,6 +80,11 @@ class FakeReplica:
                 if self.path == "/flush_cache":
                     fake.flushes += 1
                     self._send(200, "ok", "text/plain")
+                elif fake.answer and self.path == "/v1/chat/completions":
+                    fake.completions += 1
+                    msg = {"role": "assistant", "content": "The answer is 7."}
+                    self._send(200, json.dumps({"choices": [{"index": 0, "message": msg, "finish_reason": "stop"}],
+                                                "usage": {"prompt_tokens": 5, "completion_tokens": 5}}))
                 else:
                     fake.completions += 1
                     self.close_connection = True  # no answer: the replica failed
@@ -357,21 +365,23 @@ def test_a_sweep_over_two_replicas_equals_one_replica_and_survives_a_failing_one
     assert load_t.rows[0][1] == "1 × 2 replicas" and lat_t.rows[0][1] == "1 × 2 replicas"
     assert "replica" in load_t.note
 
-    # a replica that fails once requests arrive: its requests fail (recorded, counted), the cell finishes
+    # a replica that fails once requests arrive: each request it fails goes to the other replica, which serves
+    # it (the record names it); after 3 failures in a row it is out of rotation, and the load test runs without it
     broken = fakes(model="tiny")
     done, items, reqs, summary = _sweep([a, broken.url], tmp_path / "broken", warmup=0)
     assert done.ok, summary.get("error")
-    bad = [r for r in items if r["replica"] == broken.url]
-    good = [r for r in items if r["replica"] == a]
-    assert bad and good and broken.completions > 0
-    assert all(r["finish_reason"] == "error" and r["error_kind"] == "connection" for r in bad)
-    assert all(r["error"] is None for r in good)
-    expected = {r[0]: r for r in _answers(one_items)}
-    assert all(expected[x[0]] == x for x in _answers(good))
-    assert summary["suites"]["gsm8k_chat"]["errors"] == len(bad) and summary["suites"]["gsm8k_chat"]["error_kinds"] == {"connection": len(bad)}
-    failed = [r for r in reqs if not r["success"]]
-    assert failed and all(r["replica"] == broken.url and broken.url in r["error"] for r in failed)
-    assert summary["load"]["failed"] == len(failed) and summary["load"]["completed"] == len(reqs) - len(failed)
+    assert broken.completions == 3 and len(items) == 6
+    assert all(r["replica"] == a and r["error"] is None for r in items)
+    assert _answers(items) == _answers(one_items)  # the same answers as a one-replica run
+    assert summary["suites"]["gsm8k_chat"]["errors"] == 0
+    health = summary["replica_health"]
+    assert health["in_rotation"] == [a] and health["failovers"] == 3 and health["sent"][broken.url] == 3
+    (out,) = health["out"]
+    assert out["url"] == broken.url and "3 requests in a row failed with a connection error" in out["reason"]
+    assert summary["load"]["replica_urls"] == [a] and summary["load"]["replicas"] == 1
+    assert reqs and all(r["success"] and r["replica"] == a for r in reqs)
+    load_t, _ = serving_tables(report_analysis(load_run(tmp_path / "broken"), n_boot=50))
+    assert load_t.rows[0][1] == "1 × 1 replica"  # the report says the load test ran on what was left
 
 
 @pytest.mark.slow
@@ -392,3 +402,93 @@ def test_load_each_replica_in_turn_and_a_down_replica(servers):
     down = f"http://127.0.0.1:{_free_port()}"
     with pytest.raises(ConnectionError, match=re.escape(f"replica {down}")):
         run_replicas(ReplicaURL([a, down]), None, cfg)
+
+
+def test_a_cell_whose_replicas_all_fail_fails_and_resume_redoes_it(tmp_path, fakes):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "fake_engines"))
+    from conformance import make_data
+
+    from kvbench.core.store import RunStore
+    from kvbench.harness.matrix import expand
+    from kvbench.harness.runner import run_sweep
+
+    a, b = fakes(model="tiny"), fakes(model="tiny")
+    cfg = parse_config({
+        "name": "gone", "aa_control": False, "data_dir": str(make_data(tmp_path)),
+        "targets": [{"name": "dp", "type": "endpoint", "base_url": [a.url, b.url], "max_retries": 0, "timeout_s": 10,
+                     "health_timeout_s": 5}],
+        "axes": {"concurrency": [2]}, "suites": [{"name": "aime25", "max_tokens": 8}], "load": {"enabled": False},
+    })
+    (cell,) = expand(cfg)
+    outcome = run_sweep(cfg, tmp_path / "run", progress=False)
+    store = RunStore(tmp_path / "run")
+    summary = store.read_json(cell.key, "summary")
+    assert outcome.failed == [cell.key] and not store.is_done(cell.key)
+    assert "TargetGone: every replica of the target is out of rotation" in summary["error"]
+    assert a.url in summary["error"] and b.url in summary["error"]
+    assert {o["url"] for o in summary["replica_health"]["out"]} == {a.url, b.url}
+    assert a.completions <= 4 and b.completions <= 4  # taken out after 3 failures in a row (2 in flight each)
+
+    a.answer = b.answer = True  # the replicas are back: --resume redoes the cell
+    again = run_sweep(cfg, tmp_path / "run", resume=True, progress=False)
+    assert again.done == [cell.key] and store.is_done(cell.key)
+    items = store.read_items(cell.key)
+    assert len(items) == 3 and all(r["error"] is None for r in items) and {r["replica"] for r in items} <= {a.url, b.url}
+    assert store.read_json(cell.key, "summary")["replica_health"]["out"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not (DATA / "gsm8k_test.jsonl").exists(), reason="shared data not present")
+def test_eval_and_load_commands_take_several_replicas(servers, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvbench.harness.cli import app
+
+    a, b = servers
+    r = CliRunner().invoke(app, ["eval", "--suite", "gsm8k_chat", "--limit", "4", "--max-tokens", "4", "--data-dir",
+                                 str(DATA), "--endpoint", a, "--endpoint", b, "--concurrency", "1", "--max-retries", "0",
+                                 "--no-progress", "--out", str(tmp_path / "eval")])
+    assert r.exit_code == 0, r.output
+    items = [json.loads(line) for line in (tmp_path / "eval" / "items.jsonl").read_text().splitlines()]
+    assert len(items) == 4 and {x["replica"] for x in items} == {a, b} and all(x["error"] is None for x in items)
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["endpoint"] == [a, b] and summary["target"]["replicas"] == [a, b]
+    assert summary["replica_health"]["out"] == [] and sum(summary["replica_health"]["sent"].values()) == 4
+
+    r = CliRunner().invoke(app, ["load", "--base-url", f"{a},{b}", "--max-concurrency", "1", "--num-prompts", "2",
+                                 "--input-len", "16", "--output-len", "4", "--warmup", "0", "--metrics-interval", "0",
+                                 "--replica-load", "each", "--no-progress", "--out", str(tmp_path / "load")])
+    assert r.exit_code == 0, r.output
+    assert "Replicas (concurrency is per replica):  2, each" in r.output
+    level = json.loads((tmp_path / "load" / "c1" / "summary.json").read_text())
+    assert (level["replicas"], level["replica_load"], level["completed"], level["replica_urls"]) == (2, "each", 4, [a, b])
+    reqs = [json.loads(line) for line in (tmp_path / "load" / "c1" / "requests.jsonl").read_text().splitlines()]
+    assert [x["replica"] for x in reqs] == [a, a, b, b]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["eval", "--endpoint", "http://127.0.0.1:9,http://127.0.0.1:9/v1"], "--endpoint[1]: http://127.0.0.1:9/v1 is already listed"),
+    (["eval", "--endpoint", "http://127.0.0.1:9", "--endpoint", "node2:8000"], "--endpoint[1]: expected an http(s) URL"),
+    (["load", "--base-url", "http://127.0.0.1:9", "--replica-load", "each"], "--replica-load each: applies to several"),
+    (["load", "--base-url", "http://127.0.0.1:9,http://127.0.0.1:10", "--replica-load", "split"], "choose one of aggregate, each"),
+])
+def test_replica_flags_refuse_bad_input(args, needle):
+    from typer.testing import CliRunner
+
+    from kvbench.harness.cli import app
+
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and needle in r.output, r.output
+
+
+def test_eval_names_a_replica_that_is_down(fakes, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvbench.harness.cli import app
+
+    down = f"http://127.0.0.1:{_free_port()}"
+    r = CliRunner().invoke(app, ["eval", "--suite", "gsm8k_chat", "--endpoint", f"{fakes().url},{down}", "--limit", "1"])
+    assert r.exit_code == 2 and f"replica {down}: GET /v1/models failed" in r.output, r.output

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbench.harness import targets
+from kvbench.harness import target_session, targets
 from kvbench.harness.server_admission import admission_limit
 from kvbench.harness.server_capacity import merge_capacity, parse_metrics_capacity, parse_startup_log
 
@@ -206,7 +206,7 @@ def test_a_reset_refused_while_blocks_are_held_is_retried_then_reported(monkeypa
     answers = [_Answer(200, {"success": False}), _Answer(200, {"success": False}), _Answer(200, {"success": True})]
     calls = []
     monkeypatch.setattr(httpx, "request", lambda *a, **k: calls.append(a) or answers.pop(0))
-    monkeypatch.setattr(targets.time, "sleep", lambda s: None)
+    monkeypatch.setattr(target_session.time, "sleep", lambda s: None)
     targets.flush_cache("http://x", "POST /reset_prefix_cache")
     assert len(calls) == 3
     monkeypatch.setattr(httpx, "request", lambda *a, **k: _Answer(200, {"success": False}))

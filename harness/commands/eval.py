@@ -5,6 +5,7 @@
     kvbench eval --lm-eval hellaswag --limit 100 --endpoint http://127.0.0.1:8000
     kvbench eval --suite ruler --context-lengths 1024,4096 --depths 3 --ruler-tasks niah_single,vt --limit 4
     kvbench eval --suite gpqa_diamond,aime25 --endpoint URL --prompt-style gpt_oss --reasoning-effort high --repeats 8
+    kvbench eval --suite gsm8k_chat --endpoint http://node1:8000,http://node2:8000 --concurrency 16   # replicas
 
 ``--out DIR`` receives ``items.jsonl`` (one record per item and repeat) and ``summary.json`` (docs/accuracy.md),
 both written atomically.  Request flags (--reasoning-effort, --top-p, --top-k, --extra-body, --request-timeout,
@@ -16,6 +17,8 @@ configuration with bf16 KV, unit scales and torch backends (with ``--endpoint`` 
 embedded engine); its top-k figures are cached per (model identity, logits-relevant settings, texts) in
 ``--fidelity-cache`` (default ``$KVBENCH_CACHE/fidelity``, ``~/.cache/kvbench/fidelity``), capped by
 ``KVBENCH_FIDELITY_CACHE_MAX_MB`` (suites/fidelity/cache.py; harness/fidelity_key.py says what the key holds).
+Several ``--endpoint`` URLs are data-parallel replicas of one server configuration, as an endpoint target's
+``base_url`` list (docs/scale-out.md): ``--concurrency`` per replica, records name their ``replica``, failover.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from typing import Optional
 
 import typer
 
-from kvbench.harness.commands.eval_support import (Borrowed, cache_dir, check_paths, diagnose_spec, http_options,
-                                                   print_summary, request_options, run_suites, suite_names_of,
-                                                   suite_plan, write_results)
+from kvbench.harness.commands.eval_support import (Borrowed, cache_dir, check_paths, diagnose_spec, endpoint_urls,
+                                                   eval_summary, http_options, open_replicas, print_summary,
+                                                   request_options, run_suites, suite_names_of, suite_plan,
+                                                   write_results)
 from kvbench.harness.options import engine_options
 from kvbench.suites import RunContext, suite_names
 
@@ -39,9 +43,11 @@ def _reference_config(engine):
     return engine.with_kv(engine.kv.reference(backend="torch"))
 
 
-def _open_client(engine, endpoint: Optional[str], http: Optional[dict] = None):
+def _open_client(engine, endpoint: Optional[str], http: Optional[dict] = None, replicas: Optional[list] = None):
     """The embedded engine, or (``--endpoint``) an ``OpenAIClient`` with ``http``'s api_key / timeout /
-    max_retries."""
+    max_retries; several ``--endpoint`` URLs (``replicas``): a ``ReplicaClient`` over them."""
+    if replicas and len(replicas) > 1:
+        return open_replicas(replicas, engine.model, http or {})
     if endpoint:
         try:
             from kvbench.harness.openai_client import OpenAIClient
@@ -86,8 +92,8 @@ def eval_cmd(
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local JSONL/CSV/parquet files (else the dataset hub; env KVBENCH_DATA_DIR)"),
     out: Optional[str] = typer.Option(None, "--out", help="Write items.jsonl and summary.json here (a directory; refused when it already holds them, see --overwrite)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the items.jsonl / summary.json that --out already holds"),
-    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="External OpenAI-compatible server URL instead of the embedded engine"),
-    concurrency: int = typer.Option(8, "--concurrency", "--max-concurrency", help="Requests in flight (--max-concurrency: the vLLM / SGLang benchmarks' spelling)"),
+    endpoint: Optional[list[str]] = typer.Option(None, "--endpoint", help="External OpenAI-compatible server URL instead of the embedded engine; several (repeat the flag, or a comma list): data-parallel replicas of one server configuration, --concurrency per replica, each record names its replica, a request a replica fails to answer goes to another"),
+    concurrency: int = typer.Option(8, "--concurrency", "--max-concurrency", help="Requests in flight, per replica with several --endpoint URLs (--max-concurrency: the vLLM / SGLang benchmarks' spelling)"),
     lm_eval: Optional[str] = typer.Option(None, "--lm-eval", help="Run an lm-eval task by name (same as --suite lm_eval:TASK)"),
     lm_eval_include: Optional[str] = typer.Option(None, "--lm-eval-include", help="Extra lm-eval task directory"),
     protocol: Optional[str] = typer.Option(None, "--protocol", help="Suite variant, e.g. gsm8k: lm-eval (5-shot), cot (8-shot), chat (0-shot)"),
@@ -126,6 +132,8 @@ def eval_cmd(
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request otherwise
+    replicas = endpoint_urls(endpoint)
+    endpoint = replicas[0] if replicas else None
     flags = {"context_lengths": context_lengths, "depths": depths, "tasks": ruler_tasks, "haystack": haystack,
              "haystack_file": haystack_file, "tokenizer": tokenizer, "text_tokens": fidelity_text_tokens,
              "position_buckets": position_buckets}
@@ -139,14 +147,11 @@ def eval_cmd(
         raise typer.BadParameter(str(e)) from None
     out_dir = check_paths(data_dir, out, overwrite)
     diag_spec = diagnose_spec(diagnose, diagnose_kl_limit, endpoint, out_dir, engine)
-    client = _open_client(engine, endpoint, http) if http else _open_client(engine, endpoint)
+    client = _open_client(engine, endpoint, http, replicas) if http else _open_client(engine, endpoint)
     ctx = RunContext(fidelity=_fidelity_context(engine, endpoint, client, fidelity_cache, fidelity_exact, fidelity_top_k,
                                                 greedy_tokens), lm_eval_include=lm_eval_include)
     records, summaries, error, usage_error, info, diag_brief = run_suites(plan, client, ctx, diag_spec, data_dir, out_dir)
-    summary = {"suites": summaries, "load": None, "capacity": info.get("capacity"), "error": error,
-               "target": info, "engine": None if endpoint else engine.to_dict(), "endpoint": endpoint}
-    if diag_brief is not None:
-        summary["diagnostics"] = diag_brief
+    summary = eval_summary(summaries, error, info, None if endpoint else engine.to_dict(), replicas, client, diag_brief)
     out = write_results(out_dir, out, records, summary, error)
     if summaries:
         print_summary(summaries)

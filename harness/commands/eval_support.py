@@ -64,6 +64,33 @@ def request_options(endpoint: Optional[str], values: dict, extra_body: Optional[
         raise SuiteError(f"{flag}{key[len(key.split('.')[0]):]}: {msg}") from None
 
 
+def endpoint_urls(values: Optional[list]) -> Optional[list[str]]:
+    """The ``--endpoint`` URLs (repeated, or comma lists; several must be distinct http(s) URLs); None without."""
+    from kvbench.harness.config_checks import SweepConfigError
+    from kvbench.harness.replica_set import urls_of_flag
+
+    if not values:
+        return None
+    try:
+        return urls_of_flag(values, "--endpoint")
+    except SweepConfigError as e:
+        usage_error(str(e))
+
+
+def open_replicas(urls: list[str], model: Optional[str], http: dict):
+    """A ``ReplicaClient`` over the ``--endpoint`` replicas, every one up and serving the same model (else a
+    usage error naming the one that is not)."""
+    from kvbench.harness.openai_client import OpenAIClient
+    from kvbench.harness.replica_client import ReplicaClient
+    from kvbench.harness.replica_set import check_same_model
+
+    try:
+        model_id = check_same_model(urls, model, http.get("api_key"))
+    except (ValueError, ConnectionError) as e:
+        usage_error(f"--endpoint: {e}")
+    return ReplicaClient([OpenAIClient(url, model=model_id, **http) for url in urls])
+
+
 def http_options(endpoint: Optional[str], api_key: Optional[str], timeout: Optional[float], retries: Optional[int]) -> dict:
     from kvbench.harness.request_options import DEFAULT_MAX_RETRIES
     from kvbench.suites import SuiteError
@@ -302,6 +329,19 @@ def run_suites(plan: SuitePlan, client, ctx, diag_spec, data_dir: Optional[str],
     finally:
         client.close()
     return records, summaries, error, usage, info, diag_brief
+
+
+def eval_summary(summaries: dict, error: Optional[str], info: dict, engine: Optional[dict], replicas: Optional[list],
+                 client, diag_brief: Optional[dict]) -> dict:
+    """``summary.json`` of `kvbench eval`: the suites, the target, the engine (None with --endpoint), the
+    endpoint (a list for several replicas, with ``replica_health``) and the diagnosis brief."""
+    summary = {"suites": summaries, "load": None, "capacity": info.get("capacity"), "error": error, "target": info,
+               "engine": engine, "endpoint": (replicas if len(replicas) > 1 else replicas[0]) if replicas else None}
+    if callable(getattr(client, "health", None)):  # several replicas: which stayed in rotation, failovers
+        summary["replica_health"] = client.health()
+    if diag_brief is not None:
+        summary["diagnostics"] = diag_brief
+    return summary
 
 
 def write_results(out_dir: Optional[Path], out: Optional[str], records: list, summary: dict, error: Optional[str]):

@@ -2,6 +2,10 @@
 
     kvbench load --max-concurrency 1,4,16 --num-prompts 64 --input-len 64 --output-len 16 --out runs/load
 
+Several ``--base-url`` (repeated, or a comma list) are data-parallel replicas of one server configuration: each
+level's concurrency applies to each replica, ``--replica-load aggregate`` (default) runs one test over all of them
+at once and ``each`` one replica at a time; every request record names its ``replica`` (docs/scale-out.md).
+
 One run per concurrency level (``--repeats N``: N runs with the same prompts); each prints the "Serving
 Benchmark Result" block (medians over the repeats), the spread across repeats and the machine's load, and, with
 ``--out``, writes ``OUT/c<N>/summary.json`` and ``OUT/c<N>/requests.jsonl`` (records tagged with their
@@ -28,12 +32,41 @@ def _levels(text: Optional[str]) -> list[Optional[int]]:
     return levels
 
 
+def _target(values: Optional[list[str]], replica_load: Optional[str], model: Optional[str], api_key: Optional[str]):
+    """``(base URL, model)``: one server's URL, or a ``ReplicaURL`` of several (every replica up and serving one
+    model); a ``UserError`` for a bad or unreachable URL, or ``--replica-load`` without replicas."""
+    from kvbench.harness.config_checks import SweepConfigError
+    from kvbench.harness.errors import UserError
+    from kvbench.harness.loadgen.run import discover_model, server_root
+    from kvbench.harness.replica_set import REPLICA_LOAD_MODES, ReplicaURL, check_same_model, urls_of_flag
+
+    try:
+        urls = urls_of_flag(values or ["http://127.0.0.1:8000"], "--base-url")
+    except SweepConfigError as e:
+        raise UserError(str(e)) from None
+    if replica_load is not None and (len(urls) < 2 or replica_load not in REPLICA_LOAD_MODES):
+        raise UserError(f"--replica-load {replica_load}: applies to several --base-url replicas; choose one of "
+                        f"{', '.join(REPLICA_LOAD_MODES)}")
+    try:
+        if len(urls) > 1:
+            return ReplicaURL(urls, replica_load or "aggregate"), check_same_model(urls, model, api_key)
+        return urls[0], model or discover_model(urls[0], api_key)
+    except Exception as e:  # noqa: BLE001 - unreachable server, bad URL, replicas that differ
+        raise UserError(f"cannot reach {server_root(urls[0])}/v1/models: {e}" if len(urls) == 1 else str(e)) from None
+
+
 def register(app: typer.Typer) -> None:
     @app.command("load", help="Serving load test (TTFT, TPOT, ITL, throughput) against an OpenAI-compatible endpoint.")
     def load(
-        base_url: str = typer.Option("http://127.0.0.1:8000", "--base-url", "--endpoint", help="Server root (or .../v1)"),
+        base_url: Optional[list[str]] = typer.Option(
+            None, "--base-url", "--endpoint", help="Server root (or .../v1); default http://127.0.0.1:8000.  Several "
+            "(repeat the flag, or a comma list): data-parallel replicas of one server configuration; "
+            "--max-concurrency then applies to each replica (see --replica-load), records name their replica"),
+        replica_load: Optional[str] = typer.Option(None, "--replica-load", help="With several --base-url replicas: "
+            "aggregate (default: one test over all at once, prompts, rate and concurrency × replicas, throughputs "
+            "summed) or each (the test on one replica at a time)"),
         model: Optional[str] = typer.Option(None, "--model", help="Model id to request (default: the first of /v1/models)"),
-        max_concurrency: Optional[str] = typer.Option(None, "--max-concurrency", help="Concurrency cap(s), comma-separated: 1,4,16"),
+        max_concurrency: Optional[str] = typer.Option(None, "--max-concurrency", help="Concurrency cap(s), comma-separated: 1,4,16 (per replica with several --base-url)"),
         num_prompts: int = typer.Option(64, "--num-prompts", help="Timed requests per level", min=1),
         request_rate: float = typer.Option(math.inf, "--request-rate", help="Requests per second (inf = all at once)"),
         burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape of inter-arrivals (1 = Poisson)"),
@@ -63,7 +96,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from pathlib import Path
 
-        from kvbench.harness.loadgen.run import LoadConfig, discover_model, format_block, server_root, write_outputs
+        from kvbench.harness.loadgen.run import LoadConfig, format_block, write_outputs
         from kvbench.harness.loadgen.repeats import run_repeats, spread_lines
 
         levels = _levels(max_concurrency)
@@ -81,12 +114,7 @@ def register(app: typer.Typer) -> None:
             ]
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
-        try:
-            model = model or discover_model(base_url, api_key)
-        except Exception as e:  # noqa: BLE001 - unreachable server, bad URL
-            from kvbench.harness.errors import UserError
-
-            raise UserError(f"cannot reach {server_root(base_url)}/v1/models: {e}") from None
+        base_url, model = _target(base_url, replica_load, model, api_key)
         summaries = []
         for cfg in configs:
             try:

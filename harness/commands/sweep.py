@@ -42,7 +42,8 @@ def _echo_device_plan(plans, parallel: int) -> None:
     typer.echo(f"device plan (--parallel {parallel}; groups taking equally long):")
     for p, (wave, devs) in zip(plans, simulate(plans, parallel)):
         where = f"devices {','.join(map(str, devs))}" if devs is not None else "no devices assigned"
-        typer.echo(f"  wave {wave + 1}: {p.cells[0].label} ({p.kind} {p.target}, tp_size {p.tp_size}, "
+        reps = f", {p.replicas} replicas" if p.replicas > 1 else ""
+        typer.echo(f"  wave {wave + 1}: {p.cells[0].label} ({p.kind} {p.target}, tp_size {p.tp_size}{reps}, "
                    f"{len(p.cells)} cells): {where}")
 
 
@@ -55,24 +56,27 @@ def _launch_listing(cfg, plans, parallel: int) -> list[str]:
     from kvbench.harness.sweep.config import SweepConfigError
     from kvbench.harness.targets import TargetError, render_launch
 
+    from kvbench.harness.parallel import replica_devices
+
     lines: list[str] = []
     for p, (_, devs) in zip(plans, simulate(plans, parallel)):
         spec = cfg.target(p.target)
         if spec.type != "server":
             continue
         first = p.cells[0]
-        try:
-            cmd = render_launch(spec, first.config, spec.port or PORT_STAND_IN, devices=devs)
-        except TargetError as e:
-            raise SweepConfigError(f"target {spec.name!r}, cells {first.label}: {e}") from None
-        env = dict(spec.env)
-        if devs is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devs))
         lines.append(f"launch for {first.label} ({len(p.cells)} cell{'s' if len(p.cells) != 1 else ''}, "
-                     f"target {spec.name}):")
-        if env:
-            lines.append("  env " + " ".join(f"{k}={v}" for k, v in env.items()))
-        lines.append(f"  $ {cmd}")
+                     f"target {spec.name}{f', {p.replicas} replicas' if p.replicas > 1 else ''}):")
+        for i, mine in enumerate(replica_devices(devs, p.replicas, p.tp_size)):  # one launch per replica
+            try:
+                cmd = render_launch(spec, first.config, spec.port + i if spec.port else PORT_STAND_IN, devices=mine)
+            except TargetError as e:
+                raise SweepConfigError(f"target {spec.name!r}, cells {first.label}: {e}") from None
+            env = dict(spec.env)
+            if mine is not None:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, mine))
+            if env:
+                lines.append("  env " + " ".join(f"{k}={v}" for k, v in env.items()))
+            lines.append(f"  $ {cmd}")
     return lines
 
 
@@ -87,7 +91,9 @@ ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Pro
 ParallelOpt = Annotated[int, typer.Option("--parallel", help="Run up to N server cell groups at once, each server on its "
                                           "own devices and port (load generators share this host's CPU)")]
 DevicesOpt = Annotated[Optional[str], typer.Option("--devices", help="GPU ids the servers may use, e.g. 0,1,2,3 "
-                                                   "(default: each target's devices, else the visible GPUs)")]
+                                                   "(default: each target's devices, else the visible GPUs); a server "
+                                                   "target of replicas: N takes N × tp_size of them, tp_size per "
+                                                   "replica")]
 ExecutorOpt = Annotated[str, typer.Option("--executor", help="Where cell groups run: local (this process) or ray "
                                           "(one Ray task per group, results sent back to this run directory; "
                                           'needs pip install "kvbench\\[ray]")', show_default=True)]
@@ -110,7 +116,12 @@ def register(app: typer.Typer) -> None:
         parallel: ParallelOpt = 1, devices: DevicesOpt = None, executor: ExecutorOpt = "local",
         address: AddressOpt = None, ray_retries: RayRetriesOpt = None, ray_cpus_per_group: RayCpusOpt = None,
     ) -> None:
-        """Run the matrix of a sweep config: accuracy suites, fidelity, load tests and capacity per cell."""
+        """Run the matrix of a sweep config: accuracy suites, fidelity, load tests and capacity per cell.
+
+        Data-parallel replicas are set in the config (docs/scale-out.md): an endpoint target's base_url may list
+        several URLs, a server target's replicas: N launches N copies; a cell's concurrency then applies to each
+        replica, a replica that fails is left for the others, and replica_load: aggregate | each says how the load
+        test runs."""
         import logging
 
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

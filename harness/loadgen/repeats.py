@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 from kvbench.core import combine_machine, combine_summaries
 from kvbench.harness.loadgen.run import LoadConfig, jsonable, run_load
-from kvbench.harness.replica_set import replica_urls
+from kvbench.harness.replica_set import ReplicaURL
 
 __all__ = ["run_repeats", "combine_run_summaries", "spread_lines", "machine_line"]
 
@@ -67,7 +67,7 @@ def run_repeats(base_url: str, model: Optional[str], cfg: LoadConfig, repeats: i
     """Run the load test ``repeats`` times (module docstring); ``run`` is ``run_load`` (tests pass fakes)."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    if run is run_load and len(replica_urls(base_url)) > 1:  # several replicas (harness/loadgen/replicas.py)
+    if run is run_load and isinstance(base_url, ReplicaURL):  # replicas (harness/loadgen/replicas.py)
         from kvbench.harness.loadgen.replicas import run_replicas
 
         run = run_replicas

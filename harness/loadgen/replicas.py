@@ -1,6 +1,8 @@
 """Load tests over data-parallel replicas (an endpoint target whose ``base_url`` lists several servers of one
 configuration; harness/replica_set.py).  ``run_replicas(base_url, model, cfg)`` is ``run_load`` for a
-``ReplicaURL`` (a plain URL goes to ``run_load`` unchanged).  The cell's concurrency applies to each replica:
+``ReplicaURL`` (a plain URL goes to ``run_load`` unchanged; a ``ReplicaURL`` of one URL, what is left of a
+target whose other replicas were taken out of rotation, runs as one replica with the replica fields).  The
+cell's concurrency applies to each replica:
 
 * ``aggregate`` (the default): one load test over every replica at once, N copies of the cell's single-server
   load merged: ``num_prompts × N`` prompts, at most ``max_concurrency`` in flight on each replica (``× N`` in
@@ -36,7 +38,7 @@ from typing import Optional
 from kvbench.core import combine_machine, summarize
 from kvbench.harness.loadgen.run import (LoadConfig, _lag_monitor, dispatch, _summary, _warm_up, build_items, jsonable, run_load,
                                          server_root)
-from kvbench.harness.replica_set import check_same_model, replica_mode, replica_urls
+from kvbench.harness.replica_set import ReplicaURL, check_same_model, replica_mode, replica_urls
 
 __all__ = ["run_replicas", "combine_server_metrics"]
 
@@ -47,7 +49,7 @@ _BRIEF = ("completed", "failed", "duration_s", "request_throughput", "output_thr
 def run_replicas(base_url: str, model: Optional[str], cfg: LoadConfig) -> tuple[dict, list[dict]]:
     """The load test of ``base_url``'s replicas (module docstring); one URL: ``run_load``."""
     urls = list(replica_urls(base_url))
-    if len(urls) < 2:
+    if not isinstance(base_url, ReplicaURL):  # one server (a ReplicaURL of one: the last replica in rotation)
         return run_load(base_url, model, cfg)
     model = check_same_model(urls, model, cfg.api_key)
     mode = replica_mode(base_url)

@@ -20,14 +20,13 @@ from typing import Any, Optional
 from kvbench.harness.cell_diagnostics import parse_diagnostics
 from kvbench.harness.config_checks import (SweepConfigError, _bool, _check_keys, _choice, _fail, _int, _list,
                                            _mapping, _num, _str)
-from kvbench.harness.launch.options import parse_target_options, sniff_engine_kind
-from kvbench.harness.request_options import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S
+from kvbench.harness.launch.options import parse_target_options
 from kvbench.core import kv_option, kv_option_names, list_valued_options
 from kvbench.core import parse_selector
 from kvbench.harness.sweep.axes import (BackendPair, check_targets, entries, kv_ident, parse_backend_entry,
                                         parse_combos, parse_kv_entry)
 from kvbench.harness.sweep.specs import (CELL_KEYS, DEFAULT_MODEL, SLO_KEYS, GateSpec, KVSpec,
-                                         LoadSpec, SuiteSpec, TargetSpec, _gate, _load, _suite, _target)
+                                         LoadSpec, SuiteSpec, TargetSpec, _gate, _load, _suite, _target, _target_dict)
 
 __all__ = ["SweepConfig", "SweepConfigError", "parse_config", "load_config", "CELL_KEYS", "DEFAULT_MODEL",
            "SuiteSpec", "TargetSpec"]
@@ -302,26 +301,6 @@ def _kv_dict(k: KVSpec) -> dict:
         d["scales_file"] = k.scales_file
     if k.extra_args:
         d["extra_args"] = k.extra_args
-    return d
-
-
-# target keys added after runs were recorded: left out of to_dict while they hold these defaults
-_ADDED_TARGET_DEFAULTS = {"option_flags": {}, "extra_args": "", "tp_size": 1, "devices": None, "backends": None,
-                          "request": {}, "timeout_s": DEFAULT_TIMEOUT_S, "max_retries": DEFAULT_MAX_RETRIES,
-                          "replicas": None, "replica_load": "aggregate"}
-
-
-def _target_dict(t: TargetSpec) -> dict:
-    d = asdict(t)
-    for k, v in _ADDED_TARGET_DEFAULTS.items():
-        if k in d and d[k] == v:
-            d.pop(k)
-    if d.get("engine_kind") in (None, sniff_engine_kind(t.launch, t.type)):
-        d.pop("engine_kind", None)
-    if t.backends is not None:
-        d["backends"] = [b.to_json() for b in t.backends]
-    if d.pop("replicas", None):  # written as the config spells it: base_url lists the replicas
-        d["base_url"] = list(t.replicas)
     return d
 
 

@@ -5,11 +5,12 @@ a target's launch options: ``launch_options``); and the schema's constants.  No 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from kvbench.harness.config_checks import (_bool, _check_keys, _choice, _fail, _int, _list, _mapping, _num,
                                            _str)
+from kvbench.harness.launch.options import sniff_engine_kind
 from kvbench.harness.replica_set import REPLICA_LOAD_MODES, parse_base_urls
 from kvbench.harness.request_options import (DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, check_suite_params,
                                              check_target_request, parse_request, suite_request)
@@ -62,13 +63,16 @@ class TargetSpec:
     tp_size: int = 1  # devices one server uses ({tp_size}; --parallel gives it that many)
     devices: Optional[list] = None  # GPU ids this target may use; None: all visible
     backends: Optional[list] = None  # this target's backend entries (instead of axes.backends)
-    # data-parallel replicas (harness/replica_set.py): ``base_url`` given as a list of several URLs
+    # data-parallel replicas (harness/replica_set.py, harness/replica_targets.py): an endpoint's ``base_url``
+    # given as a list of several URLs, or a server target's ``replicas: N`` (N copies launched)
     replicas: Optional[list] = None  # every replica's URL (base_url: the first); None: one server
     replica_load: str = "aggregate"  # the load test: over all replicas at once (aggregate) or one at a time (each)
+    server_replicas: int = 1  # the config's ``replicas`` of a server target: copies launched per cell group
 
 
-# ``replicas`` is no key of its own: a ``base_url`` list fills it
-_TARGET_KEYS = tuple(k for k in TargetSpec.__dataclass_fields__ if k != "replicas")
+# the config key ``replicas`` is a server target's copy count (``server_replicas``); an endpoint's replicas
+# are its ``base_url`` list
+_TARGET_KEYS = (*(k for k in TargetSpec.__dataclass_fields__ if k not in ("replicas", "server_replicas")), "replicas")
 
 
 def _target(d: Any, path: str, engine_keys: tuple[str, ...]) -> TargetSpec:
@@ -92,9 +96,16 @@ def _target(d: Any, path: str, engine_keys: tuple[str, ...]) -> TargetSpec:
         t.base_url, t.replicas = urls[0], (urls if len(urls) > 1 else None)
     elif "base_url" in d:
         _fail(f"{path}.base_url", f"base_url applies to endpoint targets only (this target is {ttype})")
+    if d.get("replicas") is not None:
+        if ttype != "server":
+            _fail(f"{path}.replicas", "applies to server targets (copies kvbench launches); an endpoint target "
+                                      "lists its replicas under base_url" if ttype == "endpoint" else
+                  "applies to server targets only (copies kvbench launches)")
+        t.server_replicas = _int(d["replicas"], f"{path}.replicas", 1)
     if "replica_load" in d:
-        if not t.replicas:
-            _fail(f"{path}.replica_load", "applies to an endpoint target whose base_url lists several replicas")
+        if not t.replicas and t.server_replicas < 2:
+            _fail(f"{path}.replica_load", "applies to an endpoint target whose base_url lists several replicas, "
+                                          "or a server target of replicas: 2 or more")
         t.replica_load = _choice(d["replica_load"], REPLICA_LOAD_MODES, f"{path}.replica_load")
     if "host" in d:
         t.host = _str(d["host"], f"{path}.host")
@@ -124,6 +135,29 @@ def _target(d: Any, path: str, engine_keys: tuple[str, ...]) -> TargetSpec:
         m = _mapping(d.get(k), f"{path}.{k}")
         setattr(t, k, {str(a): str(b) for a, b in m.items()})
     return t
+
+
+# target keys added after runs were recorded: left out of to_dict while they hold these defaults
+_ADDED_TARGET_DEFAULTS = {"option_flags": {}, "extra_args": "", "tp_size": 1, "devices": None, "backends": None,
+                          "request": {}, "timeout_s": DEFAULT_TIMEOUT_S, "max_retries": DEFAULT_MAX_RETRIES,
+                          "replicas": None, "replica_load": "aggregate", "server_replicas": 1}
+
+
+def _target_dict(t: TargetSpec) -> dict:
+    """A target as the config spells it (the manifest's copy; ``parse_config`` reads it back)."""
+    d = asdict(t)
+    for k, v in _ADDED_TARGET_DEFAULTS.items():
+        if k in d and d[k] == v:
+            d.pop(k)
+    if d.get("engine_kind") in (None, sniff_engine_kind(t.launch, t.type)):
+        d.pop("engine_kind", None)
+    if t.backends is not None:
+        d["backends"] = [b.to_json() for b in t.backends]
+    if d.pop("replicas", None):  # an endpoint's replicas: its base_url list
+        d["base_url"] = list(t.replicas)
+    if d.pop("server_replicas", 1) != 1:  # a server target's copies: the config's replicas
+        d["replicas"] = t.server_replicas
+    return d
 
 
 @dataclass

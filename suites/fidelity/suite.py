@@ -32,7 +32,8 @@ import numpy as np
 from kvbench.core import Client, ScoreRequest
 from kvbench.core import prompt_hash
 from kvbench.core import release_memory
-from kvbench.suites.base import SuiteError, SuiteOptions, SuiteResult, summarize_records
+from kvbench.core import REPLICA_FIELD
+from kvbench.suites.base import SuiteError, SuiteOptions, SuiteResult, pinned, replica_width, served_by, summarize_records
 from kvbench.suites.fidelity.metrics import (
     argmax_ids,
     bucket_edges,
@@ -118,8 +119,9 @@ class FidelitySuite:
         self.texts_label = "gsm8k-solutions"
 
     def _concurrency(self, opts: SuiteOptions) -> int:
-        """Texts in flight: one at a time for long texts, whose full log-prob rows are T×V floats each
-        (8k tokens × a 49k vocabulary: 1.6 GB per side), else ``opts.concurrency``."""
+        """Texts in flight (per replica of a data-parallel target): one at a time for long texts, whose full
+        log-prob rows are T×V floats each (8k tokens × a 49k vocabulary: 1.6 GB per side), else
+        ``opts.concurrency``."""
         return 1 if self.texts_label.startswith("texts=") else opts.concurrency
 
     def _texts(self, client: Client, opts: SuiteOptions) -> list[Text]:
@@ -154,7 +156,8 @@ class FidelitySuite:
                 log.warning("fidelity reference: model file changed since the cached reference (%s); rebuilding", why)
         client = self.reference.make_client()
         try:
-            refs = compute_reference(client, texts, self.top_k, self.greedy_tokens, False, self._concurrency(opts))
+            refs = compute_reference(client, texts, self.top_k, self.greedy_tokens, False,
+                                     self._concurrency(opts) * replica_width(client))
         finally:
             client.close()
             del client
@@ -175,6 +178,15 @@ class FidelitySuite:
         return f"kvbench:fidelity:v1:{self.texts_label}:n{n}:ref={self.reference.label}:kl={method}:top{self.top_k}:greedy{self.greedy_tokens}"
 
     def _one(self, client: Client, text: Text, ref: RefText, opts: SuiteOptions, n: int, buckets) -> CandidateOut:
+        """One text on the candidate; over data-parallel replicas its requests go to one replica (``pinned``),
+        which the record names (``replica``)."""
+        with pinned(client):
+            out = self._measure(client, text, ref, opts, n, buckets)
+            if replica_width(client) > 1:
+                out.record[REPLICA_FIELD] = served_by(client)
+        return out
+
+    def _measure(self, client: Client, text: Text, ref: RefText, opts: SuiteOptions, n: int, buckets) -> CandidateOut:
         t0 = time.perf_counter()
         # full rows only for exact KL; otherwise an in-process candidate gathers its log-probs at the reference's
         # top-k ids and its own argmax as it computes rows (no [T, V] tensor); a client that ignores that
@@ -272,7 +284,7 @@ class FidelitySuite:
             bucket_edges(0, buckets)
         except ValueError as e:
             raise SuiteError(f"fidelity: {e}") from None
-        workers = max(1, min(self._concurrency(opts), len(texts)))
+        workers = max(1, min(self._concurrency(opts) * replica_width(client), len(texts)))  # per replica
         if self.exact:  # reference live, text by text, so full rows of only a few texts are alive at once
             outs = self._run_exact(client, texts, opts, buckets, workers)
         else:
