@@ -33,9 +33,10 @@ def write_tokenizer(path: Path, vocab: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(str(path))
 
 
-def save_tiny(path: Path, arch: str, extra: Optional[dict] = None, seed: int = 0, tokenizer: bool = True):
+def save_tiny(path: Path, arch: str, extra: Optional[dict] = None, seed: int = 0, tokenizer: bool = True, post=None):
     """A random ``arch`` checkpoint (float32, eval mode) saved into ``path``; norms and biases are perturbed
-    so they matter, and the weights are wide enough that greedy choices are not near-ties."""
+    so they matter, and the weights are wide enough that greedy choices are not near-ties.  ``post(hf)``
+    adjusts the weights (under no_grad) before they are saved."""
     import transformers
 
     cls_cfg, cls_model = HF_CLASSES[arch]
@@ -47,6 +48,8 @@ def save_tiny(path: Path, arch: str, extra: Optional[dict] = None, seed: int = 0
         for n, p in hf.named_parameters():
             if "norm" in n or n.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.2)
+        if post is not None:
+            post(hf)
     hf.save_pretrained(path, safe_serialization=True)
     if tokenizer:
         write_tokenizer(path, kw["vocab_size"])
@@ -120,9 +123,26 @@ def check_engine_parity(hf, model, backend: str, n: int = 6, max_kl: float = 1e-
         kl = (want.exp() * (want - res.full_logprobs)).sum(-1)
         assert res.full_logprobs.shape == want.shape
         assert float(kl.max()) < max_kl, (backend, kl)
-        return {"tokens": got, "max_kl": float(kl.max())}
+        diff = float((want - res.full_logprobs).abs().max())
+        assert diff < 0.02, (backend, diff)
+        return {"tokens": got, "max_kl": float(kl.max()), "max_logprob_diff": diff}
     finally:
         e.shutdown()
+
+
+def prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits of one prompt through our model alone (torch backend, a bf16 page cache, one prefill step)."""
+    from kvbench.runtime.attention.base import AttentionMetadata, BackendOptions
+    from kvbench.runtime.attention.torch_backend import TorchBackend
+    from kvbench.runtime.kv_cache import PagedKVCache
+
+    cfg, T, ps = model.config, len(ids), 16
+    pages = -(-T // ps)
+    cache = PagedKVCache(cfg.kv_spec("bf16", ps), pages)
+    meta = AttentionMetadata("prefill", torch.arange(T), torch.arange(T), torch.arange(pages, dtype=torch.int32)[None],
+                             torch.tensor([T], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32), T, T, ps,
+                             cfg.rope_cache(T), [T], [T])
+    return model.logits(model(torch.tensor(ids), TorchBackend(BackendOptions()), cache, meta))
 
 
 # ----------------------------------------------------------------------------------------- GGUF

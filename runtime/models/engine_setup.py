@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from kvbench.core import get_spec
-from kvbench.runtime.attention.base import BackendOptions, build_rope_cache
+from kvbench.runtime.attention.base import BackendOptions
 from kvbench.runtime.attention.registry import check_supported, create_backend
 from kvbench.core import layer_dtypes_summary, resolve_layer_dtypes
 from kvbench.runtime.config import ConfigError, EngineConfig, KVCacheSpec, context_in_cache, context_length
@@ -175,7 +175,7 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
     for f in dict.fromkeys(layer_dtypes or ()):  # every format of a mixed cache runs on both backends
         check_supported(cfg.prefill_backend, cfg.decode_backend, f, mla)
     max_len = context_length(cfg.max_model_len, m.max_position_embeddings, loaded.model_id)
-    rope = build_rope_cache(m.rope_dim, max(max_len, 1), m.rope_theta, m.rope_scaling, m.rope_style, device)
+    rope = m.rope_cache(max(max_len, 1), device)  # with the local layers' tables where they differ (Gemma 3)
     spec: KVCacheSpec = m.kv_spec(cfg.kv_dtype, cfg.page_size, cfg.kv_layout)
     if layer_dtypes is not None:
         spec = replace(spec, layer_dtypes=tuple(layer_dtypes))

@@ -69,7 +69,11 @@ def _synthetic_names() -> list[str]:
 
 
 def model_class(cfg: ModelConfig) -> type:
-    """The implementation of a config: the DeepSeek MLA decoder or the llama family."""
+    """The implementation of a config: the DeepSeek MLA decoder, Gemma 3 or the llama family."""
+    if cfg.arch == "gemma3":
+        from kvbench.runtime.models.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
     if cfg.is_mla:
         from kvbench.runtime.models.deepseek import DeepseekForCausalLM
 
@@ -174,7 +178,7 @@ def _load(name: Optional[str], kind: str, loc: str, device: torch.device, dtype:
 
         cfg, state = load_gguf_cached(loc, on_part=note.part)
         note.part(f"building {cfg.num_layers} layers")
-        model = LlamaForCausalLM.from_state(cfg, state, device, dtype)
+        model = model_class(cfg).from_state(cfg, state, device, dtype)
         del state
         p = Path(loc)
         tok = load_tokenizer(p.parent, gguf_file=p.name, extra_eos=cfg.eos_token_ids)
