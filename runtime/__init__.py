@@ -32,6 +32,7 @@ _EXPORTS = {
     "is_hub_id": "models.hub",
     "local_copy_hint": "models.hub",
     "MODEL_PRESETS": "models.loader",
+    "preset_path": "packaged_models",
     "load_model": "models.loader",
     "resolve_model": "models.loader",
     "StepInputs": "models.runner",
