@@ -73,3 +73,33 @@ def test_mistral_gguf_llama_arch_with_window(mistral, tmp_path):
     loaded = gguf_loaded(write_gguf(hf, tmp_path / "mistral.gguf", "llama", name="Mistral tiny", window=6))
     assert loaded.config.sliding_windows == [6, 6]
     check_engine_parity(hf, loaded, "torch")
+
+
+@pytest.mark.parametrize("cfg,words", [
+    ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 128}, ["Qwen3MoeForCausalLM", "mixture-of-experts", "num_experts=128"]),
+    ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 8}, ["MixtralForCausalLM", "mixture-of-experts"]),
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "vision_config": {"model_type": "siglip_vision_model"},
+      "text_config": {"model_type": "gemma3_text"}}, ["Gemma3ForConditionalGeneration", "multimodal", "vision_config"]),
+])
+def test_moe_and_multimodal_refused_at_load(tmp_path, cfg, words):
+    """Refused from config.json alone, before any weight is read, naming the architecture and the way out."""
+    import json
+
+    from kvbench.runtime.models.loader import load_model
+
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_size": 64, "num_hidden_layers": 2,
+                                                      "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 256}))
+    with pytest.raises(ValueError) as e:
+        load_model(str(tmp_path))
+    for w in [*words, "docs/external-engines.md"]:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize("meta,word", [({"general.architecture": "qwen3moe", "qwen3moe.expert_count": 128}, "qwen3moe"),
+                                       ({"general.architecture": "llama", "llama.expert_count": 8}, "'llama'")])
+def test_moe_gguf_refused(meta, word):
+    from kvbench.runtime.models.gguf_loader import gguf_config
+
+    with pytest.raises(ValueError, match="mixture-of-experts") as e:
+        gguf_config(meta)
+    assert word in str(e.value) and "docs/external-engines.md" in str(e.value)
