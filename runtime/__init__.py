@@ -19,6 +19,7 @@ _EXPORTS = {
     "Engine": "engine",
     "bytes_per_token": "kv_cache",
     "plan_capacity": "kv_cache",
+    "windowed_capacity": "kv_cache",
     "SHAPES": "model_shapes",
     "get_shape": "model_shapes",
     "load_shape": "model_shapes",

@@ -84,3 +84,21 @@ def test_gemma3_gguf_llama_cpp_layout(tmp_path):
     assert c.sliding_windows == [6] * 5 + [None] and c.local_rope_theta == 10000.0 and c.rope_theta == 1e6
     assert float(loaded.model.model.norm.weight.sub(hf.model.norm.weight).abs().max().detach()) < 1e-6  # 1 + w undone
     check_engine_parity(hf, loaded, "torch")
+
+
+def test_gemma3_sliding_and_global_layers_named_in_kv_maps(gemma3):
+    """Per-layer KV formats name Gemma's layer kinds (``local`` / ``global``); capacity counts the sliding layers."""
+    from kvbench.core import SamplingParams
+    from tiny_models import engine
+
+    d, _hf = gemma3
+    e = engine(str(d), kv_dtype="fp16", kv_layer_dtypes="local:fp8_e4m3", kv_dtype_skip_layers="global")
+    try:
+        assert e.cache.spec.formats == ("fp8_e4m3", "bf16")
+        x = e.capacity.extra
+        assert x["layer_formats"] == {"fp16": 0, "fp8_e4m3": 1, "bf16": 1} and x["sliding_layers"] == 1
+        assert x["max_concurrency_windowed"] >= e.capacity.max_concurrency
+        out = e.generate(prompts(256)[:1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        assert len(out[0].token_ids) == 3
+    finally:
+        e.shutdown()

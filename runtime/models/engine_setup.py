@@ -15,7 +15,7 @@ from kvbench.runtime.attention.registry import check_supported, create_backend
 from kvbench.core import layer_dtypes_summary, resolve_layer_dtypes
 from kvbench.runtime.config import ConfigError, EngineConfig, KVCacheSpec, context_in_cache, context_length
 from kvbench.runtime.engine_api import CapacityReport
-from kvbench.runtime.kv_cache import PagedKVCache, bytes_per_token, plan_capacity
+from kvbench.runtime.kv_cache import PagedKVCache, bytes_per_token, plan_capacity, windowed_capacity
 from kvbench.runtime.models.loader import LoadedModel, load_model, model_is_mla
 from kvbench.runtime.models.runner import ModelRunner
 from kvbench.runtime.scales import KVScales, checkpoint_scales, unit_scales
@@ -215,6 +215,9 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
         extra={"kv_budget_bytes": int(budget), "kv_scales": scales.source, "model": loaded.model_id,
                "quantize_query": cfg.quantize_query, "q_scale_source": q_scales.source},
     )
+    if not spec.mla and any(w is not None for w in m.sliding_windows):
+        # what the budget would hold if sliding layers kept only their window's pages (this cache keeps them all)
+        capacity.extra.update(windowed_capacity(spec, m.sliding_windows, budget, max_len))
     if spec.mixed:  # the capacity above is exact: bytes_per_token sums every layer in its own format
         capacity.extra.update(
             kv_dtype_skip_layers=cfg.kv_dtype_skip_layers, kv_layer_dtypes=cfg.kv_layer_dtypes,
