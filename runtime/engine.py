@@ -57,7 +57,8 @@ class Engine:
         self.cache = parts.cache
         self.runner = parts.runner
         self.scales = parts.scales
-        self.scheduler = Scheduler(self.cache.allocator, self.cache.page_size, self.config.max_running, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.cache.allocator, self.cache.page_size, self.config.max_running, self.config.max_num_batched_tokens,
+                                   window=parts.page_window, scratch_page=self.cache.scratch_page)
         self.out = OutputProcessor(self.tokenizer)
         self._inbox: list = []
         self._inbox_lock = threading.Lock()

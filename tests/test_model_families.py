@@ -67,6 +67,36 @@ def test_mistral_window_matters(mistral, tmp_path):
         check_engine_parity(hf, str(full), "torch")
 
 
+def test_mistral_frees_pages_below_the_window(mistral):
+    """Every layer slides: a sequence holds the window's pages plus one while it decodes (the scheduler frees
+    the rest, their entries pointing at the scratch page), the window and a chunk while it prefills; the
+    parity tests above run this way on both backends."""
+    from kvbench.core import SamplingParams
+    from tiny_models import engine, prompts
+
+    d, _hf = mistral
+    e = engine(str(d), "torch", max_num_batched_tokens=8)
+    held = {"decode": 0, "prefill": 0}
+    schedule = e.scheduler.schedule
+
+    def watch():
+        batch = schedule()
+        for seq, q in zip(batch.seqs if batch else [], batch.q_lens if batch else []):
+            live = len([p for p in seq.pages if p != e.cache.scratch_page])
+            held[batch.phase] = max(held[batch.phase], live)
+        return batch
+
+    e.scheduler.schedule = watch
+    try:
+        assert e.scheduler.window == 6 and e.capacity.extra["windowed_pages"]
+        outs = e.generate(prompts(256), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+        assert all(len(o.token_ids) == 20 for o in outs)
+        assert held["decode"] == -(-6 // 4) + 1 and held["prefill"] <= -(-(6 + 8 - 1) // 4) + 1, held
+        assert e.cache.allocator.num_used == 0
+    finally:
+        e.shutdown()
+
+
 def test_mistral_gguf_llama_arch_with_window(mistral, tmp_path):
     """llama.cpp names Mistral ``llama``; its window (when the file has one) is ``llama.attention.sliding_window``."""
     _d, hf = mistral

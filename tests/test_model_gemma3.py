@@ -98,6 +98,7 @@ def test_gemma3_sliding_and_global_layers_named_in_kv_maps(gemma3):
         x = e.capacity.extra
         assert x["layer_formats"] == {"fp16": 0, "fp8_e4m3": 1, "bf16": 1} and x["sliding_layers"] == 1
         assert x["max_concurrency_windowed"] >= e.capacity.max_concurrency
+        assert not x["windowed_pages"] and e.scheduler.window is None  # global layers: one table keeps every page
         out = e.generate(prompts(256)[:1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
         assert len(out[0].token_ids) == 3
     finally:

@@ -39,6 +39,7 @@ class EngineParts:
     max_model_len: int
     backend: Any
     q_scales: Any = None  # QueryScales (the fp8 query's dequant multiplier per layer and its source)
+    page_window: Optional[int] = None  # windowed pages: the scheduler frees pages below it (window_pages)
 
 
 def engine_device(cfg: EngineConfig) -> torch.device:
@@ -215,13 +216,33 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
         extra={"kv_budget_bytes": int(budget), "kv_scales": scales.source, "model": loaded.model_id,
                "quantize_query": cfg.quantize_query, "q_scale_source": q_scales.source},
     )
+    page_window = window_pages(cfg, m, plan.num_pages)
     if not spec.mla and any(w is not None for w in m.sliding_windows):
-        # what the budget would hold if sliding layers kept only their window's pages (this cache keeps them all)
-        capacity.extra.update(windowed_capacity(spec, m.sliding_windows, budget, max_len))
+        # what the budget holds with sliding layers at their window's pages: what this engine gets when every
+        # layer slides (page_window), else what an engine with a page table per layer group would
+        capacity.extra.update(windowed_capacity(spec, m.sliding_windows, budget, max_len), windowed_pages=page_window is not None)
     if spec.mixed:  # the capacity above is exact: bytes_per_token sums every layer in its own format
         capacity.extra.update(
             kv_dtype_skip_layers=cfg.kv_dtype_skip_layers, kv_layer_dtypes=cfg.kv_layer_dtypes,
             layer_formats={f: spec.formats.count(f) for f in spec.formats_used},
             kv_layers=layer_dtypes_summary(spec.formats, cfg.kv_dtype),
         )
-    return EngineParts(device, dtype, loaded, cache, runner, scales, capacity, max_len, backend, q_scales)
+    return EngineParts(device, dtype, loaded, cache, runner, scales, capacity, max_len, backend, q_scales, page_window)
+
+
+# backends whose kernels never look up a page below a sequence's window (runtime/scheduler.py, windowed pages)
+WINDOW_SAFE_BACKENDS = ("torch", "triton")
+
+
+def window_pages(cfg: EngineConfig, m, num_pages: int) -> Optional[int]:
+    """The window below which the scheduler frees pages: the largest window when every layer of the model has
+    one, both backends never read below a window and the pool holds a window and a full chunk; None (every page
+    kept) otherwise.  A model with global layers keeps them all: one page table serves every layer
+    (docs/design.md §5)."""
+    wins = m.sliding_windows
+    if m.is_mla or not wins or any(w is None for w in wins):
+        return None
+    if cfg.prefill_backend not in WINDOW_SAFE_BACKENDS or cfg.decode_backend not in WINDOW_SAFE_BACKENDS:
+        return None
+    w = int(max(wins))
+    return w if num_pages >= -(-(w + cfg.max_num_batched_tokens) // cfg.page_size) + 1 else None
