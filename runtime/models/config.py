@@ -160,7 +160,7 @@ def llama_from_hf_config(cfg: dict) -> ModelConfig:
     if arch is None:
         raise ValueError(
             f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
-            f"{', '.join([*SUPPORTED_ARCHS, *MLA_ARCHS])}"
+            f"{', '.join([*SUPPORTED_ARCHS, *GEMMA_ARCHS, *MLA_ARCHS])}"
         )
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
