@@ -3,8 +3,9 @@
 Two spellings, both canonical strings so they can sit in a cell config and its key:
 
 * ``kv_dtype_skip_layers`` (vLLM's ``--kv-cache-dtype-skip-layers``): layers kept in ``bf16`` — layer
-  indices and ranges (``0,1,31``, ``0-3``) and the pattern ``sliding_window`` (every layer with a sliding
-  window; ``sliding`` and ``swa`` are accepted as the same).  Canonical form: ascending indices with runs of
+  indices and ranges (``0,1,31``, ``0-3``) and the patterns ``sliding_window`` (every layer with a sliding
+  window; ``sliding``, ``swa`` and ``local`` are accepted as the same) and ``full_attention`` (every layer
+  without one; ``full``, ``global``: Gemma 3's global layers).  Canonical form: ascending indices with runs of
   three or more as ``a-b``, then the patterns: ``0,1,28-31,sliding_window``.
 * ``kv_layer_dtypes``: any format per layer group, ``LAYERS:FORMAT`` groups joined by ``;``
   (``0-3:fp8_e4m3;31:bf16``; LAYERS as above, patterns included).  Canonical form: groups in the order of
@@ -36,8 +37,8 @@ __all__ = [
 SKIP_FORMAT = "bf16"  # what a skipped layer keeps (the engines keep the model's dtype; bf16 is ours)
 # pattern name -> accepted spellings
 LAYER_PATTERNS: dict[str, tuple[str, ...]] = {
-    "sliding_window": ("sliding_window", "sliding", "swa"),
-    "full_attention": ("full_attention", "full"),
+    "sliding_window": ("sliding_window", "sliding", "swa", "local"),
+    "full_attention": ("full_attention", "full", "global"),
 }
 _PATTERN_OF = {alias: name for name, aliases in LAYER_PATTERNS.items() for alias in aliases}
 

@@ -89,8 +89,10 @@ class Tokenizer:
                                              **template_vars)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> list[int]:
-        # the template already holds the special tokens it wants
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_vars), add_special_tokens=False)
+        # a template already holds the special tokens it wants; the plain transcript (no template) gets the
+        # tokenizer's own (a BOS: Gemma degenerates without it)
+        text = self.apply_chat_template(messages, add_generation_prompt, **template_vars)
+        return self.encode(text, add_special_tokens=not self.chat_template)
 
 
 _KEEPING_SPLITS = ("Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous")

@@ -69,13 +69,11 @@ def local_model_identity(name: Optional[str], seed: int = 0) -> dict:
 
 
 def _resolve(name: Optional[str]) -> tuple[str, str]:
-    """``resolve_model``, except that the default model is never fetched just to be identified."""
-    from kvbench.runtime import MODEL_PRESETS, resolve_model
+    """``resolve_model``, except that a preset (the default model) is never fetched just to be identified."""
+    from kvbench.runtime import MODEL_PRESETS, preset_path, resolve_model
 
     if name is None or name in MODEL_PRESETS:
-        from kvbench.runtime import default_model as dm
-
-        return "gguf", str(dm.cache_dir() / "models" / dm.DEFAULT_MODEL_ID / Path(dm.GGUF_MEMBER).name)
+        return "gguf", str(preset_path(name))
     return resolve_model(name)
 
 

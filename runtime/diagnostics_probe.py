@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, apply_rope
+from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, apply_rope, layer_rope
 from kvbench.runtime.attention.torch_backend import attend_chunked
 
 __all__ = ["DiagnosticProbe", "max_representable", "reference_attention"]
@@ -162,7 +162,8 @@ class DiagnosticProbe:
         if st is None:
             st = self._layers[i] = _Layer(H, k.device, fmt.name, layer.sliding_window)
         pos = meta.positions[:n]
-        xk = apply_rope(k[:n].float(), pos, meta.rope)
+        rope = layer_rope(meta, layer)
+        xk = apply_rope(k[:n].float(), pos, rope)
         xv = v[:n].float()
 
         # (a)-(d): the stored values of this step's rows against the exact ones
@@ -185,7 +186,7 @@ class DiagnosticProbe:
                              f"position {prefix} after {sh.n} tokens (call begin_text() before each text; "
                              "prefix-cache hits are not supported)")
         sh.put(prefix, xk, xv)
-        qr = apply_rope(q[:n].float(), pos, meta.rope)
+        qr = apply_rope(q[:n].float(), pos, rope)
         ref = reference_attention(qr, sh.k[:seq_len], sh.v[:seq_len], prefix, layer)
         cand = out[:n].float().reshape(n, Hq, D)
         g = Hq // H

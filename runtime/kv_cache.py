@@ -36,6 +36,7 @@ __all__ = [
     "bytes_per_token",
     "plan_capacity",
     "slots_for_positions",
+    "windowed_capacity",
 ]
 
 
@@ -141,6 +142,24 @@ def plan_capacity(spec: KVCacheSpec, budget_bytes: float, context_len: int) -> C
         context_len=context_len,
         max_concurrency=num_pages // per_seq,
     )
+
+
+def windowed_capacity(spec: KVCacheSpec, windows: Sequence, budget_bytes: float, context_len: int) -> dict:
+    """Capacity when each sliding-window layer keeps only the pages its window can still reach (``ceil(W /
+    page) + 1`` per sequence, what an allocator with a page table per layer group holds; this cache keeps
+    every layer's pages for the whole context): ``sliding_layers``, ``windowed_bytes_per_seq`` and
+    ``max_concurrency_windowed`` of sequences of ``context_len`` tokens in ``budget_bytes``.  Bytes of a
+    layer's page count its own format (a mixed map included)."""
+    if len(windows) != spec.num_layers:
+        raise ValueError(f"{len(windows)} windows for {spec.num_layers} layers")
+    ps = spec.page_size
+    full_pages = pages_needed(context_len, ps)
+    per_seq = 0.0
+    for fmt, w in zip(spec.formats, windows):
+        pages = full_pages if w is None else min(full_pages, -(-int(w) // ps) + 1)
+        per_seq += pages * ps * spec.planes * spec.num_kv_heads * get_spec(fmt).bytes_per_token(spec.head_dim)
+    return {"num_layers": spec.num_layers, "sliding_layers": sum(w is not None for w in windows), "windowed_bytes_per_seq": per_seq,
+            "max_concurrency_windowed": int(budget_bytes // per_seq) if per_seq else 0}
 
 
 # ------------------------------------------------------------------------------------ the pool

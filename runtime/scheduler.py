@@ -19,6 +19,15 @@ sequence that needs a page during decode preempts the most recently arrived runn
 when it is the most recent, so the oldest running sequence always progresses (no livelock).
 
 Invariant: a page is owned by at most one sequence; a finished or aborted sequence owns none.
+
+Windowed pages (``window``: a model whose every layer has a sliding window of at least ``window`` tokens, on
+backends that never read below a window): a page all of whose positions are at or below ``num_cached -
+window`` is never read again (the next query, at ``num_cached`` or later, sees keys above ``q - window``), so
+it goes back to the allocator before each step and its entry in the sequence's page list becomes the scratch
+page (``scratch_page``; kept so that the list stays indexed by logical page).  Sequences are then admitted with
+pages for their first chunk only, later chunks growing as decode does: a sequence holds at most
+``ceil((window + chunk) / page_size) + 1`` pages while it prefills and ``ceil(window / page_size) + 1`` while it
+decodes.
 """
 
 from __future__ import annotations
@@ -81,6 +90,7 @@ class Sequence:
     # there); None for every other request
     score_from: Optional[int] = None
     finish_time: Optional[float] = None
+    num_dead_pages: int = 0  # leading entries of ``pages`` that are the scratch page (windowed pages)
     # per-request extras owned by the engine (callbacks, detokenizer, generator, per-row outputs)
     state: dict[str, Any] = field(default_factory=dict)
     on_delta: Optional[Callable] = None
@@ -137,7 +147,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running: int, max_batched_tokens: int,
-                 mixed: bool = False):
+                 window: Optional[int] = None, scratch_page: Optional[int] = None, mixed: bool = False):
+        if window is not None and (scratch_page is None or window < 1):
+            raise ValueError("windowed pages need a positive window and the cache's scratch page")
+        self.window = window
+        self.scratch_page = scratch_page
         self.mixed = mixed
         self.allocator = allocator
         self.page_size = page_size
@@ -176,9 +190,20 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.pages:
-            self.allocator.free(seq.pages)
+            self.allocator.free(seq.pages[seq.num_dead_pages:])
         seq.pages = []
         seq.num_cached = 0
+        seq.num_dead_pages = 0
+
+    def _drop_dead_pages(self) -> None:
+        """Windowed pages: free every running sequence's pages that no later query can see (module doc)."""
+        ps, w = self.page_size, self.window
+        for seq in self.running:
+            dead = min(max(0, (seq.num_cached - w + 1) // ps), len(seq.pages))
+            if dead > seq.num_dead_pages:
+                self.allocator.free(seq.pages[seq.num_dead_pages:dead])
+                seq.pages[seq.num_dead_pages:dead] = [self.scratch_page] * (dead - seq.num_dead_pages)
+                seq.num_dead_pages = dead
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         need = pages_needed(num_tokens, self.page_size) - len(seq.pages)
@@ -212,8 +237,29 @@ class Scheduler:
             self._preempt(max(later, key=lambda s: s.order))
         return True
 
+    def _fit_chunk(self, seq: Sequence, n: int) -> int:
+        """Windowed pages: the longest next chunk of ``seq`` (up to ``n`` tokens) whose pages fit, preempting
+        later arrivals first.  Unlike ``_make_room`` it never preempts ``seq``: recomputing a prompt that grows
+        chunk by chunk would lose its progress every time, while the older sequences holding the pages decode
+        and free them."""
+        ps = self.page_size
+        while True:
+            room = (len(seq.pages) + self.allocator.num_free) * ps - seq.num_cached
+            if room >= n:
+                break
+            later = [s for s in self.running if s.order > seq.order]
+            if not later:
+                n = max(room, 0)
+                break
+            self._preempt(max(later, key=lambda s: s.order))
+        if n and not self._grow(seq, seq.num_cached + n):
+            raise AssertionError("a chunk that fits the free pages could not grow")
+        return n
+
     # -------------------------------------------------------------------------------- schedule
     def schedule(self) -> Optional[ScheduledBatch]:
+        if self.window is not None:
+            self._drop_dead_pages()
         if self.mixed:
             return self._schedule_mixed()
         batch = self._schedule_prefill()
@@ -248,7 +294,11 @@ class Scheduler:
             if seq.status != SeqStatus.RUNNING:
                 continue  # preempted by an older sequence earlier in this loop
             n = seq.chunk_len(budget)
-            if not self._make_room(seq, seq.num_cached + n):
+            if self.window is not None:
+                n = self._fit_chunk(seq, n)
+                if n == 0:
+                    continue  # older sequences hold the pages: they run (decode) and free them
+            elif not self._make_room(seq, seq.num_cached + n):
                 continue
             seqs.append(seq)
             q_lens.append(n)
@@ -257,8 +307,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             n = seq.chunk_len(budget)
-            # pages for every known token up front: a chunked prefill then never stalls half-way
-            if not self._grow(seq, seq.num_tokens):
+            # pages for every known token up front: a chunked prefill then never stalls half-way (windowed
+            # pages: for the first chunk, later ones grow as they come)
+            if not self._grow(seq, seq.num_tokens if self.window is None else n):
                 break  # not enough free pages: wait for running sequences to finish
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING

@@ -59,7 +59,7 @@ SERIAL_FILES = frozenset({
     "test_package.py", "test_replicas.py", "test_report_screenshot.py", "test_report_consistency.py",
     "test_request_options_http.py", "test_server_long_prompts.py", "test_server_prep.py", "test_serving_spread.py",
     "test_silent_steps.py", "test_targets_server.py", "test_sweep_ray.py", "test_sweep_parallel.py",
-    "test_server_real.py", "test_loadgen_server.py", "test_loadgen_http.py", "test_loadgen_overhead.py", "test_server_cli.py",
+    "test_server_real.py", "test_replicas_failover.py", "test_replicas_launch.py", "test_loadgen_server.py", "test_loadgen_http.py", "test_loadgen_overhead.py", "test_server_cli.py",
 })
 
 

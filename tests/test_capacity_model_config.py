@@ -92,3 +92,29 @@ def test_bad_model_config_paths(tmp_path):
     assert code == 2 and "not a JSON config" in text, text
     code, text = invoke("--model-shape", "llama-9")
     assert code == 2 and "unknown model shape 'llama-9'" in text and "--model-config" in text, text
+
+
+GEMMA3_270M = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 640, "num_hidden_layers": 18,
+               "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 2048,
+               "vocab_size": 262144, "sliding_window": 512, "sliding_window_pattern": 6, "max_position_embeddings": 32768}
+
+
+def test_sliding_layers_counted_at_their_window(tmp_path):
+    """Gemma 3 270M: 15 of 18 layers slide (window 512); the windowed column counts them at 33 pages of 16."""
+    d = tmp_path / "gemma-3-270m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(GEMMA3_270M))
+    rows = {r["name"]: r for r in rows_of("--model-config", d, "--kv-budget-gb", "1", "--context", "8192",
+                                          "--kv-dtype-skip-layers", "global")}
+    bf16 = rows["bf16"]
+    layer_token = 2 * 1 * 256 * 2  # K and V, one kv head of 256, two bytes
+    assert bf16["bytes_per_token"] == 18 * layer_token and bf16["sliding_layers"] == 15
+    per_seq = 3 * 8192 * layer_token + 15 * (512 // 16 + 1) * 16 * layer_token
+    assert bf16["windowed_bytes_per_seq"] == per_seq and bf16["max_concurrency_windowed"] == 2**30 // per_seq
+    assert bf16["max_concurrency"] == 2**30 // (18 * layer_token * 8192)
+    # "global" names the three full-attention layers (5, 11, 17): kept in bf16 beside fp8 sliding layers
+    mixed = rows["fp8_e4m3 skip full_attention"]
+    assert mixed["layer_formats"] == {"fp8_e4m3": 15, "bf16": 3}
+    assert mixed["windowed_bytes_per_seq"] == 3 * 8192 * layer_token + 15 * 33 * 16 * layer_token // 2
+    code, text = invoke("--model-config", d, "--kv-budget-gb", "1", "--context", "8192")
+    assert code == 0 and "15 of 18 layers slide" in text

@@ -4,7 +4,10 @@ The shape is a built-in one (``--model-shape``, any case) or read from a model's
 (``--model-config`` FILE or DIR); ``--tp N`` gives the per-GPU numbers with the kv heads split over N GPUs.
 ``--kv-dtype-skip-layers`` / ``--kv-layer-dtypes`` add a mixed row (``fp8_e4m3 skip 0,1,31``) beside the
 uniform ones, right after the row of its main format (``--kv-dtype``): every layer counted in its own format
-(``kvbench.core.layer_formats``), with the model's layer count and sliding windows.
+(``kvbench.core.layer_formats``), with the model's layer count and sliding windows.  A model with sliding-window
+layers (Gemma 3, Mistral, GPT-OSS) gets ``max_concurrency_windowed`` beside each row: sliding layers counted
+at their window plus one page per sequence (``runtime.kv_cache.windowed_capacity``), what an engine that frees
+out-of-window pages holds; the embedded engine keeps every layer's pages for the whole context.
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ def capacity_rows(model_shape: str, kv_budget_gb: float, context: int, page_size
     (per GPU when ``tp`` > 1: the rows' ``tp`` / ``kv_heads_per_gpu`` / ``split`` say how).  With
     ``skip_layers`` / ``layer_dtypes`` one mixed row (main format ``kv_dtype``) follows that format's row."""
     from kvbench.core import canonical_format, format_names
-    from kvbench.runtime import plan_capacity
+    from kvbench.runtime import plan_capacity, windowed_capacity
 
     # the flags' own names in the messages; plan_capacity checks the same for library callers
     if not (math.isfinite(kv_budget_gb) and kv_budget_gb > 0):
@@ -146,6 +149,20 @@ def capacity_rows(model_shape: str, kv_budget_gb: float, context: int, page_size
                            kv_budget_gb * 2**30, context, page_size), **extra}
         at = next((i + 1 for i, r in enumerate(rows) if r["kv_dtype"] == row["kv_dtype"]), len(rows))
         rows.insert(at, row)
+    windows = [] if shape.mla_latent_dim else shape_windows(model_shape, model_config, shape.num_layers)
+    if any(w is not None for w in windows):  # what an engine that drops out-of-window pages fits (module doc)
+        from dataclasses import replace
+
+        for r in rows:
+            fmts = r.get("layer_formats")
+            layers = None
+            if fmts:
+                from kvbench.core import resolve_layer_dtypes
+
+                layers = tuple(resolve_layer_dtypes(r["kv_dtype"], shape.num_layers, r["kv_dtype_skip_layers"],
+                                                    r["kv_layer_dtypes"], windows))
+            spec = replace(shape.kv_spec(r["kv_dtype"], page_size), layer_dtypes=layers)
+            r.update(windowed_capacity(spec, windows, kv_budget_gb * 2**30, context))
     base = rows[0]["bytes_per_token"]
     for r in rows:
         r["bytes_vs_first"] = r["bytes_per_token"] / base
@@ -180,9 +197,18 @@ def register(app: typer.Typer) -> None:
         from kvbench.harness.term import console, table
 
         per_gpu = f" per GPU ({rows[0]['split']})" if tp > 1 else ""
+        sliding = rows[0].get("sliding_layers", 0)
+        cols = ("format", "bytes/token", "vs bf16", "pages", "tokens", f"max concurrency @ {context}")
+        if sliding:
+            cols += ("… sliding layers windowed",)
         t = table(f"KV capacity: {rows[0]['model']}, {kv_budget_gb:g} GiB{per_gpu}, context {context}, page {page_size}",
-                  ("format", "bytes/token", "vs bf16", "pages", "tokens", f"max concurrency @ {context}"), justify="right")
+                  cols, justify="right")
         for r in rows:
-            t.add_row(r["name"], f"{r['bytes_per_token']:,.0f}", f"{r['bytes_vs_first']:.4f}", f"{r['num_pages']:,}",
-                      f"{r['tokens']:,}", f"{r['max_concurrency']:,}")
+            cells = [r["name"], f"{r['bytes_per_token']:,.0f}", f"{r['bytes_vs_first']:.4f}", f"{r['num_pages']:,}",
+                     f"{r['tokens']:,}", f"{r['max_concurrency']:,}"]
+            t.add_row(*cells, *([f"{r['max_concurrency_windowed']:,}"] if sliding else []))
         console().print(t)
+        if sliding:
+            typer.echo(f"{sliding} of {rows[0]['num_layers']} layers slide: the last column counts "
+                       "them at their window plus one page per sequence (an engine that frees out-of-window pages, e.g. "
+                       "vLLM's or SGLang's hybrid allocators); kvbench's engine keeps every layer's pages today")

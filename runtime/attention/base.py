@@ -54,6 +54,7 @@ __all__ = [
     "UnsupportedBackend",
     "apply_rope",
     "build_rope_cache",
+    "layer_rope",
     "query_fp8",
     "query_fp8_rows",
     "stored_new_kv",
@@ -79,6 +80,9 @@ class RopeCache:
     sin: "torch.Tensor"
     rotary_dim: int
     style: str = "neox"
+    # the tables of the sliding-window (local) layers where they differ (Gemma 3: another base, no scaling);
+    # a layer with ``AttentionLayer.local_rope`` rotates with them (``layer_rope``)
+    local: Optional["RopeCache"] = None
 
     def __post_init__(self) -> None:
         if self.style not in ("neox", "interleaved"):
@@ -97,6 +101,7 @@ class AttentionLayer:
     sliding_window: Optional[int] = None  # None = full attention
     sinks: Optional["torch.Tensor"] = None  # float32 [num_heads] logits, or None
     q_scale: float = 1.0  # dequant multiplier for fp8 q when quantize_query is on
+    local_rope: bool = False  # rotates with the step's local tables (``RopeCache.local``), not the global ones
 
 
 @dataclass
@@ -277,6 +282,16 @@ def build_rope_cache(
     cos = (freqs.cos() * mscale).float().to(device)
     sin = (freqs.sin() * mscale).float().to(device)
     return RopeCache(cos=cos, sin=sin, rotary_dim=rotary_dim, style=style)
+
+
+def layer_rope(meta: AttentionMetadata, layer: AttentionLayer) -> RopeCache:
+    """The rotary tables ``layer`` uses in this step: the local ones for a local layer, else the global ones."""
+    rope = meta.rope
+    if layer.local_rope:
+        if rope.local is None:
+            raise ValueError(f"layer {layer.layer_idx} rotates with local tables but the step has none (RopeCache.local)")
+        return rope.local
+    return rope
 
 
 def apply_rope(x: "torch.Tensor", positions: "torch.Tensor", rope: RopeCache) -> "torch.Tensor":

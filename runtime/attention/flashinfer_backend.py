@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from kvbench.core import is_supported
-from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, apply_rope
+from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, BackendOptions, apply_rope, layer_rope
 from kvbench.runtime.attention.torch_backend import quantize_step_query
 
 __all__ = ["FlashInferBackend"]
@@ -109,8 +109,9 @@ class FlashInferBackend:
                 f"flashinfer prefill needs the KV cache in the compute dtype ({q.dtype}), not {cache.k_data[li].dtype}; "
                 "use --prefill-backend triton or torch (or --dtype to match)"
             )
-        qr = apply_rope(q, meta.positions, meta.rope)
-        kr = apply_rope(k, meta.positions, meta.rope)
+        rope = layer_rope(meta, layer)
+        qr = apply_rope(q, meta.positions, rope)
+        kr = apply_rope(k, meta.positions, rope)
         cache.write(li, meta.slot_mapping, kr, v)
         qr = quantize_step_query(qr, layer.q_scale, self.opts, meta)
         G = H // layer.num_kv_heads

@@ -30,6 +30,7 @@ from kvbench.runtime.attention.base import (
     AttentionMetadata,
     BackendOptions,
     apply_rope,
+    layer_rope,
 )
 from kvbench.runtime.kv_cache import PagedKVCache
 
@@ -101,8 +102,9 @@ class TorchBackend:
         st = self.step_plan(meta, cache)
         T = q.shape[0]
         H, D = layer.num_heads, layer.head_dim
-        qr = apply_rope(q, meta.positions, meta.rope)
-        kr = apply_rope(k, meta.positions, meta.rope)
+        rope = layer_rope(meta, layer)
+        qr = apply_rope(q, meta.positions, rope)
+        kr = apply_rope(k, meta.positions, rope)
         cache.write(layer.layer_idx, meta.slot_mapping, kr, v)
         qr = quantize_step_query(qr, layer.q_scale, self.opts, meta)
 

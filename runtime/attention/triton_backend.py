@@ -24,8 +24,8 @@ from typing import ClassVar
 import torch
 
 from kvbench.core import is_supported
-from kvbench.runtime.attention.base import (AttentionLayer, AttentionMetadata, BackendOptions, RopeCache, query_fp8,
-                                            query_fp8_rows, stored_new_kv)
+from kvbench.runtime.attention.base import (AttentionLayer, AttentionMetadata, BackendOptions, RopeCache, layer_rope,
+                                            query_fp8, query_fp8_rows, stored_new_kv)
 
 __all__ = ["TritonBackend", "stored_new_kv"]
 
@@ -108,9 +108,10 @@ class TritonBackend:
         which = query_fp8(self.opts, meta)
         q_scale = self._q_scale(layer.q_scale, q.device) if which is True else None
         append = fused_rope_quant_append if self.opts.fused_append else unfused_rope_quant_append
+        rope = layer_rope(meta, layer)
         app = append(
-            q, k, v, meta.positions, meta.slot_mapping, self._cos_sin_cache(meta.rope), kv,
-            rotary_dim=meta.rope.rotary_dim, rope_style=meta.rope.style, q_scale=q_scale,
+            q, k, v, meta.positions, meta.slot_mapping, self._cos_sin_cache(rope), kv,
+            rotary_dim=rope.rotary_dim, rope_style=rope.style, q_scale=q_scale,
         )
         qq = app.q_fp8 if q_scale is not None else app.q
         if which is not True and which is not False:  # mixed step: the quantized rows rounded in torch

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.runtime.attention.base import AttentionMetadata, BackendOptions, apply_rope
+from kvbench.runtime.attention.base import AttentionMetadata, BackendOptions, apply_rope, layer_rope
 from kvbench.runtime.attention.torch_backend import TorchBackend
 from kvbench.runtime.config import KVCacheSpec
 from kvbench.runtime.kv_cache import PagedKVCache, pages_needed
@@ -44,7 +44,7 @@ class _ObservingBackend(TorchBackend):
         self.observer = observer
 
     def forward(self, q, k, v, layer, cache, meta):
-        self.observer.observe(layer.layer_idx, apply_rope(k, meta.positions, meta.rope), v)
+        self.observer.observe(layer.layer_idx, apply_rope(k, meta.positions, layer_rope(meta, layer)), v)
         return super().forward(q, k, v, layer, cache, meta)
 
     def forward_mla(self, q_nope, q_pe, c_kv, k_pe, layer, cache, meta):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-__all__ = ["ModelConfig", "SUPPORTED_ARCHS", "MLA_ARCHS", "llama_from_hf_config"]
+__all__ = ["ModelConfig", "SUPPORTED_ARCHS", "MLA_ARCHS", "GEMMA_ARCHS", "llama_from_hf_config"]
 
 # HF ``architectures`` / ``model_type`` values the llama-family implementation covers.
 SUPPORTED_ARCHS = {
@@ -14,13 +14,17 @@ SUPPORTED_ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# Gemma 3, text only (runtime/models/gemma3.py; its config.json is read by gemma3_config.py)
+GEMMA_ARCHS = {"Gemma3ForCausalLM": "gemma3"}
+# activations of the MLP: SwiGLU (silu) or GeGLU with tanh-approximated GELU (Gemma)
+_ACTS = {"silu": "silu", "swiglu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # DeepSeek-V2/V3 attention (MLA) with dense MLPs only (runtime/models/deepseek.py).
 MLA_ARCHS = {"DeepseekV2ForCausalLM": "deepseek-mla", "DeepseekV3ForCausalLM": "deepseek-mla"}
 
 
 @dataclass
 class ModelConfig:
-    arch: str  # llama | mistral | qwen2 | qwen3 | gpt-oss-attn | deepseek-mla
+    arch: str  # llama | mistral | qwen2 | qwen3 | gemma3 | gpt-oss-attn | deepseek-mla
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -50,6 +54,17 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Gemma 3 (runtime/models/gemma3.py): RMSNorm scales by (1 + weight); the embedding is multiplied by
+    # ``embed_scale`` (sqrt(hidden)); norms before and after attention and the MLP ("sandwich"); softmax scale
+    # ``query_pre_attn_scalar ** -0.5``; the sliding-window (local) layers rotate with their own base and
+    # scaling (``local_rope_theta``; None = the same tables as the global layers); final logits soft-capped.
+    norm_plus_one: bool = False
+    embed_scale: Optional[float] = None
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: Optional[float] = None
+    local_rope_theta: Optional[float] = None
+    local_rope_scaling: Optional[dict] = None
+    final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.is_mla:
@@ -61,8 +76,9 @@ class ModelConfig:
             self.rotary_dim = self.qk_rope_head_dim
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if self.hidden_act not in ("silu", "swiglu"):
-            raise ValueError(f"unsupported activation {self.hidden_act!r} (llama family uses silu)")
+        if self.hidden_act not in _ACTS:
+            raise ValueError(f"unsupported activation {self.hidden_act!r}; supported: silu (SwiGLU), gelu_pytorch_tanh (GeGLU)")
+        self.hidden_act = _ACTS[self.hidden_act]
         if not self.sliding_windows:
             self.sliding_windows = [None] * self.num_layers
         if len(self.sliding_windows) != self.num_layers:
@@ -71,6 +87,25 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def local_rope(self, layer: int) -> bool:
+        """Layer ``layer`` rotates with the local tables (a sliding-window layer of a model that has them)."""
+        return self.local_rope_theta is not None and self.sliding_windows[layer] is not None
+
+    def rope_cache(self, max_positions: int, device="cpu"):
+        """The rotary tables of the engine: the global layers', with the local layers' as ``.local`` when the
+        model has them (``AttentionLayer.local_rope`` picks them)."""
+        from kvbench.runtime.attention.base import build_rope_cache
+
+        rope = build_rope_cache(self.rope_dim, max_positions, self.rope_theta, self.rope_scaling, self.rope_style, device)
+        if self.local_rope_theta is not None:
+            rope.local = build_rope_cache(self.rope_dim, max_positions, self.local_rope_theta, self.local_rope_scaling,
+                                          self.rope_style, device)
+        return rope
 
     @property
     def is_mla(self) -> bool:
@@ -125,7 +160,7 @@ def llama_from_hf_config(cfg: dict) -> ModelConfig:
     if arch is None:
         raise ValueError(
             f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
-            f"{', '.join([*SUPPORTED_ARCHS, *MLA_ARCHS])}"
+            f"{', '.join([*SUPPORTED_ARCHS, *GEMMA_ARCHS, *MLA_ARCHS])}"
         )
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])

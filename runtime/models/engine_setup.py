@@ -10,12 +10,12 @@ from typing import Any, Optional
 import torch
 
 from kvbench.core import get_spec
-from kvbench.runtime.attention.base import BackendOptions, build_rope_cache
+from kvbench.runtime.attention.base import BackendOptions
 from kvbench.runtime.attention.registry import check_supported, create_backend
 from kvbench.core import layer_dtypes_summary, resolve_layer_dtypes
 from kvbench.runtime.config import ConfigError, EngineConfig, KVCacheSpec, context_in_cache, context_length
 from kvbench.runtime.engine_api import CapacityReport
-from kvbench.runtime.kv_cache import PagedKVCache, bytes_per_token, plan_capacity
+from kvbench.runtime.kv_cache import PagedKVCache, bytes_per_token, plan_capacity, windowed_capacity
 from kvbench.runtime.models.loader import LoadedModel, load_model, model_is_mla
 from kvbench.runtime.models.runner import ModelRunner
 from kvbench.runtime.scales import KVScales, checkpoint_scales, unit_scales
@@ -39,6 +39,7 @@ class EngineParts:
     max_model_len: int
     backend: Any
     q_scales: Any = None  # QueryScales (the fp8 query's dequant multiplier per layer and its source)
+    page_window: Optional[int] = None  # windowed pages: the scheduler frees pages below it (window_pages)
 
 
 def engine_device(cfg: EngineConfig) -> torch.device:
@@ -175,7 +176,7 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
     for f in dict.fromkeys(layer_dtypes or ()):  # every format of a mixed cache runs on both backends
         check_supported(cfg.prefill_backend, cfg.decode_backend, f, mla)
     max_len = context_length(cfg.max_model_len, m.max_position_embeddings, loaded.model_id)
-    rope = build_rope_cache(m.rope_dim, max(max_len, 1), m.rope_theta, m.rope_scaling, m.rope_style, device)
+    rope = m.rope_cache(max(max_len, 1), device)  # with the local layers' tables where they differ (Gemma 3)
     spec: KVCacheSpec = m.kv_spec(cfg.kv_dtype, cfg.page_size, cfg.kv_layout)
     if layer_dtypes is not None:
         spec = replace(spec, layer_dtypes=tuple(layer_dtypes))
@@ -215,10 +216,33 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
         extra={"kv_budget_bytes": int(budget), "kv_scales": scales.source, "model": loaded.model_id,
                "quantize_query": cfg.quantize_query, "q_scale_source": q_scales.source},
     )
+    page_window = window_pages(cfg, m, plan.num_pages)
+    if not spec.mla and any(w is not None for w in m.sliding_windows):
+        # what the budget holds with sliding layers at their window's pages: what this engine gets when every
+        # layer slides (page_window), else what an engine with a page table per layer group would
+        capacity.extra.update(windowed_capacity(spec, m.sliding_windows, budget, max_len), windowed_pages=page_window is not None)
     if spec.mixed:  # the capacity above is exact: bytes_per_token sums every layer in its own format
         capacity.extra.update(
             kv_dtype_skip_layers=cfg.kv_dtype_skip_layers, kv_layer_dtypes=cfg.kv_layer_dtypes,
             layer_formats={f: spec.formats.count(f) for f in spec.formats_used},
             kv_layers=layer_dtypes_summary(spec.formats, cfg.kv_dtype),
         )
-    return EngineParts(device, dtype, loaded, cache, runner, scales, capacity, max_len, backend, q_scales)
+    return EngineParts(device, dtype, loaded, cache, runner, scales, capacity, max_len, backend, q_scales, page_window)
+
+
+# backends whose kernels never look up a page below a sequence's window (runtime/scheduler.py, windowed pages)
+WINDOW_SAFE_BACKENDS = ("torch", "triton")
+
+
+def window_pages(cfg: EngineConfig, m, num_pages: int) -> Optional[int]:
+    """The window below which the scheduler frees pages: the largest window when every layer of the model has
+    one, both backends never read below a window and the pool holds a window and a full chunk; None (every page
+    kept) otherwise.  A model with global layers keeps them all: one page table serves every layer
+    (docs/design.md §5)."""
+    wins = m.sliding_windows
+    if m.is_mla or not wins or any(w is None for w in wins):
+        return None
+    if cfg.prefill_backend not in WINDOW_SAFE_BACKENDS or cfg.decode_backend not in WINDOW_SAFE_BACKENDS:
+        return None
+    w = int(max(wins))
+    return w if num_pages >= -(-(w + cfg.max_num_batched_tokens) // cfg.page_size) + 1 else None

@@ -18,7 +18,7 @@ from kvbench.runtime.models.config import ModelConfig
 
 __all__ = ["read_gguf_metadata", "gguf_config", "load_gguf", "load_gguf_cached", "read_safetensors"]
 
-_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 _PERMUTED = ("llama", "mistral")  # q/k rows permuted by llama.cpp's converter
 
 _LAYER_MAP = {
@@ -36,6 +36,13 @@ _LAYER_MAP = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma 3's four norms per layer (``ffn_norm`` is the norm before the MLP, as in llama, but a second pair follows)
+_GEMMA_LAYER_MAP = {
+    **_LAYER_MAP,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_MAP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -60,6 +67,16 @@ def read_gguf_metadata(path: str | Path) -> dict:
 
 def gguf_config(meta: dict) -> ModelConfig:
     arch = meta.get("general.architecture")
+    experts = meta.get(f"{arch}.expert_count") or 0
+    if experts or str(arch).endswith("moe"):
+        from kvbench.runtime.models.gemma3_config import EXTERNAL_HINT
+
+        raise ValueError(f"GGUF architecture {arch!r} is a mixture-of-experts model (expert_count={experts}): the "
+                         f"embedded engine runs dense decoders only; {EXTERNAL_HINT}")
+    if arch == "gemma3":
+        from kvbench.runtime.models.gemma3_config import gemma3_from_gguf
+
+        return gemma3_from_gguf(meta)
     if arch not in _ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}")
 
@@ -125,10 +142,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
             continue
     cfg = gguf_config(meta)
     state: dict[str, torch.Tensor] = {}
+    layer_map = _GEMMA_LAYER_MAP if cfg.arch == "gemma3" else _LAYER_MAP
     for t in r.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
         if m:
-            sub = _LAYER_MAP.get(m.group(2))
+            sub = layer_map.get(m.group(2))
             name = f"model.layers.{m.group(1)}.{sub}" if sub else None
         else:
             name = _GLOBAL_MAP.get(t.name)
@@ -141,6 +159,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mod
         ten = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
         if cfg.arch in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             ten = _unpermute(ten, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        if cfg.norm_plus_one and name.endswith("norm.weight"):
+            ten = ten - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w
         state[name] = ten.to(dtype)
     cfg.tie_word_embeddings = "lm_head.weight" not in state
     if cfg.vocab_size == 0:

