@@ -58,7 +58,8 @@ class Engine:
         self.runner = parts.runner
         self.scales = parts.scales
         self.scheduler = Scheduler(self.cache.allocator, self.cache.page_size, self.config.max_running, self.config.max_num_batched_tokens,
-                                   window=parts.page_window, scratch_page=self.cache.scratch_page)
+                                   window=parts.page_window, scratch_page=self.cache.scratch_page,
+                                   group_windows=list(parts.cache.spec.groups.windows) if parts.cache.spec.groups else None)
         self.out = OutputProcessor(self.tokenizer)
         self._inbox: list = []
         self._inbox_lock = threading.Lock()
