@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from kvbench.core import backend_names
 from kvbench.core import KV_SCALE_POLICIES, format_names, get_spec
 from kvbench.core import KV_OPTIONS, QUERY_QUANT_MODES, KVConfig, query_quant_mode
+
+if TYPE_CHECKING:
+    from kvbench.runtime.layer_groups import LayerGroups
 
 # KV formats and attention backends are the tables' (kvbench.core.formats / core.backends): read them when
 # validating, so a format registered after this import is accepted too.
@@ -76,9 +79,14 @@ class KVCacheSpec:
     # one format per layer when layers differ (``kvbench.core.layer_formats``); None = kv_dtype everywhere.
     # ``kv_dtype`` stays the cache's main format (the one the run is named after).
     layer_dtypes: Optional[tuple] = None
+    # layer groups over one page pool (``runtime/layer_groups.py``): sliding layers keep their window's pages
+    # only; None = one page list for every layer
+    groups: Optional["LayerGroups"] = None
 
     def __post_init__(self) -> None:
         _choice("kv_dtype", self.kv_dtype, format_names())
+        if self.groups is not None and (self.mla or len(self.groups.group_of) != self.num_layers):
+            raise ConfigError("layer groups need a group for every layer and no MLA latent")
         _choice("layout", self.layout, KV_LAYOUTS)
         for n in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
             if int(getattr(self, n)) <= 0:
@@ -116,6 +124,10 @@ class KVCacheSpec:
     def planes(self) -> int:
         """Number of cache planes per layer: K and V, or just the latent for MLA."""
         return 1 if self.mla else 2
+
+    def group_of(self, layer: int) -> int:
+        """The page list ``layer`` reads and writes (0 without layer groups)."""
+        return 0 if self.groups is None else self.groups.group_of[layer]
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, apply_rope, layer_rope
+from kvbench.runtime.attention.base import AttentionLayer, AttentionMetadata, apply_rope, layer_pages, layer_rope
 from kvbench.runtime.attention.torch_backend import attend_chunked
 
 __all__ = ["DiagnosticProbe", "max_representable", "reference_attention"]
@@ -167,7 +167,7 @@ class DiagnosticProbe:
         xv = v[:n].float()
 
         # (a)-(d): the stored values of this step's rows against the exact ones
-        slots = meta.slot_mapping[:n]
+        slots = layer_pages(meta, cache, i)[1][:n]
         keep = slots >= 0
         if not bool(keep.all()):
             slots, xk_s, xv_s = slots[keep], xk[keep], xv[keep]

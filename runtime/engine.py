@@ -57,9 +57,11 @@ class Engine:
         self.cache = parts.cache
         self.runner = parts.runner
         self.scales = parts.scales
+        groups = parts.cache.spec.groups
         self.scheduler = Scheduler(self.cache.allocator, self.cache.page_size, self.config.max_running,
                                    self.config.max_num_batched_tokens, window=parts.page_window,
-                                   scratch_page=self.cache.scratch_page, mixed=self.config.mixed_prefill)
+                                   scratch_page=self.cache.scratch_page,
+                                   group_windows=list(groups.windows) if groups else None, mixed=self.config.mixed_prefill)
         self.out = OutputProcessor(self.tokenizer)
         self._inbox: list = []
         self._inbox_lock = threading.Lock()

@@ -14,6 +14,10 @@ Invariants (every backend and kernel relies on them):
 - Mixed per-layer formats (``KVCacheSpec.layer_dtypes``): each layer's planes are laid out in that layer's
   format (``fmt_of(layer)``); pages, page ids and slots are shared by every layer, so one page holds a
   token range in every layer whatever its format.
+- Layer groups (``KVCacheSpec.groups``, ``runtime/layer_groups.py``): layer ``j`` of every group stores into
+  plane slot ``j`` (``k_data[layer]`` is its slot's tensor), each group has its own page list per sequence and
+  slot mapping per step (``AttentionMetadata.group_page_tables`` / ``group_slot_mappings``), and a page id
+  holds one group's layers.
 """
 
 from __future__ import annotations
@@ -99,7 +103,13 @@ def slots_for_positions(page_table: Sequence[int], positions: Sequence[int] | to
 
 # ------------------------------------------------------------------------------------- capacity
 def bytes_per_token(spec: KVCacheSpec) -> float:
-    """KV bytes one token occupies across all layers, scales included (block and per-token scales)."""
+    """KV bytes one token occupies across all layers, scales included (block and per-token scales).  With layer
+    groups: one token of one page id, which spans one group's layers (``runtime/layer_groups.py``)."""
+    if spec.groups is not None:
+        first = {}
+        for i, s in enumerate(spec.groups.slot_of):
+            first.setdefault(s, spec.formats[i])
+        return float(sum(spec.planes * spec.num_kv_heads * get_spec(f).bytes_per_token(spec.head_dim) for f in first.values()))
     if spec.mixed:  # each layer in its own format
         return float(sum(spec.planes * spec.num_kv_heads * get_spec(f).bytes_per_token(spec.head_dim) for f in spec.formats))
     return spec.planes * spec.num_layers * spec.num_kv_heads * get_spec(spec.kv_dtype).bytes_per_token(spec.head_dim)
@@ -132,12 +142,16 @@ def plan_capacity(spec: KVCacheSpec, budget_bytes: float, context_len: int) -> C
     page_bytes = bpt * spec.page_size
     num_pages = int(budget_bytes // page_bytes)
     per_seq = pages_needed(context_len, spec.page_size)
+    tokens = num_pages * spec.page_size
+    if spec.groups is not None:  # page ids of every group; tokens: the longest context one sequence can hold
+        per_seq = spec.groups.pages_per_seq(context_len, spec.page_size)
+        tokens = spec.groups.longest_context(num_pages, spec.page_size)
     return CapacityPlan(
         kv_dtype=spec.kv_dtype,
         page_size=spec.page_size,
         bytes_per_token=bpt,
         num_pages=num_pages,
-        tokens=num_pages * spec.page_size,
+        tokens=tokens,
         kv_bytes=int(math.ceil(num_pages * page_bytes)),
         context_len=context_len,
         max_concurrency=num_pages // per_seq,
@@ -209,7 +223,15 @@ class PagedKVCache:
             return data, bs, None if ts is None else ts[..., 0]
 
         def plane() -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]], list[Optional[torch.Tensor]]]:
-            per_layer = [layer_planes(f) for f in self.formats]
+            if spec.groups is None:
+                per_layer = [layer_planes(f) for f in self.formats]
+            else:  # layer j of every group stores into plane slot j (one tensor per slot)
+                slots: dict = {}
+                per_layer = []
+                for s, f in zip(spec.groups.slot_of, self.formats):
+                    if s not in slots:
+                        slots[s] = layer_planes(f)
+                    per_layer.append(slots[s])
             return [p[0] for p in per_layer], [p[1] for p in per_layer], [p[2] for p in per_layer]
 
         self.k_data, self.k_block_scale, self.k_token_scale = plane()
@@ -248,7 +270,8 @@ class PagedKVCache:
         planes = [self.k_data, self.k_block_scale, self.k_token_scale]
         if not self.spec.mla:
             planes += [self.v_data, self.v_block_scale, self.v_token_scale]
-        return sum(t.numel() * t.element_size() for ts in planes for t in ts if t is not None)
+        unique = {id(t): t for ts in planes for t in ts if t is not None}  # layer groups share plane slots
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     # -- write / read (torch reference path; Triton kernels write the same bytes)
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:

@@ -28,6 +28,11 @@ page (``scratch_page``; kept so that the list stays indexed by logical page).  S
 pages for their first chunk only, later chunks growing as decode does: a sequence holds at most
 ``ceil((window + chunk) / page_size) + 1`` pages while it prefills and ``ceil(window / page_size) + 1`` while it
 decodes.
+
+Layer groups (``group_windows``, one entry per page list; ``runtime/layer_groups.py``): a sequence holds one page
+list per group, all of the same logical length (``pages`` is group 0's, ``group_pages`` the others'); every
+growth takes the same number of pages for each list at once, and the lists of sliding groups drop their pages
+below the window as above.
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ class Sequence:
     score_from: Optional[int] = None
     finish_time: Optional[float] = None
     num_dead_pages: int = 0  # leading entries of ``pages`` that are the scratch page (windowed pages)
+    group_pages: list = field(default_factory=list)  # layer groups 1..G-1: their page lists (module doc)
+    group_dead: list = field(default_factory=list)  # and their leading scratch entries
     # per-request extras owned by the engine (callbacks, detokenizer, generator, per-row outputs)
     state: dict[str, Any] = field(default_factory=dict)
     on_delta: Optional[Callable] = None
@@ -147,10 +154,15 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running: int, max_batched_tokens: int,
-                 window: Optional[int] = None, scratch_page: Optional[int] = None, mixed: bool = False):
-        if window is not None and (scratch_page is None or window < 1):
-            raise ValueError("windowed pages need a positive window and the cache's scratch page")
+                 window: Optional[int] = None, scratch_page: Optional[int] = None, group_windows: Optional[list] = None,
+                 mixed: bool = False):
+        windows = list(group_windows) if group_windows else ([window] if window is not None else None)
+        if windows and (scratch_page is None or any(w is not None and w < 1 for w in windows)):
+            raise ValueError("windowed pages need positive windows and the cache's scratch page")
         self.window = window
+        self.windows = windows  # per page list: its window (None: keeps every page); None = one plain list
+        self.lists = len(windows) if windows else 1
+        self.lazy = bool(windows) and any(w is not None for w in windows)  # grow chunk by chunk
         self.scratch_page = scratch_page
         self.mixed = mixed
         self.allocator = allocator
@@ -191,27 +203,41 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if seq.pages:
             self.allocator.free(seq.pages[seq.num_dead_pages:])
-        seq.pages = []
+        for pages, dead in zip(seq.group_pages, seq.group_dead):
+            self.allocator.free(pages[dead:])
+        seq.pages, seq.group_pages, seq.group_dead = [], [], []
         seq.num_cached = 0
         seq.num_dead_pages = 0
 
     def _drop_dead_pages(self) -> None:
         """Windowed pages: free every running sequence's pages that no later query can see (module doc)."""
-        ps, w = self.page_size, self.window
+        ps = self.page_size
         for seq in self.running:
-            dead = min(max(0, (seq.num_cached - w + 1) // ps), len(seq.pages))
-            if dead > seq.num_dead_pages:
-                self.allocator.free(seq.pages[seq.num_dead_pages:dead])
-                seq.pages[seq.num_dead_pages:dead] = [self.scratch_page] * (dead - seq.num_dead_pages)
-                seq.num_dead_pages = dead
+            dead_counts = [seq.num_dead_pages, *seq.group_dead]
+            for k, (pages, w) in enumerate(zip([seq.pages, *seq.group_pages], self.windows)):
+                if w is None:
+                    continue
+                dead = min(max(0, (seq.num_cached - w + 1) // ps), len(pages))
+                if dead > dead_counts[k]:
+                    self.allocator.free(pages[dead_counts[k]:dead])
+                    pages[dead_counts[k]:dead] = [self.scratch_page] * (dead - dead_counts[k])
+                    if k == 0:
+                        seq.num_dead_pages = dead
+                    else:
+                        seq.group_dead[k - 1] = dead
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         need = pages_needed(num_tokens, self.page_size) - len(seq.pages)
         if need <= 0:
             return True
-        if not self.allocator.can_allocate(need):
+        if not self.allocator.can_allocate(need * self.lists):
             return False
         seq.pages.extend(self.allocator.allocate(need))
+        if self.lists > 1:  # layer groups: every list grows by the same logical pages
+            if not seq.group_pages:
+                seq.group_pages, seq.group_dead = [[] for _ in range(self.lists - 1)], [0] * (self.lists - 1)
+            for pages in seq.group_pages:
+                pages.extend(self.allocator.allocate(need))
         return True
 
     def _preempt(self, victim: Sequence) -> None:
@@ -244,7 +270,7 @@ class Scheduler:
         and free them."""
         ps = self.page_size
         while True:
-            room = (len(seq.pages) + self.allocator.num_free) * ps - seq.num_cached
+            room = (len(seq.pages) + self.allocator.num_free // self.lists) * ps - seq.num_cached
             if room >= n:
                 break
             later = [s for s in self.running if s.order > seq.order]
@@ -258,7 +284,7 @@ class Scheduler:
 
     # -------------------------------------------------------------------------------- schedule
     def schedule(self) -> Optional[ScheduledBatch]:
-        if self.window is not None:
+        if self.lazy:
             self._drop_dead_pages()
         if self.mixed:
             return self._schedule_mixed()
@@ -294,7 +320,7 @@ class Scheduler:
             if seq.status != SeqStatus.RUNNING:
                 continue  # preempted by an older sequence earlier in this loop
             n = seq.chunk_len(budget)
-            if self.window is not None:
+            if self.lazy:
                 n = self._fit_chunk(seq, n)
                 if n == 0:
                     continue  # older sequences hold the pages: they run (decode) and free them
@@ -309,7 +335,7 @@ class Scheduler:
             n = seq.chunk_len(budget)
             # pages for every known token up front: a chunked prefill then never stalls half-way (windowed
             # pages: for the first chunk, later ones grow as they come)
-            if not self._grow(seq, seq.num_tokens if self.window is None else n):
+            if not self._grow(seq, n if self.lazy else seq.num_tokens):
                 break  # not enough free pages: wait for running sequences to finish
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING

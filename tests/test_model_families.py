@@ -1,6 +1,7 @@
 """The model families users run, in the embedded engine, against transformers (float32) on tiny random
 checkpoints that transformers writes in the test: Qwen 3 (q/k norm, GQA, explicit head_dim), Mistral (a
-sliding window on every layer), Gemma 3 (interleaved local/global layers; tests/test_model_gemma3.py).
+sliding window on every layer, whose pages below the window the scheduler frees), Gemma 3 (interleaved
+local/global layers; tests/test_model_gemma3.py).
 Greedy tokens must be identical and teacher-forced log-probs agree, on the torch and triton backends, from a
 Hugging Face directory and from a GGUF file laid out as llama.cpp's converter lays it out."""
 

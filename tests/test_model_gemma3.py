@@ -98,8 +98,47 @@ def test_gemma3_sliding_and_global_layers_named_in_kv_maps(gemma3):
         x = e.capacity.extra
         assert x["layer_formats"] == {"fp16": 0, "fp8_e4m3": 1, "bf16": 1} and x["sliding_layers"] == 1
         assert x["max_concurrency_windowed"] >= e.capacity.max_concurrency
-        assert not x["windowed_pages"] and e.scheduler.window is None  # global layers: one table keeps every page
+        # a plane slot would hold a global (bf16) and a sliding (fp8) layer: no layer groups, one table for all
+        assert not x["windowed_pages"] and e.cache.spec.groups is None
         out = e.generate(prompts(256)[:1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
         assert len(out[0].token_ids) == 3
+    finally:
+        e.shutdown()
+
+
+def test_gemma3_layer_groups_keep_the_window_only(gemma3):
+    """Layer groups over one pool: the sliding layer's pages below the window go back (its list points at the
+    scratch page there) while the global layer keeps the whole context; tokens equal an engine with one table."""
+    from kvbench.core import SamplingParams
+    from tiny_models import engine
+
+    d, _hf = gemma3
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = engine(str(d), extra={"layer_group_pages": False})
+    try:
+        assert plain.cache.spec.groups is None
+        want = [o.token_ids for o in plain.generate(prompts(256), params)]
+    finally:
+        plain.shutdown()
+    e = engine(str(d), max_num_batched_tokens=8)
+    held = {"global": 0, "sliding": 0}
+    schedule = e.scheduler.schedule
+
+    def watch():
+        batch = schedule()
+        for seq in batch.seqs if batch is not None and batch.phase == "decode" else []:
+            held["global"] = max(held["global"], len(seq.pages))
+            held["sliding"] = max(held["sliding"], len([p for p in seq.group_pages[0] if p != e.cache.scratch_page]))
+        return batch
+
+    e.scheduler.schedule = watch
+    try:
+        g = e.cache.spec.groups
+        assert g is not None and g.windows == (None, 6) and e.capacity.extra["layer_groups"] == 2
+        assert e.cache.k_data[0] is e.cache.k_data[1]  # one plane slot for both groups' layers
+        got = [o.token_ids for o in e.generate(prompts(256), params)]
+        assert got == want
+        assert held["sliding"] == -(-6 // 4) + 1 and held["global"] == -(-(23 + 16) // 4), held
+        assert e.cache.allocator.num_used == 0
     finally:
         e.shutdown()

@@ -1,6 +1,6 @@
 """The real Gemma 3 270M (llama.cpp Q4_K_M GGUF, preset ``gemma3-270m``) in the embedded engine against
-transformers' own reading of the same GGUF file (float32): greedy tokens identical on several prompts and
-teacher-forced log-probs within a small KL.  Quantized tensors (Q4_K, Q5_0, Q6_K, Q8_0) are dequantized by
+transformers' own reading of the same GGUF file (float32): greedy tokens identical on several prompts (one
+longer than the sliding window, so layer groups free pages) and teacher-forced log-probs within a small KL.  Quantized tensors (Q4_K, Q5_0, Q6_K, Q8_0) are dequantized by
 both sides with the ``gguf`` package.
 
 When it runs: where the preset's GGUF file is already in the cache (``kvbench eval --model gemma3-270m`` or
@@ -23,6 +23,8 @@ PROMPTS = [
     "def add(a, b):\n    return",
     "Once upon a time, in a small village by the sea,",
     "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
+    # longer than the 512-token window: the sliding layers' pages below it go back (layer groups)
+    "The history of the city begins with a small settlement on the river. " * 60 + "In summary, the city",
 ]
 
 
@@ -52,9 +54,11 @@ def test_gemma3_270m_gguf_greedy_matches_transformers():
     assert c.arch == "gemma3" and c.num_layers == 18 and c.head_dim == 256
     assert c.sliding_windows.count(None) == 3 and c.sliding_windows[5] is None and c.sliding_windows[0] == 512
     n = 12
-    e = Engine(EngineConfig(model="gemma3-270m", kv_budget_gb=0.05), loaded=loaded)
+    e = Engine(EngineConfig(model="gemma3-270m", kv_budget_gb=0.05, max_num_batched_tokens=256), loaded=loaded)
     try:
+        assert e.cache.spec.groups is not None and e.cache.spec.groups.num_groups == 6
         ids = [e.tokenizer.encode(p) for p in PROMPTS]
+        assert len(ids[-1]) > 512
         outs = e.generate(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
         for p, o in zip(ids, outs):

@@ -23,16 +23,21 @@ def _sim(sched: Scheduler, seqs, max_steps=5000, abort_at=None):
             raise AssertionError("scheduler stalled with work left")
         assert batch.num_tokens <= sched.max_batched_tokens or batch.phase == "decode"
         assert len(sched.running) <= sched.max_running
-        owned = [p for s in sched.running for p in s.pages if p != sched.scratch_page]
+        owned = [p for s in sched.running for p in s.pages + sum(s.group_pages, []) if p != sched.scratch_page]
         assert len(owned) == len(set(owned)), "a page owned twice"
         assert all(not s.pages for s in sched.waiting), "waiting sequences own no pages"
         for s, q in zip(batch.seqs, batch.q_lens):
             assert q >= 1 and s.num_cached + q <= len(s.pages) * sched.page_size
-            if sched.window is not None:  # windowed pages: the window's pages and the chunk's, nothing more
-                live = [p for p in s.pages if p != sched.scratch_page]
-                assert len(live) <= -(-(sched.window + q - 1) // sched.page_size) + 1, (len(live), q)
-                first_live = max(0, s.num_cached - sched.window + 1) // sched.page_size
-                assert all(p != sched.scratch_page for p in s.pages[first_live:])
+            for pages, w in zip([s.pages, *s.group_pages], sched.windows or []):
+                assert len(pages) == len(s.pages)  # every list has the same logical length
+                if w is None:
+                    assert sched.scratch_page not in pages
+                    continue
+                # windowed pages: the window's pages and the chunk's, nothing more
+                live = [p for p in pages if p != sched.scratch_page]
+                assert len(live) <= -(-(w + q - 1) // sched.page_size) + 1, (len(live), q)
+                first_live = max(0, s.num_cached - w + 1) // sched.page_size
+                assert all(p != sched.scratch_page for p in pages[first_live:])
             if batch.phase == "decode":
                 assert q == 1 and s.pending == 1
             s.num_cached += q
@@ -139,3 +144,33 @@ def test_windowed_pages_hold_only_the_window_and_leak_nothing(lens, pages, budge
     _sim(sched, seqs)
     assert alloc.num_free == pages
     assert all(s.status == "finished" and not s.pages and s.num_dead_pages == 0 for s in seqs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30)), min_size=1, max_size=8),
+    pages=st.integers(12, 60),
+    budget=st.integers(1, 24),
+    window=st.integers(1, 13),
+    sliding_groups=st.integers(1, 4),
+    max_running=st.integers(1, 5),
+)
+def test_layer_group_pages_leak_nothing(lens, pages, budget, window, sliding_groups, max_running):
+    """Layer groups: one global list and sliding lists grow together; sliding lists drop their pages below the
+    window; all pages come back; nothing stalls while one sequence's pages fit the pool."""
+    ps = 4
+    windows = [None] + [window] * sliding_groups
+    alloc = PageAllocator(pages)
+    sched = Scheduler(alloc, ps, max_running, budget, scratch_page=pages, group_windows=windows)
+    seqs = []
+    for i, (p, n) in enumerate(lens):
+        longest = pages // len(windows) * ps  # the engine caps the context so that one sequence fits
+        p = max(1, min(p, longest - n))
+        if p + n > longest:
+            continue
+        s = Sequence(f"r{i}", list(range(1, p + 1)), SamplingParams(max_tokens=n))
+        seqs.append(s)
+        sched.add(s)
+    _sim(sched, seqs)
+    assert alloc.num_free == pages
+    assert all(s.status == "finished" and not s.pages and not s.group_pages for s in seqs)

@@ -55,6 +55,7 @@ __all__ = [
     "apply_rope",
     "build_rope_cache",
     "layer_rope",
+    "layer_pages",
     "query_fp8",
     "query_fp8_rows",
     "stored_new_kv",
@@ -129,6 +130,10 @@ class AttentionMetadata:
     roundtrip_rows: Optional["torch.Tensor"] = None
     roundtrip_seqs_cpu: list[bool] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # backend-private per-step state (e.g. a flashinfer plan)
+    # layer groups (``KVCacheSpec.groups``): each group's page table and slot mapping, group 0's being
+    # ``page_table`` / ``slot_mapping``; [] = one page list for every layer (``layer_pages`` picks)
+    group_page_tables: list = field(default_factory=list)
+    group_slot_mappings: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -284,6 +289,15 @@ def build_rope_cache(
     return RopeCache(cos=cos, sin=sin, rotary_dim=rotary_dim, style=style)
 
 
+def layer_pages(meta: AttentionMetadata, cache, layer_idx: int) -> tuple:
+    """``(page_table, slot_mapping)`` of layer ``layer_idx`` in this step: its group's under layer groups
+    (``cache.spec.group_of``), else the step's one table."""
+    g = cache.spec.group_of(layer_idx) if meta.group_page_tables else 0
+    if g == 0:
+        return meta.page_table, meta.slot_mapping
+    return meta.group_page_tables[g], meta.group_slot_mappings[g]
+
+
 def layer_rope(meta: AttentionMetadata, layer: AttentionLayer) -> RopeCache:
     """The rotary tables ``layer`` uses in this step: the local ones for a local layer, else the global ones."""
     rope = meta.rope
@@ -319,6 +333,6 @@ def stored_new_kv(cache, layer_idx: int, meta: AttentionMetadata, k_new: torch.T
     if meta.roundtrip_rows is None:
         return k_new, v_new
     import torch  # lazily, as this module's other helpers
-    kk, vv = cache.read_slots(layer_idx, meta.slot_mapping, torch.float32)
+    kk, vv = cache.read_slots(layer_idx, layer_pages(meta, cache, layer_idx)[1], torch.float32)
     m = meta.roundtrip_rows.to(k_new.device)[:, None, None]
     return torch.where(m, kk.to(k_new.dtype), k_new), torch.where(m, vv.to(v_new.dtype), v_new)

@@ -102,6 +102,8 @@ class FlashInferBackend:
     def forward(self, q, k, v, layer: AttentionLayer, cache, meta: AttentionMetadata) -> torch.Tensor:
         if layer.sinks is not None:
             raise NotImplementedError("the flashinfer backend does not support attention sinks; use triton or torch")
+        if meta.group_page_tables:  # the engine keeps one page list with flashinfer (engine_setup.window_pages)
+            raise NotImplementedError("the flashinfer backend reads one page table, not one per layer group")
         li = layer.layer_idx
         T, H, D = q.shape
         if meta.phase == "prefill" and cache.k_data[li].dtype != q.dtype:

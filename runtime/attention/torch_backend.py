@@ -30,6 +30,7 @@ from kvbench.runtime.attention.base import (
     AttentionMetadata,
     BackendOptions,
     apply_rope,
+    layer_pages,
     layer_rope,
 )
 from kvbench.runtime.kv_cache import PagedKVCache
@@ -105,10 +106,11 @@ class TorchBackend:
         rope = layer_rope(meta, layer)
         qr = apply_rope(q, meta.positions, rope)
         kr = apply_rope(k, meta.positions, rope)
-        cache.write(layer.layer_idx, meta.slot_mapping, kr, v)
+        group = cache.spec.group_of(layer.layer_idx) if meta.group_page_tables else 0
+        cache.write(layer.layer_idx, layer_pages(meta, cache, layer.layer_idx)[1], kr, v)
         qr = quantize_step_query(qr, layer.q_scale, self.opts, meta)
 
-        slots, offs, los, ns = st.reads(layer.sliding_window)
+        slots, offs, los, ns = st.reads(layer.sliding_window, group)
         kc, vc = cache.read_slots(layer.layer_idx, slots, torch.float32)
         res = torch.zeros(T, H * D, dtype=torch.float32, device=q.device)  # padding rows stay zero
         for b in range(st.B):

@@ -129,16 +129,17 @@ class TorchPlan:
     table: torch.Tensor  # int64 [B, P]
     page_size: int
     _reads: dict = field(default_factory=dict)
+    group_tables: list = field(default_factory=list)  # int64 [B, P] per layer group (meta.group_page_tables)
 
     @property
     def prefixes(self) -> list[int]:
         return [s - q for s, q in zip(self.seq_lens, self.q_lens)]
 
-    def reads(self, window: Optional[int]) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
+    def reads(self, window: Optional[int], group: int = 0) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
         """Cache positions a layer with this window must read: ``(slots [N], offsets, lo, n)``; sequence
         ``b`` reads positions ``lo[b] .. lo[b] + n[b] - 1``, rows ``offsets[b] ..`` of the gathered K/V.
-        Keys below the first query's window are skipped.  Cached per window for the step."""
-        hit = self._reads.get(window)
+        Keys below the first query's window are skipped.  Cached per window (and layer group) for the step."""
+        hit = self._reads.get((window, group))
         if hit is not None:
             return hit
         los, ns, offs = [], [], []
@@ -152,17 +153,18 @@ class TorchPlan:
             ns.append(hi - lo)
             offs.append(o)
             o += hi - lo
-        dev = self.table.device
+        table = self.group_tables[group] if group else self.table
+        dev = table.device
         if o:
             n_t = torch.tensor(ns, device=dev)
             seg = torch.repeat_interleave(torch.arange(self.B, device=dev), n_t)
             start = torch.tensor(offs, device=dev)[seg]
             pos = torch.arange(o, device=dev) - start + torch.tensor(los, device=dev)[seg]
-            slots = self.table[seg, pos // self.page_size] * self.page_size + pos % self.page_size
+            slots = table[seg, pos // self.page_size] * self.page_size + pos % self.page_size
         else:
             slots = torch.zeros(0, dtype=torch.int64, device=dev)
         hit = (slots, offs, los, ns)
-        self._reads[window] = hit
+        self._reads[(window, group)] = hit
         return hit
 
 
@@ -177,7 +179,8 @@ def make_plan(meta: AttentionMetadata) -> TorchPlan:
     if len(rt) != B:
         raise ValueError(f"roundtrip_seqs_cpu has {len(rt)} entries for {B} sequences")
     from_cache = [meta.phase == "decode" or bool(r) for r in rt]
-    return TorchPlan(B, cu, seq_lens, q_lens, from_cache, meta.page_table.to(torch.int64), meta.page_size)
+    return TorchPlan(B, cu, seq_lens, q_lens, from_cache, meta.page_table.to(torch.int64), meta.page_size,
+                     group_tables=[t.to(torch.int64) for t in meta.group_page_tables])
 
 
 def seq_kv(plan: TorchPlan, b: int, gathered: torch.Tensor, offs: list[int], ns: list[int], new: torch.Tensor) -> torch.Tensor:

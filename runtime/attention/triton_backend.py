@@ -24,8 +24,8 @@ from typing import ClassVar
 import torch
 
 from kvbench.core import is_supported
-from kvbench.runtime.attention.base import (AttentionLayer, AttentionMetadata, BackendOptions, RopeCache, layer_rope,
-                                            query_fp8, query_fp8_rows, stored_new_kv)
+from kvbench.runtime.attention.base import (AttentionLayer, AttentionMetadata, BackendOptions, RopeCache, layer_pages,
+                                            layer_rope, query_fp8, query_fp8_rows, stored_new_kv)
 
 __all__ = ["TritonBackend", "stored_new_kv"]
 
@@ -109,8 +109,9 @@ class TritonBackend:
         q_scale = self._q_scale(layer.q_scale, q.device) if which is True else None
         append = fused_rope_quant_append if self.opts.fused_append else unfused_rope_quant_append
         rope = layer_rope(meta, layer)
+        page_table, slot_mapping = layer_pages(meta, cache, li)
         app = append(
-            q, k, v, meta.positions, meta.slot_mapping, self._cos_sin_cache(rope), kv,
+            q, k, v, meta.positions, slot_mapping, self._cos_sin_cache(rope), kv,
             rotary_dim=rope.rotary_dim, rope_style=rope.style, q_scale=q_scale,
         )
         qq = app.q_fp8 if q_scale is not None else app.q
@@ -124,7 +125,7 @@ class TritonBackend:
         if meta.phase == "decode":
             B = meta.num_seqs
             out = torch.zeros(T, H, D, dtype=q.dtype, device=q.device) if T != B else None
-            res = paged_decode(qq[:B], kv, meta.page_table, meta.seq_lens, attn=attn, out_dtype=q.dtype)
+            res = paged_decode(qq[:B], kv, page_table, meta.seq_lens, attn=attn, out_dtype=q.dtype)
             if out is None:
                 out = res
             else:
@@ -132,7 +133,7 @@ class TritonBackend:
         else:
             k_new, v_new = stored_new_kv(cache, li, meta, app.k, v) if meta.has_roundtrip else (app.k, v)
             out = paged_prefill(
-                qq, k_new, v_new, meta.cu_seqlens_q, int(meta.max_seqlen_q), kv, meta.page_table, meta.seq_lens,
+                qq, k_new, v_new, meta.cu_seqlens_q, int(meta.max_seqlen_q), kv, page_table, meta.seq_lens,
                 attn=attn, out_dtype=q.dtype, opts=PrefillOptions(max_prefix_len=self._max_prefix(meta)),
             )
         return out.reshape(T, H * D)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -19,6 +19,9 @@ from kvbench.runtime.kv_cache import PagedKVCache, bytes_per_token, plan_capacit
 from kvbench.runtime.models.loader import LoadedModel, load_model, model_is_mla
 from kvbench.runtime.models.runner import ModelRunner
 from kvbench.runtime.scales import KVScales, checkpoint_scales, unit_scales
+
+if TYPE_CHECKING:
+    from kvbench.runtime.layer_groups import LayerGroups
 
 __all__ = ["EngineParts", "build_engine_parts", "CPU_DEFAULT_KV_GB", "engine_device", "engine_dtype", "kv_budget_bytes"]
 
@@ -180,6 +183,9 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
     spec: KVCacheSpec = m.kv_spec(cfg.kv_dtype, cfg.page_size, cfg.kv_layout)
     if layer_dtypes is not None:
         spec = replace(spec, layer_dtypes=tuple(layer_dtypes))
+    groups = layer_groups_for(cfg, m, spec.formats)
+    if groups is not None:
+        spec = replace(spec, groups=groups)
     if scales is None:
         scales = _scales(cfg, loaded, rope, device, layer_dtypes)
     budget = kv_budget_bytes(cfg, device, loaded)
@@ -205,8 +211,10 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
     if device.type == "cuda" and not cfg.enforce_eager:
         from kvbench.runtime.graphs import DecodeGraphs, graph_safe
 
-        if graph_safe(backend):
+        if graph_safe(backend) and spec.groups is None:  # the graphs stage one page table
             runner.graphs = DecodeGraphs(runner, max_batch=cfg.max_running, max_model_len=max_len)
+        elif spec.groups is not None:
+            log.warning("layer groups (sliding layers at their window's pages) decode eagerly: the CUDA graphs stage one page table")
         else:
             log.warning("decode backend %s is not CUDA-graph capturable; decoding eagerly", cfg.decode_backend)
     capacity = CapacityReport(
@@ -220,7 +228,10 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
     if not spec.mla and any(w is not None for w in m.sliding_windows):
         # what the budget holds with sliding layers at their window's pages: what this engine gets when every
         # layer slides (page_window), else what an engine with a page table per layer group would
-        capacity.extra.update(windowed_capacity(spec, m.sliding_windows, budget, max_len), windowed_pages=page_window is not None)
+        capacity.extra.update(windowed_capacity(replace(spec, groups=None), m.sliding_windows, budget, max_len),
+                              windowed_pages=page_window is not None or spec.groups is not None)
+    if spec.groups is not None:
+        capacity.extra.update(layer_groups=spec.groups.num_groups, layers_per_group=spec.groups.size)
     if spec.mixed:  # the capacity above is exact: bytes_per_token sums every layer in its own format
         capacity.extra.update(
             kv_dtype_skip_layers=cfg.kv_dtype_skip_layers, kv_layer_dtypes=cfg.kv_layer_dtypes,
@@ -232,6 +243,22 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
 
 # backends whose kernels never look up a page below a sequence's window (runtime/scheduler.py, windowed pages)
 WINDOW_SAFE_BACKENDS = ("torch", "triton")
+
+
+def layer_groups_for(cfg: EngineConfig, m, formats) -> Optional["LayerGroups"]:
+    """Layer groups over one page pool for a model with global and sliding layers (``runtime/layer_groups.py``):
+    on for Gemma 3, for any such model with ``extra={"layer_group_pages": True}``, off with ``False``; only on
+    backends that never read below a window, and where the layers sharing a plane slot share a format."""
+    from kvbench.runtime.layer_groups import plan_layer_groups
+
+    want = (cfg.extra or {}).get("layer_group_pages", "auto")
+    if want not in (True, False, "auto"):
+        raise ConfigError(f"extra.layer_group_pages must be true, false or auto, got {want!r}", "extra")
+    if want is False or (want == "auto" and m.arch != "gemma3") or m.is_mla:
+        return None
+    if cfg.prefill_backend not in WINDOW_SAFE_BACKENDS or cfg.decode_backend not in WINDOW_SAFE_BACKENDS:
+        return None
+    return plan_layer_groups(m.sliding_windows, formats)
 
 
 def window_pages(cfg: EngineConfig, m, num_pages: int) -> Optional[int]:

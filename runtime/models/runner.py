@@ -35,6 +35,7 @@ class StepInputs:
         self._scratch = scratch_page
         self._table: Optional[list[list[int]]] = None
         self.roundtrip: list[bool] = []
+        self.group_slots: list[list[int]] = []  # layer groups 1..G-1: each one's slot of every row
         if _general or batch.phase != "decode" or not self._decode(batch.seqs, page_size):
             self._general(batch, page_size)
             self.max_pages_used = max(len(s.pages) for s in batch.seqs)
@@ -52,7 +53,7 @@ class StepInputs:
         add_id, add_pos, add_slot, add_len = ids.append, pos.append, slots.append, lens.append
         widest = 0
         for i, s in enumerate(seqs):
-            if s.score_from is not None:
+            if s.score_from is not None or s.group_pages:
                 return False
             t = s.num_cached
             prompt = s.prompt_ids
@@ -113,6 +114,10 @@ class StepInputs:
                     sample_pos.append(start + q - 1)
         self.ids, self.pos, self.slots, self.seq_lens, self.cu = ids, pos, slots, seq_lens, cu
         self.sample_rows, self.sample_idx, self.sample_pos = sample_rows, sample_idx, sample_pos
+        if batch.seqs[0].group_pages:  # layer groups: the same positions in each group's pages
+            rows = [i for i, q in enumerate(batch.q_lens) for _ in range(q)]
+            self.group_slots = [[batch.seqs[i].group_pages[k][p // page_size] * page_size + p % page_size
+                                 for i, p in zip(rows, pos)] for k in range(len(batch.seqs[0].group_pages))]
         self.roundtrip = roundtrip if batch.phase == "prefill" and any(roundtrip) else []
 
     @property
@@ -122,6 +127,11 @@ class StepInputs:
             w, pad = self._width, self._scratch
             self._table = [s.pages + [pad] * (w - len(s.pages)) for s in self.seqs]
         return self._table
+
+    def group_table(self, k: int) -> list[list[int]]:
+        """Layer group ``k + 1``'s pages of each sequence, padded as ``table``."""
+        w, pad = self._width, self._scratch
+        return [s.group_pages[k] + [pad] * (w - len(s.group_pages[k])) for s in self.seqs]
 
     @property
     def all_rows_sampled(self) -> bool:
@@ -174,6 +184,9 @@ class ModelRunner:
             seq_lens_cpu=list(inp.seq_lens),
             q_lens_cpu=list(inp.q_lens),
         )
+        if inp.group_slots:
+            meta.group_page_tables = [meta.page_table] + [torch.tensor(inp.group_table(k), **i32) for k in range(len(inp.group_slots))]
+            meta.group_slot_mappings = [meta.slot_mapping] + [torch.tensor(s, **i64) for s in inp.group_slots]
         if inp.roundtrip:
             meta.roundtrip_seqs_cpu = list(inp.roundtrip)
             flags = [f for f, q in zip(inp.roundtrip, inp.q_lens) for _ in range(q)]
