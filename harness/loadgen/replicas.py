@@ -28,7 +28,6 @@ largest; preemptions: the sum; each replica's own under ``per_replica``).  The s
 from __future__ import annotations
 
 import asyncio
-import gc
 import math
 import time
 from collections import deque
@@ -36,7 +35,7 @@ from dataclasses import asdict, replace
 from typing import Optional
 
 from kvbench.core import combine_machine, summarize
-from kvbench.harness.loadgen.run import (LoadConfig, _lag_monitor, dispatch, _summary, _warm_up, build_items, jsonable, run_load,
+from kvbench.harness.loadgen.run import (LoadConfig, _lag_monitor, dispatch, _summary, _warm_up, jsonable, run_load, run_measured,
                                          server_root)
 from kvbench.harness.replica_set import ReplicaURL, check_same_model, replica_mode, replica_urls
 
@@ -97,27 +96,14 @@ class _Slots:
 
 
 def _run_aggregate(urls: list[str], model: str, cfg: LoadConfig) -> tuple[dict, list[dict]]:
-    from kvbench.harness.loadgen.machine import MachineProbe
     from kvbench.harness.loadgen.tokenizer import resolve_tokenizer
 
     n = len(urls)
     total = replace(cfg, num_prompts=cfg.num_prompts * n, request_rate=cfg.request_rate * n,
                     max_concurrency=None if cfg.max_concurrency is None else cfg.max_concurrency * n)
     tokenizer = resolve_tokenizer(cfg.tokenizer, server_root(urls[0]), cfg.api_key)
-    try:
-        items = build_items(total, tokenizer)
-        gc.collect()
-        gc.freeze()  # as run_load does: short collector pauses during the run
-        probe = MachineProbe.start()
-        try:
-            summary, records = asyncio.run(_run_async(urls, model, total, cfg.max_concurrency, items, tokenizer))
-        finally:
-            gc.unfreeze()
-        summary["machine_load"] = probe.stop()
-    finally:
-        if tokenizer is not None:
-            tokenizer.close()
-    return summary, records
+    return run_measured(total, tokenizer,
+                        lambda items: _run_async(urls, model, total, cfg.max_concurrency, items, tokenizer))
 
 
 async def _run_async(urls: list[str], model: str, cfg: LoadConfig, per_cap: Optional[int], items: list,

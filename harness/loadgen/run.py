@@ -276,28 +276,36 @@ def _summary(work: list, outcomes, t0: float, duration: float, lags: list[float]
     return summary, records
 
 
+def run_measured(cfg: LoadConfig, tokenizer, make_run) -> tuple[dict, list[dict]]:
+    """Build ``cfg``'s requests and run ``make_run(items)`` (a coroutine giving ``(summary, records)``) on a new
+    event loop, with the machine's load measured around it (``summary["machine_load"]``); closes ``tokenizer``.
+
+    Objects alive before the run (a loaded torch, a tokenizer, test fixtures) move to the permanent generation,
+    so the collector's pauses during the run stay short: they would otherwise stall the event loop and show up
+    as client-side latency in TTFT / ITL."""
+    try:
+        items = build_items(cfg, tokenizer)
+        gc.collect()
+        gc.freeze()
+        probe = MachineProbe.start()  # load averages and CPU shares around the test (harness/loadgen/machine.py)
+        try:
+            summary, records = asyncio.run(make_run(items))
+        finally:
+            gc.unfreeze()
+        summary["machine_load"] = probe.stop()
+        return summary, records
+    finally:
+        if tokenizer is not None:
+            tokenizer.close()
+
+
 def run_load(base_url: str, model: Optional[str], cfg: LoadConfig) -> tuple[dict, list[dict]]:
     """Run one load test; ``model=None`` takes the first id of ``/v1/models``."""
     from kvbench.harness.loadgen.tokenizer import resolve_tokenizer
 
     model = model or discover_model(base_url, cfg.api_key)
     tokenizer = resolve_tokenizer(cfg.tokenizer, server_root(base_url), cfg.api_key)
-    try:
-        items = build_items(cfg, tokenizer)
-        # Objects alive before the run (a loaded torch, a tokenizer, test fixtures) move to the permanent
-        # generation, so the collector's pauses during the run stay short: they would otherwise stall the
-        # event loop and show up as client-side latency in TTFT / ITL.
-        gc.collect()
-        gc.freeze()
-        probe = MachineProbe.start()  # load averages and CPU shares around the test (harness/loadgen/machine.py)
-        try:
-            summary, records = asyncio.run(_run_async(base_url, model, cfg, items, tokenizer))
-        finally:
-            gc.unfreeze()
-        summary["machine_load"] = probe.stop()
-    finally:
-        if tokenizer is not None:
-            tokenizer.close()
+    summary, records = run_measured(cfg, tokenizer, lambda items: _run_async(base_url, model, cfg, items, tokenizer))
     conf = asdict(cfg)
     conf.pop("api_key", None)
     conf["request_rate"] = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate
