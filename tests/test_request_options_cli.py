@@ -85,6 +85,7 @@ def test_eval_sends_the_request_options_and_records_them(server, tmp_path):
     (["--endpoint", "http://127.0.0.1:9", "--top-p", "2"], "--top-p: expected a number in (0, 1]"),
     (["--endpoint", "http://127.0.0.1:9", "--max-retries", "-1"], "--max-retries must be >= 0"),
     (["--endpoint", "http://127.0.0.1:9", "--request-timeout", "0"], "--request-timeout must be positive"),
+    (["--endpoint", "http://127.0.0.1:9", "--suite", "gsm8k"], "--endpoint: no server answers at http://127.0.0.1:9"),
     (["--extra-body", "{}"], "--extra-body applies to --endpoint only"),
     (["--max-retries", "2"], "--max-retries applies to --endpoint only"),
     (["--api-key", "k"], "--api-key applies to --endpoint only"),

@@ -53,7 +53,11 @@ def _open_client(engine, endpoint: Optional[str], http: Optional[dict] = None, r
             from kvbench.harness.openai_client import OpenAIClient
         except ImportError as e:
             raise typer.BadParameter(f"--endpoint needs kvbench.harness.openai_client ({e})") from None
-        return OpenAIClient(endpoint, model=engine.model, **(http or {}))
+        try:
+            return OpenAIClient(endpoint, model=engine.model, **(http or {}))
+        except ConnectionError as e:
+            raise typer.BadParameter(f"--endpoint: no server answers at {endpoint} ({e}); start one (kvbench serve, "
+                                     "vllm serve, python -m sglang.launch_server) or check the URL") from None
     from kvbench.harness.engine_client import EngineClient
 
     return EngineClient(engine)
