@@ -65,3 +65,29 @@ def test_gemma3_270m_gguf_greedy_matches_transformers():
         assert float(kl.max()) < 1e-3, kl
     finally:
         e.shutdown()
+
+
+def test_eval_ruler_on_gemma3_270m_with_an_fp8_cache(tmp_path):
+    """The issue's CI run: `kvbench eval --model gemma3-270m --suite ruler` on the CPU, an fp8 cache, a context
+    past the 512-token window of the sliding layers (the global layers must carry the needle there)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    _path()
+    kvbench = shutil.which("kvbench") or str(__import__("pathlib").Path(sys.executable).with_name("kvbench"))
+    out = tmp_path / "o"
+    p = subprocess.run([kvbench, "eval", "--model", "gemma3-270m", "--kv-dtype", "fp8_e4m3", "--suite", "ruler",
+                        "--context-lengths", "256,1024", "--ruler-tasks", "niah_single,vt", "--depths", "1", "--limit", "1",
+                        "--no-progress", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines()]
+    assert sorted(r["item_id"] for r in recs) == ["niah_single-L1024-d0-0", "niah_single-L256-d0-0", "vt-L1024-d0-0",
+                                                  "vt-L256-d0-0"]
+    for r in recs:
+        assert r["prompt_tokens"] == r["context_tokens"] and r["context_tokens"] > r["context_length"] * 0.99 - 1
+        assert 0.0 <= r["scores"]["ruler"] <= 1.0 and r["finish_reason"] in ("stop", "length")
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["suites"]["ruler"]["by_length"]) == {"256", "1024"}
+    assert "fp8_e4m3" in json.dumps(summary["target"])
