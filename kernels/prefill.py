@@ -347,6 +347,9 @@ _GPU_DEFAULTS = {
           "tma_short": (64, 64, 64, 4, 3), "plain": (128, 64, 64, 8, 3)},
     64: {"prefix": (128, 64, 128, 4, 3), "prefix_tma": (128, 64, 128, 4, 3), "tma": (64, 64, 64, 4, 3),
          "tma_short": (64, 64, 64, 4, 3), "plain": (128, 64, 64, 4, 3)},
+    # D 256 (Gemma 3): the D 128 tiles need 300-525 KB of shared memory (an H200 has 227 KB per block); 64-row
+    # tiles in two stages fit, as flash-attention's own D 256 tiles do
+    256: {c: (64, 64, 64, 4, 2) for c in ("prefix", "prefix_tma", "tma", "tma_short", "plain")},
 }
 _SHORT = 2048
 _CPU_DEFAULTS = (64, 64, 64, 4, 2)
@@ -359,7 +362,7 @@ def launch_defaults(device, head_dim: int, max_prefix_len: Optional[int] = None,
     descriptors."""
     if torch.device(device).type != "cuda" or interpreting():
         return dict(zip(_LAUNCH, _CPU_DEFAULTS))
-    table = _GPU_DEFAULTS[64 if head_dim <= 64 else 128]
+    table = _GPU_DEFAULTS[64 if head_dim <= 64 else 128 if head_dim <= 128 else 256]
     if max_prefix_len != 0:
         case = "prefix_tma" if tma else "prefix"
     elif not tma:

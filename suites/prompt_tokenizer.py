@@ -58,8 +58,10 @@ class HFPromptTokenizer:
         if self._ids is not None:
             return list(self._ids(request))
         if request.messages is not None:
+            # a template holds the special tokens it wants; a templateless transcript gets the tokenizer's own
+            # (its BOS), as the embedded engine encodes it (``Tokenizer.encode_chat``)
             return list(self._tok.encode(self._tok.apply_chat_template(request.messages, add_generation_prompt=True),
-                                         add_special_tokens=False))
+                                         add_special_tokens=not self.has_chat_template))
         return list(self._tok.encode(request.prompt, add_special_tokens=True))
 
 

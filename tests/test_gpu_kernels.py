@@ -103,6 +103,22 @@ def test_append_bit_exact(fmt):
     _ok(check_append(fmt, 33, 64, 8, 64, 64, rot=32, style="interleaved", fused=True, seed=11))
 
 
+G256 = (8, 2, 256, 16)  # head_dim 256 (Gemma 3; the real 270M has 4 query heads over 1 kv head)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_head_dim_256(fmt):
+    """head_dim 256 on the compiled kernels (twice the registers per row of 128): decode, prefill over a prefix
+    and the append, with windows as Gemma's sliding layers use them, in both cache layouts."""
+    _ok(check_decode(fmt, [700, 1, 1500, 33], *G256, layout="HND", seed=31))
+    _ok(check_decode(fmt, [4097, 17, 600], 4, 1, 256, 16, window=512, layout="HND", seed=32))
+    _ok(check_decode(fmt, [900, 5], *G256, layout="NHD", seed=33))
+    _ok(check_prefill(fmt, [256, 1, 77], [0, 500, 31], *G256, layout="HND", seed=34))
+    _ok(check_prefill(fmt, [200, 1, 64], [1000, 64, 0], 4, 1, 256, 16, window=512, layout="HND", seed=35))
+    _ok(check_append(fmt, 100, 8, 2, 256, 16, fused=True, layout="HND", seed=36))
+    _ok(check_append(fmt, 100, 8, 2, 256, 16, fused=False, layout="HND", seed=37))
+
+
 # ------------------------------------------------------------------------------------------------ MLA
 @pytest.fixture(scope="module")
 def mla_gen():

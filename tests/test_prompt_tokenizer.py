@@ -95,6 +95,25 @@ def test_local_tokenizer_json_and_hf_directory(tmp_path):
     assert chat == tok.encode(render_chat_template(TEMPLATE, MESSAGES, {}), add_special_tokens=False).ids
 
 
+def test_templateless_chat_prompt_starts_with_the_bos(tmp_path):
+    """A checkpoint without a chat template (a base model such as Gemma 3 270M): chat messages become a plain
+    transcript that still gets the tokenizer's BOS, as the embedded engine encodes it (Gemma degenerates
+    without one); the count is the engine's own."""
+    from transformers import PreTrainedTokenizerFast
+
+    from kvbench.core.tokenizer import load_tokenizer
+
+    tok = backing_tokenizer()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="<unk>")
+    hf.save_pretrained(str(tmp_path))
+    h = load_prompt_tokenizer(str(tmp_path))
+    assert isinstance(h, HFPromptTokenizer) and not h.has_chat_template
+    ids = h.prompt_ids(GenRequest(messages=MESSAGES))
+    text = "user: " + MESSAGES[0]["content"] + "\nassistant:"
+    assert ids[0] == 0 and ids == [0] + tok.encode(text, add_special_tokens=False).ids
+    assert ids == load_tokenizer(str(tmp_path)).encode_chat(MESSAGES)
+
+
 def test_missing_paths_and_unreachable_hub_are_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(PromptTokenizerError, match="no such file or directory"):
         load_prompt_tokenizer(str(tmp_path / "missing" / "tokenizer.json"))

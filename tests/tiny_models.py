@@ -120,10 +120,11 @@ def check_engine_parity(hf, model, backend: str, n: int = 6, max_kl: float = 1e-
         full = ps[0] + got[0]
         res = e.score(ps[0][:4], full[4:], full_distribution=True)
         want = hf_logprobs(hf, full)[3:-1]
-        kl = (want.exp() * (want - res.full_logprobs)).sum(-1)
-        assert res.full_logprobs.shape == want.shape
+        got_lp = res.full_logprobs.float().cpu()
+        kl = (want.exp() * (want - got_lp)).sum(-1)
+        assert got_lp.shape == want.shape
         assert float(kl.max()) < max_kl, (backend, kl)
-        diff = float((want - res.full_logprobs).abs().max())
+        diff = float((want - got_lp).abs().max())
         assert diff < 0.02, (backend, diff)
         return {"tokens": got, "max_kl": float(kl.max()), "max_logprob_diff": diff}
     finally:

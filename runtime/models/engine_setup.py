@@ -178,6 +178,11 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
     layer_dtypes = _layer_dtypes(cfg, m)
     for f in dict.fromkeys(layer_dtypes or ()):  # every format of a mixed cache runs on both backends
         check_supported(cfg.prefill_backend, cfg.decode_backend, f, mla)
+    if (device.type == "cuda" and not mla and m.head_dim < 32 and "triton" in (cfg.prefill_backend, cfg.decode_backend)
+            and "nvfp4" in (layer_dtypes or (cfg.kv_dtype,))):
+        # the kernels split an nvfp4 head into its even and odd halves, and a tensor-core dot needs 16 of each
+        raise ConfigError(f"the triton backend reads an nvfp4 cache on the GPU at head_dim >= 32; {loaded.model_id} "
+                          f"has head_dim {m.head_dim}: use the torch backend or another kv_dtype", "kv_dtype")
     max_len = context_length(cfg.max_model_len, m.max_position_embeddings, loaded.model_id)
     rope = m.rope_cache(max(max_len, 1), device)  # with the local layers' tables where they differ (Gemma 3)
     spec: KVCacheSpec = m.kv_spec(cfg.kv_dtype, cfg.page_size, cfg.kv_layout)
