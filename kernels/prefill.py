@@ -19,12 +19,14 @@ Sliding window and attention sinks follow ``reference.py``'s conventions.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kvbench.kernels._fp8_split import split_e4m3
@@ -43,6 +45,8 @@ from kvbench.kernels._triton_utils import (
     to_dot,
 )
 from kvbench.kernels.config import AttentionParams, PagedKV, PrefillOptions
+
+log = logging.getLogger("kvbench.kernels")
 
 __all__ = ["paged_prefill", "tma_ok"]
 
@@ -347,9 +351,10 @@ _GPU_DEFAULTS = {
           "tma_short": (64, 64, 64, 4, 3), "plain": (128, 64, 64, 8, 3)},
     64: {"prefix": (128, 64, 128, 4, 3), "prefix_tma": (128, 64, 128, 4, 3), "tma": (64, 64, 64, 4, 3),
          "tma_short": (64, 64, 64, 4, 3), "plain": (128, 64, 64, 4, 3)},
-    # D 256 (Gemma 3): the D 128 tiles need 300-525 KB of shared memory (an H200 has 227 KB per block); 64-row
-    # tiles in two stages fit, as flash-attention's own D 256 tiles do
-    256: {c: (64, 64, 64, 4, 2) for c in ("prefix", "prefix_tma", "tma", "tma_short", "plain")},
+    # D 256 (Gemma 3): the D 128 tiles need 300-525 KB of shared memory (an H200 has 227 KB per block); of 9
+    # tiles that fit, (128, 64, 64, 8, 2) was the fastest for an 8k prompt and a 4 x (7168 + 1024) extend, bf16,
+    # fp8 and nvfp4 (2026-11-29, H200: docs/scripts/head_dim_256.py, docs/kernels.md "head_dim 256")
+    256: {c: (128, 64, 64, 8, 2) for c in ("prefix", "prefix_tma", "tma", "tma_short", "plain")},
 }
 _SHORT = 2048
 _CPU_DEFAULTS = (64, 64, 64, 4, 2)
@@ -461,24 +466,56 @@ def paged_prefill(
     if ws_plan is not None:  # the kernel sees a cache of float16 values with per-head scales, not nvfp4
         fmt, fp8_qk, q_split = 1, False, False
     tma = _resolve_tma(opts.tma, fmt, q, k_new, v_new, kv_format)
-    block_m, block_n, block_n_prefix, num_warps, num_stages, tma = _tiles(opts, q.device, d, max_q_len, tma)
-    qa, ka, va = q, k_new, v_new
-    if tma:
-        qa, ka, va = _descriptor(q, block_m), _descriptor(k_new, block_n), _descriptor(v_new, block_n)
-    common = dict(
-        G=hq // hk, D=d, NB=next_pow2(max(d // 16, 1)), BLOCK_M=block_m, BLOCK_N=block_n, DOT=dot_code(k_new.dtype),
-        DOT_P=cache_dot_code(kv_format, k_new.dtype), HAS_Q_SCALE=q_scale is not None,
-        HAS_SINKS=sinks is not None, HEAVY_FIRST=opts.heavy_first, PREFIX_FULL=opts.prefix_full,
-        BLOCK_NP=block_n_prefix, TMA=bool(tma), EXACT_CAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
-    )
-    args = (qa, ka, va, q_scale if q_scale is not None else kc.scale, sinks if sinks is not None else kc.scale,
-            out, scale, int(attn.sliding_window or 0), max_q_len, common)
-    if ws_plan is not None:
-        _over_workspace(ws_plan, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, src_fmt, q, k_new, v_new, args)
-        return out
-    _launch_prefill(*args, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, q, k_new, v_new, fmt,
-                    dict(DP_PAD=next_pow2(dp), FULL_D=dp == next_pow2(dp), FP8_QK=fp8_qk, Q_SPLIT=q_split))
+    tiles = _tiles(opts, q.device, d, max_q_len, tma)
+    chosen = all(getattr(opts, k) is None for k in _LAUNCH)  # the defaults: shrink them where they do not fit
+    key = (str(q.device), d, q.dtype, fmt, ws_plan is not None, tiles)
+    tiles = _SHRUNK.get(key, tiles) if chosen else tiles
+    while True:
+        block_m, block_n, block_n_prefix, num_warps, num_stages, tma = tiles
+        qa, ka, va = q, k_new, v_new
+        if tma:
+            qa, ka, va = _descriptor(q, block_m), _descriptor(k_new, block_n), _descriptor(v_new, block_n)
+        common = dict(
+            G=hq // hk, D=d, NB=next_pow2(max(d // 16, 1)), BLOCK_M=block_m, BLOCK_N=block_n, DOT=dot_code(k_new.dtype),
+            DOT_P=cache_dot_code(kv_format, k_new.dtype), HAS_Q_SCALE=q_scale is not None,
+            HAS_SINKS=sinks is not None, HEAVY_FIRST=opts.heavy_first, PREFIX_FULL=opts.prefix_full,
+            BLOCK_NP=block_n_prefix, TMA=bool(tma), EXACT_CAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
+        )
+        args = (qa, ka, va, q_scale if q_scale is not None else kc.scale, sinks if sinks is not None else kc.scale,
+                out, scale, int(attn.sliding_window or 0), max_q_len, common)
+        try:
+            if ws_plan is not None:
+                _over_workspace(ws_plan, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, src_fmt, q, k_new, v_new, args)
+            else:
+                _launch_prefill(*args, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, q, k_new, v_new, fmt,
+                                dict(DP_PAD=next_pow2(dp), FULL_D=dp == next_pow2(dp), FP8_QK=fp8_qk, Q_SPLIT=q_split))
+            break
+        except OutOfResources:
+            smaller = _shrink(tiles) if chosen else None
+            if smaller is None:
+                raise
+            log.info("paged_prefill: tiles %s need more shared memory than this GPU has (D %d, %s); trying %s",
+                     tiles[:5], d, q.dtype, smaller[:5])
+            _SHRUNK[key] = tiles = smaller
     return out
+
+
+_SHRUNK: dict = {}  # default tiles that did not fit this GPU's shared memory → the smaller ones that did
+
+
+def _shrink(tiles: tuple) -> Optional[tuple]:
+    """The next smaller launch after an out-of-shared-memory error: one stage fewer, then half the prefix tile,
+    half the key tile, half the query block (warps capped at one per 16 rows); None below 16-row tiles."""
+    block_m, block_n, block_np, warps, stages, tma = tiles
+    if stages > 1:
+        return block_m, block_n, block_np, warps, stages - 1, tma
+    if block_np > 16:
+        return block_m, block_n, block_np // 2, warps, stages, tma
+    if block_n > 16:
+        return block_m, block_n // 2, block_np, warps, stages, tma
+    if block_m > 16:
+        return block_m // 2, block_n, block_np, max(1, min(warps, block_m // 32)), stages, tma
+    return None
 
 
 def _resolve_tma(tma: Optional[bool], fmt: int, q, k_new, v_new, kv_format: str):

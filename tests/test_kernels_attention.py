@@ -249,6 +249,43 @@ def test_prefill_launch_defaults_pick_the_prefix_tile(monkeypatch):
     assert len(seen) == 4
 
 
+def test_prefill_default_tiles_shrink_where_shared_memory_runs_out(monkeypatch):
+    """Default tiles that a GPU cannot fit (Triton's OutOfResources at launch: head_dim 256 in float32, smaller
+    GPUs) are retried smaller (a stage, then the prefix tile, ...) and remembered; the output is the
+    reference's.  Tiles the caller chose are not changed: the error reaches the caller."""
+    from triton.runtime.errors import OutOfResources
+
+    import kvbench.kernels.prefill as P
+
+    real, tried = P._launch_prefill, []
+
+    def launch(*a):
+        common = a[9]
+        tried.append((common["num_stages"], common["BLOCK_NP"]))
+        if common["num_stages"] > 1 or common["BLOCK_NP"] > 32:  # "this GPU" fits one stage of 32-key tiles
+            raise OutOfResources(300000, 232448, "shared memory")
+        return real(*a)
+
+    monkeypatch.setattr(P, "_launch_prefill", launch)
+    monkeypatch.setattr(P, "_SHRUNK", {})
+    gen = torch.Generator().manual_seed(3)
+    kv, table = C._attn_inputs("bf16", [40, 21], 2, 32, 8, "cpu", gen)
+    q, k, v = torch.randn(9, 4, 32), torch.randn(9, 2, 32), torch.randn(9, 2, 32)
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    sl = torch.tensor([40, 21], dtype=torch.int32)
+    out = paged_prefill(q, k, v, cu, 5, PagedKV("bf16", **kv), table, sl)
+    ref = C.R.prefill_reference(q, k, v, cu, PagedKV("bf16", **kv), table, sl, AttentionParams())
+    assert C.rel_err(out, ref) < 1e-3
+    first = P.launch_defaults("cpu", 32)
+    assert tried == [(first["num_stages"], first["block_n_prefix"]), (1, first["block_n_prefix"]), (1, 32)]
+    assert len(P._SHRUNK) == 1
+    tried.clear()
+    paged_prefill(q, k, v, cu, 5, PagedKV("bf16", **kv), table, sl)
+    assert tried == [(1, 32)]  # remembered: no failed launch the second time
+    with pytest.raises(OutOfResources):
+        paged_prefill(q, k, v, cu, 5, PagedKV("bf16", **kv), table, sl, opts=PrefillOptions(num_stages=2))
+
+
 def test_prefill_launch_defaults_by_case(monkeypatch):
     # prompts read through tensor descriptors take 128-key tiles when long and 64-row blocks when short;
     # without descriptors (nvfp4, odd strides) or with a prefix the tables' other rows apply; the CPU
