@@ -14,7 +14,7 @@ harness/replica_set.py, harness/replica_targets.py).
   (``replica``).  Other failures (an HTTP error status, a timeout, a stream cut off) are the request's own
   result and are not moved.
 * **Out of rotation.** A replica whose requests fail with a connection error ``max_failures`` times in a row
-  (default 3; any success resets the count) gets no further request for the rest of the target session;
+  (a target's ``replica_max_failures``, ``--replica-max-failures``; default 3; any success resets the count) gets no further request for the rest of the target session;
   ``take_out`` does the same for a failure seen elsewhere (a prefix-cache flush).  ``health()`` says which are
   out and why (the cell's ``summary.json``: ``replica_health``).  When the last replica goes, every request
   raises ``TargetGone``: the suite stops and the cell fails (``--resume`` redoes it).
@@ -32,12 +32,13 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
 from kvbench.core import GenRequest, GenResult, ScoreRequest, ScoreResult, TargetGone, classify_error
+from kvbench.harness.replica_set import DEFAULT_REPLICA_MAX_FAILURES
 
 __all__ = ["ReplicaClient", "MAX_FAILURES"]
 
 log = logging.getLogger(__name__)
 
-MAX_FAILURES = 3  # connection failures in a row that take a replica out of rotation
+MAX_FAILURES = DEFAULT_REPLICA_MAX_FAILURES  # connection failures in a row that take a replica out of rotation
 
 
 class ReplicaClient:
@@ -111,10 +112,11 @@ class ReplicaClient:
             return [u for i, u in enumerate(self.replicas) if i not in self._out]
 
     def health(self) -> dict:
-        """``replicas`` (every URL), ``in_rotation``, ``out`` (``url``, ``reason``, ``at``), ``failovers`` and
-        ``sent`` (requests sent to each replica) since the target opened."""
+        """``replicas`` (every URL), ``in_rotation``, ``out`` (``url``, ``reason``, ``at``), ``failovers``,
+        ``sent`` (requests sent to each replica) since the target opened, and ``max_failures`` (the connection
+        failures in a row that take a replica out)."""
         with self._lock:
-            return {"replicas": list(self.replicas),
+            return {"replicas": list(self.replicas), "max_failures": self.max_failures,
                     "in_rotation": [u for i, u in enumerate(self.replicas) if i not in self._out],
                     "out": [dict(o) for _, o in sorted(self._out.items())], "failovers": self.failovers,
                     "sent": dict(zip(self.replicas, self._served))}

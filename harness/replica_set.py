@@ -23,10 +23,13 @@ from urllib.parse import urlsplit
 
 from kvbench.harness.config_checks import _fail, _str
 
-__all__ = ["REPLICA_LOAD_MODES", "ReplicaURL", "replica_urls", "replica_mode", "parse_base_urls", "server_key",
+__all__ = ["REPLICA_LOAD_MODES", "DEFAULT_REPLICA_MAX_FAILURES", "ReplicaURL", "replica_urls", "replica_mode", "parse_base_urls", "server_key",
            "urls_of_flag", "check_same_model", "replica_capacity"]
 
 REPLICA_LOAD_MODES = ("aggregate", "each")  # one load test over all replicas at once | one replica at a time
+# connection failures in a row that take a replica out of rotation (harness/replica_client.py): a target's
+# ``replica_max_failures``, ``kvbench eval`` / ``kvbench sweep --replica-max-failures``
+DEFAULT_REPLICA_MAX_FAILURES = 3
 
 
 class ReplicaURL(str):

@@ -100,7 +100,8 @@ def _replica_client(spec: TargetSpec, urls: list[str]) -> tuple[ReplicaClient, s
         model_id = check_same_model(urls, spec.model_id, spec.api_key)
     except (ValueError, ConnectionError) as e:
         raise TargetError(f"target {spec.name!r}: {e}") from None
-    return ReplicaClient([http_client(url, model_id, spec.api_key, spec) for url in urls]), model_id
+    clients = [http_client(url, model_id, spec.api_key, spec) for url in urls]
+    return ReplicaClient(clients, max_failures=spec.replica_max_failures), model_id
 
 
 @contextmanager

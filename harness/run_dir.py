@@ -157,9 +157,15 @@ def _backfill(prev: dict, cur: dict) -> dict:
     return out
 
 
+# target keys that do not change what a finished cell measured: which GPUs its servers used (``devices``), and
+# after how many connection failures in a row a replica leaves the rotation (``replica_max_failures``; a
+# ``kvbench sweep --replica-max-failures`` override): a resume may change them
+_PLACEMENT_KEYS = ("devices", "replica_max_failures")
+
+
 def _placed(target: dict) -> dict:
-    """A target's config without what only places it on devices."""
-    return {k: v for k, v in target.items() if k != "devices"}
+    """A target's config without what only places its work (``_PLACEMENT_KEYS``)."""
+    return {k: v for k, v in target.items() if k not in _PLACEMENT_KEYS}
 
 
 def _check_resume(store: RunStore, sweep: SweepConfig, cells: list[Cell]) -> dict:
@@ -260,7 +266,7 @@ def _run_key_problems(prev: dict, cur: dict, differs: list[str], problems: list[
 
 def _target_problems(prev: dict, cur: dict, used: set, differs: list[str], problems: list[str]) -> None:
     """The targets the finished cells ran on (``used``) that changed, into ``differs`` / ``problems``."""
-    # a target's ``devices`` only place its servers (which GPUs), so a resume may move them
+    # what only places a target's work (its ``devices``, ``replica_max_failures``) may change on a resume
     old_targets = {t.get("name"): _placed(t) for t in prev.get("targets") or [] if isinstance(t, dict)}
     new_targets = {t["name"]: _placed(t) for t in cur["targets"]}
     for name in sorted(n for n in used if n is not None):

@@ -76,7 +76,8 @@ def _replica_note(a: Analysis) -> str:
         return ""
     return (" (\"c × N replicas\": c requests in flight on each of N data-parallel replicas of one server configuration; "
             "one load test over all of them at once, num_prompts and rate × N, throughputs their sum; \", each\": one "
-            "replica at a time, figures pooled over them, throughputs the mean per replica)")
+            "replica at a time, figures pooled over them, throughputs the mean per replica; no failover: a request "
+            "that fails on a replica is counted failed, never sent to another)")
 
 
 def load_table(a: Analysis) -> Table:

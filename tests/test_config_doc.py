@@ -87,3 +87,27 @@ def test_load_off_is_documented_and_parses():
     assert "load: {enabled: false}" in DOC.read_text()
     cfg = sweep_config.parse_config({"load": {"enabled": False}})
     assert cfg.load.enabled is False
+
+
+def test_executor_and_replica_flags_are_documented():
+    """Every flag of `kvbench sweep`, `eval` and `load` about where cells run (the executor, Ray) or about
+    data-parallel replicas appears in docs/config.md's command-line section, and every such flag it names exists."""
+    from typer.main import get_command
+
+    from kvbench.harness.cli import app
+
+    text = sections()["command line: where the cell groups run"]
+    commands = get_command(app).commands
+    flags = {}
+    for name in ("sweep", "eval", "load"):
+        for p in commands[name].params:
+            if p.param_type_name == "option" and re.search(r"\b(ray|replicas?|executor)\b", p.help or "", re.I):
+                flags[(name, p.opts[0])] = p.opts
+    assert {("sweep", "--executor"), ("sweep", "--address"), ("sweep", "--replica-max-failures"), ("eval", "--endpoint"),
+            ("eval", "--replica-max-failures"), ("load", "--base-url"), ("load", "--replica-load")} <= set(flags)
+    missing = [f"{cmd} {flag}" for (cmd, flag) in flags if f"`{flag}" not in text]
+    assert not missing, f"docs/config.md 'Command line' section does not document: {missing}"
+    named = set(re.findall(r"`(--[a-z-]+)", text))
+    known = {o for opts in flags.values() for o in opts} | {"--parallel", "--devices", "--dry-run", "--resume",
+                                                            "--concurrency", "--max-concurrency", "--max-retries"}
+    assert named <= known, sorted(named - known)

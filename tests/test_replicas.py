@@ -28,7 +28,20 @@ from kvbench.harness.replica_set import ReplicaURL, check_same_model, replica_ca
 from kvbench.harness.sweep.config import SweepConfigError, parse_config
 from kvbench.harness.targets import TargetError, open_target
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def _write_gsm8k(d: Path) -> Path:
+    """Twelve made-up GSM8K test items in ``d`` (the replica tests need only questions the model can be asked)."""
+    d.mkdir(parents=True, exist_ok=True)
+    rows = [{"question": f"Tom has {i} apples and buys {i + 3} more. How many apples does he have?",
+             "answer": f"He has {i} + {i + 3} = {2 * i + 3} apples.\n#### {2 * i + 3}"} for i in range(12)]
+    (d / "gsm8k_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+@pytest.fixture(scope="module")
+def gsm8k_dir(tmp_path_factory) -> Path:
+    return _write_gsm8k(tmp_path_factory.mktemp("gsm8k"))
 MODEL = "synthetic:llama-3-8b,layers=2,hidden=256,heads=4,kv_heads=2,head_dim=64,intermediate_size=512,vocab=512"
 
 
@@ -150,6 +163,33 @@ def test_bad_replica_lists_are_refused(target, where):
     assert where in str(e.value)
 
 
+@pytest.mark.parametrize("target, where", [
+    (_endpoint(["http://a:1", "http://b:1"], replica_max_failures=0), "targets[0].replica_max_failures: expected an integer >= 1"),
+    (_endpoint(["http://a:1", "http://b:1"], replica_max_failures="3"), "targets[0].replica_max_failures: expected an integer"),
+    (_endpoint("http://a:1", replica_max_failures=2), "targets[0].replica_max_failures: applies to an endpoint target whose base_url lists several"),
+    ({"targets": [{"name": "s", "type": "server", "launch": "serve {port}", "replica_max_failures": 2}]},
+     "targets[0].replica_max_failures: applies to"),
+    ({"targets": [{"name": "e", "type": "embedded", "replica_max_failures": 2}]}, "targets[0].replica_max_failures: applies to"),
+])
+def test_bad_replica_max_failures_are_refused(target, where):
+    with pytest.raises(SweepConfigError) as e:
+        parse_config(target)
+    assert where in str(e.value)
+
+
+def test_replica_max_failures_is_kept_in_the_manifest_form():
+    t = parse_config(_endpoint(["http://a:1", "http://b:1"], replica_max_failures=5)).targets[0]
+    assert t.replica_max_failures == 5
+    d = parse_config(_endpoint(["http://a:1", "http://b:1"], replica_max_failures=5)).to_dict()["targets"][0]
+    again = parse_config({"targets": [{k: v for k, v in d.items() if v is not None}]}).targets[0]
+    assert d["replica_max_failures"] == 5 and again.replica_max_failures == 5
+    server = parse_config({"targets": [{"name": "s", "type": "server", "launch": "serve {port}", "replicas": 2,
+                                        "replica_max_failures": 1}]}).targets[0]
+    assert server.replica_max_failures == 1
+    default = parse_config(_endpoint(["http://a:1", "http://b:1"]))
+    assert default.targets[0].replica_max_failures == 3 and "replica_max_failures" not in default.to_dict()["targets"][0]
+
+
 def test_env_variables_expand_in_each_replica(monkeypatch):
     monkeypatch.setenv("NODE2", "http://node2:8000")
     t = parse_config(_endpoint(["http://node1:8000", "${NODE2}", "${NODE3:-http://node3:8000}"])).targets[0]
@@ -232,13 +272,12 @@ class _SlowClient:
         pass
 
 
-@pytest.mark.skipif(not (DATA / "gsm8k_test.jsonl").exists(), reason="shared data not present")
-def test_suites_keep_the_concurrency_per_replica():
+def test_suites_keep_the_concurrency_per_replica(gsm8k_dir):
     from kvbench.suites import SuiteOptions, run_suite
 
     a, b = _SlowClient("http://r0"), _SlowClient("http://r1")
     client = ReplicaClient([a, b])
-    res = run_suite("gsm8k_chat", client, SuiteOptions(limit=12, concurrency=2, data_dir=str(DATA), progress=False,
+    res = run_suite("gsm8k_chat", client, SuiteOptions(limit=12, concurrency=2, data_dir=str(gsm8k_dir), progress=False,
                                                         max_tokens=4))
     assert a.most == b.most == 2  # two in flight on each replica, never more
     assert a.calls + b.calls == 12 and a.calls >= 4 and b.calls >= 4
@@ -313,13 +352,13 @@ def servers():
                 proc.wait(10)
 
 
-def _sweep(base_url, out: Path, warmup: int = 1):
+def _sweep(base_url, out: Path, data_dir: Path, warmup: int = 1):
     from kvbench.core.store import RunStore
     from kvbench.harness.matrix import expand
     from kvbench.harness.runner import run_sweep
 
     cfg = parse_config({
-        "name": "dp", "aa_control": False, "data_dir": str(DATA),
+        "name": "dp", "aa_control": False, "data_dir": str(data_dir),
         "targets": [{"name": "dp", "type": "endpoint", "base_url": base_url, "max_retries": 0, "timeout_s": 60,
                      "health_timeout_s": 10}],
         "axes": {"concurrency": [1]},
@@ -338,16 +377,16 @@ def _answers(items):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(not (DATA / "gsm8k_test.jsonl").exists(), reason="shared data not present")
-def test_a_sweep_over_two_replicas_equals_one_replica_and_survives_a_failing_one(servers, tmp_path, fakes):
+def test_a_sweep_over_two_replicas_equals_one_replica_and_survives_a_failing_one(servers, tmp_path, fakes, gsm8k_dir):
     a, b = servers
-    done, items, reqs, summary = _sweep([a, b], tmp_path / "two")
+    done, items, reqs, summary = _sweep([a, b], tmp_path / "two", gsm8k_dir)
     assert done.ok, summary.get("error")
     assert {r["replica"] for r in items} == {a, b} and all(r["error"] is None for r in items)
-    one_done, one_items, one_reqs, one_summary = _sweep(a, tmp_path / "one")
+    one_done, one_items, one_reqs, one_summary = _sweep(a, tmp_path / "one", gsm8k_dir)
     assert one_done.ok and all("replica" not in r for r in one_items + one_reqs)
     assert _answers(items) == _answers(one_items)  # greedy decoding: the same answers whichever replica served
     assert one_summary["load"].get("replicas") is None and "replicas" not in one_summary["target"]
+    assert "replica_failover" not in one_summary["load"]
 
     load = summary["load"]
     assert (load["replicas"], load["replica_urls"], load["replica_load"], load["concurrency_per_replica"]) == (2, [a, b], "aggregate", 1)
@@ -363,12 +402,13 @@ def test_a_sweep_over_two_replicas_equals_one_replica_and_survives_a_failing_one
 
     load_t, lat_t = serving_tables(report_analysis(load_run(tmp_path / "two"), n_boot=50))
     assert load_t.rows[0][1] == "1 × 2 replicas" and lat_t.rows[0][1] == "1 × 2 replicas"
-    assert "replica" in load_t.note
+    assert "replica" in load_t.note and "no failover: a request that fails on a replica is counted failed" in load_t.note
+    assert load["replica_failover"] is False  # the load test states that it never moves a failed request
 
     # a replica that fails once requests arrive: each request it fails goes to the other replica, which serves
     # it (the record names it); after 3 failures in a row it is out of rotation, and the load test runs without it
     broken = fakes(model="tiny")
-    done, items, reqs, summary = _sweep([a, broken.url], tmp_path / "broken", warmup=0)
+    done, items, reqs, summary = _sweep([a, broken.url], tmp_path / "broken", gsm8k_dir, warmup=0)
     assert done.ok, summary.get("error")
     assert broken.completions == 3 and len(items) == 6
     assert all(r["replica"] == a and r["error"] is None for r in items)
@@ -439,17 +479,140 @@ def test_a_cell_whose_replicas_all_fail_fails_and_resume_redoes_it(tmp_path, fak
     assert store.read_json(cell.key, "summary")["replica_health"]["out"] == []
 
 
+def _gone_config(tmp_path, a, b, **target) -> Path:
+    import sys
+
+    import yaml
+
+    sys.path.insert(0, str(Path(__file__).parent / "fake_engines"))
+    from conformance import make_data
+
+    raw = {"name": "gone", "aa_control": False, "data_dir": str(make_data(tmp_path)),
+           "targets": [{"name": "dp", "type": "endpoint", "base_url": [a.url, b.url], "max_retries": 0, "timeout_s": 10,
+                        "health_timeout_s": 5, **target}],
+           "axes": {"concurrency": [1]}, "suites": [{"name": "aime25", "max_tokens": 8}], "load": {"enabled": False}}
+    path = tmp_path / "gone.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_replica_max_failures_takes_a_replica_out_sooner_and_the_sweep_flag_overrides_it(tmp_path, fakes):
+    """``replica_max_failures: 5`` in the config, ``--replica-max-failures 1`` on the command line: the failing
+    replica gets one request, then leaves the rotation; the manifest records the value that ran, and a resume
+    without the flag (the config's 5) is not a changed config."""
+    from typer.testing import CliRunner
+
+    from kvbench.core.store import RunStore
+    from kvbench.harness.cli import app
+
+    a, b = fakes(model="tiny"), fakes(model="tiny")
+    a.answer = True  # a answers, b closes every connection unanswered
+    cfg = _gone_config(tmp_path, a, b, replica_max_failures=5)
+    run = tmp_path / "run"
+    r = CliRunner().invoke(app, ["sweep", str(cfg), "--out", str(run), "--no-progress", "--replica-max-failures", "1"])
+    assert r.exit_code == 0, r.output
+    store = RunStore(run)
+    (cell,) = store.cells()
+    health = store.read_json(cell.key, "summary")["replica_health"]
+    assert b.completions == 1 and health["max_failures"] == 1 and health["in_rotation"] == [a.url]
+    assert health["out"][0]["url"] == b.url and health["out"][0]["reason"].startswith("1 requests in a row failed")
+    items = store.read_items(cell.key)
+    assert len(items) == 3 and all(x["replica"] == a.url and x["error"] is None for x in items)
+    assert store.manifest()["config"]["targets"][0]["replica_max_failures"] == 1
+    again = CliRunner().invoke(app, ["sweep", str(cfg), "--out", str(run), "--no-progress", "--resume"])
+    assert again.exit_code == 0 and "0 cells done, 0 failed, 1 already done (skipped)" in again.output, again.output
+
+    # without the flag the config's value holds (b fails at most 3 requests here: it stays in rotation)
+    r = CliRunner().invoke(app, ["sweep", str(cfg), "--out", str(tmp_path / "run5"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    store5 = RunStore(tmp_path / "run5")
+    health = store5.read_json(store5.cells()[0].key, "summary")["replica_health"]
+    assert health["max_failures"] == 5 and health["out"] == [] and health["in_rotation"] == [a.url, b.url]
+
+
+def test_the_sweep_flag_refuses_a_count_below_one(tmp_path, fakes):
+    from typer.testing import CliRunner
+
+    from kvbench.harness.cli import app
+
+    cfg = _gone_config(tmp_path, fakes(), fakes())
+    r = CliRunner().invoke(app, ["sweep", str(cfg), "--out", str(tmp_path / "r"), "--replica-max-failures", "0"])
+    assert r.exit_code == 2 and "--replica-max-failures must be a whole number >= 1, got 0" in r.output, r.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_sweep_flag_needs_a_target_of_replicas_and_stays_in_the_resume_command(tmp_path, monkeypatch):
+    import shlex
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from kvbench.harness import runner
+    from kvbench.harness.cli import app
+
+    one = tmp_path / "one.yaml"
+    one.write_text(yaml.safe_dump({"targets": [{"name": "e", "type": "endpoint", "base_url": "http://127.0.0.1:9"}],
+                                   "aa_control": False}))
+    r = CliRunner().invoke(app, ["sweep", str(one), "--dry-run", "--replica-max-failures", "2"])
+    assert r.exit_code == 2 and "--replica-max-failures applies to targets of several replicas" in r.output, r.output
+
+    seen = {}
+
+    def interrupted(cfg, *args, **kw):
+        seen["value"] = cfg.targets[0].replica_max_failures
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_sweep", interrupted)
+    two = tmp_path / "two.yaml"
+    two.write_text(yaml.safe_dump({"targets": [{"name": "e", "type": "endpoint",
+                                                "base_url": ["http://127.0.0.1:9", "http://127.0.0.1:10"]}],
+                                   "aa_control": False}))
+    r = CliRunner().invoke(app, ["sweep", str(two), "--out", str(tmp_path / "r"), "--replica-max-failures", "7"])
+    assert r.exit_code == 130 and seen["value"] == 7, r.output
+    assert shlex.split(r.output.splitlines()[-1].strip())[4:] == [str(tmp_path / "r"), "--resume",
+                                                                  "--replica-max-failures", "7"]
+
+
+def test_eval_replica_max_failures(tmp_path, fakes):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from kvbench.harness.cli import app
+
+    sys.path.insert(0, str(Path(__file__).parent / "fake_engines"))
+    from conformance import make_data
+
+    a, b = fakes(model="tiny"), fakes(model="tiny")
+    a.answer = True
+    base = ["eval", "--suite", "aime25", "--max-tokens", "8", "--data-dir", str(make_data(tmp_path)),
+            "--concurrency", "1", "--max-retries", "0", "--no-progress"]
+    for args, needle in (([ "--endpoint", a.url, "--replica-max-failures", "2"], "--replica-max-failures applies to several --endpoint URLs"),
+                         (["--endpoint", f"{a.url},{b.url}", "--replica-max-failures", "0"], "--replica-max-failures must be a whole number >= 1")):
+        r = CliRunner().invoke(app, [*base, *args])
+        assert r.exit_code == 2 and needle in r.output, r.output
+    assert a.completions == b.completions == 0
+    r = CliRunner().invoke(app, [*base, "--endpoint", f"{a.url},{b.url}", "--replica-max-failures", "1",
+                                 "--out", str(tmp_path / "e")])
+    assert r.exit_code == 0, r.output
+    summary = json.loads((tmp_path / "e" / "summary.json").read_text())
+    health = summary["replica_health"]
+    assert b.completions == 1 and health["max_failures"] == 1 and health["in_rotation"] == [a.url]
+    assert health["out"][0]["reason"].startswith("1 requests in a row failed with a connection error")
+    items = [json.loads(line) for line in (tmp_path / "e" / "items.jsonl").read_text().splitlines()]
+    assert len(items) == 3 and all(x["replica"] == a.url and x["error"] is None for x in items)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not (DATA / "gsm8k_test.jsonl").exists(), reason="shared data not present")
-def test_eval_and_load_commands_take_several_replicas(servers, tmp_path):
+def test_eval_and_load_commands_take_several_replicas(servers, tmp_path, gsm8k_dir):
     from typer.testing import CliRunner
 
     from kvbench.harness.cli import app
 
     a, b = servers
     r = CliRunner().invoke(app, ["eval", "--suite", "gsm8k_chat", "--limit", "4", "--max-tokens", "4", "--data-dir",
-                                 str(DATA), "--endpoint", a, "--endpoint", b, "--concurrency", "1", "--max-retries", "0",
+                                 str(gsm8k_dir), "--endpoint", a, "--endpoint", b, "--concurrency", "1", "--max-retries", "0",
                                  "--no-progress", "--out", str(tmp_path / "eval")])
     assert r.exit_code == 0, r.output
     items = [json.loads(line) for line in (tmp_path / "eval" / "items.jsonl").read_text().splitlines()]
@@ -463,8 +626,10 @@ def test_eval_and_load_commands_take_several_replicas(servers, tmp_path):
                                  "--replica-load", "each", "--no-progress", "--out", str(tmp_path / "load")])
     assert r.exit_code == 0, r.output
     assert "Replicas (concurrency is per replica):  2, each" in r.output
+    assert re.search(r"Replica failover: +none \(a failed request counts as failed\)", r.output), r.output
     level = json.loads((tmp_path / "load" / "c1" / "summary.json").read_text())
     assert (level["replicas"], level["replica_load"], level["completed"], level["replica_urls"]) == (2, "each", 4, [a, b])
+    assert level["replica_failover"] is False
     reqs = [json.loads(line) for line in (tmp_path / "load" / "c1" / "requests.jsonl").read_text().splitlines()]
     assert [x["replica"] for x in reqs] == [a, a, b, b]
 

@@ -207,3 +207,101 @@ def test_fidelity_keeps_concurrency_per_replica_and_names_the_replica():
     assert a.calls % 2 == 0 and b.calls % 2 == 0  # both requests of a text on one replica
     assert {r["replica"] for r in res.records} == {"http://a", "http://b"} and "replica" not in one.records[0]
     assert sum(r["replica"] == "http://a" for r in res.records) * 2 == a.calls
+
+
+# ------------------------------------------------------------------------------ every suite names its replica
+def _suite_data(d) -> str:
+    """Three items of every native generation suite (gsm8k and its variants with a few-shot pool, aime24/25,
+    gpqa_diamond) in ``d``."""
+    import csv
+    import json
+
+    def jsonl(name, rows):
+        (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    jsonl("gsm8k_test.jsonl", [{"question": f"Tom has {i} apples and buys {i + 3} more. How many?",
+                                "answer": f"{i} + {i + 3} = {2 * i + 3}\n#### {2 * i + 3}"} for i in range(3)])
+    jsonl("gsm8k_train.jsonl", [{"question": f"Ann has {i} pens and loses one. How many are left?",
+                                 "answer": f"{i} - 1 = {i - 1}\n#### {i - 1}"} for i in range(10, 18)])
+    for name in ("aime24", "aime25"):
+        jsonl(f"{name}.jsonl", [{"id": f"{name}-{i}", "problem": f"What is {i} times {i}?", "answer": str(i * i)}
+                                for i in range(3)])
+    with (d / "gpqa_diamond.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Record ID", "Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
+                    "Incorrect Answer 3"])
+        for i in range(3):
+            w.writerow([f"rec{i}", f"Which one is {i}?", f"{i}", f"{i + 1}", f"{i + 2}", f"{i + 3}"])
+    return str(d)
+
+
+class _ScriptedReplica(Replica):
+    """A ``Replica`` around the ruler tests' scripted client (it has a tokenizer and answers from the prompt)."""
+
+    def __init__(self, url: str):
+        from test_ruler_suite import ScriptedClient
+
+        super().__init__(url, delay=0.005)
+        self.inner = ScriptedClient()
+
+    def tokenizer(self):
+        return self.inner.tokenizer()
+
+    def info(self):
+        return self.inner.info()
+
+
+# the suites whose records this module checks for ``replica``: the native generation suites and ruler here, the
+# fidelity suite and the lm-eval bridge in their own tests above
+_REPLICA_SUITES = ("gsm8k", "gsm8k_cot", "gsm8k_chat", "aime24", "aime25", "gpqa_diamond", "ruler")
+
+
+def test_every_suite_is_checked_for_the_replica_field():
+    from kvbench.suites import suite_names
+
+    assert set(suite_names()) == {*_REPLICA_SUITES, "fidelity", "lm_eval:<task>"}
+
+
+@pytest.mark.parametrize("name", _REPLICA_SUITES)
+def test_every_generation_suite_records_the_replica_that_served_each_item(name, tmp_path):
+    import sys
+    from pathlib import Path
+
+    from kvbench.suites.registry import run_suite
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    if name == "ruler":
+        a, b = _ScriptedReplica("http://a"), _ScriptedReplica("http://b")
+        opts = SuiteOptions(limit=1, concurrency=2, progress=False,
+                            extra={"context_lengths": [512], "tasks": ["niah_single", "vt"], "depths": 2})
+    else:
+        a, b = Replica("http://a", delay=0.005), Replica("http://b", delay=0.005)
+        opts = SuiteOptions(limit=3, repeats=2, concurrency=2, progress=False, max_tokens=4,
+                            data_dir=_suite_data(tmp_path))
+    res = run_suite(name, ReplicaClient([a, b]), opts)
+    served = [r.get("replica") for r in res.records]
+    assert len(served) >= 3 and all(r["error"] is None for r in res.records)
+    assert set(served) == {"http://a", "http://b"}  # every record names one of the two, and both served
+    assert (served.count("http://a"), served.count("http://b")) == (a.calls, b.calls)
+
+
+# ------------------------------------------------------------------------------ --help
+@pytest.mark.parametrize("command, phrases", [
+    ("sweep", ("--executor", "--address", "--ray-retries", "--ray-cpus-per-group", "--replica-max-failures",
+               "one Ray task per group", "a cell's concurrency then applies to each replica",
+               "the load test never moves a failed request")),
+    ("eval", ("--endpoint", "--replica-max-failures", "data-parallel replicas of one server configuration",
+              "--concurrency per replica", "each record names its replica")),
+    ("load", ("--base-url", "--replica-load", "--max-concurrency then applies to each replica",
+              "no failover: a request that fails on a replica is counted failed")),
+])
+def test_help_names_the_executor_and_replica_options(command, phrases):
+    from typer.testing import CliRunner
+
+    from kvbench.harness.cli import app
+
+    r = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "120", "TERMINAL_WIDTH": None})
+    assert r.exit_code == 0, r.output
+    words = " ".join(r.output.replace("│", " ").split())
+    missing = [p for p in phrases if p not in words]
+    assert not missing, (missing, words)

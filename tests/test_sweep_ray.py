@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -35,7 +36,18 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 BIN = Path(sys.executable).parent
 MODEL = "synthetic:llama-3-8b,layers=2,hidden=64,heads=2,kv_heads=1,head_dim=32,intermediate_size=128,vocab=300"
-TIMING_FIELDS = ("latency_s",)  # item fields that are wall-clock times
+# What may differ between a --executor ray sweep and a local sweep of the same config: wall-clock times and the
+# figures made of them, and where the work ran (Ray node, the port of the cell's in-process server).  Everything
+# else a cell writes (items, request records, summary, capacity, cell.json, status) must be identical.
+ITEM_VOLATILE = ("latency_s",)  # items.jsonl: the request's wall-clock seconds
+REQUEST_VOLATILE = ("start_s", "ttft_s", "tpot_s", "itl_s", "latency_s")  # requests.jsonl: load-test timings
+SUMMARY_VOLATILE = ("elapsed_s", "startup_s")  # summary.json: the cell's and its engine's wall-clock seconds
+TARGET_VOLATILE = ("ray_node",)  # summary.json target: node id, hostname, ip, GPU ids (ray only)
+# summary.json load (and each of its per_repeat entries): the server URL (a free port per run), the timings and
+# the throughputs, latency statistics (*_ms), peak concurrency and spread made of them, and the machine's load
+LOAD_VOLATILE = ("base_url", "duration_s", "peak_concurrency", "client_lag_ms", "machine_load", "t0_monotonic",
+                 "spread")
+LOAD_VOLATILE_SUFFIXES = ("_ms", "_throughput")
 
 # CI installs Ray (the test extra): there a missing Ray fails these tests instead of skipping them
 needs_ray = pytest.mark.skipif(find_spec("ray") is None and not os.environ.get("CI"),
@@ -143,7 +155,36 @@ def _executor(address: str, **kw):
 
 
 def _items(store: RunStore, key: str) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in store.read_items(key)]
+    return [{k: v for k, v in r.items() if k not in ITEM_VOLATILE} for r in store.read_items(key)]
+
+
+def _requests(store: RunStore, key: str) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in REQUEST_VOLATILE} for r in store.read_requests(key)]
+
+
+def _steady_load(load: dict) -> dict:
+    out = {k: v for k, v in load.items() if k not in LOAD_VOLATILE and not k.endswith(LOAD_VOLATILE_SUFFIXES)}
+    if "per_repeat" in out:
+        out["per_repeat"] = [_steady_load(r) for r in out["per_repeat"]]
+    return out
+
+
+def _summary(store: RunStore, key: str) -> dict:
+    s = {k: v for k, v in store.read_json(key, "summary").items() if k not in SUMMARY_VOLATILE}
+    s["target"] = {k: v for k, v in s["target"].items() if k not in TARGET_VOLATILE}
+    if s.get("load"):
+        s["load"] = _steady_load(s["load"])
+    return s
+
+
+def test_the_comparison_leaves_out_only_the_listed_fields():
+    """The filters of the ray-vs-local comparison drop what they list and keep everything else."""
+    item = {"latency_s": 1.0, "raw_output": "x", "scores": {"kl": 0.1}, "replica": None}
+    assert [k for k in item if k not in ITEM_VOLATILE] == ["raw_output", "scores", "replica"]
+    load = {"base_url": "u", "completed": 2, "mean_ttft_ms": 1.0, "output_throughput": 3.0, "total_output_tokens": 6,
+            "per_repeat": [{"duration_s": 1.0, "failed": 0}], "spread": {}, "server_metrics": {"available": False}}
+    assert _steady_load(load) == {"completed": 2, "total_output_tokens": 6, "per_repeat": [{"failed": 0}],
+                                  "server_metrics": {"available": False}}
 
 
 def _calls(path: Path) -> list[tuple[str, str, str]]:
@@ -220,6 +261,24 @@ def test_resume_command_keeps_the_ray_flags(tmp_path, data_dir, monkeypatch):
                                     "--ray-retries", "3", "--ray-cpus-per-group", "0.5"]
 
 
+def test_ray_display_prints_each_cell_with_the_eta_over_the_running_groups(capsys):
+    """The driver's plain progress (--no-progress): a line per cell as its worker reports it, with the count and an
+    ETA spread over the most groups seen running at once (the workers report their phases through the sink)."""
+    from kvbench.harness.ray_executor import RayDisplay
+
+    d = RayDisplay(4, None)
+    d.group_phase(0, "bf16 c=1: gsm8k_chat")
+    d.group_phase(1, "fp8 c=1: load test")
+    d.finished("[green]done[/]   bf16 c=1 (10.0 s)", 10.0)  # mean 10 s x 3 left / 2 groups
+    d.group_phase(0, None)  # its group ended: the ETA still counts the 2 groups seen at once
+    d.finished("[green]done[/]   fp8 c=1 (30.0 s)", 30.0)  # mean 20 s x 2 left / 2 groups
+    d.finished("[red]failed[/] fp8 c=2: boom", None)  # untimed: the mean stays 20 s
+    d.finished("[green]done[/]   bf16 c=2 (5.0 s)", 5.0)
+    assert capsys.readouterr().err.splitlines() == [
+        "done   bf16 c=1 (10.0 s)  [1/4, ETA 15s]", "done   fp8 c=1 (30.0 s)  [2/4, ETA 20s]",
+        "failed fp8 c=2: boom  [3/4, ETA 20s]", "done   bf16 c=2 (5.0 s)  [4/4]"]
+
+
 def test_group_resources_follow_the_target():
     from kvbench.harness.matrix import groups
     from kvbench.harness.parallel import plan_groups
@@ -244,7 +303,7 @@ def test_group_resources_follow_the_target():
 @pytest.mark.slow
 @needs_ray
 @pytest.mark.timeout(240)
-def test_ray_sweep_writes_what_a_local_sweep_writes(cluster, data_dir, tmp_path):
+def test_ray_sweep_writes_what_a_local_sweep_writes(cluster, data_dir, tmp_path, capsys):
     import torch
 
     cfg = parse_config(raw_config(data_dir))
@@ -254,25 +313,43 @@ def test_ray_sweep_writes_what_a_local_sweep_writes(cluster, data_dir, tmp_path)
         local = run_sweep(cfg, tmp_path / "local", progress=False)
     finally:
         torch.set_num_threads(threads)
+    capsys.readouterr()
     remote = run_sweep(cfg, tmp_path / "ray", progress=None, executor=_executor(cluster))
     assert local.ok and remote.ok, (local.failed, remote.failed)
     keys = [c.key for c in expand(cfg)]
     assert local.done == remote.done == keys
+    # progress on the driver: one line per finished cell with its time, the count and the ETA (none after the last)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("done ")]
+    assert len(lines) == 4 and all(sum(f"done   {c.label} (" in line for line in lines) == 1 for c in expand(cfg))
+    assert all(re.search(rf"\[{i}/4, ETA \d+s\]$", lines[i - 1]) for i in (1, 2, 3)) and lines[3].endswith("[4/4]")
     lst, rst = RunStore(tmp_path / "local"), RunStore(tmp_path / "ray")
     assert [c.key for c in lst.cells()] == [c.key for c in rst.cells()]
     for key in keys:
-        assert rst.status(key) == "done"
-        assert _items(rst, key) == _items(lst, key), key
-        assert len(rst.read_requests(key)) == len(lst.read_requests(key)) == 2
+        assert rst.status(key) == lst.status(key) == "done"
+        assert (rst.cell_dir(key) / "cell.json").read_text() == (lst.cell_dir(key) / "cell.json").read_text()
+        assert _items(rst, key) == _items(lst, key), key  # every item record, field for field
+        assert _requests(rst, key) == _requests(lst, key) and len(rst.read_requests(key)) == 2, key
+        assert _summary(rst, key) == _summary(lst, key), key  # suites' results, target, load counts, capacity
         assert rst.read_json(key, "capacity") == lst.read_json(key, "capacity")
         node = rst.read_json(key, "summary")["target"]["ray_node"]
-        assert node["node_id"] and node["hostname"]
+        assert node["node_id"] and node["hostname"] and "ray_node" not in lst.read_json(key, "summary")["target"]
         assert (rst.cell_dir(key) / "server.log").exists() == (lst.cell_dir(key) / "server.log").exists()
     assert sum(1 for k in keys if lst.read_items(k)) == 2  # the two concurrency-1 cells ran the suites
+    assert {r["suite"] for k in keys for r in lst.read_items(k)} == {"gsm8k_chat", "fidelity"}
     run = rst.manifest()["runs"][-1]
     assert run["executor"] == "ray" and run["ray_nodes"] == 2 and run["ray_address"].endswith(cluster.split(":")[1])
     assert run["done"] == 4 and "executor" not in lst.manifest()["runs"][-1]
     assert not list((tmp_path / "ray").glob("fidelity/*"))  # the references were computed on the workers
+
+    # the local run resumed with the ray executor: the cell that is not done (fp8 c=1, with its suites) is redone
+    # on the cluster, the others are kept, and it writes what the local run had written
+    before = (_items(lst, keys[2]), _requests(lst, keys[2]), _summary(lst, keys[2]))
+    lst.set_status(keys[2], "failed")
+    again = run_sweep(cfg, tmp_path / "local", resume=True, progress=False, executor=_executor(cluster))
+    assert again.done == [keys[2]] and again.skipped == [keys[0], keys[1], keys[3]]
+    assert (_items(lst, keys[2]), _requests(lst, keys[2]), _summary(lst, keys[2])) == before
+    assert "ray_node" in lst.read_json(keys[2], "summary")["target"]
+    assert [r.get("executor") for r in lst.manifest()["runs"]] == [None, "ray"]
 
 
 @pytest.mark.slow

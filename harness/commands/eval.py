@@ -18,7 +18,9 @@ embedded engine); its top-k figures are cached per (model identity, logits-relev
 ``--fidelity-cache`` (default ``$KVBENCH_CACHE/fidelity``, ``~/.cache/kvbench/fidelity``), capped by
 ``KVBENCH_FIDELITY_CACHE_MAX_MB`` (suites/fidelity/cache.py; harness/fidelity_key.py says what the key holds).
 Several ``--endpoint`` URLs are data-parallel replicas of one server configuration, as an endpoint target's
-``base_url`` list (docs/scale-out.md): ``--concurrency`` per replica, records name their ``replica``, failover.
+``base_url`` list (docs/scale-out.md): ``--concurrency`` per replica, records name their ``replica``, failover; a
+replica whose requests fail with a connection error ``--replica-max-failures`` times in a row (default 3) leaves
+the rotation.
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ def _reference_config(engine):
     return engine.with_kv(engine.kv.reference(backend="torch"))
 
 
-def _open_client(engine, endpoint: Optional[str], http: Optional[dict] = None, replicas: Optional[list] = None):
+def _open_client(engine, endpoint: Optional[str], http: Optional[dict] = None, replicas: Optional[list] = None,
+                 max_failures: Optional[int] = None):
     """The embedded engine, or (``--endpoint``) an ``OpenAIClient`` with ``http``'s api_key / timeout /
-    max_retries; several ``--endpoint`` URLs (``replicas``): a ``ReplicaClient`` over them."""
+    max_retries; several ``--endpoint`` URLs (``replicas``): a ``ReplicaClient`` over them (``max_failures``:
+    ``--replica-max-failures``)."""
     if replicas and len(replicas) > 1:
-        return open_replicas(replicas, engine.model, http or {})
+        return open_replicas(replicas, engine.model, http or {}, max_failures)
     if endpoint:
         try:
             from kvbench.harness.openai_client import OpenAIClient
@@ -97,6 +101,7 @@ def eval_cmd(
     out: Optional[str] = typer.Option(None, "--out", help="Write items.jsonl and summary.json here (a directory; refused when it already holds them, see --overwrite)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the items.jsonl / summary.json that --out already holds"),
     endpoint: Optional[list[str]] = typer.Option(None, "--endpoint", help="External OpenAI-compatible server URL instead of the embedded engine; several (repeat the flag, or a comma list): data-parallel replicas of one server configuration, --concurrency per replica, each record names its replica, a request a replica fails to answer goes to another"),
+    replica_max_failures: Optional[int] = typer.Option(None, "--replica-max-failures", help="With several --endpoint URLs: connection failures in a row (after --max-retries) that take a replica out of rotation for the rest of the run (default 3); with none left the run stops"),
     concurrency: int = typer.Option(8, "--concurrency", "--max-concurrency", help="Requests in flight, per replica with several --endpoint URLs (--max-concurrency: the vLLM / SGLang benchmarks' spelling)"),
     lm_eval: Optional[str] = typer.Option(None, "--lm-eval", help="Run an lm-eval task by name (same as --suite lm_eval:TASK)"),
     lm_eval_include: Optional[str] = typer.Option(None, "--lm-eval-include", help="Extra lm-eval task directory"),
@@ -136,7 +141,7 @@ def eval_cmd(
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request otherwise
-    replicas = endpoint_urls(endpoint)
+    replicas = endpoint_urls(endpoint, replica_max_failures)
     endpoint = replicas[0] if replicas else None
     flags = {"context_lengths": context_lengths, "depths": depths, "tasks": ruler_tasks, "haystack": haystack,
              "haystack_file": haystack_file, "tokenizer": tokenizer, "text_tokens": fidelity_text_tokens,
@@ -151,7 +156,7 @@ def eval_cmd(
         raise typer.BadParameter(str(e)) from None
     out_dir = check_paths(data_dir, out, overwrite)
     diag_spec = diagnose_spec(diagnose, diagnose_kl_limit, endpoint, out_dir, engine)
-    client = _open_client(engine, endpoint, http, replicas) if http else _open_client(engine, endpoint)
+    client = _open_client(engine, endpoint, http, replicas, replica_max_failures) if http else _open_client(engine, endpoint)
     ctx = RunContext(fidelity=_fidelity_context(engine, endpoint, client, fidelity_cache, fidelity_exact, fidelity_top_k,
                                                 greedy_tokens), lm_eval_include=lm_eval_include)
     records, summaries, error, usage_error, info, diag_brief = run_suites(plan, client, ctx, diag_spec, data_dir, out_dir)

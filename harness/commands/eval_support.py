@@ -64,22 +64,28 @@ def request_options(endpoint: Optional[str], values: dict, extra_body: Optional[
         raise SuiteError(f"{flag}{key[len(key.split('.')[0]):]}: {msg}") from None
 
 
-def endpoint_urls(values: Optional[list]) -> Optional[list[str]]:
-    """The ``--endpoint`` URLs (repeated, or comma lists; several must be distinct http(s) URLs); None without."""
+def endpoint_urls(values: Optional[list], max_failures: Optional[int] = None) -> Optional[list[str]]:
+    """The ``--endpoint`` URLs (repeated, or comma lists; several must be distinct http(s) URLs); None without.
+    ``max_failures`` (``--replica-max-failures``) must be >= 1 and needs several URLs: a usage error otherwise."""
     from kvbench.harness.config_checks import SweepConfigError
     from kvbench.harness.replica_set import urls_of_flag
 
-    if not values:
-        return None
-    try:
-        return urls_of_flag(values, "--endpoint")
-    except SweepConfigError as e:
-        usage_error(str(e))
+    urls = None
+    if values:
+        try:
+            urls = urls_of_flag(values, "--endpoint")
+        except SweepConfigError as e:
+            usage_error(str(e))
+    if max_failures is not None and (not urls or len(urls) < 2):
+        usage_error("--replica-max-failures applies to several --endpoint URLs (data-parallel replicas)")
+    if max_failures is not None and max_failures < 1:
+        usage_error(f"--replica-max-failures must be a whole number >= 1, got {max_failures}")
+    return urls
 
 
-def open_replicas(urls: list[str], model: Optional[str], http: dict):
+def open_replicas(urls: list[str], model: Optional[str], http: dict, max_failures: Optional[int] = None):
     """A ``ReplicaClient`` over the ``--endpoint`` replicas, every one up and serving the same model (else a
-    usage error naming the one that is not)."""
+    usage error naming the one that is not); ``max_failures``: ``--replica-max-failures`` (None: the default)."""
     from kvbench.harness.openai_client import OpenAIClient
     from kvbench.harness.replica_client import ReplicaClient
     from kvbench.harness.replica_set import check_same_model
@@ -88,7 +94,8 @@ def open_replicas(urls: list[str], model: Optional[str], http: dict):
         model_id = check_same_model(urls, model, http.get("api_key"))
     except (ValueError, ConnectionError) as e:
         usage_error(f"--endpoint: {e}")
-    return ReplicaClient([OpenAIClient(url, model=model_id, **http) for url in urls])
+    clients = [OpenAIClient(url, model=model_id, **http) for url in urls]
+    return ReplicaClient(clients) if max_failures is None else ReplicaClient(clients, max_failures=max_failures)
 
 
 def http_options(endpoint: Optional[str], api_key: Optional[str], timeout: Optional[float], retries: Optional[int]) -> dict:

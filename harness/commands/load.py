@@ -4,7 +4,8 @@
 
 Several ``--base-url`` (repeated, or a comma list) are data-parallel replicas of one server configuration: each
 level's concurrency applies to each replica, ``--replica-load aggregate`` (default) runs one test over all of them
-at once and ``each`` one replica at a time; every request record names its ``replica`` (docs/scale-out.md).
+at once and ``each`` one replica at a time; every request record names its ``replica`` (docs/scale-out.md).  The
+load test does not fail over: a request that fails on a replica is counted failed, never sent to another one.
 
 One run per concurrency level (``--repeats N``: N runs with the same prompts); each prints the "Serving
 Benchmark Result" block (medians over the repeats), the spread across repeats and the machine's load, and, with
@@ -59,9 +60,9 @@ def register(app: typer.Typer) -> None:
     @app.command("load", help="Serving load test (TTFT, TPOT, ITL, throughput) against an OpenAI-compatible endpoint.")
     def load(
         base_url: Optional[list[str]] = typer.Option(
-            None, "--base-url", "--endpoint", help="Server root (or .../v1); default http://127.0.0.1:8000.  Several "
-            "(repeat the flag, or a comma list): data-parallel replicas of one server configuration; "
-            "--max-concurrency then applies to each replica (see --replica-load), records name their replica"),
+            None, "--base-url", "--endpoint", help="Server root (or .../v1); default http://127.0.0.1:8000.  Several (repeat the flag, or a "
+            "comma list): data-parallel replicas of one server configuration; --max-concurrency then applies to each replica (see "
+            "--replica-load), records name their replica; no failover: a request that fails on a replica is counted failed, never sent to another"),
         replica_load: Optional[str] = typer.Option(None, "--replica-load", help="With several --base-url replicas: "
             "aggregate (default: one test over all at once, prompts, rate and concurrency × replicas, throughputs "
             "summed) or each (the test on one replica at a time)"),

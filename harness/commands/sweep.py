@@ -105,7 +105,11 @@ RayRetriesOpt = Annotated[Optional[int], typer.Option(
     "unfinished cells (default 1; then they are recorded failed)")]
 RayCpusOpt = Annotated[Optional[float], typer.Option(
     "--ray-cpus-per-group", help="--executor ray: CPUs each cell group's task reserves (default 1; GPUs follow "
-    "the target: a server's tp_size, 1 for an embedded engine on CUDA)")]
+    "the target: a server's tp_size × its replicas, 1 for an embedded engine on CUDA)")]
+ReplicaFailuresOpt = Annotated[Optional[int], typer.Option(
+    "--replica-max-failures", help="Targets of several data-parallel replicas (an endpoint's base_url list, a "
+    "server's replicas: N): connection failures in a row that take a replica out of rotation for the rest of its "
+    "cell group, overriding every such target's replica_max_failures (default 3)")]
 
 
 def register(app: typer.Typer) -> None:
@@ -115,23 +119,27 @@ def register(app: typer.Typer) -> None:
         data_dir: DataDirOpt = None, dry_run: DryRunOpt = False, progress: ProgressOpt = True,
         parallel: ParallelOpt = 1, devices: DevicesOpt = None, executor: ExecutorOpt = "local",
         address: AddressOpt = None, ray_retries: RayRetriesOpt = None, ray_cpus_per_group: RayCpusOpt = None,
+        replica_max_failures: ReplicaFailuresOpt = None,
     ) -> None:
         """Run the matrix of a sweep config: accuracy suites, fidelity, load tests and capacity per cell.
 
         Data-parallel replicas are set in the config (docs/scale-out.md): an endpoint target's base_url may list
         several URLs, a server target's replicas: N launches N copies; a cell's concurrency then applies to each
-        replica, a replica that fails is left for the others, and replica_load: aggregate | each says how the load
-        test runs."""
+        replica, a request a replica fails to answer goes to another, a replica that keeps failing
+        (--replica-max-failures) leaves the rotation, and replica_load: aggregate | each says how the load test
+        runs (the load test never moves a failed request: it counts as failed)."""
         import logging
 
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         ray = _ray_options(executor, address, ray_retries, ray_cpus_per_group, parallel, devices, dry_run)
-        cfg, cells, run_dir, device_ids, plans, launches = _plan(config, out, only, data_dir, parallel, devices)
+        cfg, cells, run_dir, device_ids, plans, launches = _plan(config, out, only, data_dir, parallel, devices,
+                                                                 replica_max_failures)
         if dry_run:
             _dry_run(cfg, cells, run_dir, device_ids, plans, launches, parallel, ray)
             return
         _run(cfg, config, run_dir, resume=resume, only=only, data_dir=data_dir, progress=progress,
-             parallel=parallel, devices=devices, device_ids=device_ids, ray=ray)
+             parallel=parallel, devices=devices, device_ids=device_ids, ray=ray,
+             replica_max_failures=replica_max_failures)
 
 
 def _ray_options(executor: str, address: Optional[str], retries: Optional[int], cpus: Optional[float], parallel: int,
@@ -163,15 +171,35 @@ def _ray_options(executor: str, address: Optional[str], retries: Optional[int], 
     return opts
 
 
+def replica_max_failures_override(cfg, value: Optional[int]) -> None:
+    """``--replica-max-failures N``: every target of several replicas takes N as its ``replica_max_failures``; a
+    ``SweepConfigError`` for N < 1 or a config without such a target."""
+    from kvbench.harness.sweep.config import SweepConfigError
+
+    if value is None:
+        return
+    if value < 1:
+        raise SweepConfigError(f"--replica-max-failures must be a whole number >= 1, got {value}")
+    several = [t for t in cfg.targets if t.replicas or t.server_replicas > 1]
+    if not several:
+        raise SweepConfigError("--replica-max-failures applies to targets of several replicas (an endpoint whose "
+                               "base_url lists several URLs, a server target of replicas: 2 or more); this config "
+                               "has none")
+    for t in several:
+        t.replica_max_failures = value
+
+
 def _plan(config: str, out: Optional[str], only: Optional[str], data_dir: Optional[str], parallel: int,
-          devices: Optional[str]):
-    """The config loaded (``--data-dir`` or the environment's data directory recorded), its cells, the run
-    directory, the device plans and the launch listing; a config error as a ``UserError``."""
+          devices: Optional[str], replica_max_failures: Optional[int] = None):
+    """The config loaded (``--data-dir`` or the environment's data directory recorded, ``--replica-max-failures``
+    applied), its cells, the run directory, the device plans and the launch listing; a config error as a
+    ``UserError``."""
     from kvbench.harness.matrix import expand, select
     from kvbench.harness.sweep.config import SweepConfigError, load_config
 
     try:
         cfg = load_config(config)
+        replica_max_failures_override(cfg, replica_max_failures)
         if data_dir is not None:
             if not Path(data_dir).is_dir():
                 raise SweepConfigError(f"--data-dir {data_dir} is not a directory")
@@ -233,7 +261,8 @@ def _ray_words(ray) -> list[str]:
 
 
 def _run(cfg, config: str, run_dir: Path, *, resume: bool, only: Optional[str], data_dir: Optional[str],
-         progress: bool, parallel: int, devices: Optional[str], device_ids, ray=None) -> None:
+         progress: bool, parallel: int, devices: Optional[str], device_ids, ray=None,
+         replica_max_failures: Optional[int] = None) -> None:
     """Run the sweep and say how it went: the counts, how to redo failed cells (exit 1) or finish an
     interrupted run (exit 130 / 143), else the report and gate commands."""
     from kvbench.harness.runner import run_sweep
@@ -248,8 +277,11 @@ def _run(cfg, config: str, run_dir: Path, *, resume: bool, only: Optional[str], 
 
     import shlex
 
+    words = _ray_words(ray)
+    if replica_max_failures is not None:
+        words += ["--replica-max-failures", str(replica_max_failures)]
     again = " ".join([resume_command(config, run_dir, only=only, data_dir=data_dir, parallel=parallel,
-                                     devices=devices), *map(shlex.quote, _ray_words(ray))])
+                                     devices=devices), *map(shlex.quote, words)])
     extra = {}
     if ray is not None:
         from kvbench.harness.ray_executor import RayExecutor

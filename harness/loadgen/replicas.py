@@ -14,9 +14,15 @@ cell's concurrency applies to each replica:
   (``start_s`` continues where the previous replica's run ended), so the figures are pooled over the replicas:
   throughputs are the mean per replica, latencies their distribution over all replicas' requests.
 
+Neither mode fails over, on purpose: the load test measures serving, so a request that fails on a replica is
+counted failed there (``success`` false, the replica's URL in ``error``) and is never sent to another replica,
+and no replica leaves the test while it runs; the summary says so (``replica_failover: false``), as do the
+console block and the serving report's note.  (Accuracy suites do fail over: harness/replica_client.py.)
+
 Both start by reading every replica's ``/v1/models`` (``check_same_model``: a replica that is down or serves
 another model is an error naming it).  Every request record carries ``replica`` (its replica's base URL); the
-summary adds ``replicas`` (N), ``replica_urls``, ``replica_load`` (the mode), ``concurrency_per_replica`` and
+summary adds ``replicas`` (N), ``replica_urls``, ``replica_load`` (the mode), ``concurrency_per_replica``,
+``replica_failover`` (always false, above) and
 ``per_replica`` (each replica's figures: in ``aggregate`` recomputed from its share of the records, in ``each``
 its own run's summary), and ``server_metrics`` combines every replica's ``/metrics`` samples (running and
 waiting requests: the sum of the replicas' maxima in ``aggregate``, the largest in ``each``; peak KV usage: the
@@ -57,7 +63,7 @@ def run_replicas(base_url: str, model: Optional[str], cfg: LoadConfig) -> tuple[
     conf.pop("api_key", None)
     conf["request_rate"] = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate
     facts = {"replicas": len(urls), "replica_urls": urls, "replica_load": mode,
-             "concurrency_per_replica": cfg.max_concurrency}
+             "concurrency_per_replica": cfg.max_concurrency, "replica_failover": False}
     return jsonable({"base_url": urls[0], "model": model, "config": conf, **summary, **facts}), records
 
 

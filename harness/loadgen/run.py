@@ -326,6 +326,7 @@ def format_block(summary: dict) -> str:
     row("Maximum request concurrency:", conf.get("max_concurrency") or "inf", "")
     if summary.get("replicas"):  # data-parallel replicas: the concurrency above is each replica's
         row("Replicas (concurrency is per replica):", f"{summary['replicas']}, {summary.get('replica_load')}", "")
+        row("Replica failover:", "none (a failed request counts as failed)", "")
     row("Successful requests:", summary["completed"], "d")
     row("Failed requests:", summary["failed"], "d")
     row("Benchmark duration (s):", summary["duration_s"])

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from kvbench.harness.config_checks import (_bool, _check_keys, _choice, _fail, _int, _list, _mapping, _num,
                                            _str)
 from kvbench.harness.launch.options import sniff_engine_kind
-from kvbench.harness.replica_set import REPLICA_LOAD_MODES, parse_base_urls
+from kvbench.harness.replica_set import DEFAULT_REPLICA_MAX_FAILURES, REPLICA_LOAD_MODES, parse_base_urls
 from kvbench.harness.request_options import (DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, check_suite_params,
                                              check_target_request, parse_request, suite_request)
 from kvbench.suites import is_suite_name, suite_names
@@ -68,6 +68,8 @@ class TargetSpec:
     replicas: Optional[list] = None  # every replica's URL (base_url: the first); None: one server
     replica_load: str = "aggregate"  # the load test: over all replicas at once (aggregate) or one at a time (each)
     server_replicas: int = 1  # the config's ``replicas`` of a server target: copies launched per cell group
+    # connection failures in a row that take a replica out of rotation (harness/replica_client.py)
+    replica_max_failures: int = DEFAULT_REPLICA_MAX_FAILURES
 
 
 # the config key ``replicas`` is a server target's copy count (``server_replicas``); an endpoint's replicas
@@ -107,6 +109,11 @@ def _target(d: Any, path: str, engine_keys: tuple[str, ...]) -> TargetSpec:
             _fail(f"{path}.replica_load", "applies to an endpoint target whose base_url lists several replicas, "
                                           "or a server target of replicas: 2 or more")
         t.replica_load = _choice(d["replica_load"], REPLICA_LOAD_MODES, f"{path}.replica_load")
+    if d.get("replica_max_failures") is not None:
+        if not t.replicas and t.server_replicas < 2:
+            _fail(f"{path}.replica_max_failures", "applies to an endpoint target whose base_url lists several "
+                                                  "replicas, or a server target of replicas: 2 or more")
+        t.replica_max_failures = _int(d["replica_max_failures"], f"{path}.replica_max_failures", 1)
     if "host" in d:
         t.host = _str(d["host"], f"{path}.host")
     if d.get("port") is not None:
@@ -140,7 +147,8 @@ def _target(d: Any, path: str, engine_keys: tuple[str, ...]) -> TargetSpec:
 # target keys added after runs were recorded: left out of to_dict while they hold these defaults
 _ADDED_TARGET_DEFAULTS = {"option_flags": {}, "extra_args": "", "tp_size": 1, "devices": None, "backends": None,
                           "request": {}, "timeout_s": DEFAULT_TIMEOUT_S, "max_retries": DEFAULT_MAX_RETRIES,
-                          "replicas": None, "replica_load": "aggregate", "server_replicas": 1}
+                          "replicas": None, "replica_load": "aggregate", "server_replicas": 1,
+                          "replica_max_failures": DEFAULT_REPLICA_MAX_FAILURES}
 
 
 def _target_dict(t: TargetSpec) -> dict:
