@@ -8,15 +8,27 @@ position 0, ``seq_len`` 1 and a page table of the scratch page, and their output
 device tensors read by pointer, so recalibration does not invalidate graphs.
 
 Host side of a step: the inputs go into one pinned staging buffer through numpy views and reach the
-device in one copy of the buffer's prefix that the step's bucket reads (the page table comes last, so a
+device in one copy of the buffer's prefix that the step's bucket reads (the page tables come last, so a
 bucket of ``bs`` rows ends at its ``bs``-th table row).  The copy is captured as the graph's first node,
 so a step's host work is the staging and the replay's launch; where it cannot be captured, it is issued
 before each replay.  Padded rows are staged on the host as well, so the device needs no fills between
-steps.  The page table's staging rows are rewritten only where they changed: each row remembers the page
-list it last held (the object itself, so its identity cannot be reused) and how many of its pages were
-written; the scheduler only ever extends a sequence's page list or replaces it with a new one, so a row
-holding the same list needs only its new pages.  Before the staging buffer is written again, the
-previous step's replay must have run (an event, normally long done: the caller reads its output).
+steps.  Before the staging buffer is written again, the previous step's replay must have run (an event,
+normally long done: the caller reads its output).
+
+Layer groups (``KVCacheSpec.groups``, ``runtime/layer_groups.py``): every group's slot mapping and page table
+are staged.  The slots are laid out ``[G, B]`` (group ``k``'s slots of a bucket are the contiguous
+``slots[k, :bs]``) and the tables ``[B, G, P]``, so group ``k``'s table of a bucket is the strided row view
+``tables[:bs, k]`` (``[bs, P]``, row stride ``G * P``: the Triton kernels take ``stride(0)``, the torch plan
+copies it to int64) and a bucket's rows of all groups still end at its ``bs``-th row.  Without groups
+``G = 1`` and the layout is the plain one (``table`` contiguous ``[B, P]``).
+
+The page tables' staging rows are rewritten only where they changed: each row remembers, per group, the page
+list it last held (the object itself, so its identity cannot be reused), how many of its pages were written
+and how many of its leading entries were the scratch page then (``Sequence.num_dead_pages`` / ``group_dead``).
+The scheduler changes a list it keeps in only two ways: it extends it, and before a step it replaces the
+entries of a sliding list's pages below the window by the scratch page *in place* (the leading entries, its
+dead count growing).  So a row holding the same list rewrites its entries from the old dead count to the new
+one and its new pages; any other list (a new one after preemption, another sequence) rewrites the whole row.
 
 The decode backend must be capturable (``graph_safe = True``: no host syncs in ``plan``/``forward``);
 otherwise the engine runs decode eagerly.
@@ -64,14 +76,16 @@ class DecodeGraphs:
         self.page_size = cache.page_size
         self.max_pages = -(-max_model_len // cache.page_size)
         self.buckets = bucket_sizes(max_batch)
+        groups = getattr(getattr(cache, "spec", None), "groups", None)
+        self.num_groups = G = 1 if groups is None else groups.num_groups
         dev = runner.device
         B, P = max_batch, self.max_pages
         self.pad = {"ids": 0, "pos": 0, "slots": -1, "lens": 1, "table": cache.scratch_page}
         # every input is a view of one buffer, on the host (pinned staging) and on the device, so a step
-        # is one copy: ids, positions, slots (int64), seq_lens (int32, padded to 8 bytes), then the page
-        # table [B, P] int32 last, so the rows of a bucket of bs sequences end the prefix a step copies
-        fields = (("ids", torch.int64, B), ("pos", torch.int64, B), ("slots", torch.int64, B),
-                  ("lens", torch.int32, B + (B & 1)), ("table", torch.int32, B * P))
+        # is one copy: ids, positions, slots [G, B] (int64), seq_lens (int32, padded to 8 bytes), then the
+        # page tables [B, G, P] int32 last, so the rows of a bucket of bs sequences end the prefix a step copies
+        fields = (("ids", torch.int64, B), ("pos", torch.int64, B), ("slots", torch.int64, G * B),
+                  ("lens", torch.int32, B + (B & 1)), ("table", torch.int32, B * G * P))
         off, self._off = 0, {}
         for name, dt, n in fields:
             self._off[name] = (off, dt, n)
@@ -82,16 +96,20 @@ class DecodeGraphs:
         self._h_buf = torch.zeros(off, dtype=torch.uint8, **pin)
         self._d_buf = torch.zeros(off, dtype=torch.uint8, device=dev)
         h, d = self._views(self._h_buf), self._views(self._d_buf)
-        self.ids, self.pos, self.slots, self.seq_lens = d["ids"], d["pos"], d["slots"], d["lens"][:B]
-        self.table = d["table"].view(B, P)
+        self.ids, self.pos, self.seq_lens = d["ids"], d["pos"], d["lens"][:B]
+        self.group_slots = d["slots"].view(G, B)  # [G, B]: row k is group k's slot mapping
+        self.tables = d["table"].view(B, G, P)  # [B, G, P]: tables[:, k] is group k's page table
+        self.slots, self.table = self.group_slots[0], self.tables[:, 0]  # group 0's (the only one without groups)
         self.cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
         self._np = {k: h[k].numpy() for k in ("ids", "pos", "slots", "lens", "table")}
         self._np["lens"] = self._np["lens"][:B]
-        self._np["table"] = self._np["table"].reshape(B, P)
+        self._np["slots"] = self._np["slots"].reshape(G, B)
+        self._np["table"] = self._np["table"].reshape(B, G, P)
         for k, v in self.pad.items():
             self._np[k][...] = v
         self._d_buf.copy_(self._h_buf)
-        self._rows: list = [(None, 0)] * B  # per staging row: (page list last written, pages written)
+        # per group and staging row: (page list last written, pages written, leading scratch entries then)
+        self._rows: list = [[(None, 0, 0)] * B for _ in range(G)]
         self._live = 0  # staging rows 0 .. _live-1 may hold a sequence; the rest hold the padding
         self.copy_in_graph: dict[int, bool] = {}  # per bucket: its graph copies the staged inputs itself
         self._copied = None  # event after the last step's replay (its copy out of the staging buffer done)
@@ -107,42 +125,62 @@ class DecodeGraphs:
         return {k: buf[o : o + n * torch.empty((), dtype=dt).element_size()].view(dt) for k, (o, dt, n) in self._off.items()}
 
     def stage(self, inp: "StepInputs") -> None:
-        """Write a step's inputs into the host staging buffer: rows ``0 .. n-1`` from the step, rows a
-        previous, larger step left behind back to the padding (slot −1, position 0, ``seq_len`` 1, the
-        scratch page), so a bucket's rows can be copied whole."""
+        """Write a step's inputs into the host staging buffer: rows ``0 .. n-1`` from the step (every layer
+        group's slots and page table), rows a previous, larger step left behind back to the padding (slot −1,
+        position 0, ``seq_len`` 1, the scratch page), so a bucket's rows can be copied whole."""
         n = len(inp.seq_lens)
+        G = self.num_groups
+        if len(inp.group_slots) != G - 1:
+            raise ValueError(f"the step has {len(inp.group_slots) + 1} layer groups' slots, the graphs stage {G}")
         h = self._np
         h["ids"][:n] = inp.ids
         h["pos"][:n] = inp.pos
-        h["slots"][:n] = inp.slots
+        slots = h["slots"]
+        slots[0, :n] = inp.slots
+        for k, s in enumerate(inp.group_slots, 1):
+            slots[k, :n] = s
         h["lens"][:n] = inp.seq_lens
-        table, rows, pad = h["table"], self._rows, self.pad["table"]
-        for i, seq in enumerate(inp.seqs):
-            pages = seq.pages
-            held, done = rows[i]
-            k = len(pages)
-            if held is pages and done <= k:
-                if done < k:
-                    table[i, done:k] = pages[done:]
+        table, pad, seqs = h["table"], self.pad["table"], inp.seqs
+        for g in range(G):
+            if g == 0:
+                lists, deads = [s.pages for s in seqs], [s.num_dead_pages for s in seqs]
             else:
-                table[i, :k] = pages
-                table[i, k:] = pad
-            rows[i] = (pages, k)
+                lists, deads = [s.group_pages[g - 1] for s in seqs], [s.group_dead[g - 1] for s in seqs]
+            rows, tg = self._rows[g], table[:, g]
+            for i, pages in enumerate(lists):
+                old, done, old_dead = rows[i]
+                dead, k = deads[i], len(pages)
+                if old is pages and done <= k and old_dead <= dead:
+                    if old_dead < dead:  # entries the scheduler turned into the scratch page in place
+                        tg[i, old_dead:dead] = pages[old_dead:dead]
+                    if done < k:
+                        tg[i, done:k] = pages[done:]
+                else:
+                    tg[i, :k] = pages
+                    tg[i, k:] = pad
+                rows[i] = (pages, k, dead)
         if self._live > n:
-            for k, v in self.pad.items():
-                h[k][n : self._live] = v
-            rows[n : self._live] = [(None, 0)] * (self._live - n)
+            live = self._live
+            for k in ("ids", "pos", "lens", "table"):
+                h[k][n:live] = self.pad[k]
+            slots[:, n:live] = self.pad["slots"]
+            for rows in self._rows:
+                rows[n:live] = [(None, 0, 0)] * (live - n)
         self._live = n
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             phase="decode", positions=self.pos[:bs], slot_mapping=self.slots[:bs], page_table=self.table[:bs],
             seq_lens=self.seq_lens[:bs], cu_seqlens_q=self.cu[: bs + 1], max_seqlen_q=1,
             max_seqlen_k=self.max_model_len, page_size=self.page_size, rope=self.runner.rope,
         )
+        if self.num_groups > 1:  # group 0's are page_table / slot_mapping (the same views)
+            meta.group_page_tables = [meta.page_table] + [self.tables[:bs, k] for k in range(1, self.num_groups)]
+            meta.group_slot_mappings = [meta.slot_mapping] + [self.group_slots[k, :bs] for k in range(1, self.num_groups)]
+        return meta
 
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         r = self.runner
@@ -180,13 +218,14 @@ class DecodeGraphs:
 
     def _prefix(self, bs: int) -> tuple:
         """The staging buffer's prefix that a bucket of ``bs`` rows reads: (host, device)."""
-        end = self._table_off + bs * self.max_pages * 4
+        end = self._table_off + bs * self.num_groups * self.max_pages * 4
         return self._h_buf[:end], self._d_buf[:end]
 
     def _reset_padding(self, start: int) -> None:
         """Device rows ``start ..`` to the padding (before a capture, whose warm-up runs on them)."""
-        for name, t in (("slots", self.slots), ("pos", self.pos), ("ids", self.ids), ("lens", self.seq_lens), ("table", self.table)):
+        for name, t in (("pos", self.pos), ("ids", self.ids), ("lens", self.seq_lens), ("table", self.tables)):
             t[start:].fill_(self.pad[name])
+        self.group_slots[:, start:].fill_(self.pad["slots"])
 
     @torch.inference_mode()
     def run(self, inp: "StepInputs") -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The CUDA-graph decode path's host staging (``DecodeGraphs.stage``): rows rewritten only where a
 sequence's pages changed must still equal the full padded page table of every step, whatever the batch's
-order, growth, preemption (a new page list) or shrinking batch; and ``StepInputs`` built without the
-whole token list gives the same inputs as the straightforward construction."""
+order, growth, preemption (a new page list), windowed entries scratched in place or shrinking batch; the layer
+groups' staging layout; and ``StepInputs`` built without the whole token list gives the same inputs as the
+straightforward construction."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_staged_rows_equal_the_full_table_every_step(seed):
     g = _graphs()
     next_page = [0]
     pool = [_seq(f"s{i}", rng.randrange(1, 12), rng.randrange(0, 6), rng, next_page) for i in range(12)]
-    rewrites = partial = 0
+    rewrites = partial = scratched = 0
     for step in range(200):
         n = rng.randrange(1, B + 1)
         if rng.random() < 0.7:  # usually the same running set in the same order, as in steady decode
@@ -68,17 +69,17 @@ def test_staged_rows_equal_the_full_table_every_step(seed):
             batch_seqs = rng.sample(pool, n)
         batch = ScheduledBatch("decode", batch_seqs, [1] * n)
         inp = StepInputs(batch, PAGE, SCRATCH)
-        before = [row for row in g._rows]
+        before = list(g._rows[0])  # per row: (page list, pages written, dead entries) of its last step
         g.stage(inp)
         ref = _reference(batch)
         assert g._np["ids"][:n].tolist() == ref["ids"] == inp.ids
         assert g._np["pos"][:n].tolist() == ref["pos"] == inp.pos
-        assert g._np["slots"][:n].tolist() == ref["slots"] == inp.slots
+        assert g._np["slots"][0, :n].tolist() == ref["slots"] == inp.slots
         assert g._np["lens"][:n].tolist() == ref["lens"] == inp.seq_lens
-        np.testing.assert_array_equal(g._np["table"][:n], np.array(ref["table"], dtype=np.int32))
+        np.testing.assert_array_equal(g._np["table"][:n, 0], np.array(ref["table"], dtype=np.int32))
         # rows past the batch hold the padding, since a step copies its bucket's rows whole
         assert (g._np["ids"][n:] == 0).all() and (g._np["pos"][n:] == 0).all()
-        assert (g._np["slots"][n:] == -1).all() and (g._np["lens"][n:] == 1).all()
+        assert (g._np["slots"][:, n:] == -1).all() and (g._np["lens"][n:] == 1).all()
         assert (g._np["table"][n:] == SCRATCH).all()
         _same_inputs(inp, StepInputs(batch, PAGE, SCRATCH, _general=True))
         for i, s in enumerate(batch_seqs):
@@ -86,22 +87,30 @@ def test_staged_rows_equal_the_full_table_every_step(seed):
                 partial += 1
             elif before[i][0] is not s.pages:
                 rewrites += 1
+            if before[i][0] is s.pages and before[i][2] < s.num_dead_pages:
+                scratched += 1
         for s in batch_seqs:  # the step's token: appended, cached, and sometimes a preemption
             s.output_ids.append(rng.randrange(1000))
             s.num_cached += 1
             if rng.random() < 0.05:
-                s.pages = []  # preempted and re-admitted: a new page list, other pages
+                s.pages, s.num_dead_pages = [], 0  # preempted and re-admitted: a new page list, other pages
                 next_page[0] += 3
+            elif rng.random() < 0.15 and s.num_dead_pages < len(s.pages) - 1:
+                # a windowed sequence: its oldest live page back to the allocator, its entry the scratch page
+                # in place (the same list object, as the scheduler does)
+                s.pages[s.num_dead_pages] = SCRATCH
+                s.num_dead_pages += 1
             _grow(s, next_page)
         for k, s in enumerate(pool):  # a finished sequence's place goes to a new, shorter one
             if s.num_tokens >= MAX_LEN - 1:
                 pool[k] = _seq(f"s{step}.{k}", rng.randrange(1, 12), 0, rng, next_page)
-    assert partial > 20 and rewrites > 20  # both the incremental and the full rewrite were exercised
+    # the incremental rewrite (new pages, entries scratched in place) and the full one were all exercised
+    assert partial > 20 and rewrites > 20 and scratched > 20, (partial, rewrites, scratched)
 
 
 def _same_inputs(a: StepInputs, b: StepInputs) -> None:
     for k in ("ids", "pos", "slots", "seq_lens", "cu", "q_lens", "sample_rows", "sample_idx", "sample_pos", "roundtrip",
-              "max_pages_used", "table"):
+              "max_pages_used", "table", "group_slots"):
         assert getattr(a, k) == getattr(b, k), k
 
 
@@ -114,10 +123,33 @@ def test_staging_views_share_one_buffer():
         assert base <= t.data_ptr() < base + g._nbytes
     assert g.table.data_ptr() + g.table.numel() * 4 == base + g._nbytes
     assert g._table_off + B * g.max_pages * 4 == g._nbytes
-    g._np["slots"][3] = 77
-    g._np["table"][2, 1] = 5
+    g._np["slots"][0, 3] = 77
+    g._np["table"][2, 0, 1] = 5
     g._d_buf.copy_(g._h_buf)
     assert g.slots[3].item() == 77 and g.table[2, 1].item() == 5 and g.seq_lens.tolist() == [1] * B
+
+
+def test_layer_group_views_end_in_the_bucket_prefix():
+    """Layer groups: slots ``[G, B]`` before the tables ``[B, G, P]``, so every group's slots and table rows of a
+    bucket lie in the prefix its step copies, and each group's table is a row view with row stride ``G * P``."""
+    G = 3
+    cache = SimpleNamespace(page_size=PAGE, scratch_page=SCRATCH, spec=SimpleNamespace(groups=SimpleNamespace(num_groups=G)))
+    g = DecodeGraphs(SimpleNamespace(cache=cache, device="cpu"), max_batch=B, max_model_len=MAX_LEN)
+    P, base = g.max_pages, g._d_buf.data_ptr()
+    assert g.num_groups == G and g._nbytes == g._table_off + B * G * P * 4
+    for bs in g.buckets:
+        h, d = g._prefix(bs)
+        end = base + d.numel()
+        for k in range(G):
+            t, s = g.tables[:bs, k], g.group_slots[k, :bs]
+            assert t.shape == (bs, P) and t.stride() == (G * P, 1) and s.is_contiguous()
+            assert base <= s.data_ptr() and s.data_ptr() + bs * 8 <= g._table_off + base
+            assert t[-1, -1].data_ptr() + 4 <= end  # the bucket's last row of every group is copied
+        assert end == base + g._table_off + bs * G * P * 4
+    g._np["table"][1, 2, 3] = 7
+    g._np["slots"][2, 1] = 55
+    g._d_buf.copy_(g._h_buf)
+    assert g.tables[:, 2][1, 3].item() == 7 and g.group_slots[2, 1].item() == 55 and g.table[1, 3].item() == SCRATCH
 
 
 def test_decode_inputs_match_the_general_path():

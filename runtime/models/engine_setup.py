@@ -216,10 +216,8 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
     if device.type == "cuda" and not cfg.enforce_eager:
         from kvbench.runtime.graphs import DecodeGraphs, graph_safe
 
-        if graph_safe(backend) and spec.groups is None:  # the graphs stage one page table
+        if graph_safe(backend):  # with layer groups too: the graphs stage every group's table and slots
             runner.graphs = DecodeGraphs(runner, max_batch=cfg.max_running, max_model_len=max_len)
-        elif spec.groups is not None:
-            log.warning("layer groups (sliding layers at their window's pages) decode eagerly: the CUDA graphs stage one page table")
         else:
             log.warning("decode backend %s is not CUDA-graph capturable; decoding eagerly", cfg.decode_backend)
     capacity = CapacityReport(

@@ -51,9 +51,11 @@ class StepInputs:
         lens: list[int] = []
         done: list[int] = []
         add_id, add_pos, add_slot, add_len = ids.append, pos.append, slots.append, lens.append
+        groups = len(seqs[0].group_pages) if seqs else 0  # layer groups 1..G-1: their slots as well
+        group_slots: list[list[int]] = [[] for _ in range(groups)]
         widest = 0
         for i, s in enumerate(seqs):
-            if s.score_from is not None or s.group_pages:
+            if s.score_from is not None or len(s.group_pages) != groups:
                 return False
             t = s.num_cached
             prompt = s.prompt_ids
@@ -63,11 +65,16 @@ class StepInputs:
             pages = s.pages
             if len(pages) > widest:
                 widest = len(pages)
-            add_slot(pages[t // page_size] * page_size + t % page_size)
+            lp, off = divmod(t, page_size)
+            add_slot(pages[lp] * page_size + off)
+            if groups:
+                for gs, gp in zip(group_slots, s.group_pages):
+                    gs.append(gp[lp] * page_size + off)
             add_len(t + 1)
             if t + 1 == n + len(s.output_ids):
                 done.append(i)
         self.ids, self.pos, self.slots, self.seq_lens = ids, pos, slots, lens
+        self.group_slots = group_slots
         self.cu = list(range(len(seqs) + 1))
         self.sample_rows, self.sample_idx = done, list(done)
         self.sample_pos = [pos[i] for i in done]
