@@ -1,7 +1,7 @@
 """The CUDA-graph decode path with layer groups (Gemma 3: sliding and global layers over one page pool), on the
 CPU: a real engine on a tiny Gemma 3 decodes through ``DecodeGraphs`` with the graph replay replaced by its
 forward on the staged views (``HostGraphs``: stage, copy the bucket's prefix into a device buffer whose rest is
-garbage, run the model on ``_meta(bs)``).  Every decode step's staged host inputs — every group's page table and
+garbage, run the model on ``_meta(bs)``, where a graph-safe backend's forward must do nothing a capture refuses).  Every decode step's staged host inputs — every group's page table and
 slot mapping, the padding rows — must equal what the eager runner builds for the same step
 (``ModelRunner.metadata``), through steps where sliding pages fall below the window (the scheduler rewrites those
 entries in place to the scratch page), batches that shrink and grow, and mixed prefill steps that advance a
@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import engine, prompts, save_tiny  # noqa: E402
@@ -29,6 +30,22 @@ SHAPE = dict(head_dim=64, num_attention_heads=2, num_key_value_heads=1, sliding_
              num_hidden_layers=4, layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
 LENGTHS = (23, 9, 17, 12)
 MAX_TOKENS = (18, 5, 11, 7)
+
+
+class HostWork(TorchDispatchMode):
+    """The aten calls of a forward that a CUDA-graph capture refuses: ``torch.tensor(data)`` (``lift_fresh``)
+    and ``.item()`` (``_local_scalar_dense``)."""
+
+    BAD = ("aten.lift_fresh", "aten._local_scalar_dense")
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.BAD):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 class HostGraphs(DecodeGraphs):
@@ -56,7 +73,14 @@ class HostGraphs(DecodeGraphs):
         check_views(self, meta, inp)
         self.sizes.append(n)
         self.steps += 1
-        return self._forward(bs, meta)[:n]
+        if not getattr(self.runner.backend, "graph_safe", False):  # the engine would not capture this backend
+            return self._forward(bs, meta)[:n]
+        with HostWork() as seen:
+            out = self._forward(bs, meta)
+        # what a CUDA graph cannot capture: a tensor made from host data (a host-to-device copy) or a read
+        # of a device value on the host (a sync), anywhere in the model's forward
+        assert not seen.ops, f"host work inside the forward a graph captures: {seen.ops}"
+        return out[:n]
 
     def _count(self, inp: StepInputs, before: list) -> None:
         for i, seq in enumerate(inp.seqs):

@@ -19,6 +19,8 @@ Parameter names are Hugging Face's (``model.layers.N.pre_feedforward_layernorm.w
 
 from __future__ import annotations
 
+import functools
+
 from typing import Optional
 
 import torch
@@ -28,6 +30,11 @@ from kvbench.runtime.models.config import ModelConfig
 from kvbench.runtime.models.llama import MLP, Attention, LlamaForCausalLM
 
 __all__ = ["Gemma3ForCausalLM", "GemmaRMSNorm"]
+
+
+@functools.lru_cache(maxsize=None)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=dtype))
 
 
 class GemmaRMSNorm(nn.Module):
@@ -94,7 +101,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, backend, cache, meta) -> torch.Tensor:
         emb = self.model.embed_tokens(input_ids)
-        x = emb * torch.tensor(self.config.embed_scale or 1.0, dtype=emb.dtype, device=emb.device)
+        # the scale rounded to the compute dtype, as a host number: no tensor made on the device per step (a
+        # host-to-device copy cannot be captured in a CUDA graph); the product is the same as with a tensor
+        x = emb * _rounded(self.config.embed_scale or 1.0, emb.dtype)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, backend, cache, meta, residual)
