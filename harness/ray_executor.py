@@ -1,21 +1,26 @@
 """``kvbench sweep --executor ray``: every cell group a Ray task, the run store written by the driver alone.
 
-The driver (this module, inside ``run_sweep``) connects to a Ray cluster (``--address``; none: what
-``ray.init()`` finds, else a Ray of its own on this machine), creates a ``CellSink`` actor and submits one task
-per cell group (``ray_worker.run_group_task``) with the resources the group declares (``group_resources``):
-``num_cpus`` (``--ray-cpus-per-group``, default 1) and ``num_gpus``: a server's ``tp_size`` (× its ``replicas``) and 1 for an
-embedded engine on CUDA when the cluster has GPUs, 0 otherwise.  Ray sets ``CUDA_VISIBLE_DEVICES`` on the worker
-to the GPUs it gave the task, and a server the task launches inherits it.  Groups that must not overlap
-locally still do not (one endpoint URL, a server's fixed port); embedded groups run side by side, each in its
-own worker process.
+The driver (this module, inside ``run_sweep``) connects to a Ray cluster (``--address``; none: what ``ray.init()``
+finds, else a Ray of its own on this machine), creates a ``CellSink`` actor and submits one task per cell group
+(``ray_worker.run_group_task``) with the resources the group declares (``group_resources``): ``num_cpus``
+(``--ray-cpus-per-group``, default 1) and ``num_gpus``: a server's ``tp_size`` (× its ``replicas``) and 1 for an
+embedded engine on CUDA when the cluster has GPUs, 0 otherwise; plus the custom resources of ``--ray-resources``
+(``{"name": amount}``, e.g. a label that the nodes of one GPU type were started with: ``ray start
+--resources='{"h100": 8}'``), which pin every group to the nodes that have them. Ray sets ``CUDA_VISIBLE_DEVICES``
+on the worker to the GPUs it gave the task, and a server the task launches inherits it. Groups that must not
+overlap locally still do not (one endpoint URL, a server's fixed port); embedded groups run side by side, each in
+its own worker process.
 
-The driver's loop drains the sink: each cell a worker finished is written into the driver's run store with
-the store's atomic writes (result files, then the status) and printed by the progress display.  When a task
-ends without reporting all its cells because its worker or node died, it is submitted again for the cells
-not yet reported (up to ``--ray-retries`` times, default 1), after which those cells are recorded failed
-("Ray worker died: ...") and the sweep goes on.  Ctrl-C (or SIGTERM) cancels the running tasks (``ray.cancel``,
-force), keeps the cells already reported and raises again: ``--resume`` redoes exactly the cells that are not
-done, whichever executor runs it.
+The driver's loop drains the sink: each cell a worker finished is written into the driver's run store with the
+store's atomic writes (result files, then the status) and printed by the progress display. When a task ends
+without reporting all its cells because its worker or node died, it is submitted again for the cells not yet
+reported (up to ``--ray-retries`` times, default 1), after which those cells are recorded failed ("Ray worker
+died: ..." / "Ray node died: ...") and the sweep goes on. A retry asks for the same resources (custom ones
+included: a pinned group stays pinned), so it lands on a surviving node that has them; once a node of the cluster
+has died, a group that no live node can take any more (its retry, or a task still waiting) is not left waiting for
+one to join: its unfinished cells are recorded failed with the node-death reason. Ctrl-C (or SIGTERM) cancels the
+running tasks (``ray.cancel``, force), keeps the cells already reported and raises again: ``--resume`` redoes
+exactly the cells that are not done, whichever executor runs it.
 """
 
 from __future__ import annotations
@@ -54,24 +59,61 @@ def import_ray():
     return ray
 
 
+# resources Ray itself names: num_cpus / num_gpus come from --ray-cpus-per-group and the target
+_RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
 @dataclass
 class RayOptions:
-    """``--address``, ``--ray-retries``, ``--ray-cpus-per-group``."""
+    """``--address``, ``--ray-retries``, ``--ray-cpus-per-group``, ``--ray-resources``."""
 
     address: Optional[str] = None  # None: ray.init()'s own search (RAY_ADDRESS, a local `ray start`, else a new Ray)
     retries: int = 1  # new attempts of a group whose worker or node died
     cpus_per_group: float = 1.0
+    resources: dict = field(default_factory=dict)  # custom Ray resources every group's task asks for
     poll_s: float = 0.2  # how often the driver drains the sink
+    nodes_poll_s: float = 1.0  # after a node died: how often the driver asks which nodes still live
 
     def __post_init__(self) -> None:
         if int(self.retries) != self.retries or self.retries < 0:
             raise SweepConfigError(f"--ray-retries must be a whole number >= 0, got {self.retries}")
         if not self.cpus_per_group > 0:
             raise SweepConfigError(f"--ray-cpus-per-group must be above 0, got {self.cpus_per_group}")
+        self.resources = parse_resources(self.resources)
 
 
-def group_resources(sweep: SweepConfig, plan: GroupPlan, cpus: float, cluster_gpus: float) -> dict:
-    """The Ray resources of one cell group's task: ``num_cpus`` and ``num_gpus`` (see the module docstring)."""
+def parse_resources(value) -> dict:
+    """``--ray-resources``: a JSON object (or a dict) of custom Ray resource names and amounts above 0, e.g.
+    ``{"h100": 1}``; a ``SweepConfigError`` otherwise (CPUs and GPUs have their own settings)."""
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SweepConfigError(f"--ray-resources: expected a JSON object such as '{{\"h100\": 1}}', got "
+                                   f"{value!r} ({e.msg})") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SweepConfigError(f"--ray-resources: expected a JSON object of resource names and amounts, got {value!r}")
+    out = {}
+    for name, amount in value.items():
+        if not isinstance(name, str) or not name.strip():
+            raise SweepConfigError(f"--ray-resources: a resource name must be a non-empty string, got {name!r}")
+        if name in _RAY_BUILTIN_RESOURCES:
+            raise SweepConfigError(f"--ray-resources: {name} is not a custom resource (CPUs: --ray-cpus-per-group; "
+                                   "GPUs follow the target)")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+            raise SweepConfigError(f"--ray-resources: the amount of {name} must be a number above 0, got {amount!r}")
+        out[name] = amount
+    return out
+
+
+def group_resources(sweep: SweepConfig, plan: GroupPlan, cpus: float, cluster_gpus: float,
+                    custom: Optional[dict] = None) -> dict:
+    """The Ray resources of one cell group's task: ``num_cpus``, ``num_gpus`` and, when ``custom`` (the
+    ``--ray-resources``) names any, ``resources`` (see the module docstring)."""
     spec = sweep.target(plan.target)
     gpus = 0
     if spec.type == "server" and cluster_gpus > 0:
@@ -82,15 +124,25 @@ def group_resources(sweep: SweepConfig, plan: GroupPlan, cpus: float, cluster_gp
             gpus = 1 if cluster_gpus > 0 else 0
         elif str(device).startswith("cuda"):
             gpus = 1
-    return {"num_cpus": cpus, "num_gpus": gpus}
+    res = {"num_cpus": cpus, "num_gpus": gpus}
+    if custom:
+        res["resources"] = dict(custom)
+    return res
 
 
-def describe_resources(sweep: SweepConfig, plan: GroupPlan, cpus: float) -> str:
+def describe_resources(sweep: SweepConfig, plan: GroupPlan, cpus: float, custom: Optional[dict] = None) -> str:
     """``--dry-run``: what a group's task asks of a cluster with GPUs and of one without."""
     with_gpus = group_resources(sweep, plan, cpus, 1)["num_gpus"]
     without = group_resources(sweep, plan, cpus, 0)["num_gpus"]
     gpus = f"{with_gpus} GPU" if with_gpus == without else f"{with_gpus} GPU (0 on a cluster without GPUs)"
-    return f"{cpus:g} CPU, {gpus}"
+    extra = "".join(f", {amount:g} {name}" for name, amount in (custom or {}).items())
+    return f"{cpus:g} CPU, {gpus}{extra}"
+
+
+def fits(resources: dict, node_resources: dict) -> bool:
+    """Whether a node whose total resources are ``node_resources`` can ever run a task that asks ``resources``."""
+    want = {"CPU": resources.get("num_cpus", 0), "GPU": resources.get("num_gpus", 0), **resources.get("resources", {})}
+    return all(node_resources.get(name, 0) >= amount for name, amount in want.items() if amount)
 
 
 class RayDisplay(SweepDisplay):
@@ -122,6 +174,7 @@ class _Group:
     exclusive: tuple[str, ...]
     attempts: int = 0
     received: set = field(default_factory=set)
+    node: Optional[str] = None  # the Ray node its current task started on (the worker tells the sink)
 
 
 class RayExecutor:
@@ -133,6 +186,8 @@ class RayExecutor:
         self.options = options or RayOptions()
         self.ray = None
         self.cluster: dict = {}
+        self.dead_nodes: dict[str, str] = {}  # node id -> how the driver learned that it died
+        self._nodes_checked = 0.0
 
     # -- the connection
     @contextlib.contextmanager
@@ -164,13 +219,15 @@ class RayExecutor:
         except Exception:  # Ray Client: the address given is what there is
             gcs = None
         return {"address": self.options.address or gcs, "gcs_address": gcs, "nodes": len(nodes),
+                "node_ids": [n.get("NodeID") for n in nodes],
                 "node_resources": [dict(n.get("Resources") or {}) for n in nodes],
                 "gpus": float(ray.cluster_resources().get("GPU", 0))}
 
     def manifest_info(self) -> dict:
         """What the manifest's run entry records about where the cells ran."""
         return {"executor": "ray", "ray_address": self.cluster.get("address"), "ray_nodes": self.cluster.get("nodes"),
-                "ray_retries": self.options.retries, "ray_cpus_per_group": self.options.cpus_per_group}
+                "ray_retries": self.options.retries, "ray_cpus_per_group": self.options.cpus_per_group,
+                **({"ray_resources": dict(self.options.resources)} if self.options.resources else {})}
 
     def display(self, total: int, enabled: Optional[bool]) -> RayDisplay:
         return RayDisplay(total, enabled)
@@ -189,6 +246,7 @@ class RayExecutor:
                 "opener": None if opener is open_target else opener, "plugins": os.environ.get(PLUGINS_ENV) or None,
                 "cwd": os.getcwd()}
         queue, running = list(groups), {}
+        self.dead_nodes = {}
         try:
             while queue or running:
                 self._submit(queue, running, sink, args)
@@ -198,6 +256,8 @@ class RayExecutor:
                 self._drain(sink, store, display, outcome, by_key)
                 for ref in ready:
                     self._ended(ref, running.pop(ref), store, display, outcome, queue)
+                if self.dead_nodes:
+                    self._drop_homeless(queue, running, store, display, outcome)
         except BaseException:
             self._cancel(running)
             with contextlib.suppress(Exception):  # cells reported before the stop are kept
@@ -211,20 +271,25 @@ class RayExecutor:
         outcome.failed.sort(key=lambda k: pos.get(k, -1))
 
     def _group(self, sweep: SweepConfig, index: int, plan: GroupPlan) -> _Group:
-        res = group_resources(sweep, plan, self.options.cpus_per_group, self.cluster.get("gpus", 0))
-        fits = [n for n in self.cluster.get("node_resources", [])
-                if n.get("CPU", 0) >= res["num_cpus"] and n.get("GPU", 0) >= res["num_gpus"]]
-        if not fits:
-            log.warning("cell group of %s asks Ray for %s CPU and %s GPU, which no node of the cluster has now: it "
-                        "waits until one joins", plan.cells[0].label, res["num_cpus"], res["num_gpus"])
+        res = group_resources(sweep, plan, self.options.cpus_per_group, self.cluster.get("gpus", 0),
+                              self.options.resources)
+        if not any(fits(res, n) for n in self.cluster.get("node_resources", [])):
+            log.warning("cell group of %s asks Ray for %s, which no node of the cluster has now: it waits until one "
+                        "joins", plan.cells[0].label, _describe(res))
         exclusive = tuple(k for k in plan.exclusive if k != "embedded")  # embedded: a worker process each
         return _Group(index, list(plan.cells), res, exclusive)
 
     def _here(self) -> dict:
-        """The sink lives on the driver's node when Ray can say which that is (it dies with the driver anyway)."""
+        """The sink lives on the head node (the cluster ends with it anyway), not on a node whose death would take
+        every reported cell with it; when Ray does not say which node is the head, on the driver's node
+        (preferred, not required).  The sink dies with the driver wherever it is."""
         try:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+            head = [i for i, r in zip(self.cluster.get("node_ids", []), self.cluster.get("node_resources", []))
+                    if "node:__internal_head__" in r]
+            if len(head) == 1:
+                return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=head[0], soft=False)}
             node = self.ray.get_runtime_context().get_node_id()
             return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=True)}
         except Exception:
@@ -245,7 +310,11 @@ class RayExecutor:
             running[ref] = g
 
     def _drain(self, sink, store: RunStore, display: RayDisplay, outcome: SweepOutcome, by_key: dict) -> None:
-        cells, phases = self.ray.get(sink.drain.remote())
+        cells, phases, started = self.ray.get(sink.drain.remote())
+        if started:
+            groups = {g.index: g for g, _ in by_key.values()}
+            for index, node in started.items():
+                groups[index].node = node
         for key, payload in cells:
             group, cell = by_key[key]
             if key in group.received:
@@ -270,22 +339,76 @@ class RayExecutor:
             err, tb = f"the cell group's Ray task failed: {_first_line(getattr(e, 'cause', None) or e)}", _plain(str(e))
         except ray_exc.RayError as e:  # the worker or its node died (WorkerCrashedError, NodeDiedError, ...)
             err, tb, retry = death_reason(e), "".join(traceback.format_exception(e)), True
+            if err.startswith("Ray node died"):  # its node, when the task said which ("?": it did not get to)
+                self.dead_nodes[group.node or "?"] = err
+        node, group.node = group.node, None
         group.cells = [c for c in group.cells if c.key not in group.received]
         if not group.cells:
             display.group_phase(group.index, None)
             return
         err = err or "the cell group's Ray task ended without reporting this cell"
         if retry and group.attempts < self.options.retries:
-            group.attempts += 1
-            log.warning("cell group of %s: %s; trying its %d unfinished cell(s) again (retry %d of %d)",
-                        group.cells[0].label, err, len(group.cells), group.attempts, self.options.retries)
-            queue.insert(0, group)
-            return
+            live = self._live_nodes() if self.dead_nodes else None
+            if live is not None and not any(fits(group.resources, r) for r in live.values()):
+                err += f"; no live node of the cluster has what its retry would ask for ({_describe(group.resources)})"
+            else:
+                group.attempts += 1
+                log.warning("cell group of %s: %s%s; trying its %d unfinished cell(s) again (retry %d of %d)",
+                            group.cells[0].label, err, f" (on node {node})" if node else "", len(group.cells),
+                            group.attempts, self.options.retries)
+                queue.insert(0, group)
+                return
+        self._fail(group, err, tb, store, display, outcome)
+
+    def _fail(self, group: _Group, err: str, tb: str, store: RunStore, display: RayDisplay,
+              outcome: SweepOutcome) -> None:
+        """The group's cells not yet reported are recorded failed with ``err`` (a late report is ignored)."""
         display.group_phase(group.index, None)
         for cell in group.cells:
+            group.received.add(cell.key)
             _record_failure(store, cell, err, tb, {})
             outcome.failed.append(cell.key)
             display.finished(f"[red]failed[/] {cell.label}: {err[:200]}")
+        group.cells = []
+
+    def _live_nodes(self) -> dict[str, dict]:
+        """The nodes alive now (node id -> total resources), less those a task's NodeDiedError named dead (the
+        GCS lists a node as dead only after its health checks failed, seconds later)."""
+        live = {}
+        for n in self.ray.nodes():
+            if n.get("Alive") and n.get("NodeID") not in self.dead_nodes:
+                live[n.get("NodeID")] = dict(n.get("Resources") or {})
+        for node_id in self.cluster.get("node_ids", []):
+            if node_id not in live and node_id not in self.dead_nodes:
+                self.dead_nodes[node_id] = f"Ray node died: node {node_id} left the cluster"
+        return live
+
+    def _drop_homeless(self, queue: list[_Group], running: dict, store: RunStore, display: RayDisplay,
+                       outcome: SweepOutcome) -> None:
+        """Once a node died: the groups (waiting or submitted) that no live node can take any more are recorded
+        failed with the node-death reason instead of waiting for a node to join (checked every
+        ``nodes_poll_s``)."""
+        import time
+
+        now = time.monotonic()
+        if now - self._nodes_checked < self.options.nodes_poll_s:
+            return
+        self._nodes_checked = now
+        live = self._live_nodes()
+        why = "; ".join(dict.fromkeys(self.dead_nodes.values()))
+        for ref, g in list(running.items()) + [(None, g) for g in queue]:
+            if any(fits(g.resources, r) for r in live.values()):
+                continue
+            if ref is None:
+                queue.remove(g)
+            else:
+                running.pop(ref)
+                with contextlib.suppress(Exception):
+                    self.ray.cancel(ref, force=True)
+            g.cells = [c for c in g.cells if c.key not in g.received]
+            err = f"{why}; no live node of the cluster has what this cell group asks for ({_describe(g.resources)})"
+            log.warning("cell group of %s: %s", g.cells[0].label if g.cells else g.index, err)
+            self._fail(g, err, "", store, display, outcome)
 
     def _cancel(self, running: dict) -> None:
         for ref in running:
@@ -304,6 +427,12 @@ def check_reachable(address: Optional[str], timeout_s: float = 10.0) -> None:
     except OSError as e:
         raise SweepConfigError(f"--executor ray: no Ray cluster answers at {address} ({e.strerror or e}); start one "
                                "(docs/scale-out.md) or fix --address") from None
+
+
+def _describe(resources: dict) -> str:
+    """``1 CPU, 0 GPU, 1 h100``: what a task asks of Ray."""
+    extra = "".join(f", {amount:g} {name}" for name, amount in resources.get("resources", {}).items())
+    return f"{resources.get('num_cpus', 0):g} CPU, {resources.get('num_gpus', 0):g} GPU{extra}"
 
 
 def _plain(text: str) -> str:

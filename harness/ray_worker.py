@@ -5,7 +5,8 @@ code as a local sweep (``runner._run_group`` / ``_run_cell``), into a temporary 
 worker's disk (removed when the task ends).  After each cell, done or failed, it reads that cell's files back
 (``cell_payload``) and puts them into the ``CellSink``, an actor the driver created; the driver drains the sink
 and writes the files into its own run store with the store's atomic writes, so no file system is shared.  A
-retried task first asks the sink which cells it already holds and skips them.
+retried task first asks the sink which cells it already holds and skips them; every task first tells the sink
+which node it runs on (so the driver knows which node a ``NodeDiedError`` is about).
 
 The task's display (``RelayDisplay``) forwards what the group is doing to the sink, for the driver's
 progress bar, and keeps each finished cell's line and time for its payload.  The fidelity reference of a
@@ -38,11 +39,13 @@ RESULT_FILES = _RESULT_FILES  # what a cell directory holds after a cell (JSON f
 
 class CellSink:
     """The driver's mailbox (a Ray actor): workers ``put`` each finished cell and ``phase`` what their group
-    does; the driver ``drain``s both.  ``done_keys`` are the cells put so far (a retried task skips them)."""
+    does, and which node its task ``started`` on; the driver ``drain``s all three.  ``done_keys`` are the cells
+    put so far (a retried task skips them)."""
 
     def __init__(self) -> None:
         self._cells: list[tuple[str, dict]] = []
         self._phases: dict[int, Optional[str]] = {}
+        self._started: dict[int, str] = {}
         self._keys: set[str] = set()
 
     def put(self, key: str, payload: dict) -> None:
@@ -52,10 +55,13 @@ class CellSink:
     def phase(self, group: int, text: Optional[str]) -> None:
         self._phases[group] = text
 
-    def drain(self) -> tuple[list[tuple[str, dict]], dict[int, Optional[str]]]:
-        cells, phases = self._cells, self._phases
-        self._cells, self._phases = [], {}
-        return cells, phases
+    def started(self, group: int, node_id: str) -> None:
+        self._started[group] = node_id
+
+    def drain(self) -> tuple[list[tuple[str, dict]], dict[int, Optional[str]], dict[int, str]]:
+        cells, phases, started = self._cells, self._phases, self._started
+        self._cells, self._phases, self._started = [], {}, {}
+        return cells, phases, started
 
     def done_keys(self) -> list[str]:
         return sorted(self._keys)
@@ -128,9 +134,9 @@ def run_group_task(sweep: SweepConfig, cells: list[Cell], sink, group: int, work
     threads = os.environ.get("OMP_NUM_THREADS", "")  # Ray sets it to the task's CPUs
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:  # a reused worker: torch read it before
         sys.modules["torch"].set_num_threads(int(threads))
-    held = set(ray.get(sink.done_keys.remote()))
-    cells = [c for c in cells if c.key not in held]
     node = node_info(ray)
+    held = set(ray.get([sink.started.remote(group, node["node_id"]), sink.done_keys.remote()])[1])
+    cells = [c for c in cells if c.key not in held]
     if not cells:
         return {"node": node, "cells": [], "pid": os.getpid()}
     root = Path(tempfile.mkdtemp(prefix="kvbench-ray-"))

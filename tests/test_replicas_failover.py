@@ -287,7 +287,8 @@ def test_every_generation_suite_records_the_replica_that_served_each_item(name, 
 
 # ------------------------------------------------------------------------------ --help
 @pytest.mark.parametrize("command, phrases", [
-    ("sweep", ("--executor", "--address", "--ray-retries", "--ray-cpus-per-group", "--replica-max-failures",
+    ("sweep", ("--executor", "--address", "--ray-retries", "--ray-cpus-per-group", "--ray-resources",
+               "--replica-max-failures",
                "one Ray task per group", "a cell's concurrency then applies to each replica",
                "the load test never moves a failed request")),
     ("eval", ("--endpoint", "--replica-max-failures", "data-parallel replicas of one server configuration",

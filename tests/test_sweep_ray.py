@@ -1,10 +1,13 @@
 """``kvbench sweep --executor ray`` on a local two-node Ray cluster (CPU): the same cells and item records as a
 local sweep, a worker that dies mid-cell (retried; with no retries its cell fails and the rest finishes), a
-driver killed mid-sweep then resumed, Ctrl-C.  The cluster (a head and a second node, ``ray start --block`` in
-their own process groups) is started once for the module and torn down by killing those two process groups.
+driver killed mid-sweep then resumed, Ctrl-C, a sweep pinned to the second node (``--ray-resources``), and, last,
+whole nodes that die mid-cell (two extra nodes: the cell is retried on the other, then, with no node left that
+has the resource, recorded failed with the node-death reason while the other group finishes).  The cluster (a
+head and a second node, ``ray start --block`` in their own process groups) is started once for the module and
+torn down by killing those process groups.
 
-The flag handling (``--executor``, ``--address``, ``--ray-retries``, ``--ray-cpus-per-group``, the resume
-command, the error without Ray) is checked without a cluster."""
+The flag handling (``--executor``, ``--address``, ``--ray-retries``, ``--ray-cpus-per-group``,
+``--ray-resources``, the resume command, the error without Ray) is checked without a cluster."""
 
 from __future__ import annotations
 
@@ -84,7 +87,8 @@ def _free_port() -> int:
 
 
 def _start_node(args: list[str], log: Path, env: dict) -> subprocess.Popen:
-    """``ray start ... --block`` in a process group of its own; returns once it says the node runs."""
+    """``ray start ... --block`` in a process group of its own (its pid); returns once it says the node runs.
+    (One at a time: nodes that start at once in one temp dir can collide on their sockets.)"""
     with open(log, "w") as out:
         p = subprocess.Popen([str(BIN / "ray"), "start", *args, "--disable-usage-stats", "--block"], stdout=out,
                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -110,33 +114,43 @@ def _stop_node(p: subprocess.Popen) -> None:
             pass
 
 
+# the Ray config of the test cluster's GCS (RAY_<name> on `ray start --head`): node death noticed in ~2 s
+HEALTH_CHECK_ENV = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "2000",
+                    "RAY_health_check_failure_threshold": "4"}
+
+
 @pytest.fixture(scope="module")
-def cluster():
-    """A local Ray cluster of two nodes: the head (2 CPUs) and a second node (1 CPU, resource ``node2``), with
+def ray_cluster():
+    """A local Ray cluster of two nodes: the head (2 CPUs) and a second node (1 CPU, resources ``node2`` and
+    ``kvb_pool``: only the node-death test asks for the latter, and may kill that node), with
     a temporary directory of their own (sessions, logs, the address file; removed afterwards) and without
     token authentication (``RAY_AUTH_MODE=disabled``, here too); its processes have tests/ on PYTHONPATH (the
-    work hooks).  This process stays connected (the in-process sweeps reuse the connection); yields the address."""
+    work hooks).  The head's GCS declares a node dead after 4 failed health checks 0.5 s apart (Ray's defaults:
+    5 checks 3 s apart, 15 s or more), for the node-death test.  This process stays connected (the in-process
+    sweeps reuse the connection); yields ``(address, env, temp, [head, node2])`` (their ``ray start``
+    processes): more nodes can join the same way."""
     import ray
 
     temp = Path(tempfile.mkdtemp(prefix="kvb-ray-"))  # short: Ray's socket paths live under it
     port = _free_port()
     auth = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **HEALTH_CHECK_ENV,
            "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)}
     address = f"127.0.0.1:{port}"
     nodes = []
     try:
         nodes.append(_start_node(["--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
                                   f"--temp-dir={temp}"], temp / "head.log", env))
-        nodes.append(_start_node([f"--address={address}", "--num-cpus=1", '--resources={"node2": 1}',
+        nodes.append(_start_node([f"--address={address}", "--num-cpus=1",
+                                  '--resources={"node2": 1, "kvb_pool": 1}',
                                   f"--temp-dir={temp}"], temp / "node2.log", env))
         ray.init(address=address, logging_level="WARNING")
         deadline = time.monotonic() + 60
         while sum(1 for n in ray.nodes() if n.get("Alive")) < 2:
             assert time.monotonic() < deadline, "the second Ray node never joined"
             time.sleep(0.2)
-        yield address
+        yield address, env, temp, nodes
     finally:
         ray.shutdown()
         for p in reversed(nodes):
@@ -146,6 +160,12 @@ def cluster():
             os.environ.pop("RAY_AUTH_MODE", None)
         else:
             os.environ["RAY_AUTH_MODE"] = auth
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster) -> str:
+    """The test cluster's address."""
+    return ray_cluster[0]
 
 
 def _executor(address: str, **kw):
@@ -207,7 +227,16 @@ def test_ray_flags_need_the_ray_executor_and_exclude_parallel(tmp_path, data_dir
                        (["--executor", "ray", "--parallel", "2"],
                         "--parallel and --devices are for the local executor"),
                        (["--executor", "ray", "--ray-retries", "-1", "--dry-run"],
-                        "--ray-retries must be a whole number")):
+                        "--ray-retries must be a whole number"),
+                       (["--ray-resources", '{"h100": 1}'], "--ray-resources applies to --executor ray only"),
+                       (["--executor", "ray", "--dry-run", "--ray-resources", "h100"],
+                        "--ray-resources: expected a JSON object such as"),
+                       (["--executor", "ray", "--dry-run", "--ray-resources", "[1]"],
+                        "--ray-resources: expected a JSON object of resource names"),
+                       (["--executor", "ray", "--dry-run", "--ray-resources", '{"GPU": 1}'],
+                        "--ray-resources: GPU is not a custom resource"),
+                       (["--executor", "ray", "--dry-run", "--ray-resources", '{"h100": 0}'],
+                        "--ray-resources: the amount of h100 must be a number above 0, got 0")):
         r = CliRunner().invoke(app, ["sweep", cfg, "--out", str(tmp_path / "r"), *extra])
         assert r.exit_code == 2 and msg in r.output, r.output
     assert not (tmp_path / "r").exists()
@@ -220,6 +249,11 @@ def test_dry_run_lists_the_ray_tasks_without_connecting(tmp_path, data_dir):
     lines = r.output.splitlines()
     assert lines[0] == "executor ray (10.9.9.9:6379; --ray-retries 1): one task per cell group"
     assert sum(1 for line in lines if line.endswith("(2 cells, embedded target embedded): 2 CPU, 0 GPU")) == 2
+    r = CliRunner().invoke(app, ["sweep", str(_write(tmp_path, data_dir)), "--dry-run", "--executor", "ray",
+                                 "--ray-resources", '{"h100": 1, "rack_a": 0.5}'])
+    assert r.exit_code == 0, r.output
+    assert sum(1 for line in r.output.splitlines()
+               if line.endswith("(2 cells, embedded target embedded): 1 CPU, 0 GPU, 1 h100, 0.5 rack_a")) == 2
 
 
 def test_missing_ray_names_the_extra(tmp_path, data_dir, monkeypatch):
@@ -248,17 +282,20 @@ def test_resume_command_keeps_the_ray_flags(tmp_path, data_dir, monkeypatch):
 
     def interrupted(*args, **kw):
         assert kw["executor"].options.address == "h:6379" and kw["executor"].options.retries == 3
+        assert kw["executor"].options.resources == {"h100": 1, "rack a": 2.5}
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner, "run_sweep", interrupted)
     monkeypatch.setattr(ray_executor, "import_ray", lambda: None)  # no Ray needed to get this far
     cfg = str(_write(tmp_path, data_dir))
     r = CliRunner().invoke(app, ["sweep", cfg, "--out", str(tmp_path / "r"), "--executor", "ray", "--address", "h:6379",
-                                 "--ray-retries", "3", "--ray-cpus-per-group", "0.5"])
+                                 "--ray-retries", "3", "--ray-cpus-per-group", "0.5",
+                                 "--ray-resources", '{"h100": 1, "rack a": 2.5}'])
     assert r.exit_code == 130, r.output
     cmd = r.output.splitlines()[-1].strip()
     assert shlex.split(cmd)[4:] == [str(tmp_path / "r"), "--resume", "--executor", "ray", "--address", "h:6379",
-                                    "--ray-retries", "3", "--ray-cpus-per-group", "0.5"]
+                                    "--ray-retries", "3", "--ray-cpus-per-group", "0.5",
+                                    "--ray-resources", '{"h100":1,"rack a":2.5}']
 
 
 def test_ray_display_prints_each_cell_with_the_eta_over_the_running_groups(capsys):
@@ -297,6 +334,18 @@ def test_group_resources_follow_the_target():
     for name, (with_gpus, without) in want.items():
         assert group_resources(cfg, plans[name], 1.5, 8) == {"num_cpus": 1.5, "num_gpus": with_gpus}, name
         assert group_resources(cfg, plans[name], 1.5, 0)["num_gpus"] == without, name
+    # --ray-resources: every group's task asks for them besides its CPUs and GPUs
+    assert group_resources(cfg, plans["srv"], 1, 8, {"h100": 2}) == {"num_cpus": 1, "num_gpus": 2,
+                                                                      "resources": {"h100": 2}}
+
+
+def test_a_node_fits_a_task_only_with_every_resource_it_asks_for():
+    from kvbench.harness.ray_executor import fits
+
+    task = {"num_cpus": 1, "num_gpus": 0, "resources": {"kvb_pool": 1}}
+    assert fits(task, {"CPU": 1, "kvb_pool": 1}) and fits(task, {"CPU": 4, "GPU": 8, "kvb_pool": 2})
+    assert not fits(task, {"CPU": 8}) and not fits(task, {"CPU": 0.5, "kvb_pool": 1})
+    assert not fits({"num_cpus": 1, "num_gpus": 1}, {"CPU": 8}) and fits({"num_cpus": 1, "num_gpus": 0}, {"CPU": 1})
 
 
 # ------------------------------------------------------------------------------ on the cluster
@@ -409,7 +458,9 @@ class Driver:
         self.keys = [c.key for c in expand(parse_config(raw_config(data_dir)))]
         self.calls, self.run, self.log = tmp_path / "calls.txt", tmp_path / "run", tmp_path / "driver.log"
         hook = {"calls": str(self.calls), "sleep_in": self.keys[2], "sleep_s": 120}
-        self.env = {**os.environ, "KVBENCH_PLUGINS": "ray_sweep_hooks", "PYTHONPATH": str(TESTS),
+        # PYTHONPATH keeps what this process has: the driver imports the same kvbench as the cluster's workers
+        self.env = {**os.environ, "KVBENCH_PLUGINS": "ray_sweep_hooks",
+                    "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p),
                     "KVBENCH_TEST_HOOK": json.dumps(hook)}
         self.argv = [str(BIN / "kvbench"), "sweep", str(cfg_path), "--out", str(self.run), "--no-progress",
                      "--executor", "ray", "--address", address]
@@ -484,3 +535,123 @@ def test_ctrl_c_cancels_the_running_tasks_and_prints_the_resume_command(cluster,
     assert cmd[:2] == ["kvbench", "sweep"] and cmd[2:] == [*d.argv[2:5], "--resume", *d.argv[6:]]
     assert "--no-progress" not in cmd and [k for k in d.keys if d.store.is_done(k)]
     assert not any(d.store.is_done(k) for k in d.keys[2:])
+
+
+# ------------------------------------------------------------------------------ placement and node death (last)
+def small_config(data_dir: Path, kv: list) -> dict:
+    """One concurrency-1 cell per KV format (a cell group each), one suite: the placement and node tests."""
+    raw = raw_config(data_dir)
+    raw["axes"] = {"kv": kv, "concurrency": [1]}
+    raw["suites"] = raw["suites"][:1]
+    return raw
+
+
+def _node_ids(**where) -> set[str]:
+    """The ids of the live nodes of the cluster whose resources hold every ``name=amount`` of ``where``."""
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes()
+            if n["Alive"] and all(n["Resources"].get(k, 0) >= v for k, v in where.items())}
+
+
+@pytest.mark.slow
+@needs_ray
+@pytest.mark.timeout(240)
+def test_ray_resources_pin_the_groups_to_the_nodes_that_have_them(cluster, data_dir, tmp_path):
+    """``--ray-resources {"node2": 1}``: every group runs on the second node (not the head, where the driver and
+    the cluster's other CPUs are), as its cells' summaries record."""
+    import ray
+
+    head = {n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]}
+    node2 = _node_ids(node2=1)
+    assert len(head) == 1 and len(node2) == 1 and head != node2
+    cfg = parse_config(small_config(data_dir, ["bf16", {"dtype": "fp8_e4m3", "scales": "unit"}]))
+    keys = [c.key for c in expand(cfg)]
+    out = run_sweep(cfg, tmp_path / "run", progress=False,
+                    executor=_executor(cluster, resources={"node2": 1}))
+    assert out.done == keys, out.failed
+    st = RunStore(tmp_path / "run")
+    assert {st.read_json(k, "summary")["target"]["ray_node"]["node_id"] for k in keys} == node2
+    assert st.manifest()["runs"][-1]["ray_resources"] == {"node2": 1}
+
+
+@pytest.fixture
+def pool_nodes(ray_cluster):
+    """The two nodes of the test cluster with the custom resource ``kvb_pool`` (1 CPU each, not the head): the
+    second node and one more started here, each in a process group of its own (its pid: what ``kill_node_in``
+    may kill).  The test that uses them kills them both: it runs last in the module."""
+    address, env, temp, nodes = ray_cluster
+    head = _node_ids(**{"node:__internal_head__": 1})
+    extra = _start_node([f"--address={address}", "--num-cpus=1", '--resources={"kvb_pool": 1}',
+                         f"--temp-dir={temp}"], temp / "pool.log", env)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_node_ids(kvb_pool=1)) < 2:
+            assert time.monotonic() < deadline, "the second kvb_pool node never joined"
+            time.sleep(0.2)
+        assert len(head) == 1 and not _node_ids(kvb_pool=1) & head
+        yield [nodes[1], extra]
+    finally:
+        _stop_node(extra)
+
+
+def _wait_dead(node_id: str, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while node_id in _node_ids():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.mark.slow
+@needs_ray
+@pytest.mark.timeout(240)
+def test_a_node_that_dies_mid_cell_is_retried_on_another_then_failed_when_none_is_left(pool_nodes, cluster, data_dir,
+                                                                                      tmp_path):
+    """Every group asks for ``kvb_pool`` (two nodes have it).  The fp8 group's node dies (SIGKILL to its raylet's
+    process group) in its cell's load test: the cell is retried on the other ``kvb_pool`` node and the sweep
+    finishes.  A second sweep kills that node too: no live node has ``kvb_pool`` any more, so the fp8 cell is
+    recorded failed with the node-death reason, while the bf16 group (run first on that node) is done."""
+    from ray_sweep_hooks import Hooks, HookWork
+
+    cfg = parse_config(small_config(data_dir, ["bf16", {"dtype": "fp8_e4m3", "scales": "unit"}]))
+    keys = [c.key for c in expand(cfg)]  # bf16, fp8
+    pool = _node_ids(kvb_pool=1)
+    pgids = [p.pid for p in pool_nodes]
+    # the sweeps' sink (an actor) must not sit on a node that dies: it is placed on the head
+
+    # 1. the node dies, the cell is retried on the other one
+    calls = tmp_path / "one" / "calls.txt"
+    calls.parent.mkdir()
+    work = HookWork(cfg, Hooks(str(calls), kill_node_in=keys[1], node_pgids=pgids))
+    out = run_sweep(cfg, tmp_path / "one" / "run", progress=False, work=work,
+                    executor=_executor(cluster, retries=1, resources={"kvb_pool": 1}))
+    assert out.done == keys, [RunStore(tmp_path / "one" / "run").read_json(k, "summary")["error"] for k in out.failed]
+    loads = [c for c in _calls(calls) if c[0] == keys[1] and c[1] == "load"]
+    assert len(loads) == 2, loads  # the first attempt (its node killed) and the retry
+    dead, survivor = loads[0][3], loads[1][3]
+    assert {dead, survivor} == pool  # on each kvb_pool node once: the retry on the other one
+    assert _wait_dead(dead) and survivor in _node_ids()
+    assert sorted(p.poll() is None for p in pool_nodes) == [False, True]  # the dead node's processes are gone
+    st = RunStore(tmp_path / "one" / "run")
+    assert st.read_json(keys[1], "summary")["target"]["ray_node"]["node_id"] == survivor
+    assert st.read_json(keys[1], "summary")["error"] is None
+    assert st.read_json(keys[0], "summary")["target"]["ray_node"]["node_id"] in pool
+
+    # 2. the last kvb_pool node dies: the retry has nowhere to go, the cell fails with the reason
+    calls = tmp_path / "two" / "calls.txt"
+    calls.parent.mkdir()
+    work = HookWork(cfg, Hooks(str(calls), kill_node_in=keys[1], node_pgids=pgids))
+    out = run_sweep(cfg, tmp_path / "two" / "run", progress=False, work=work,
+                    executor=_executor(cluster, retries=1, resources={"kvb_pool": 1}))
+    assert out.done == [keys[0]] and out.failed == [keys[1]]
+    assert [c[3] for c in _calls(calls) if c[1] == "load"] == [survivor, survivor]  # bf16 first, then fp8
+    st = RunStore(tmp_path / "two" / "run")
+    error = st.read_json(keys[1], "summary")["error"]
+    assert error.startswith("Ray node died: NodeDiedError: Task failed because the node it was running on is dead")
+    assert survivor in error and "no live node of the cluster has what its retry would ask for (1 CPU, 0 GPU, " \
+                                  "1 kvb_pool)" in error, error
+    assert "NodeDiedError" in (st.cell_dir(keys[1]) / "error.txt").read_text()
+    assert st.status(keys[0]) == "done" and st.status(keys[1]) == "failed"
+    assert _wait_dead(survivor) and not _node_ids(kvb_pool=1)

@@ -3,6 +3,7 @@ matrix into a run directory (the cell groups in this process, or as Ray tasks: `
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Optional
@@ -106,6 +107,10 @@ RayRetriesOpt = Annotated[Optional[int], typer.Option(
 RayCpusOpt = Annotated[Optional[float], typer.Option(
     "--ray-cpus-per-group", help="--executor ray: CPUs each cell group's task reserves (default 1; GPUs follow "
     "the target: a server's tp_size × its replicas, 1 for an embedded engine on CUDA)")]
+RayResourcesOpt = Annotated[Optional[str], typer.Option(
+    "--ray-resources", help="--executor ray: custom Ray resources every cell group's task asks for, as JSON, e.g. "
+    "'{\"h100\": 1}' to run the groups only on the nodes started with ray start --resources='{\"h100\": 8}'; a "
+    "retry after a node died asks for them too")]
 ReplicaFailuresOpt = Annotated[Optional[int], typer.Option(
     "--replica-max-failures", help="Targets of several data-parallel replicas (an endpoint's base_url list, a "
     "server's replicas: N): connection failures in a row that take a replica out of rotation for the rest of its "
@@ -119,7 +124,7 @@ def register(app: typer.Typer) -> None:
         data_dir: DataDirOpt = None, dry_run: DryRunOpt = False, progress: ProgressOpt = True,
         parallel: ParallelOpt = 1, devices: DevicesOpt = None, executor: ExecutorOpt = "local",
         address: AddressOpt = None, ray_retries: RayRetriesOpt = None, ray_cpus_per_group: RayCpusOpt = None,
-        replica_max_failures: ReplicaFailuresOpt = None,
+        ray_resources: RayResourcesOpt = None, replica_max_failures: ReplicaFailuresOpt = None,
     ) -> None:
         """Run the matrix of a sweep config: accuracy suites, fidelity, load tests and capacity per cell.
 
@@ -131,7 +136,8 @@ def register(app: typer.Typer) -> None:
         import logging
 
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-        ray = _ray_options(executor, address, ray_retries, ray_cpus_per_group, parallel, devices, dry_run)
+        ray = _ray_options(executor, address, ray_retries, ray_cpus_per_group, parallel, devices, dry_run,
+                           ray_resources)
         cfg, cells, run_dir, device_ids, plans, launches = _plan(config, out, only, data_dir, parallel, devices,
                                                                  replica_max_failures)
         if dry_run:
@@ -143,7 +149,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _ray_options(executor: str, address: Optional[str], retries: Optional[int], cpus: Optional[float], parallel: int,
-                 devices: Optional[str], dry_run: bool):
+                 devices: Optional[str], dry_run: bool, resources: Optional[str] = None):
     """``RayOptions`` for ``--executor ray`` (Ray imported, unless ``--dry-run``), None for ``local``; a
     ``UserError`` for an unknown executor, Ray flags without ``--executor ray``, or ``--parallel`` /
     ``--devices`` with it (Ray places the groups and gives them their GPUs)."""
@@ -152,7 +158,8 @@ def _ray_options(executor: str, address: Optional[str], retries: Optional[int], 
 
     if executor not in EXECUTORS:
         raise UserError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
-    flags = {"--address": address, "--ray-retries": retries, "--ray-cpus-per-group": cpus}
+    flags = {"--address": address, "--ray-retries": retries, "--ray-cpus-per-group": cpus,
+             "--ray-resources": resources}
     if executor != "ray":
         given = [f for f, v in flags.items() if v is not None]
         if given:
@@ -163,7 +170,7 @@ def _ray_options(executor: str, address: Optional[str], retries: Optional[int], 
                         "a Ray task and Ray decides where and how many run at once, and which GPUs they get")
     try:
         opts = RayOptions(address=address, retries=1 if retries is None else retries,
-                          cpus_per_group=1.0 if cpus is None else cpus)
+                          cpus_per_group=1.0 if cpus is None else cpus, resources=resources)
         if not dry_run:
             import_ray()
     except SweepConfigError as e:
@@ -243,7 +250,7 @@ def _echo_ray_plan(cfg, plans, ray) -> None:
     for p in plans:
         n = len(p.cells)
         typer.echo(f"  {p.cells[0].label} ({n} cell{'s' if n != 1 else ''}, {p.kind} target {p.target}): "
-                   f"{describe_resources(cfg, p, ray.cpus_per_group)}")
+                   f"{describe_resources(cfg, p, ray.cpus_per_group, ray.resources)}")
 
 
 def _ray_words(ray) -> list[str]:
@@ -257,6 +264,8 @@ def _ray_words(ray) -> list[str]:
         words += ["--ray-retries", str(ray.retries)]
     if ray.cpus_per_group != 1:
         words += ["--ray-cpus-per-group", f"{ray.cpus_per_group:g}"]
+    if ray.resources:
+        words += ["--ray-resources", json.dumps(ray.resources, separators=(",", ":"))]
     return words
 
 
