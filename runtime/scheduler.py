@@ -6,8 +6,10 @@ new prompts, later chunks of long prompts, recomputation after preemption) or a 
 running sequence whose prompt is cached and that has all but its newest token cached; a prompt's last
 token is prefilled even when it is the only one left).  With ``mixed`` (``EngineConfig.mixed_prefill``) a
 prefill step also carries every decoding sequence's next token (one row each, first in the token budget):
-the runner gives those rows decode semantics (``StepInputs``: round-trip rows), so they read the cache as a
-decode step would, and decoding never waits for a prompt chunk.
+those rows have decode semantics (``ScheduledBatch.decode_rows`` -> ``AttentionMetadata.decode_rows``: the
+attention backends run them through their decode path, or as round-trip rows where they run the step whole,
+``runtime/attention/base.py``), so they read the cache as a decode step would, and decoding never waits for a
+prompt chunk.
 
 Teacher-forced scoring sequences carry ``score_from``: the prompt holds context + continuation, and a
 prefill chunk never straddles ``score_from`` (the continuation chunks run with decode semantics, see

@@ -150,6 +150,60 @@ def test_flashinfer_matches_torch(loaded, kv, pre, dec):
         e.shutdown()
 
 
+def _score_in_mixed_steps(e):
+    """``_score``'s teacher-forced decode scoring while prompts keep arriving and prefilling in chunks, stepped by
+    hand: with ``mixed_prefill`` most scored tokens run as decode rows of prefill steps.  Returns the scores and
+    how many steps carried the scored sequence as a decode row."""
+    from kvbench.runtime.scoring import TokenScoreRequest, score_result
+
+    req = TokenScoreRequest(CTX, CONT, full_distribution=True, mode="decode")
+    last = {}
+    rid = e.add_score_request(req, on_delta=lambda d: d.finish_reason and last.setdefault("d", d))
+    seq = e._seqs_snapshot(rid)
+    carried, real = [0], e.scheduler.schedule
+
+    def schedule():
+        b = real()
+        if b is not None and b.phase == "prefill" and any(s is seq for s in b.seqs[:b.decode_rows]):
+            carried[0] += 1
+        return b
+
+    e.scheduler.schedule = schedule
+    n = 0
+    while e.step():
+        n += 1
+        if n % 3 == 0 and n <= 60:
+            e.add_request(PROMPTS[n % 3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while e.step():
+        pass
+    return score_result(req, e.out.request_output(seq, last["d"]), seq), carried[0]
+
+
+@pytest.mark.parametrize("kv,pre,dec", [
+    ("bf16", "triton", "triton"), ("fp8_e4m3", "triton", "triton"), ("nvfp4", "triton", "triton"),
+    ("fp8_e4m3", "torch", "triton"), ("nvfp4", "triton", "torch"),
+    ("bf16", "flashinfer", "flashinfer"), ("bf16", "triton", "flashinfer"),
+])
+def test_mixed_steps_match_graphed_decode(loaded, kv, pre, dec):
+    """``mixed_prefill`` on the GPU: a scored sequence whose tokens run as decode rows of prefill steps (the
+    decode rows through the decode backend's kernel; flashinfer alone runs the step whole with round-trip rows)
+    against the same scoring in an engine of separate steps whose decode steps replay CUDA graphs."""
+    if "flashinfer" in (pre, dec):
+        _need_flashinfer()
+    ref_e = _engine(loaded, kv, "triton", "triton", eager=False)
+    mix_e = _engine(loaded, kv, pre, dec, eager=False, mixed_prefill=True, max_num_batched_tokens=64)
+    try:
+        ref = _score(ref_e)
+        assert ref_e.runner.graphs is not None and ref_e.runner.graphs.graphs, "no decode graph was captured"
+        got, carried = _score_in_mixed_steps(mix_e)
+        assert carried >= len(CONT) // 2, carried
+        _close(ref, got)
+        assert mix_e.cache.allocator.num_used == 0
+    finally:
+        ref_e.shutdown()
+        mix_e.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["prefill", "decode", "both"])
 def test_query_quantization_per_phase_matches_torch(loaded, mode):
     """fp8 queries limited to one phase: the Triton kernels (q_scale passed for that phase only, or rows rounded

@@ -142,3 +142,40 @@ def test_gemma3_layer_groups_keep_the_window_only(gemma3):
         assert e.cache.allocator.num_used == 0
     finally:
         e.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gemma3_mixed_steps_over_layer_groups(gemma3, backend):
+    """``mixed_prefill`` with layer groups (the sliding layer's own page table, its pages below the window given
+    back): the short prompt's decode rows ride in the long prompts' chunks, and their parts read each group's
+    rows of the step; tokens equal separate steps and log-probs agree (the prompts' chunks are cut differently,
+    which moves a chunk's own fp16 K/V rounding only)."""
+    from kvbench.core import SamplingParams
+    from tiny_models import engine
+
+    d, _hf = gemma3
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    res = {}
+    for mixed in (False, True):
+        e = engine(str(d), backend, max_num_batched_tokens=8, mixed_prefill=mixed)
+        seen, schedule = [], e.scheduler.schedule
+
+        def watch():
+            batch = schedule()
+            if batch is not None:
+                seen.append((batch.decode_rows, batch.num_tokens - batch.decode_rows))
+            return batch
+
+        e.scheduler.schedule = watch
+        try:
+            assert e.cache.spec.groups is not None and e.cache.spec.groups.windows == (None, 6)
+            outs = e.generate(prompts(256), params)
+            res[mixed] = ([o.token_ids for o in outs], [o.logprobs for o in outs], seen)
+            assert e.cache.allocator.num_used == 0
+        finally:
+            e.shutdown()
+    (tok0, lp0, seen0), (tok1, lp1, seen1) = res[False], res[True]
+    assert not any(dr for dr, _ in seen0) and any(dr >= 1 and n > 0 for dr, n in seen1), seen1
+    assert tok1 == tok0
+    diff = max(abs(a - b) for x, y in zip(lp0, lp1) for a, b in zip(x, y))
+    assert diff < 1e-3, diff

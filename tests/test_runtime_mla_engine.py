@@ -91,6 +91,50 @@ def test_preemption_and_chunked_prefill_keep_greedy_tokens(loaded):
         tiny.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_steps_run_whole_through_mla_layers(loaded, backend):
+    """MLA keeps the round-trip path for ``mixed_prefill``: each layer's ``forward_mla`` gets the whole mixed
+    step (prefill phase, its decode rows first and flagged round-trip: decode semantics in one extend) rather
+    than a decode part and a prefill part.  Prompts arrive while others decode and prefill in one chunk each
+    (as in separate steps), so tokens and log-probs equal separate steps (fp8: the decode rows read their
+    latent as stored)."""
+    res = {}
+    for mixed in (False, True):
+        e = _engine(loaded, kv_dtype="fp8_e4m3", prefill_backend=backend, decode_backend=backend,
+                    max_num_batched_tokens=64, mixed_prefill=mixed)
+        calls, inner, got = [], e.runner.backend.forward_mla, {}
+
+        def spy(*args):
+            meta = args[-1]
+            calls.append((meta.phase, meta.decode_rows, list(meta.roundtrip_seqs_cpu)))
+            return inner(*args)
+
+        e.runner.backend.forward_mla = spy
+        try:
+            for k, p in enumerate(PROMPTS):
+                e.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1),
+                              on_delta=lambda d, k=k: got.setdefault(k, []).extend(zip(d.token_ids, d.logprobs)))
+                e.step()
+                e.step()
+            while e.step():
+                pass
+            res[mixed] = got
+            assert e.cache.allocator.num_used == 0
+        finally:
+            e.shutdown()
+        whole = [(n, rt) for ph, n, rt in calls if ph == "prefill" and n]
+        if mixed:
+            assert whole and all(rt[:n] == [True] * n and len(rt) > n for n, rt in whole)
+            assert max(n for n, _ in whole) >= 2
+        else:
+            assert not whole
+    assert sorted(res[True]) == sorted(res[False]) == [0, 1, 2, 3]
+    for k, sep in res[False].items():
+        mix = res[True][k]
+        assert [t for t, _ in mix] == [t for t, _ in sep] and len(sep) == 8
+        assert max(abs(a - b) for (_, a), (_, b) in zip(mix, sep)) < 1e-4
+
+
 def test_no_page_leaks_after_finished_and_aborted(loaded):
     e = _engine(loaded, max_running=2, max_num_batched_tokens=16)
     try:

@@ -26,6 +26,13 @@ Semantics shared by every backend (so they agree on numbers):
   covers every prefill / chunked-prefill / prefix-cache extend row; decode covers decode steps **and the
   rows of round-trip sequences** (a scored continuation behaves as decode would, so its queries follow the
   decode setting).  ``query_fp8(opts, meta)`` says, per step, which rows are quantized.
+* Mixed steps (``EngineConfig.mixed_prefill``; ``AttentionMetadata.decode_rows`` > 0, prefill phase): the
+  step's first ``decode_rows`` sequences are decode rows, one new token each at rows ``0 .. decode_rows - 1``,
+  with decode semantics.  They are also flagged round-trip, so a backend that runs the whole step as one
+  extend (MLA layers, flashinfer) gives them decode semantics that way.  The torch, triton and hybrid backends
+  split the step instead (``mixed.mixed_parts``): every row's K/V is appended first, then the decode rows go through
+  the backend's decode path (a pure decode step's metadata over those rows) and the other rows through its
+  prefill path (a pure prefill step over the rest, its own round-trip rows included), into one output.
 
 Token layout of a step: the new tokens of sequence ``b`` are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
 of ``q``/``k``/``v``; their positions are ``seq_lens[b] - q_len_b ... seq_lens[b] - 1``.  Rows past
@@ -134,6 +141,9 @@ class AttentionMetadata:
     # ``page_table`` / ``slot_mapping``; [] = one page list for every layer (``layer_pages`` picks)
     group_page_tables: list = field(default_factory=list)
     group_slot_mappings: list = field(default_factory=list)
+    # a mixed step (prefill phase): its first ``decode_rows`` sequences are decode rows (one token each, also in
+    # ``roundtrip_seqs_cpu``); 0 = none.  ``mixed.mixed_parts`` gives the decode and prefill views of the step.
+    decode_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:

@@ -16,6 +16,12 @@ logit is exactly ``sink[h]`` and it contributes nothing to the output.
 
 Semantics are those of ``base.py``: in prefill the new tokens' own K/V enter in compute precision; in
 decode, and for round-trip sequences, everything is read back from the pages.
+
+Its decode path is the same per-sequence loop with every sequence reading from the pages (``TorchPlan.from_cache``).
+A mixed step (``meta.decode_rows``) appends every row first and runs its decode rows through that decode path
+(``make_plan`` marks them from the pages whether or not they are flagged round-trip) and its other rows through
+the prefill path, each sequence on its own, into one output: the split of ``mixed.mixed_parts`` without building
+the parts.
 """
 
 from __future__ import annotations

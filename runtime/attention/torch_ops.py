@@ -118,8 +118,9 @@ def attend_chunked(
 class TorchPlan:
     """Per-step host view of the batch (``meta.extra["torch"]``), shared by the MHA and MLA paths.
 
-    ``from_cache[b]``: sequence ``b`` reads all its K/V from the pages (decode, round-trip); otherwise its
-    new tokens' K/V come from the step's compute-precision tensors and only the prefix is read."""
+    ``from_cache[b]``: sequence ``b`` reads all its K/V from the pages (decode, a mixed step's decode rows,
+    round-trip); otherwise its new tokens' K/V come from the step's compute-precision tensors and only the
+    prefix is read."""
 
     B: int
     cu: list[int]
@@ -178,7 +179,8 @@ def make_plan(meta: AttentionMetadata) -> TorchPlan:
     rt = list(meta.roundtrip_seqs_cpu) if meta.roundtrip_seqs_cpu else [False] * B
     if len(rt) != B:
         raise ValueError(f"roundtrip_seqs_cpu has {len(rt)} entries for {B} sequences")
-    from_cache = [meta.phase == "decode" or bool(r) for r in rt]
+    n_dec = meta.decode_rows if meta.phase == "prefill" else 0  # a mixed step's decode rows: the decode path
+    from_cache = [meta.phase == "decode" or bool(r) or b < n_dec for b, r in enumerate(rt)]
     return TorchPlan(B, cu, seq_lens, q_lens, from_cache, meta.page_table.to(torch.int64), meta.page_size,
                      group_tables=[t.to(torch.int64) for t in meta.group_page_tables])
 

@@ -8,6 +8,12 @@ semantics (``base.py``).  Round-trip sequences (scoring with decode semantics): 
 rows' K/V are read back from the pages (``stored_new_kv``) and passed to the prefill kernel as the new
 tokens' K/V, so they see exactly the bytes decode would read.
 
+Mixed steps (``meta.decode_rows``, ``mixed.mixed_parts``): one RoPE + quantize + append over every row of the
+step (so each decode row's new K/V is in its pages before anything reads them), then the decode rows (the
+first ``decode_rows`` rows) go through ``paged_decode`` exactly as a decode step's rows would, and the other
+rows through ``paged_prefill`` over the prefill part's page-table rows, lengths and rebased ``cu_seqlens_q``
+(its round-trip rows, e.g. a scored continuation chunk, read back as above), both writing into one output.
+
 fp8 queries (``quantize_query``, per phase: ``base.query_fp8``): when every row of a step is quantized the
 append kernel emits the e4m3 query and the attention kernel gets ``q_scale``; a phase that is not quantized
 passes ``q_scale=None``.  A prefill step that mixes the two (round-trip rows under the decode setting next
@@ -26,6 +32,7 @@ import torch
 from kvbench.core import is_supported
 from kvbench.runtime.attention.base import (AttentionLayer, AttentionMetadata, BackendOptions, RopeCache, layer_pages,
                                             layer_rope, query_fp8, query_fp8_rows, stored_new_kv)
+from kvbench.runtime.attention.mixed import mixed_parts
 
 __all__ = ["TritonBackend", "stored_new_kv"]
 
@@ -122,6 +129,7 @@ class TritonBackend:
             qq = torch.where(rows, quantize_query_fp8(app.q, layer.q_scale), app.q)
         attn = AttentionParams(sm_scale=layer.softmax_scale, sliding_window=layer.sliding_window, sinks=layer.sinks,
                                q_scale=q_scale)
+        parts = mixed_parts(meta)
         if meta.phase == "decode":
             B = meta.num_seqs
             out = torch.zeros(T, H, D, dtype=q.dtype, device=q.device) if T != B else None
@@ -130,6 +138,19 @@ class TritonBackend:
                 out = res
             else:
                 out[:B] = res
+        elif parts is not None:  # mixed step: every row appended above; decode rows, then the prefill rows
+            n, dec, pre = parts.rows, parts.decode, parts.prefill
+            out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+            paged_decode(qq[:n], kv, layer_pages(dec, cache, li)[0], dec.seq_lens, attn=attn, out=out[:n],
+                         out_dtype=q.dtype)  # (the dtype also picks the kernel's dot for an fp8 query)
+            k_new, v_new = app.k[n:], v[n:]
+            if pre.has_roundtrip:
+                k_new, v_new = stored_new_kv(cache, li, pre, k_new, v_new)
+            paged_prefill(
+                qq[n:], k_new, v_new, pre.cu_seqlens_q, int(pre.max_seqlen_q), kv, layer_pages(pre, cache, li)[0],
+                pre.seq_lens, attn=attn, out=out[n:], out_dtype=q.dtype,
+                opts=PrefillOptions(max_prefix_len=self._max_prefix(pre)),
+            )
         else:
             k_new, v_new = stored_new_kv(cache, li, meta, app.k, v) if meta.has_roundtrip else (app.k, v)
             out = paged_prefill(

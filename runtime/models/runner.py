@@ -5,7 +5,12 @@ through CUDA graphs when a ``DecodeGraphs`` is attached (``runtime/graphs.py``).
 Sampled rows: a sequence's last row when the step caches all its known tokens; for a teacher-forced
 scoring sequence (``Sequence.score_from``) every row from position ``score_from - 1`` on (the last context
 row predicts the first continuation token, each continuation row the next one), and its continuation
-chunks are flagged round-trip (``AttentionMetadata.roundtrip_*``: decode semantics in one extend)."""
+chunks are flagged round-trip (``AttentionMetadata.roundtrip_*``: decode semantics in one extend).
+
+A mixed step (``ScheduledBatch.decode_rows``, ``EngineConfig.mixed_prefill``) is one prefill step whose first
+sequences are decode rows: ``AttentionMetadata.decode_rows`` says how many (backends that split the step run
+them through their decode path, ``attention/base.py``), and they are flagged round-trip too, for the backends
+that run the step whole.  The linear layers run once over every row."""
 
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ class StepInputs:
         self._scratch = scratch_page
         self._table: Optional[list[list[int]]] = None
         self.roundtrip: list[bool] = []
+        self.decode_rows = batch.decode_rows if batch.phase == "prefill" else 0  # a mixed step's leading decode rows
         self.group_slots: list[list[int]] = []  # layer groups 1..G-1: each one's slot of every row
         if _general or batch.phase != "decode" or not self._decode(batch.seqs, page_size):
             self._general(batch, page_size)
@@ -108,13 +114,13 @@ class StepInputs:
             if sf is not None:
                 if start < sf < start + q:
                     raise ValueError(f"{seq.request_id}: a chunk of tokens {start}..{start + q - 1} straddles the scoring boundary {sf}")
-                roundtrip.append(start >= sf)
+                roundtrip.append(start >= sf or i < batch.decode_rows)
                 for p in range(max(start, sf - 1), start + q):
                     sample_rows.append(cu[-2] + p - start)
                     sample_idx.append(i)
                     sample_pos.append(p)
             else:
-                roundtrip.append(i < batch.decode_rows)  # a mixed step's decode rows read their K/V as stored
+                roundtrip.append(i < batch.decode_rows)  # decode rows: flagged for backends that run the step whole
                 if start + q == seq.num_tokens:
                     sample_rows.append(cu[-1] - 1)
                     sample_idx.append(i)
@@ -194,6 +200,7 @@ class ModelRunner:
         if inp.group_slots:
             meta.group_page_tables = [meta.page_table] + [torch.tensor(inp.group_table(k), **i32) for k in range(len(inp.group_slots))]
             meta.group_slot_mappings = [meta.slot_mapping] + [torch.tensor(s, **i64) for s in inp.group_slots]
+        meta.decode_rows = inp.decode_rows
         if inp.roundtrip:
             meta.roundtrip_seqs_cpu = list(inp.roundtrip)
             flags = [f for f, q in zip(inp.roundtrip, inp.q_lens) for _ in range(q)]
