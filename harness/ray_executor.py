@@ -28,16 +28,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
-import socket
 import traceback
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from kvbench.core import STATUS_DONE, RunStore, atomic_write_text
 from kvbench.core.plugins import PLUGINS_ENV
-from kvbench.harness.matrix import Cell, engine_options
+from kvbench.harness.matrix import Cell
 from kvbench.harness.parallel import GroupPlan
+from kvbench.harness.ray_resources import (check_reachable, death_reason, describe_task, first_line, fits, group_resources,
+                                           parse_resources, plain)
 from kvbench.harness.ray_worker import RESULT_FILES, CellSink, run_group_task
 from kvbench.harness.runner import SweepOutcome, _record_failure
 from kvbench.harness.sweep.config import SweepConfig, SweepConfigError
@@ -59,10 +59,6 @@ def import_ray():
     return ray
 
 
-# resources Ray itself names: num_cpus / num_gpus come from --ray-cpus-per-group and the target
-_RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-
-
 @dataclass
 class RayOptions:
     """``--address``, ``--ray-retries``, ``--ray-cpus-per-group``, ``--ray-resources``."""
@@ -82,69 +78,6 @@ class RayOptions:
         self.resources = parse_resources(self.resources)
 
 
-def parse_resources(value) -> dict:
-    """``--ray-resources``: a JSON object (or a dict) of custom Ray resource names and amounts above 0, e.g.
-    ``{"h100": 1}``; a ``SweepConfigError`` otherwise (CPUs and GPUs have their own settings)."""
-    import json
-
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise SweepConfigError(f"--ray-resources: expected a JSON object such as '{{\"h100\": 1}}', got "
-                                   f"{value!r} ({e.msg})") from None
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise SweepConfigError(f"--ray-resources: expected a JSON object of resource names and amounts, got {value!r}")
-    out = {}
-    for name, amount in value.items():
-        if not isinstance(name, str) or not name.strip():
-            raise SweepConfigError(f"--ray-resources: a resource name must be a non-empty string, got {name!r}")
-        if name in _RAY_BUILTIN_RESOURCES:
-            raise SweepConfigError(f"--ray-resources: {name} is not a custom resource (CPUs: --ray-cpus-per-group; "
-                                   "GPUs follow the target)")
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
-            raise SweepConfigError(f"--ray-resources: the amount of {name} must be a number above 0, got {amount!r}")
-        out[name] = amount
-    return out
-
-
-def group_resources(sweep: SweepConfig, plan: GroupPlan, cpus: float, cluster_gpus: float,
-                    custom: Optional[dict] = None) -> dict:
-    """The Ray resources of one cell group's task: ``num_cpus``, ``num_gpus`` and, when ``custom`` (the
-    ``--ray-resources``) names any, ``resources`` (see the module docstring)."""
-    spec = sweep.target(plan.target)
-    gpus = 0
-    if spec.type == "server" and cluster_gpus > 0:
-        gpus = plan.tp_size * plan.replicas  # every replica its own tp_size GPUs
-    elif spec.type == "embedded":
-        device = engine_options(sweep, plan.cells[0]).get("device")
-        if device is None:  # the engine's default: cuda when there is one
-            gpus = 1 if cluster_gpus > 0 else 0
-        elif str(device).startswith("cuda"):
-            gpus = 1
-    res = {"num_cpus": cpus, "num_gpus": gpus}
-    if custom:
-        res["resources"] = dict(custom)
-    return res
-
-
-def describe_resources(sweep: SweepConfig, plan: GroupPlan, cpus: float, custom: Optional[dict] = None) -> str:
-    """``--dry-run``: what a group's task asks of a cluster with GPUs and of one without."""
-    with_gpus = group_resources(sweep, plan, cpus, 1)["num_gpus"]
-    without = group_resources(sweep, plan, cpus, 0)["num_gpus"]
-    gpus = f"{with_gpus} GPU" if with_gpus == without else f"{with_gpus} GPU (0 on a cluster without GPUs)"
-    extra = "".join(f", {amount:g} {name}" for name, amount in (custom or {}).items())
-    return f"{cpus:g} CPU, {gpus}{extra}"
-
-
-def fits(resources: dict, node_resources: dict) -> bool:
-    """Whether a node whose total resources are ``node_resources`` can ever run a task that asks ``resources``."""
-    want = {"CPU": resources.get("num_cpus", 0), "GPU": resources.get("num_gpus", 0), **resources.get("resources", {})}
-    return all(node_resources.get(name, 0) >= amount for name, amount in want.items() if amount)
-
-
 class RayDisplay(SweepDisplay):
     """The sweep display with one phase per running group (reported by the workers through the sink)."""
 
@@ -161,7 +94,7 @@ class RayDisplay(SweepDisplay):
             self.most_running = max(self.most_running, len(self._phases))
             self.parallel = self.most_running  # the ETA spreads the remaining cells over this many groups
             if self.progress:
-                self._describe()
+                self.describe_task()
 
 
 @dataclass
@@ -275,7 +208,7 @@ class RayExecutor:
                               self.options.resources)
         if not any(fits(res, n) for n in self.cluster.get("node_resources", [])):
             log.warning("cell group of %s asks Ray for %s, which no node of the cluster has now: it waits until one "
-                        "joins", plan.cells[0].label, _describe(res))
+                        "joins", plan.cells[0].label, describe_task(res))
         exclusive = tuple(k for k in plan.exclusive if k != "embedded")  # embedded: a worker process each
         return _Group(index, list(plan.cells), res, exclusive)
 
@@ -334,9 +267,9 @@ class RayExecutor:
         try:
             self.ray.get(ref)
         except ray_exc.TaskCancelledError as e:
-            err, tb = f"the cell group's Ray task was cancelled: {_first_line(e)}", str(e)
+            err, tb = f"the cell group's Ray task was cancelled: {first_line(e)}", str(e)
         except ray_exc.RayTaskError as e:  # an exception outside every cell (e.g. the work did not unpickle)
-            err, tb = f"the cell group's Ray task failed: {_first_line(getattr(e, 'cause', None) or e)}", _plain(str(e))
+            err, tb = f"the cell group's Ray task failed: {first_line(getattr(e, 'cause', None) or e)}", plain(str(e))
         except ray_exc.RayError as e:  # the worker or its node died (WorkerCrashedError, NodeDiedError, ...)
             err, tb, retry = death_reason(e), "".join(traceback.format_exception(e)), True
             if err.startswith("Ray node died"):  # its node, when the task said which ("?": it did not get to)
@@ -350,7 +283,7 @@ class RayExecutor:
         if retry and group.attempts < self.options.retries:
             live = self._live_nodes() if self.dead_nodes else None
             if live is not None and not any(fits(group.resources, r) for r in live.values()):
-                err += f"; no live node of the cluster has what its retry would ask for ({_describe(group.resources)})"
+                err += f"; no live node of the cluster has what its retry would ask for ({describe_task(group.resources)})"
             else:
                 group.attempts += 1
                 log.warning("cell group of %s: %s%s; trying its %d unfinished cell(s) again (retry %d of %d)",
@@ -406,7 +339,7 @@ class RayExecutor:
                 with contextlib.suppress(Exception):
                     self.ray.cancel(ref, force=True)
             g.cells = [c for c in g.cells if c.key not in g.received]
-            err = f"{why}; no live node of the cluster has what this cell group asks for ({_describe(g.resources)})"
+            err = f"{why}; no live node of the cluster has what this cell group asks for ({describe_task(g.resources)})"
             log.warning("cell group of %s: %s", g.cells[0].label if g.cells else g.index, err)
             self._fail(g, err, "", store, display, outcome)
 
@@ -414,41 +347,6 @@ class RayExecutor:
         for ref in running:
             with contextlib.suppress(Exception):
                 self.ray.cancel(ref, force=True)
-
-
-def check_reachable(address: Optional[str], timeout_s: float = 10.0) -> None:
-    """A ``SweepConfigError`` when ``HOST:PORT`` (or ``ray://HOST:PORT``) takes no TCP connection: ``ray.init`` would
-    retry for minutes.  Other forms (none, ``auto``, ``local``) are left to Ray."""
-    m = re.fullmatch(r"(?:ray://)?\[?([^\]/]+?)\]?:(\d+)/?", (address or "").strip())
-    if not m:
-        return
-    try:
-        socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout_s).close()
-    except OSError as e:
-        raise SweepConfigError(f"--executor ray: no Ray cluster answers at {address} ({e.strerror or e}); start one "
-                               "(docs/scale-out.md) or fix --address") from None
-
-
-def _describe(resources: dict) -> str:
-    """``1 CPU, 0 GPU, 1 h100``: what a task asks of Ray."""
-    extra = "".join(f", {amount:g} {name}" for name, amount in resources.get("resources", {}).items())
-    return f"{resources.get('num_cpus', 0):g} CPU, {resources.get('num_gpus', 0):g} GPU{extra}"
-
-
-def _plain(text: str) -> str:
-    """``text`` without the terminal colour codes Ray puts in its error messages."""
-    return re.sub(r"\x1b\[[0-9;]*m", "", text)
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in _plain(str(e)).splitlines() if line.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
-
-
-def death_reason(e: BaseException) -> str:
-    """``Ray worker died: ...`` / ``Ray node died: ...`` from the exception Ray raised for the task."""
-    what = "node" if "Node" in type(e).__name__ else "worker"
-    return f"Ray {what} died: {_first_line(e)}"
 
 
 def write_cell(store: RunStore, cell: Cell, payload: dict) -> None:

@@ -197,7 +197,11 @@ def test_graph_staging_with_layer_groups_equals_eager_every_step(gemma3, backend
     finally:
         e.shutdown()
     assert got[0] == want[0] and [len(t) for t in got[0]] == list(MAX_TOKENS)
-    assert torch.allclose(got[1].full_logprobs, want[1].full_logprobs, atol=1e-4)
+    # triton: the graphs' decode sees max_seqlen_k = max_model_len, so its split-K count (and the order of its
+    # float32 sums) differs from the eager step's; a wrong page or position moves log-probs by far more
+    tol = 1e-4 if backend == "torch" else 1e-3
+    diff = float((got[1].full_logprobs - want[1].full_logprobs).abs().max())
+    assert diff < tol, diff
     # the run exercised what could go wrong: sliding entries scratched in place under a held list, rows
     # rewritten whole (another sequence, a new list), batches that shrink and grow
     assert g.dead_rewrites >= 5 and g.full_rewrites >= 5, (g.dead_rewrites, g.full_rewrites)

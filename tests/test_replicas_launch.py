@@ -55,7 +55,7 @@ def test_the_replicas_key_and_the_device_plan():
     assert plan_groups(cfg, groups(expand(cfg)), 1, None, visible=lambda: [])[0].allowed is None
     assert replica_devices([4, 5, 6, 7], 2, 2) == [[4, 5], [6, 7]] and replica_devices(None, 3, 1) == [None] * 3
 
-    from kvbench.harness.ray_executor import describe_resources, group_resources
+    from kvbench.harness.ray_resources import describe_resources, group_resources
 
     assert group_resources(cfg, plans[0], 1.0, 8)["num_gpus"] == 4
     assert describe_resources(cfg, plans[0], 1.0) == "1 CPU, 4 GPU (0 on a cluster without GPUs)"

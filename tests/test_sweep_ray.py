@@ -319,7 +319,7 @@ def test_ray_display_prints_each_cell_with_the_eta_over_the_running_groups(capsy
 def test_group_resources_follow_the_target():
     from kvbench.harness.matrix import groups
     from kvbench.harness.parallel import plan_groups
-    from kvbench.harness.ray_executor import group_resources
+    from kvbench.harness.ray_resources import group_resources
 
     raw = {"targets": [{"name": "srv", "type": "server", "tp_size": 2,
                         "launch": "serve --port {port} --tp {tp_size} --kv {kv_dtype}"},
@@ -340,7 +340,7 @@ def test_group_resources_follow_the_target():
 
 
 def test_a_node_fits_a_task_only_with_every_resource_it_asks_for():
-    from kvbench.harness.ray_executor import fits
+    from kvbench.harness.ray_resources import fits
 
     task = {"num_cpus": 1, "num_gpus": 0, "resources": {"kvb_pool": 1}}
     assert fits(task, {"CPU": 1, "kvb_pool": 1}) and fits(task, {"CPU": 4, "GPU": 8, "kvb_pool": 2})

@@ -243,7 +243,7 @@ def _dry_run(cfg, cells, run_dir: Path, device_ids, plans, launches: list[str], 
 
 def _echo_ray_plan(cfg, plans, ray) -> None:
     """``--dry-run --executor ray``: the Ray task of each cell group and what it reserves."""
-    from kvbench.harness.ray_executor import describe_resources
+    from kvbench.harness.ray_resources import describe_resources
 
     where = ray.address or "$RAY_ADDRESS, a Ray started on this machine, else a new local one"
     typer.echo(f"executor ray ({where}; --ray-retries {ray.retries}): one task per cell group")
