@@ -105,3 +105,37 @@ def test_nvfp4_below_head_dim_32_refused_on_the_gpu(tmp_path):
         engine(str(tmp_path), "triton", device="cuda", kv_dtype="nvfp4", kv_scales="unit")
     e = engine(str(tmp_path), "torch", device="cuda", kv_dtype="nvfp4", kv_scales="unit")
     e.shutdown()
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+@pytest.mark.parametrize("kv,pre", [("bf16", "flashinfer"), ("fp8_e4m3", "triton")])
+def test_family_flashinfer_matches_torch(tiny, arch, kv, pre):
+    """flashinfer claims these models (per-layer windows as ``window_left``, the families' softmax scales; with
+    Gemma 3 the engine keeps one page list, no layer groups): bf16 compute, decode (and for a bf16 cache also
+    prefill) on flashinfer against the torch backend on the same KV format, teacher-forced through decode steps."""
+    import os
+
+    from kvbench.runtime.attention.registry import backend_class
+    from tiny_models import engine, prompts
+
+    ok, why = backend_class("flashinfer").available()
+    if not ok:
+        if os.environ.get("KVBENCH_REQUIRE_FLASHINFER") == "1":
+            pytest.fail(f"KVBENCH_REQUIRE_FLASHINFER=1 but flashinfer is not available: {why}")
+        pytest.skip(f"flashinfer is not importable here: {why}")
+    d, _hf = tiny(arch)
+    ctx, cont = prompts(256, (40, 30), seed=5)
+    scores = {}
+    for name, (p, dec) in {"torch": ("torch", "torch"), "flashinfer": (pre, "flashinfer")}.items():
+        e = engine(str(d), p, decode_backend=dec, device="cuda", dtype="bfloat16", enforce_eager=True, kv_dtype=kv,
+                   kv_scales="unit")
+        try:
+            assert e.cache.spec.groups is None  # flashinfer reads one page table
+            scores[name] = e.score(ctx, cont, full_distribution=True, mode="decode").full_logprobs.double().cpu()
+        finally:
+            e.shutdown()
+    p, q = scores["torch"], scores["flashinfer"]
+    assert torch.isfinite(q).all()
+    kl = float((p.exp() * (p - q)).sum(-1).max())
+    print(arch, kv, pre, "flashinfer vs torch max KL", kl)
+    assert kl < 2e-3, (arch, kv, kl)

@@ -101,7 +101,8 @@ def engine(model, backend: str = "torch", **kw):
     kw.setdefault("kv_dtype", "fp16")
     kw.setdefault("page_size", 4)
     kw.setdefault("max_num_batched_tokens", 16)  # prompts arrive as chunked prefills over cached prefixes
-    return Engine(EngineConfig(model=model, prefill_backend=backend, decode_backend=backend, **kw), loaded=loaded)
+    kw.setdefault("decode_backend", backend)  # ``backend`` in both phases unless a decode backend is named
+    return Engine(EngineConfig(model=model, prefill_backend=backend, **kw), loaded=loaded)
 
 
 def check_engine_parity(hf, model, backend: str, n: int = 6, max_kl: float = 1e-4, **kw) -> dict:
