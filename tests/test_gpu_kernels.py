@@ -85,6 +85,8 @@ def test_decode_nvfp4_default_is_the_explicit_layout_kernel_where_it_applies(mon
 def test_prefill(fmt):
     _ok(check_prefill(fmt, [256, 1, 77, 300], [0, 500, 1000, 31], *G32, layout="HND", seed=5))
     _ok(check_prefill(fmt, [200, 1, 64], [1000, 64, 0], *G32, window=300, sinks=True, q_fp8=True, layout="HND", seed=6))
+    # prompts only, said so (max_prefix_len 0): nvfp4 takes the plain path, the cache unread
+    _ok(check_prefill(fmt, [256, 1, 77], [0, 0, 0], *G32, window=100, layout="HND", seed=38, max_prefix_len=0))
 
 
 def test_prefill_fp8_query_split_and_pointer_loads():
@@ -115,6 +117,7 @@ def test_head_dim_256(fmt):
     _ok(check_decode(fmt, [900, 5], *G256, layout="NHD", seed=33))
     _ok(check_prefill(fmt, [256, 1, 77], [0, 500, 31], *G256, layout="HND", seed=34))
     _ok(check_prefill(fmt, [200, 1, 64], [1000, 64, 0], 4, 1, 256, 16, window=512, layout="HND", seed=35))
+    _ok(check_prefill(fmt, [700, 3], [0, 0], *G256, layout="HND", seed=39, max_prefix_len=0))
     _ok(check_append(fmt, 100, 8, 2, 256, 16, fused=True, layout="HND", seed=36))
     _ok(check_append(fmt, 100, 8, 2, 256, 16, fused=False, layout="HND", seed=37))
 

@@ -286,6 +286,28 @@ def test_prefill_default_tiles_shrink_where_shared_memory_runs_out(monkeypatch):
         paged_prefill(q, k, v, cu, 5, PagedKV("bf16", **kv), table, sl, opts=PrefillOptions(num_stages=2))
 
 
+def test_prefill_nvfp4_prompts_only_take_the_plain_path(monkeypatch):
+    """Prompts over an nvfp4 cache with ``max_prefix_len=0`` (the engine knows it): no cached value is read, so
+    the kernel runs the plain path (no half-head split; phase 1 not compiled) and matches the reference; with the
+    prefix unknown (None) the split path runs, as before.  Windows and a sliding first block included."""
+    import kvbench.kernels.prefill as P
+
+    seen, real = [], P._launch_prefill
+
+    def spy(*a):
+        seen.append((a[-1]["NO_PREFIX"], a[-2]))  # (the extra constexprs, the kernel's format code)
+        return real(*a)
+
+    monkeypatch.setattr(P, "_launch_prefill", spy)
+    for launch in (dict(max_prefix_len=0), {}):
+        case = C.check_prefill("nvfp4", [70, 1, 17], [0, 0, 0], 4, 2, 32, 8, device="cpu", seed=41, **launch)
+        assert case.ok, case.line()
+        case = C.check_prefill("nvfp4", [70, 9], [0, 0], 4, 2, 32, 8, window=20, sinks=True, device="cpu", seed=42,
+                               **launch)
+        assert case.ok, case.line()
+    assert seen == [(True, 0), (True, 0), (False, 2), (False, 2)]
+
+
 def test_prefill_launch_defaults_by_case(monkeypatch):
     # prompts read through tensor descriptors take 128-key tiles when long and 64-row blocks when short;
     # without descriptors (nvfp4, odd strides) or with a prefix the tables' other rows apply; the CPU
