@@ -72,3 +72,16 @@ def pytest_collection_modifyitems(config, items):
     if reason:
         for item in gpu:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture()
+def quiet_gpu():
+    """GPU tests: quantized caches' unit-scale warnings silenced, the CUDA cache freed after each test."""
+    import logging
+
+    import torch
+
+    logging.disable(logging.WARNING)
+    yield
+    logging.disable(logging.NOTSET)
+    torch.cuda.empty_cache()

@@ -7,12 +7,16 @@ the decode backend), compared as the largest per-token KL divergence of the full
 
 from __future__ import annotations
 
-import logging
+import os
+import sys
 
 import pytest
 import torch
 
 from kvbench.core.client import SamplingParams
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_checks import kl_max, need_flashinfer  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -26,11 +30,8 @@ KL_MAX = 2e-3
 
 
 @pytest.fixture(autouse=True)
-def _quiet():
-    logging.disable(logging.WARNING)  # unit-scale warnings of the quantized caches
+def _quiet(quiet_gpu):
     yield
-    logging.disable(logging.NOTSET)
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
@@ -49,32 +50,13 @@ def _engine(loaded, kv="bf16", pre="torch", dec="torch", eager=True, **kw):
                   loaded=loaded)
 
 
-def _need_flashinfer() -> None:
-    """Skip (reason shown) where flashinfer does not import; with ``KVBENCH_REQUIRE_FLASHINFER=1`` (a machine
-    that carries it) fail instead, so a broken install cannot pass as a skip."""
-    import os
-
-    from kvbench.runtime.attention.registry import backend_class
-
-    ok, why = backend_class("flashinfer").available()
-    if not ok:
-        if os.environ.get("KVBENCH_REQUIRE_FLASHINFER") == "1":
-            pytest.fail(f"KVBENCH_REQUIRE_FLASHINFER=1 but flashinfer is not available: {why}")
-        pytest.skip(f"flashinfer is not importable here: {why}")
-
-
 def _score(e):
     return e.score(CTX, CONT, full_distribution=True, mode="decode")
 
 
-def _kl_max(p, q) -> float:
-    p, q = p.double(), q.double()
-    return float((p.exp() * (p - q)).sum(-1).max())
-
-
 def _close(ref, got) -> float:
     assert torch.isfinite(got.full_logprobs).all()
-    kl = _kl_max(ref.full_logprobs, got.full_logprobs)
+    kl = kl_max(ref.full_logprobs, got.full_logprobs)
     agree = sum(a == b for a, b in zip(ref.full_logprobs.argmax(-1).tolist(), got.full_logprobs.argmax(-1).tolist()))
     assert kl < KL_MAX and agree >= 0.9 * len(CONT), (kl, agree)
     return kl
@@ -142,7 +124,7 @@ def test_hybrid_backend_pairs_match_torch(loaded, kv, pre, dec):
 @pytest.mark.parametrize("kv,pre,dec", [("bf16", "flashinfer", "flashinfer"), ("bf16", "triton", "flashinfer"),
                                         ("fp8_e4m3", "torch", "flashinfer"), ("fp8_e5m2", "triton", "flashinfer")])
 def test_flashinfer_matches_torch(loaded, kv, pre, dec):
-    _need_flashinfer()
+    need_flashinfer()
     e = _engine(loaded, kv, pre, dec)
     try:
         _close(_reference(loaded, kv), _score(e))
@@ -189,7 +171,7 @@ def test_mixed_steps_match_graphed_decode(loaded, kv, pre, dec):
     decode rows through the decode backend's kernel; flashinfer alone runs the step whole with round-trip rows)
     against the same scoring in an engine of separate steps whose decode steps replay CUDA graphs."""
     if "flashinfer" in (pre, dec):
-        _need_flashinfer()
+        need_flashinfer()
     ref_e = _engine(loaded, kv, "triton", "triton", eager=False)
     mix_e = _engine(loaded, kv, pre, dec, eager=False, mixed_prefill=True, max_num_batched_tokens=64)
     try:
@@ -221,7 +203,7 @@ def test_query_quantization_per_phase_matches_torch(loaded, mode):
     _close(ref, got)
     # prefill-only rounds the context's queries: it moves the scores through the cache only where the
     # context's own attention feeds later layers; decode / both round every scored token's query
-    moved = _kl_max(plain.full_logprobs, got.full_logprobs)
+    moved = kl_max(plain.full_logprobs, got.full_logprobs)
     assert moved > 1e-7, (mode, moved)
 
 
@@ -236,7 +218,7 @@ def test_mixed_layer_formats_match_torch(loaded, kv, skip, layer_dtypes, pre, de
     CUDA graphs) and flashinfer read each layer in its own format, against the torch backend on the same map;
     and the map must move the scores away from the uniform format's."""
     if "flashinfer" in (pre, dec):
-        _need_flashinfer()
+        need_flashinfer()
     mixed = dict(kv_dtype_skip_layers=skip, kv_layer_dtypes=layer_dtypes)
     ref_e = _engine(loaded, kv, **mixed)
     got_e = _engine(loaded, kv, pre, dec, eager=eager, **mixed)
@@ -247,7 +229,7 @@ def test_mixed_layer_formats_match_torch(loaded, kv, skip, layer_dtypes, pre, de
         ref_e.shutdown()
         got_e.shutdown()
     _close(ref, got)
-    assert _kl_max(_reference(loaded, kv).full_logprobs, got.full_logprobs) > 1e-7
+    assert kl_max(_reference(loaded, kv).full_logprobs, got.full_logprobs) > 1e-7
 
 
 MLA128 = "synthetic:deepseek-v3,layers=2,hidden=1024,intermediate_size=2048,q_lora_rank=256,vocab=512"

@@ -15,7 +15,6 @@ with ``python -m pytest -m gpu tests/test_gpu_models.py`` on a CUDA device; skip
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from gpu_checks import kl_max  # noqa: E402
 from tiny_models import save_tiny  # noqa: E402
 
 from kvbench.core.client import SamplingParams  # noqa: E402
@@ -35,16 +35,8 @@ KL_MAX = 2e-3
 
 
 @pytest.fixture(autouse=True)
-def _quiet():
-    logging.disable(logging.WARNING)  # unit-scale warnings of the quantized caches
+def _quiet(quiet_gpu):
     yield
-    logging.disable(logging.NOTSET)
-    torch.cuda.empty_cache()
-
-
-def _kl_max(p: torch.Tensor, q: torch.Tensor) -> float:
-    p, q = p.double().cpu(), q.double().cpu()
-    return float((p.exp() * (p - q)).sum(-1).max())
 
 
 # --------------------------------------------------------------------------- Gemma 3: layer groups, CUDA graphs
@@ -119,7 +111,7 @@ def test_gemma3_layer_groups_cuda_graphs_match_eager(gemma3_loaded, kv):
         # the continuation's decode steps ran past the window: sliding pages went back while graphs replayed
         assert seen["decode_steps"] >= len(GEMMA3_CONT) - 1 and seen["with_dropped_pages"] > 0, seen
         assert torch.isfinite(g.full_logprobs).all()
-        kl = _kl_max(ref.full_logprobs, g.full_logprobs)
+        kl = kl_max(ref.full_logprobs, g.full_logprobs)
         agree = sum(a == b for a, b in zip(ref.full_logprobs.argmax(-1).tolist(), g.full_logprobs.argmax(-1).tolist()))
         assert kl < KL_MAX and agree >= 0.9 * len(GEMMA3_CONT), (kv, kl, agree)
         # a batch of three (a padded bucket of four) that shrinks to two and one as requests end: the same
