@@ -143,30 +143,20 @@ def test_mistral_mixed_steps_with_windowed_pages(mistral, backend):
     separate steps and the log-probs agree (the prompts' chunks are cut differently: fp16 rounding of a chunk's
     own K/V only)."""
     from kvbench.core import SamplingParams
-    from tiny_models import engine, prompts
+    from tiny_models import max_logprob_diff, mixed_vs_separate, prompts
 
     d, _hf = mistral
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
-    res = {}
-    for mixed in (False, True):
-        e = engine(str(d), backend, max_num_batched_tokens=8, mixed_prefill=mixed)
-        rows, schedule = [], e.scheduler.schedule
 
-        def watch():
-            batch = schedule()
-            if batch is not None and batch.decode_rows:
-                rows.append(max(s.pages.count(e.cache.scratch_page) for s in batch.seqs[:batch.decode_rows]))
-            return batch
+    def scratched(e, batch):  # a decode row's most page entries below the window (the scratch page)
+        rows = batch.seqs[:batch.decode_rows]
+        return max(s.pages.count(e.cache.scratch_page) for s in rows) if rows else None
 
-        e.scheduler.schedule = watch
-        try:
-            assert e.scheduler.window == 6
-            outs = e.generate(prompts(256, lengths=(23, 5, 17, 3)), params)
-            res[mixed] = ([o.token_ids for o in outs], [o.logprobs for o in outs])
-            assert e.cache.allocator.num_used == 0
-        finally:
-            e.shutdown()
-        assert bool(rows) == mixed and (not mixed or max(rows) > 0), rows  # decode rows past dropped pages
+    def windowed(e):
+        assert e.scheduler.window == 6
+
+    res = mixed_vs_separate(str(d), backend, prompts(256, lengths=(23, 5, 17, 3)), params, scratched, windowed)
+    assert not res[False][2] and res[True][2] and max(res[True][2]) > 0, res[True][2]  # decode rows past dropped pages
     assert res[True][0] == res[False][0]
-    diff = max(abs(a - b) for x, y in zip(res[False][1], res[True][1]) for a, b in zip(x, y))
+    diff = max_logprob_diff(res[False][1], res[True][1])
     assert diff < 1e-3, diff

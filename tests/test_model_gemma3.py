@@ -151,31 +151,18 @@ def test_gemma3_mixed_steps_over_layer_groups(gemma3, backend):
     rows of the step; tokens equal separate steps and log-probs agree (the prompts' chunks are cut differently,
     which moves a chunk's own fp16 K/V rounding only)."""
     from kvbench.core import SamplingParams
-    from tiny_models import engine
+    from tiny_models import max_logprob_diff, mixed_vs_separate
 
     d, _hf = gemma3
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
-    res = {}
-    for mixed in (False, True):
-        e = engine(str(d), backend, max_num_batched_tokens=8, mixed_prefill=mixed)
-        seen, schedule = [], e.scheduler.schedule
 
-        def watch():
-            batch = schedule()
-            if batch is not None:
-                seen.append((batch.decode_rows, batch.num_tokens - batch.decode_rows))
-            return batch
+    def groups(e):
+        assert e.cache.spec.groups is not None and e.cache.spec.groups.windows == (None, 6)
 
-        e.scheduler.schedule = watch
-        try:
-            assert e.cache.spec.groups is not None and e.cache.spec.groups.windows == (None, 6)
-            outs = e.generate(prompts(256), params)
-            res[mixed] = ([o.token_ids for o in outs], [o.logprobs for o in outs], seen)
-            assert e.cache.allocator.num_used == 0
-        finally:
-            e.shutdown()
+    res = mixed_vs_separate(str(d), backend, prompts(256), params,
+                            lambda e, batch: (batch.decode_rows, batch.num_tokens - batch.decode_rows), groups)
     (tok0, lp0, seen0), (tok1, lp1, seen1) = res[False], res[True]
     assert not any(dr for dr, _ in seen0) and any(dr >= 1 and n > 0 for dr, n in seen1), seen1
     assert tok1 == tok0
-    diff = max(abs(a - b) for x, y in zip(lp0, lp1) for a, b in zip(x, y))
+    diff = max_logprob_diff(lp0, lp1)
     assert diff < 1e-3, diff

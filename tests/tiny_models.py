@@ -105,6 +105,40 @@ def engine(model, backend: str = "torch", **kw):
     return Engine(EngineConfig(model=model, prefill_backend=backend, **kw), loaded=loaded)
 
 
+def mixed_vs_separate(model, backend: str, ps: list, params, watch=None, check=None) -> dict:
+    """``ps`` generated on an engine of separate prefill / decode steps and on one with ``mixed_prefill``
+    (``max_num_batched_tokens`` 8) → ``{mixed: (token ids, log-probs, seen)}``; ``watch(engine, batch)`` is called
+    on every scheduled batch and what it returns (when not None) is collected in ``seen``; ``check(engine)`` runs
+    before the requests; every page must be back in the pool after them."""
+    res = {}
+    for mixed in (False, True):
+        e = engine(model, backend, max_num_batched_tokens=8, mixed_prefill=mixed)
+        seen, schedule = [], e.scheduler.schedule
+
+        def watched():
+            batch = schedule()
+            if batch is not None and watch is not None:
+                got = watch(e, batch)
+                if got is not None:
+                    seen.append(got)
+            return batch
+
+        e.scheduler.schedule = watched
+        try:
+            if check is not None:
+                check(e)
+            outs = e.generate(ps, params)
+            res[mixed] = ([o.token_ids for o in outs], [o.logprobs for o in outs], seen)
+            assert e.cache.allocator.num_used == 0
+        finally:
+            e.shutdown()
+    return res
+
+
+def max_logprob_diff(a: list, b: list) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
 def check_engine_parity(hf, model, backend: str, n: int = 6, max_kl: float = 1e-4, **kw) -> dict:
     """The engine's greedy tokens equal transformers' (float32) for every prompt, and its teacher-forced
     log-probs over prompt + continuation agree (KL per row below ``max_kl``); returns the numbers."""
