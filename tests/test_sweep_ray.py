@@ -482,14 +482,7 @@ class Driver:
     def sleeper_ends(self, timeout: float = 30) -> bool:
         """The worker process that sleeps in the fp8 group's first suite has ended."""
         pid = int(next(c[2] for c in _calls(self.calls) if c[0] == self.keys[2]))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return True
-            time.sleep(0.2)
-        return False
+        return _within(timeout, lambda: not _alive(pid))
 
 
 @pytest.mark.slow
@@ -595,13 +588,26 @@ def pool_nodes(ray_cluster):
         _stop_node(extra)
 
 
-def _wait_dead(node_id: str, timeout: float = 30) -> bool:
+def _within(timeout: float, done) -> bool:
+    """Whether ``done()`` becomes true within ``timeout`` seconds (polled every 0.2 s)."""
     deadline = time.monotonic() + timeout
-    while node_id in _node_ids():
+    while not done():
         if time.monotonic() > deadline:
             return False
         time.sleep(0.2)
     return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_dead(node_id: str, timeout: float = 30) -> bool:
+    return _within(timeout, lambda: node_id not in _node_ids())
 
 
 @pytest.mark.slow
