@@ -32,7 +32,10 @@ __all__ = ["paged_decode", "default_num_splits"]
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# per-step integers left unspecialized (Triton would compile a variant for each divisible-by-16 class): the page
+# table's row stride (an eager step's table is as wide as its longest sequence), the split count and the
+# partial-result strides that follow it
+@triton.jit(do_not_specialize=["spt_b", "sml_b", "sml_h", "num_splits"])
 def _decode_split_kernel(
     Q, KC, VC, KBS, VBS, K_SCALE, Q_SCALE, PT, SEQ_LENS, ACC, ML, OUT, V_SCALE, SINKS,
     sm_scale_log2,
@@ -197,17 +200,19 @@ def _decode_split_kernel(
             tl.store(arow + i[None, :], acc, mask=om)
 
 
-@triton.jit
+# the split count is a run-time argument, unspecialized: one compile per power-of-two bound S_PAD, not one per
+# count (a mixed step's decode rows come in any number, and each new count compiled mid-load)
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     ACC, ML, OUT, V_SCALE, SINKS,
-    sacc_b, sacc_h, sacc_s, sml_b, sml_h, sml_s, so_b, so_h,
-    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    sacc_b, sacc_h, sacc_s, sml_b, sml_h, sml_s, so_b, so_h, num_splits,
+    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
     FMT: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
-    smask = s < NUM_SPLITS
+    smask = s < num_splits
     d = tl.arange(0, D_PAD)
     dmask = d < D
     ml = ML + b * sml_b + h * sml_h + s * sml_s
@@ -404,7 +409,7 @@ def _reduce_splits(acc, ml, out, vc, sinks, g: int, num_splits: int, fmt: int) -
     _decode_reduce_kernel[(bsz, hq)](
         acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale,
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2), out.stride(0), out.stride(1),
-        G=g, D=d, D_PAD=next_pow2(d), NUM_SPLITS=num_splits, S_PAD=next_pow2(num_splits), FMT=fmt,
+        num_splits, G=g, D=d, D_PAD=next_pow2(d), S_PAD=next_pow2(num_splits), FMT=fmt,
         HAS_SINKS=sinks is not None, num_warps=4 if d >= 128 else 2,
     )
     return out

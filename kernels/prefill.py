@@ -146,7 +146,7 @@ def _prefix_tile(KC, VC, KBS, VBS, pt_row, offs, prefix, qpos, wlim, hk, i, imas
                    FMT != 0, MASKED, Q_SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["spt_b"])  # the page table's row stride changes with every step's longest sequence
 def _prefill_kernel(
     Q, KN, VN, KC, VC, KBS, VBS, K_SCALE, V_SCALE, Q_SCALE, SINKS, PT, SEQ_LENS, CU_Q, OUT,
     sm_scale_log2,

@@ -27,13 +27,15 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from kvbench.core import SamplingParams, ScoreResult
+from kvbench.runtime.compile_watch import install_compile_watch
 from kvbench.runtime.config import EngineConfig
 from kvbench.runtime.engine_api import CapacityReport, EngineStats, RequestOutput, StreamDelta
-from kvbench.runtime.models.engine_setup import build_engine_parts
+from kvbench.runtime.models.engine_setup import build_engine_parts, engine_device
 from kvbench.runtime.models.outputs import OutputProcessor
 from kvbench.runtime.sampling import MAX_REQUEST_LOGPROBS, MAX_SCORE_LOGPROBS, SampleRow, sample, validate_params
 from kvbench.runtime.scheduler import Scheduler, SeqKind, SeqStatus, Sequence as Seq
 from kvbench.runtime.scoring import SCORE_MODES, TokenScoreRequest, score_result
+from kvbench.runtime.warmup import warm_up, warmup_wanted
 
 __all__ = ["Engine", "SCORE_MODES", "LOGIT_ROWS", "TokenScoreRequest"]
 
@@ -47,6 +49,10 @@ class Engine:
         """``loaded``: an already loaded ``LoadedModel`` to share between engines (else ``config.model`` loads);
         ``scales``: KV scales to use instead of the config's policy (``KVScales``, e.g. another engine's)."""
         self.config = config or EngineConfig()
+        # Triton compiles from here to the end of the warm-up are expected; later ones are logged (compile_watch.py)
+        self._compiles = install_compile_watch() if engine_device(self.config).type == "cuda" else None
+        if self._compiles is not None:
+            self._compiles.serving = False
         parts = build_engine_parts(self.config, loaded, scales)
         self.parts = parts
         self.device = parts.device
@@ -73,6 +79,19 @@ class Engine:
         self._stats = EngineStats(pages_total=self.cache.num_pages)
         self._base_gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
         log.info(self.capacity.log_line())
+        self.warmup_s: Optional[float] = None
+        if warmup_wanted(self.config.extra, self.device.type):  # compile what a load reaches (runtime/warmup.py)
+            self.warmup_s = warm_up(self)
+        self._compiles_base = 0
+        if self._compiles is not None:
+            self._compiles.serving = True
+            self._compiles_base = self._compiles.after_warmup
+
+    def reset_counters(self) -> None:
+        """Counters, request ids and preemptions from zero (after the warm-up); nothing may be running."""
+        self._stats = EngineStats(pages_total=self.cache.num_pages)
+        self._ids = itertools.count()
+        self.scheduler.num_preemptions = 0
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -371,6 +390,9 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.parts.dtype).replace("torch.", ""),
             "cuda_graphs": self.runner.graphs is not None,
+            "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 2),
+            "compiles_after_warmup": (None if self._compiles is None
+                                      else self._compiles.after_warmup - self._compiles_base),
             "max_model_len": self.max_model_len,
             "capacity": {**self.capacity.__dict__},
         }

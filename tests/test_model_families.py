@@ -160,3 +160,18 @@ def test_mistral_mixed_steps_with_windowed_pages(mistral, backend):
     assert res[True][0] == res[False][0]
     diff = max_logprob_diff(res[False][1], res[True][1])
     assert diff < 1e-3, diff
+
+
+@pytest.mark.parametrize("hd", [32, 96])
+def test_flashinfer_prefill_refused_at_head_sizes_it_does_not_compile(tmp_path, hd, monkeypatch):
+    """flashinfer's paged prefill compiles for head_dim 64 / 128 / 256 only (its Hopper kernels fail a static
+    assertion on others, found on the H200 with Qwen 3 at head_dim 32): the engine refuses it at build with the way
+    out, before any kernel is built (here flashinfer is said to be available, as on a GPU machine that has it)."""
+    from kvbench.runtime.attention.flashinfer_backend import FlashInferBackend
+    from kvbench.runtime.config import ConfigError
+    from tiny_models import engine
+
+    monkeypatch.setattr(FlashInferBackend, "available", classmethod(lambda cls: (True, "")))
+    save_tiny(tmp_path, "qwen3", {"head_dim": hd})
+    with pytest.raises(ConfigError, match=f"head_dim 64, 128, 256.*head_dim {hd}.*--prefill-backend triton or torch"):
+        engine(str(tmp_path), "flashinfer", decode_backend="torch")

@@ -3,6 +3,7 @@
 nvfp4 caches, and paged decode B64 x 8192 as a fraction of a device copy.  16 query / 8 kv heads, pages of 16, HND.
 
     python docs/scripts/head_dim_256.py [HEAD_DIM]   # on a CUDA machine, kvbench importable; default 256
+    python docs/scripts/head_dim_256.py --default-only   # the default tiles only (one compile per row)
 """
 import argparse
 
@@ -15,7 +16,7 @@ KEYS = ("block_m", "block_n", "block_n_prefix", "num_warps", "num_stages")
 HQ, HK, PAGE = 16, 8, 16
 
 
-def run_prefill(fmt, q_lens, prefixes, d, gen, dev="cuda"):
+def run_prefill(fmt, q_lens, prefixes, d, gen, dev="cuda", cfgs=CFGS):
     from kvbench.kernels import PagedKV, PrefillOptions, paged_prefill
     from kvbench.tools.common import bench_us
     from kvbench.tools.kernel_check import _attn_inputs, _tokens
@@ -27,7 +28,7 @@ def run_prefill(fmt, q_lens, prefixes, d, gen, dev="cuda"):
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
     sl = torch.tensor(lens, dtype=torch.int32, device=dev)
     res = []
-    for c in CFGS:
+    for c in cfgs:
         kw = {} if c is None else dict(zip(KEYS, c))
         kw["max_prefix_len"] = max(prefixes)
         try:
@@ -67,13 +68,15 @@ def run_decode(fmt, d, gen, bw, dev="cuda"):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="head_dim 256 prefill / decode timings against SDPA (a CUDA GPU)")
     ap.add_argument("head_dim", nargs="?", type=int, default=256)
+    ap.add_argument("--default-only", action="store_true", help="time the default tiles only")
     args = ap.parse_args(argv)
+    cfgs = CFGS[:1] if args.default_only else CFGS
     from kvbench.tools.common import copy_bandwidth
 
     gen = torch.Generator().manual_seed(0)
     for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
-        run_prefill(fmt, [8192], [0], args.head_dim, gen)
-        run_prefill(fmt, [1024] * 4, [7168] * 4, args.head_dim, gen)
+        run_prefill(fmt, [8192], [0], args.head_dim, gen, cfgs=cfgs)
+        run_prefill(fmt, [1024] * 4, [7168] * 4, args.head_dim, gen, cfgs=cfgs)
     bw = copy_bandwidth()
     for fmt in ("bf16", "fp8_e4m3", "nvfp4"):
         run_decode(fmt, args.head_dim, gen, bw)

@@ -10,7 +10,7 @@ runs in FlashInfer.  Per-tensor / per-head fp8 scales are folded exactly: ``k_sc
 head) and ``v_scale`` into the output, so no scale is passed as a Python float.
 
 Supported: decode in bf16, fp16, fp8_e4m3, fp8_e5m2; prefill in bf16, fp16 when the cache keeps the
-compute dtype (FlashInfer reads the new tokens' K/V back from the pages, which equals the compute-precision
+compute dtype and head_dim is 64, 128 or 256 (FlashInfer reads the new tokens' K/V back from the pages, which equals the compute-precision
 values only then; its Hopper prefill kernels also do not compile for bf16 q with an fp16 cache).  No nvfp4, no attention sinks.  Sliding windows map to ``window_left = W - 1``.
 Install: ``pip install flashinfer-python`` (needs a CUDA device; kernels compile just in time).
 """

@@ -162,6 +162,19 @@ def query_scales(loaded: LoadedModel) -> QueryScales:
     return QueryScales(vals, "unit" if n == 0 else "checkpoint" if n == L else "checkpoint+unit")
 
 
+def _refuse_head_dim(cfg: EngineConfig, m, mla: bool, device: torch.device, layer_dtypes, model_id: str) -> None:
+    """Backend and head size pairs no kernel runs, refused before the backends load (``ConfigError``)."""
+    if cfg.prefill_backend == "flashinfer" and not mla and m.head_dim not in FLASHINFER_PREFILL_HEAD_DIMS:
+        raise ConfigError(f"flashinfer's prefill kernels take head_dim {', '.join(map(str, FLASHINFER_PREFILL_HEAD_DIMS))}; "
+                          f"{model_id} has head_dim {m.head_dim}: use --prefill-backend triton or torch (flashinfer "
+                          "decode still applies)", "prefill_backend")
+    if (device.type == "cuda" and not mla and m.head_dim < 32 and "triton" in (cfg.prefill_backend, cfg.decode_backend)
+            and "nvfp4" in (layer_dtypes or (cfg.kv_dtype,))):
+        # the kernels split an nvfp4 head into its even and odd halves, and a tensor-core dot needs 16 of each
+        raise ConfigError(f"the triton backend reads an nvfp4 cache on the GPU at head_dim >= 32; {model_id} "
+                          f"has head_dim {m.head_dim}: use the torch backend or another kv_dtype", "kv_dtype")
+
+
 def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, scales: Optional[KVScales] = None) -> EngineParts:
     """``loaded``: reuse an already loaded model (tests, sweeps over KV formats) instead of loading ``cfg.model``;
     ``scales``: use these KV scales instead of the policy's (a diagnosis builds many engines on one calibration)."""
@@ -176,13 +189,9 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
         raise ValueError(f"pre-loaded model is on {next(loaded.model.parameters()).device}, engine device is {device}")
     m = loaded.config
     layer_dtypes = _layer_dtypes(cfg, m)
+    _refuse_head_dim(cfg, m, mla, device, layer_dtypes, loaded.model_id)
     for f in dict.fromkeys(layer_dtypes or ()):  # every format of a mixed cache runs on both backends
         check_supported(cfg.prefill_backend, cfg.decode_backend, f, mla)
-    if (device.type == "cuda" and not mla and m.head_dim < 32 and "triton" in (cfg.prefill_backend, cfg.decode_backend)
-            and "nvfp4" in (layer_dtypes or (cfg.kv_dtype,))):
-        # the kernels split an nvfp4 head into its even and odd halves, and a tensor-core dot needs 16 of each
-        raise ConfigError(f"the triton backend reads an nvfp4 cache on the GPU at head_dim >= 32; {loaded.model_id} "
-                          f"has head_dim {m.head_dim}: use the torch backend or another kv_dtype", "kv_dtype")
     max_len = context_length(cfg.max_model_len, m.max_position_embeddings, loaded.model_id)
     rope = m.rope_cache(max(max_len, 1), device)  # with the local layers' tables where they differ (Gemma 3)
     spec: KVCacheSpec = m.kv_spec(cfg.kv_dtype, cfg.page_size, cfg.kv_layout)
@@ -243,6 +252,9 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
         )
     return EngineParts(device, dtype, loaded, cache, runner, scales, capacity, max_len, backend, q_scales, page_window)
 
+
+# the head sizes flashinfer's paged prefill compiles for (its Hopper kernels assert them; the decode kernels take more)
+FLASHINFER_PREFILL_HEAD_DIMS = (64, 128, 256)
 
 # backends whose kernels never look up a page below a sequence's window (runtime/scheduler.py, windowed pages)
 WINDOW_SAFE_BACKENDS = ("torch", "triton")

@@ -1,0 +1,123 @@
+"""The engine's start-up warm-up (runtime/warmup.py): dummy requests reach the step shapes a serving load reaches
+(a full-budget prompt, short prompts, chunks over a cached prefix, shrinking decode batches and, with mixed
+steps, prefill steps carrying 16 .. 1 decode rows), then the engine is as if new: no page used, counters and
+request ids from zero, the same greedy tokens as an engine that did not warm up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.core import SamplingParams
+from kvbench.runtime.config import ConfigError, EngineConfig
+from kvbench.runtime.engine import Engine
+from kvbench.runtime.scheduler import Scheduler
+from kvbench.runtime.warmup import warmup_rounds, warmup_wanted
+
+MODEL = "synthetic:llama-3-8b,layers=1,hidden=64,heads=2,kv_heads=1,head_dim=32,intermediate_size=64,vocab=300"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from kvbench.runtime.models.loader import load_model
+
+    return load_model(MODEL, device="cpu", dtype=torch.float32, seed=1)
+
+
+def _engine(loaded, warmup, **kw):
+    return Engine(EngineConfig(device="cpu", kv_budget_gb=0.01, max_model_len=512, max_num_batched_tokens=64,
+                               max_running=32, extra={"warmup": warmup}, **kw), loaded=loaded)
+
+
+def test_warmup_wanted():
+    assert warmup_wanted({}, "cuda") and not warmup_wanted({}, "cpu")
+    assert warmup_wanted({"warmup": True}, "cpu") and not warmup_wanted({"warmup": False}, "cuda")
+    with pytest.raises(ConfigError, match="extra.warmup must be true, false or auto"):
+        warmup_wanted({"warmup": "yes"}, "cpu")
+
+
+def test_rounds_stay_inside_the_context():
+    for rnd in warmup_rounds(8192, 300, 4):
+        assert all(1 <= n <= 292 and k >= 2 for n, k in rnd)
+    assert len(warmup_rounds(64, 512, 4)[-1]) == 4  # no more decoders at once than may run
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_warmup_reaches_the_load_shapes_and_leaves_the_engine_new(loaded, monkeypatch, mixed):
+    seen = []
+    real = Scheduler.schedule
+
+    def watch(self):
+        b = real(self)
+        if b is not None:
+            rows = list(zip(b.seqs, b.q_lens))[b.decode_rows:] if b.phase == "prefill" else []
+            seen.append((b.phase, b.decode_rows if b.phase == "prefill" else len(b.seqs), b.num_tokens,
+                         any(s.num_cached > 0 for s, _q in rows)))
+        return b
+
+    monkeypatch.setattr(Scheduler, "schedule", watch)
+    e = _engine(loaded, True, mixed_prefill=mixed)
+    monkeypatch.setattr(Scheduler, "schedule", real)
+    try:
+        assert e.warmup_s is not None and e.info()["warmup_s"] is not None
+        assert any(p == "prefill" and n == 64 for p, _d, n, _c in seen)  # a step filled with one prompt
+        assert any(p == "prefill" and c for p, _d, _n, c in seen)  # a chunk over a cached prefix
+        decode_sizes = {d for p, d, _n, _c in seen if p == "decode"}
+        mixed_rows = {d for p, d, _n, _c in seen if p == "prefill" and d > 0}
+        # decode batches of 24 .. 1 (with mixed steps the larger ones ride in the prefill steps of their prompts)
+        assert set(range(1, 25)) <= decode_sizes | mixed_rows, sorted(decode_sizes | mixed_rows)
+        assert set(range(1, 25)) <= decode_sizes, sorted(decode_sizes)
+        if mixed:
+            assert set(range(1, 17)) <= mixed_rows, sorted(mixed_rows)
+        else:
+            assert not mixed_rows
+        # as new
+        assert e.cache.allocator.num_used == 0 and not e.scheduler.has_work()
+        st = e.stats()
+        assert (st.prompt_tokens, st.generation_tokens, st.requests_finished, st.preemptions) == (0, 0, 0, 0)
+        assert e.add_request([1, 2, 3], SamplingParams(max_tokens=1)) == "req-0"
+    finally:
+        e.shutdown()
+
+
+def test_warmed_engine_generates_what_a_cold_one_does(loaded):
+    prompts = [[(7 * i + j) % 300 for j in range(20 + 9 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for warm in (False, True):
+        e = _engine(loaded, warm, mixed_prefill=True)
+        try:
+            assert (e.warmup_s is not None) == warm
+            outs[warm] = [o.token_ids for o in e.generate(prompts, params)]
+        finally:
+            e.shutdown()
+    assert outs[True] == outs[False]
+
+
+def test_compile_watch_counts_and_names_compiles_after_the_warmup(monkeypatch, caplog):
+    """Triton's JIT hooks (called on a compile only): compiles before the engine serves are counted quietly, later
+    ones logged as a warning with the kernel's specialization; a hook installed before is still called, and
+    the compile is never skipped."""
+    import logging
+
+    from triton import knobs
+
+    from kvbench.runtime import compile_watch as cw
+
+    calls = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: calls.append(("before", kw["repr"])) and False)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append(("after", kw["repr"])))
+    monkeypatch.setattr(cw, "_WATCH", None)
+    w = cw.install_compile_watch()
+    assert cw.install_compile_watch() is w
+    before, after = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    assert before(repr="_decode_split_kernel[num_warps=4](Q: *bf16)") is False
+    after(repr="_decode_split_kernel[num_warps=4](Q: *bf16)")
+    assert (w.during_warmup, w.after_warmup) == (1, 0)
+    w.serving = True
+    with caplog.at_level(logging.WARNING, logger="kvbench.runtime"):
+        assert before(repr="_decode_reduce_kernel(S_PAD: 16)") is False
+        after(repr="_decode_reduce_kernel(S_PAD: 16)")
+    assert w.after_warmup == 1 and w.after_warmup_s >= 0
+    assert "compiled while serving" in caplog.text and "_decode_reduce_kernel(S_PAD: 16)" in caplog.text
+    assert [c[0] for c in calls] == ["before", "after", "before", "after"]
