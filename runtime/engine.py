@@ -82,10 +82,10 @@ class Engine:
         self.warmup_s: Optional[float] = None
         if warmup_wanted(self.config.extra, self.device.type):  # compile what a load reaches (runtime/warmup.py)
             self.warmup_s = warm_up(self)
-        self._compiles_base = 0
+        self._compiles_base = (0, 0.0)
         if self._compiles is not None:
             self._compiles.serving = True
-            self._compiles_base = self._compiles.after_warmup
+            self._compiles_base = (self._compiles.after_warmup, self._compiles.after_warmup_s)
 
     def reset_counters(self) -> None:
         """Counters, request ids and preemptions from zero (after the warm-up); nothing may be running."""
@@ -362,7 +362,7 @@ class Engine:
 
     # ---------------------------------------------------------------------------------- counters
     def stats(self) -> EngineStats:
-        s = self._stats
+        s, w = self._stats, self._compiles
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting) + len(self._inbox),
@@ -373,6 +373,8 @@ class Engine:
             generation_tokens=s.generation_tokens,
             requests_finished=s.requests_finished,
             requests_aborted=s.requests_aborted,
+            kernel_compiles=None if w is None else w.after_warmup - self._compiles_base[0],
+            kernel_compile_s=None if w is None else w.after_warmup_s - self._compiles_base[1],
         )
 
     def info(self) -> dict:
@@ -391,8 +393,7 @@ class Engine:
             "dtype": str(self.parts.dtype).replace("torch.", ""),
             "cuda_graphs": self.runner.graphs is not None,
             "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 2),
-            "compiles_after_warmup": (None if self._compiles is None
-                                      else self._compiles.after_warmup - self._compiles_base),
+            "compiles_after_warmup": None if self._compiles is None else self.stats().kernel_compiles,
             "max_model_len": self.max_model_len,
             "capacity": {**self.capacity.__dict__},
         }

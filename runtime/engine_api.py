@@ -62,6 +62,9 @@ class EngineStats:
     generation_tokens: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    # Triton compiles since the engine serves (each stalled the running requests); None where not watched (CPU)
+    kernel_compiles: Optional[int] = None
+    kernel_compile_s: Optional[float] = None
 
     @property
     def kv_usage(self) -> float:

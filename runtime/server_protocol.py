@@ -346,8 +346,14 @@ def prometheus_text(stats, model_id: str) -> str:
         ("generation_tokens_total", "counter", "Tokens generated since start", stats.generation_tokens),
         ("requests_finished_total", "counter", "Requests finished since start", stats.requests_finished),
         ("requests_aborted_total", "counter", "Requests aborted since start", stats.requests_aborted),
+        ("kernel_compiles_total", "counter", "Kernels compiled while serving (each stalled the running requests)",
+         getattr(stats, "kernel_compiles", None)),
+        ("kernel_compile_seconds_total", "counter", "Seconds spent compiling kernels while serving",
+         getattr(stats, "kernel_compile_s", None)),
     ]
     out = []
     for name, kind, help_, value in rows:
+        if value is None:  # not measured by this engine (kernel compiles on the CPU)
+            continue
         out += [f"# HELP kvbench_{name} {help_}", f"# TYPE kvbench_{name} {kind}", f"kvbench_{name}{label} {float(value)}"]
     return "\n".join(out) + "\n"

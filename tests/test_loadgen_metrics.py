@@ -83,6 +83,15 @@ def test_summary_is_json_clean_and_block_prints():
     assert f"{s['mean_ttft_ms']:.2f}" in block
 
 
+def test_block_names_kernel_compiles_when_the_server_counts_them():
+    s = summarize(RECS, 2.0)
+    metrics = {"available": True, "max_running": 2, "max_running_without_queueing": 2, "kv_usage_max": 0.1,
+               "preemptions": 0}
+    assert "Kernel compiles" not in format_block({**s, "server_metrics": {**metrics, "kernel_compiles": None}})
+    block = format_block({**s, "server_metrics": {**metrics, "kernel_compiles": 3}})
+    assert "Kernel compiles (stalls):               3" in block
+
+
 def test_random_dataset_is_seeded_and_bounded():
     a = random_items(50, 100, 20, 0.5, seed=1, vocab_size=5000)
     b = random_items(50, 100, 20, 0.5, seed=1, vocab_size=5000)

@@ -242,6 +242,30 @@ def test_sampler_reads_each_naming_scheme(render):
     assert [row[4] for row in sm["timeline"]] == [5, 6, 9]
 
 
+def test_sampler_counts_kvbench_kernel_compiles_during_the_run():
+    """kvbench's server on a GPU exports the kernels it compiled while serving (each a stall of every running
+    request): the run's increase is in the summary and in the text report; servers without the counter (and
+    kvbench on the CPU, which does not watch) give None and no row."""
+    def text(compiles, secs):
+        stats = SimpleNamespace(running=1, waiting=0, pages_used=1, pages_total=100, kv_usage=0.01, preemptions=0,
+                                prompt_tokens=0, generation_tokens=0, requests_finished=0, requests_aborted=0,
+                                kernel_compiles=compiles, kernel_compile_s=secs)
+        return prometheus_text(stats, "m")
+
+    assert "kvbench_kernel_compiles_total" not in _kvbench_text(*SAMPLES[0])
+    texts = [text(2, 1.5), text(2, 1.5), text(3, 4.25)]
+    sampler = MetricsSampler(None, "/metrics", 0.001, 0.0)
+    sampler.pool = _Pool(texts, on_get=lambda i: sampler.stop() if i == len(texts) - 2 else None)
+    asyncio.run(sampler.run())
+    sm = sampler.summary()
+    assert sm["kernel_compiles"] == 1 and sm["kernel_compile_s"] == pytest.approx(2.75)
+    assert [row[5] for row in sm["timeline"]] == [2, 2, 3]
+    for render in (_vllm_text, _kvbench_text):
+        other = MetricsSampler(_Pool([render(*SAMPLES[0])] * 3), "/metrics", 0.001, 0.0)
+        asyncio.run(other._poll())
+        assert other.summary()["kernel_compiles"] is None
+
+
 def test_sampler_without_a_preemption_counter():
     text = "vllm:num_requests_running 2\nvllm:num_requests_waiting 0\nvllm:gpu_cache_usage_perc 0.5\n"
     sampler = MetricsSampler(_Pool([text]), "/metrics", 0.001, 0.0)

@@ -76,6 +76,7 @@ def test_warmup_reaches_the_load_shapes_and_leaves_the_engine_new(loaded, monkey
         st = e.stats()
         assert (st.prompt_tokens, st.generation_tokens, st.requests_finished, st.preemptions) == (0, 0, 0, 0)
         assert e.add_request([1, 2, 3], SamplingParams(max_tokens=1)) == "req-0"
+        assert st.kernel_compiles is None and e.info()["compiles_after_warmup"] is None  # not watched on the CPU
     finally:
         e.shutdown()
 

@@ -55,10 +55,12 @@ done
 date -u
 python3 - "$OUT/res" <<'PY'
 import glob, json, sys
-print("| run | req/s | out tok/s | mean TTFT ms | mean TPOT ms | median ITL ms | failed |")
-print("|---|---|---|---|---|---|---|")
+print("| run | req/s | out tok/s | mean TTFT ms | mean TPOT ms | median ITL ms | max ITL ms | kernel compiles | failed |")
+print("|---|---|---|---|---|---|---|---|---|")
 for f in sorted(glob.glob(f"{sys.argv[1]}/*-c*/summary.json")):
     lv = json.load(open(f))["levels"][0]
+    comp = (lv.get("server_metrics") or {}).get("kernel_compiles")  # kvbench's server only
     print(f"| {f.split('/')[-2]} | {lv['request_throughput']:.2f} | {lv['output_throughput']:,.0f} | {lv['mean_ttft_ms']:,.1f} | "
-          f"{lv['mean_tpot_ms']:.2f} | {lv['median_itl_ms']:.2f} | {lv['failed']} |")
+          f"{lv['mean_tpot_ms']:.2f} | {lv['median_itl_ms']:.2f} | {lv['max_itl_ms']:,.0f} | {'' if comp is None else comp} | "
+          f"{lv['failed']} |")
 PY

@@ -236,5 +236,7 @@ def combine_server_metrics(metrics: list, urls: list[str], concurrent: bool) -> 
     out["kv_usage_max"] = max(kv) if kv else None
     out["kv_usage_mean"] = sum(mean) / len(mean) if mean else None
     out["preemptions"] = int(sum(pre)) if pre else None
+    comp = nums("kernel_compiles")
+    out["kernel_compiles"] = int(sum(comp)) if comp else None
     out["per_replica"] = [{"url": u, **(m if isinstance(m, dict) else {"available": False})} for u, m in zip(urls, metrics)]
     return out

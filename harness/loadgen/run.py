@@ -355,6 +355,8 @@ def format_block(summary: dict) -> str:
         row("Max running without queueing:", sm.get("max_running_without_queueing"), ".0f")
         row("Max KV cache usage:", sm.get("kv_usage_max"), ".3f")
         row("Preemptions:", sm.get("preemptions"), "d")
+        if sm.get("kernel_compiles") is not None:
+            row("Kernel compiles (stalls):", sm.get("kernel_compiles"), "d")
     lines.append("=" * w)
     return "\n".join(lines)
 

@@ -10,7 +10,9 @@ KV usage ratios averaged.
 
 Gauges (running, waiting, KV usage) are summarized by their maxima; the preemption counter by its increase
 over the run (kvbench ``kvbench_preemptions_total``, vLLM ``vllm:num_preemptions_total``, SGLang
-``sglang:num_retracted_requests_total``: requests retracted to free KV memory).
+``sglang:num_retracted_requests_total``: requests retracted to free KV memory).  kvbench's server also counts the
+kernels it compiled while serving (``kvbench_kernel_compiles_total`` and ``_seconds_total``; runtime/compile_watch.py):
+their increase over the run says whether compile stalls are inside the measurement.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ WAITING = ("kvbench_num_requests_waiting", "vllm:num_requests_waiting", "sglang:
 KV_USAGE = ("kvbench_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 # counters (Prometheus text names, with their ``_total`` suffix)
 PREEMPTIONS = ("kvbench_preemptions_total", "vllm:num_preemptions_total", "sglang:num_retracted_requests_total")
+# kvbench's embedded server only: kernels compiled mid-run (each a stall of every running request)
+COMPILES = ("kvbench_kernel_compiles_total",)
+COMPILE_S = ("kvbench_kernel_compile_seconds_total",)
 _RATIOS = frozenset(KV_USAGE)
 
 
@@ -80,8 +85,8 @@ class MetricsSampler:
 
     def __init__(self, pool, path: str, interval_s: float, t0: float):
         self.pool, self.path, self.interval_s, self.t0 = pool, path, interval_s, t0
-        # (t_s, running, waiting, kv_usage, preemptions counter)
-        self.samples: list[tuple[float, Optional[float], Optional[float], Optional[float], Optional[float]]] = []
+        # (t_s, running, waiting, kv_usage, preemptions counter, kernel compiles counter, compile seconds counter)
+        self.samples: list[tuple[Optional[float], ...]] = []
         self.available = True
         self._stop = asyncio.Event()
 
@@ -95,7 +100,7 @@ class MetricsSampler:
             return False
         self.samples.append(
             (time.perf_counter() - self.t0, _first(values, RUNNING), _first(values, WAITING), _first(values, KV_USAGE),
-             _first(values, PREEMPTIONS))
+             _first(values, PREEMPTIONS), _first(values, COMPILES), _first(values, COMPILE_S))
         )
         return True
 
@@ -124,6 +129,7 @@ class MetricsSampler:
         kv = [s[3] for s in self.samples if s[3] is not None]
         no_queue = [s[1] for s in self.samples if s[1] is not None and s[2] is not None and s[2] == 0]
         preempted = counter_increase(s[4] for s in self.samples)
+        compiles, compile_s = counter_increase(s[5] for s in self.samples), counter_increase(s[6] for s in self.samples)
         return {
             "available": True,
             "samples": len(self.samples),
@@ -134,5 +140,9 @@ class MetricsSampler:
             "kv_usage_max": max(kv) if kv else None,
             "kv_usage_mean": sum(kv) / len(kv) if kv else None,
             "preemptions": None if preempted is None else int(round(preempted)),  # None: the server exports no counter
-            "timeline": [list(s) for s in self.samples],  # [t_s, running, waiting, kv_usage, preemptions counter]
+            # kvbench's server: kernels compiled during the run and the seconds they took (None elsewhere)
+            "kernel_compiles": None if compiles is None else int(round(compiles)),
+            "kernel_compile_s": compile_s,
+            # [t_s, running, waiting, kv_usage, preemptions counter, kernel compiles counter, compile seconds counter]
+            "timeline": [list(s) for s in self.samples],
         }
