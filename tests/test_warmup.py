@@ -122,3 +122,54 @@ def test_compile_watch_counts_and_names_compiles_after_the_warmup(monkeypatch, c
     assert w.after_warmup == 1 and w.after_warmup_s >= 0
     assert "compiled while serving" in caplog.text and "_decode_reduce_kernel(S_PAD: 16)" in caplog.text
     assert [c[0] for c in calls] == ["before", "after", "before", "after"]
+
+
+MLA = ("synthetic:deepseek-v3,layers=2,q_lora_rank=48,hidden=128,heads=4,kv_lora_rank=64,qk_rope_head_dim=32,"
+       "qk_nope_head_dim=16,v_head_dim=16,intermediate_size=192,vocab=256")
+OSS = "synthetic:gpt-oss-20b,layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,vocab=300,intermediate_size=64,window=6"
+
+
+def _kinds(tmp_path_factory):
+    """Engines whose pages or attention differ: Gemma 3's layer groups, Mistral's windowed pages (every layer
+    slides), an MLA latent cache, sliding windows with attention sinks."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_models import save_tiny
+
+    g = tmp_path_factory.mktemp("gemma3w")
+    save_tiny(g, "gemma3", {"head_dim": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "sliding_window": 6,
+                            "layer_types": ["sliding_attention", "full_attention"]})
+    m = tmp_path_factory.mktemp("mistralw")
+    save_tiny(m, "mistral", {"sliding_window": 6, "head_dim": 16})
+    return {"gemma3": str(g), "mistral": str(m), "mla": MLA, "gpt-oss": OSS}
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory):
+    return _kinds(tmp_path_factory)
+
+
+@pytest.mark.parametrize("kind,mixed", [("gemma3", True), ("mistral", False), ("mistral", True), ("mla", True),
+                                        ("gpt-oss", True)])
+def test_warmup_on_every_engine_kind_returns_every_page(kinds, kind, mixed):
+    """The warm-up is on by default on a GPU for every model: on the engines whose page bookkeeping differs it
+    must finish and hand every page back (it raises otherwise), and leave them generating as a cold engine does."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[(5 * i + j) % 250 for j in range(10 + 7 * i)] for i in range(4)]
+    outs = {}
+    for warm in (False, True):
+        e = Engine(EngineConfig(model=kinds[kind], device="cpu", kv_budget_gb=0.01, max_model_len=256, page_size=4,
+                                max_num_batched_tokens=32, max_running=24, mixed_prefill=mixed,
+                                extra={"warmup": warm}))
+        try:
+            if kind == "gemma3":
+                assert e.cache.spec.groups is not None
+            if kind == "mistral":
+                assert e.scheduler.window is not None
+            assert (e.warmup_s is not None) == warm and e.cache.allocator.num_used == 0
+            outs[warm] = [o.token_ids for o in e.generate(prompts, params)]
+        finally:
+            e.shutdown()
+    assert outs[True] == outs[False]
