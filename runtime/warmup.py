@@ -28,6 +28,13 @@ __all__ = ["warmup_wanted", "warmup_rounds", "warm_up"]
 log = logging.getLogger("kvbench.runtime")
 
 
+_STUCK_STEPS = 3  # steps in a row that schedule nothing while requests wait: the warm-up stops
+
+
+class _Stuck(Exception):
+    pass
+
+
 def warmup_wanted(extra: dict, device_type: str) -> bool:
     want = (extra or {}).get("warmup", "auto")
     if want not in (True, False, "auto"):
@@ -87,9 +94,11 @@ def warm_up(engine) -> float:
                            SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
 
     def drain_steps(limit) -> None:
-        taken = 0
+        taken, idle = 0, 0
         while (limit is None or taken < limit) and (engine.scheduler.has_work() or engine._inbox):
-            engine.step()
+            idle = 0 if engine.step() else idle + 1
+            if idle >= _STUCK_STEPS:  # nothing else runs here to free pages: it never will
+                raise _Stuck()
             taken += 1
         steps[0] += taken
 
@@ -102,14 +111,22 @@ def warm_up(engine) -> float:
             budget = cfg.max_num_batched_tokens
             _mixed_round(engine, add, drain_steps, 7, budget // 2)
             _mixed_round(engine, add, drain_steps, min(1000, engine.max_model_len // 2), min(1000, budget // 4))
-        if engine.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(engine.device)
+    except _Stuck:  # a KV pool too small for the rounds: stop them, serve anyway (what ran is compiled)
+        for rid in list(engine._seqs):
+            engine.abort(rid)
+        engine.step()
+        note.done(f"stopped after {steps[0]} steps: the KV cache cannot hold its requests")
+        log.warning("warm-up stopped after %d steps: the engine could not schedule its dummy requests (%d KV pages); "
+                    "kernels for larger steps compile on first use", steps[0], engine.cache.num_pages)
     except BaseException:
         note.fail()
         raise
-    note.done(f"{steps[0]} steps")
+    else:
+        note.done(f"{steps[0]} steps")
+    if engine.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(engine.device)
     if engine.cache.allocator.num_used:
         raise RuntimeError(f"warm-up left {engine.cache.allocator.num_used} pages in use")
     engine.reset_counters()

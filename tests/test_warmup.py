@@ -173,3 +173,28 @@ def test_warmup_on_every_engine_kind_returns_every_page(kinds, kind, mixed):
         finally:
             e.shutdown()
     assert outs[True] == outs[False]
+
+
+def test_warmup_that_cannot_schedule_stops_and_leaves_the_engine_clean(loaded, monkeypatch, caplog):
+    """A pool too small for the rounds (simulated: the scheduler admits nothing after its first steps) must not
+    hang the engine's start: the warm-up stops with a warning, aborts its requests, and the engine serves."""
+    import logging
+
+    real, calls = Scheduler.schedule, [0]
+
+    def starved(self):
+        calls[0] += 1
+        return real(self) if calls[0] <= 5 else None
+
+    monkeypatch.setattr(Scheduler, "schedule", starved)
+    with caplog.at_level(logging.WARNING, logger="kvbench.runtime"):
+        e = _engine(loaded, True)
+    monkeypatch.setattr(Scheduler, "schedule", real)
+    try:
+        assert "warm-up stopped after" in caplog.text
+        assert e.cache.allocator.num_used == 0 and not e.scheduler.has_work() and not e._seqs
+        assert e.stats().requests_aborted == 0
+        out = e.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(out[0].token_ids) == 4
+    finally:
+        e.shutdown()
