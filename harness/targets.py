@@ -81,7 +81,7 @@ def _in_process_server(engine, host: str = "127.0.0.1") -> Iterator[str]:
     thread.start()
     url = f"http://{host}:{port}"
     try:
-        wait_healthy(f"{url}/health", timeout_s=60.0)
+        wait_healthy(f"{url}/health", timeout_s=300.0)  # (a GPU engine warms up its kernels first)
         yield url
     finally:
         server.should_exit = True

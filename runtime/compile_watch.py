@@ -22,7 +22,7 @@ log = logging.getLogger("kvbench.runtime")
 class CompileWatch:
     def __init__(self) -> None:
         self.serving = False
-        self.during_warmup = 0
+        self.during_warmup = 0  # compiles while no engine serves (graph capture, the warm-up: its note counts them)
         self.after_warmup = 0
         self.after_warmup_s = 0.0
         self._started: dict[str, float] = {}

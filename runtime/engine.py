@@ -35,7 +35,7 @@ from kvbench.runtime.models.outputs import OutputProcessor
 from kvbench.runtime.sampling import MAX_REQUEST_LOGPROBS, MAX_SCORE_LOGPROBS, SampleRow, sample, validate_params
 from kvbench.runtime.scheduler import Scheduler, SeqKind, SeqStatus, Sequence as Seq
 from kvbench.runtime.scoring import SCORE_MODES, TokenScoreRequest, score_result
-from kvbench.runtime.warmup import warm_up, warmup_wanted
+from kvbench.runtime.warmup import prepare_to_serve
 
 __all__ = ["Engine", "SCORE_MODES", "LOGIT_ROWS", "TokenScoreRequest"]
 
@@ -49,10 +49,12 @@ class Engine:
         """``loaded``: an already loaded ``LoadedModel`` to share between engines (else ``config.model`` loads);
         ``scales``: KV scales to use instead of the config's policy (``KVScales``, e.g. another engine's)."""
         self.config = config or EngineConfig()
-        # Triton compiles from here to the end of the warm-up are expected; later ones are logged (compile_watch.py)
+        # Triton compiles before the engine serves are expected; later ones are logged (compile_watch.py)
         self._compiles = install_compile_watch() if engine_device(self.config).type == "cuda" else None
         if self._compiles is not None:
             self._compiles.serving = False
+        self._compiles_base = (0, 0.0) if self._compiles is None else (self._compiles.after_warmup,
+                                                                      self._compiles.after_warmup_s)
         parts = build_engine_parts(self.config, loaded, scales)
         self.parts = parts
         self.device = parts.device
@@ -80,18 +82,12 @@ class Engine:
         self._base_gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
         log.info(self.capacity.log_line())
         self.warmup_s: Optional[float] = None
-        if warmup_wanted(self.config.extra, self.device.type):  # compile what a load reaches (runtime/warmup.py)
-            self.warmup_s = warm_up(self)
-        self._compiles_base = (0, 0.0)
-        if self._compiles is not None:
-            self._compiles.serving = True
-            self._compiles_base = (self._compiles.after_warmup, self._compiles.after_warmup_s)
+        self._serving = False
 
-    def reset_counters(self) -> None:
-        """Counters, request ids and preemptions from zero (after the warm-up); nothing may be running."""
-        self._stats = EngineStats(pages_total=self.cache.num_pages)
-        self._ids = itertools.count()
-        self.scheduler.num_preemptions = 0
+    def prepare_to_serve(self) -> None:
+        """Before the HTTP server takes requests: the kernel warm-up, then compiles count as stalls (once per
+        engine; ``runtime/warmup.py``, ``prepare_to_serve``)."""
+        prepare_to_serve(self)
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:

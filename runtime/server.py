@@ -25,6 +25,7 @@ passes the bound is counted in the Rust tokenizer without making Python integers
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -92,6 +93,9 @@ def _lifespan(engine, lanes: PrepLanes, own_engine: bool):
 
     @asynccontextmanager
     async def lifespan(_app):
+        prepare = getattr(engine, "prepare_to_serve", None)
+        if prepare is not None:  # the kernel warm-up (runtime/warmup.py) before the first request
+            await asyncio.to_thread(prepare)
         lanes.start()
         engine.start()
         try:

@@ -1,5 +1,7 @@
-"""Kernel warm-up at engine start (CUDA by default): dummy requests stepped through the engine before it serves,
-so the kernel variants a serving load reaches are compiled before the first real request.
+"""Kernel warm-up before an engine serves HTTP (``Engine.prepare_to_serve``, called as the server starts: `kvbench
+serve`, a sweep's load test; on a GPU by default): dummy requests stepped through the engine, so the kernel
+variants a serving load reaches are compiled before the first real request.  Engines that only score or generate
+in-process (eval, diagnose, fidelity references) skip it: their latencies are not measured.
 
 Triton compiles a kernel per set of constexprs and per class of its integer arguments (equal to 1, divisible by
 16); a serving load reaches variants one at a time (the first prompt chunked over a cached prefix, the first
@@ -12,18 +14,20 @@ batch size), and with ``mixed_prefill`` decode rows of every count from 16 down 
 long and of short prompts.
 
 ``EngineConfig.extra["warmup"]``: ``"auto"`` (default: on a CUDA device), ``True`` or ``False``.  Afterwards
-every page is back in the pool and the counters, request ids and preemption count start from zero.
+every page is back in the pool; the engine restores its counters, request ids and preemption count.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
+from dataclasses import replace
 
 from kvbench.core import SamplingParams
 
-__all__ = ["warmup_wanted", "warmup_rounds", "warm_up"]
+__all__ = ["warmup_wanted", "warmup_rounds", "warm_up", "prepare_to_serve"]
 
 log = logging.getLogger("kvbench.runtime")
 
@@ -79,7 +83,8 @@ def _mixed_round(engine, add, drain_steps, context: int, prompt: int) -> None:
 
 
 def warm_up(engine) -> float:
-    """Run the rounds on ``engine`` (stepped here, before its thread starts); returns the seconds taken."""
+    """Run the rounds on ``engine`` (stepped here, its step thread stopped; ``Engine.prepare_to_serve`` keeps the
+    counters as they were); returns the seconds taken."""
     from kvbench.runtime.step_notes import Step
 
     t0 = time.monotonic()
@@ -88,6 +93,11 @@ def warm_up(engine) -> float:
     vocab = engine.parts.loaded.config.vocab_size
     rng = random.Random(0)
     steps = [0]
+    watch = getattr(engine, "_compiles", None)  # runtime/compile_watch.py (a GPU engine's)
+    compiled0 = watch.during_warmup if watch is not None else 0
+
+    def compiled() -> str:
+        return "" if watch is None else f", {watch.during_warmup - compiled0} kernels compiled"
 
     def add(n: int, k: int) -> None:
         engine.add_request([rng.randrange(vocab) for _ in range(n)],
@@ -115,21 +125,48 @@ def warm_up(engine) -> float:
         for rid in list(engine._seqs):
             engine.abort(rid)
         engine.step()
-        note.done(f"stopped after {steps[0]} steps: the KV cache cannot hold its requests")
+        note.done(f"stopped after {steps[0]} steps{compiled()}: the KV cache cannot hold its requests")
         log.warning("warm-up stopped after %d steps: the engine could not schedule its dummy requests (%d KV pages); "
                     "kernels for larger steps compile on first use", steps[0], engine.cache.num_pages)
     except BaseException:
         note.fail()
         raise
     else:
-        note.done(f"{steps[0]} steps")
+        note.done(f"{steps[0]} steps{compiled()}")
     if engine.device.type == "cuda":
         import torch
 
         torch.cuda.synchronize(engine.device)
     if engine.cache.allocator.num_used:
         raise RuntimeError(f"warm-up left {engine.cache.allocator.num_used} pages in use")
-    engine.reset_counters()
     took = time.monotonic() - t0
     log.info("warm-up: %d steps in %.1f s (kernels compiled for the step shapes a load reaches)", steps[0], took)
     return took
+
+
+def prepare_to_serve(engine) -> None:
+    """``Engine.prepare_to_serve``: the warm-up (on a GPU unless ``extra.warmup`` is false) with the step thread
+    paused and the counters, request ids and preemptions restored after it; then the engine's compiles count as
+    stalls (runtime/compile_watch.py).  Once per engine; skipped with requests in flight."""
+    if engine._serving:
+        return
+    engine._serving = True
+    if warmup_wanted(engine.config.extra, engine.device.type):
+        if engine._seqs or engine._inbox:
+            log.warning("warm-up skipped: the engine has requests in flight")
+        else:
+            running = engine._thread is not None and engine._thread.is_alive()
+            if running:
+                engine.shutdown()
+            stats, preempted, next_id = replace(engine._stats), engine.scheduler.num_preemptions, next(engine._ids)
+            try:
+                engine.warmup_s = warm_up(engine)
+            finally:
+                engine._stats, engine.scheduler.num_preemptions = stats, preempted
+                engine._ids = itertools.count(next_id)
+                if running:
+                    engine.start()
+    watch = engine._compiles
+    if watch is not None:
+        watch.serving = True
+        engine._compiles_base = (watch.after_warmup, watch.after_warmup_s)

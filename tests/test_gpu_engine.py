@@ -46,8 +46,7 @@ def _engine(loaded, kv="bf16", pre="torch", dec="torch", eager=True, **kw):
     from kvbench.runtime.engine import Engine
 
     return Engine(EngineConfig(kv_dtype=kv, kv_scales="unit", prefill_backend=pre, decode_backend=dec, device="cuda",
-                               enforce_eager=eager, kv_budget_gb=0.05, max_model_len=256, max_running=8,
-                               extra={"warmup": False}, **kw),  # (the warm-up compiles for loads these tests do not run)
+                               enforce_eager=eager, kv_budget_gb=0.05, max_model_len=256, max_running=8, **kw),
                   loaded=loaded)
 
 

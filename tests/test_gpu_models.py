@@ -71,7 +71,7 @@ def _gemma3_engine(loaded, kv: str, eager: bool):
 
     return Engine(EngineConfig(kv_dtype=kv, kv_scales="unit", prefill_backend="triton", decode_backend="triton",
                                device="cuda", dtype="bfloat16", enforce_eager=eager, kv_budget_gb=0.05,
-                               max_model_len=256, max_running=8, extra={"warmup": False}),
+                               max_model_len=256, max_running=8),
                   loaded=loaded)
 
 

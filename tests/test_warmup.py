@@ -25,8 +25,12 @@ def loaded():
 
 
 def _engine(loaded, warmup, **kw):
-    return Engine(EngineConfig(device="cpu", kv_budget_gb=0.01, max_model_len=512, max_num_batched_tokens=64,
-                               max_running=32, extra={"warmup": warmup}, **kw), loaded=loaded)
+    """An engine as the server starts it (``prepare_to_serve``: the warm-up, when ``warmup``)."""
+    e = Engine(EngineConfig(device="cpu", kv_budget_gb=0.01, max_model_len=512, max_num_batched_tokens=64,
+                            max_running=32, extra={"warmup": warmup}, **kw), loaded=loaded)
+    assert e.warmup_s is None  # nothing at construction: engines that only score never warm up
+    e.prepare_to_serve()
+    return e
 
 
 def test_warmup_wanted():
@@ -163,6 +167,7 @@ def test_warmup_on_every_engine_kind_returns_every_page(kinds, kind, mixed):
         e = Engine(EngineConfig(model=kinds[kind], device="cpu", kv_budget_gb=0.01, max_model_len=256, page_size=4,
                                 max_num_batched_tokens=32, max_running=24, mixed_prefill=mixed,
                                 extra={"warmup": warm}))
+        e.prepare_to_serve()
         try:
             if kind == "gemma3":
                 assert e.cache.spec.groups is not None
@@ -198,3 +203,39 @@ def test_warmup_that_cannot_schedule_stops_and_leaves_the_engine_clean(loaded, m
         assert len(out[0].token_ids) == 4
     finally:
         e.shutdown()
+
+
+def test_the_server_warms_a_running_engine_up_before_its_first_request(loaded, caplog):
+    """The app's start (runtime/server.py) calls ``prepare_to_serve``: an engine whose step thread already runs (a
+    sweep's embedded target) is paused, warmed up and resumed; a second start does not warm up again; an engine
+    with requests in flight is not warmed up."""
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from kvbench.runtime import create_app
+
+    e = Engine(EngineConfig(device="cpu", kv_budget_gb=0.01, max_model_len=512, max_num_batched_tokens=64,
+                            max_running=32, extra={"warmup": True}), loaded=loaded)
+    try:
+        e.start()
+        with TestClient(create_app(e)) as client:
+            assert e.warmup_s is not None and e._thread.is_alive()
+            assert client.get("/health").status_code == 200
+            r = client.post("/v1/completions", json={"model": e.model_id, "prompt": [1, 2, 3], "max_tokens": 3,
+                                                     "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        first = e.warmup_s
+        e.prepare_to_serve()
+        assert e.warmup_s == first
+    finally:
+        e.shutdown()
+    busy = Engine(EngineConfig(device="cpu", kv_budget_gb=0.01, max_model_len=512, extra={"warmup": True}),
+                  loaded=loaded)
+    try:
+        busy.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+        with caplog.at_level(logging.WARNING, logger="kvbench.runtime"):
+            busy.prepare_to_serve()
+        assert busy.warmup_s is None and "warm-up skipped" in caplog.text
+    finally:
+        busy.shutdown()

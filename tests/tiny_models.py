@@ -102,7 +102,6 @@ def engine(model, backend: str = "torch", **kw):
     kw.setdefault("page_size", 4)
     kw.setdefault("max_num_batched_tokens", 16)  # prompts arrive as chunked prefills over cached prefixes
     kw.setdefault("decode_backend", backend)  # ``backend`` in both phases unless a decode backend is named
-    kw["extra"] = {"warmup": False, **kw.get("extra", {})}  # no start-up warm-up on a GPU (runtime/warmup.py)
     return Engine(EngineConfig(model=model, prefill_backend=backend, **kw), loaded=loaded)
 
 
