@@ -34,8 +34,10 @@ LOG2E = 1.4426950408889634
 
 # per-step integers left unspecialized (Triton would compile a variant for each divisible-by-16 class): the page
 # table's row stride (an eager step's table is as wide as its longest sequence), the split count and the
-# partial-result strides that follow it
-@triton.jit(do_not_specialize=["spt_b", "sml_b", "sml_h", "num_splits"])
+# partial-result strides that follow it; the sequence lengths and page table are read as slices of a mixed step's
+# (runtime/attention/mixed.py), so their alignment is not specialized either
+@triton.jit(do_not_specialize=["spt_b", "sml_b", "sml_h", "num_splits"],
+            do_not_specialize_on_alignment=["SEQ_LENS", "PT"])
 def _decode_split_kernel(
     Q, KC, VC, KBS, VBS, K_SCALE, Q_SCALE, PT, SEQ_LENS, ACC, ML, OUT, V_SCALE, SINKS,
     sm_scale_log2,

@@ -146,7 +146,10 @@ def _prefix_tile(KC, VC, KBS, VBS, pt_row, offs, prefix, qpos, wlim, hk, i, imas
                    FMT != 0, MASKED, Q_SPLIT)
 
 
-@triton.jit(do_not_specialize=["spt_b"])  # the page table's row stride changes with every step's longest sequence
+# the page table's row stride changes with every step's longest sequence; a mixed step's prefill part reads the
+# sequence lengths and page-table rows after its decode rows (runtime/attention/mixed.py), so their alignment
+# changes with the decode-row count: neither is specialized (one compile, not one per class met while serving)
+@triton.jit(do_not_specialize=["spt_b"], do_not_specialize_on_alignment=["SEQ_LENS", "PT"])
 def _prefill_kernel(
     Q, KN, VN, KC, VC, KBS, VBS, K_SCALE, V_SCALE, Q_SCALE, SINKS, PT, SEQ_LENS, CU_Q, OUT,
     sm_scale_log2,

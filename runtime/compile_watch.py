@@ -22,6 +22,7 @@ log = logging.getLogger("kvbench.runtime")
 class CompileWatch:
     def __init__(self) -> None:
         self.serving = False
+        self._variants: dict[str, list[dict[str, str]]] = {}  # kernel name -> the specializations compiled
         self.during_warmup = 0  # compiles while no engine serves (graph capture, the warm-up: its note counts them)
         self.after_warmup = 0
         self.after_warmup_s = 0.0
@@ -33,6 +34,52 @@ class CompileWatch:
         text = str(kw.get("repr") or getattr(kw.get("fn"), "name", "?"))
         return text if len(text) <= 600 else text[:600] + "…"
 
+    @staticmethod
+    def _kernel(kw: dict) -> str:
+        return str(getattr(kw.get("fn"), "name", None) or str(kw.get("repr") or "?").split("[")[0])
+
+    @staticmethod
+    def specialization(kw: dict) -> dict[str, str]:
+        """Argument name -> what this compile fixed: a constexpr's value, or a run-time argument's type with
+        ``÷16`` where Triton specialized it as divisible by 16 (a pointer's alignment, an integer); {} where the
+        hook's arguments are not the expected ones."""
+        try:
+            c = kw.get("compile") or {}
+            sig = c.get("signature") or {}
+            consts = {k[0] if isinstance(k, tuple) and len(k) == 1 else k: v
+                      for k, v in (c.get("constants") or {}).items()}
+            attrs = (c.get("configs") or [{}])[0] or {}
+            div16 = set()
+            for k, v in attrs.items():
+                idx = k[0] if isinstance(k, tuple) and len(k) == 1 else k
+                if any(isinstance(a, (list, tuple)) and a and a[0] == "tt.divisibility" for a in v):
+                    div16.add(idx)
+            out = {}
+            for i, (name, ty) in enumerate(sig.items()):
+                if i in consts or name in consts:
+                    out[name] = repr(consts.get(i, consts.get(name)))
+                else:
+                    out[name] = f"{ty}÷16" if i in div16 else str(ty)
+            return out
+        except Exception:  # noqa: BLE001 - a Triton whose hook passes other shapes: no detail
+            return {}
+
+    def _describe(self, kw: dict) -> str:
+        """The compile's kernel and how its specialization differs from the nearest one compiled before (the
+        argument whose class or constexpr a serving step changed), else the hook's text."""
+        name, spec = self._kernel(kw), self.specialization(kw)
+        seen = self._variants.setdefault(name, [])
+        text = self._name(kw)
+        if spec and seen:
+            near = min(seen, key=lambda o: sum(o.get(k) != v for k, v in spec.items()))
+            diff = [f"{k}={v} (was {near.get(k)})" for k, v in spec.items() if near.get(k) != v]
+            text = f"{name}: {', '.join(diff) or 'same arguments as an earlier variant'}"
+        elif spec:
+            text = f"{name} (its first variant)"
+        if spec:
+            seen.append(spec)
+        return text
+
     def before(self, **kw) -> bool:
         with self._lock:
             self._started[self._name(kw)] = time.perf_counter()
@@ -42,13 +89,14 @@ class CompileWatch:
         name = self._name(kw)
         with self._lock:
             took = time.perf_counter() - self._started.pop(name, time.perf_counter())
+            what = self._describe(kw)
             if not self.serving:
                 self.during_warmup += 1
                 return False
             self.after_warmup += 1
             self.after_warmup_s += took
         log.warning("a kernel compiled while serving (%.2f s, every running request waited): %s — a step shape "
-                    "the start-up warm-up did not reach (runtime/warmup.py)", took, name)
+                    "the start-up warm-up did not reach (runtime/warmup.py)", took, what)
         return False
 
 

@@ -219,6 +219,7 @@ class Engine:
     def step(self) -> int:
         """Run one scheduler step; returns the number of tokens forwarded (0 = idle)."""
         self._drain_inbox()
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return 0
@@ -227,11 +228,15 @@ class Engine:
             seq.num_cached += q
             if batch.phase == "prefill" and k >= batch.decode_rows:
                 self._stats.prompt_tokens += q
-        if out is None:
-            return batch.num_tokens
-        n = len(out.seq_idx)
-        for a in range(0, n, LOGIT_ROWS):
-            self._sample_rows(batch, out, a, min(n, a + LOGIT_ROWS))
+        if out is not None:
+            n = len(out.seq_idx)
+            for a in range(0, n, LOGIT_ROWS):
+                self._sample_rows(batch, out, a, min(n, a + LOGIT_ROWS))
+        kind = "decode" if batch.phase == "decode" else "mixed" if batch.decode_rows else "prefill"
+        s = self._stats
+        s.step_counts[kind] = s.step_counts.get(kind, 0) + 1
+        s.step_seconds[kind] = s.step_seconds.get(kind, 0.0) + (time.perf_counter() - t0)
+        s.step_tokens[kind] = s.step_tokens.get(kind, 0) + batch.num_tokens
         return batch.num_tokens
 
     def _sample_rows(self, batch, out, a: int, b: int) -> None:
@@ -371,6 +376,7 @@ class Engine:
             requests_aborted=s.requests_aborted,
             kernel_compiles=None if w is None else w.after_warmup - self._compiles_base[0],
             kernel_compile_s=None if w is None else w.after_warmup_s - self._compiles_base[1],
+            step_counts=dict(s.step_counts), step_seconds=dict(s.step_seconds), step_tokens=dict(s.step_tokens),
         )
 
     def info(self) -> dict:

@@ -51,6 +51,9 @@ class RequestOutput:
     num_preemptions: int = 0
 
 
+STEP_KINDS = ("prefill", "mixed", "decode")  # prefill steps, prefill steps carrying decode rows, decode steps
+
+
 @dataclass
 class EngineStats:
     running: int = 0
@@ -65,6 +68,12 @@ class EngineStats:
     # Triton compiles since the engine serves (each stalled the running requests); None where not watched (CPU)
     kernel_compiles: Optional[int] = None
     kernel_compile_s: Optional[float] = None
+    # where the step loop's time went, per step kind (STEP_KINDS): steps run, wall seconds from scheduling to the
+    # sampled tokens handed out (host work and the device's, which the read-back of the tokens waits for),
+    # tokens forwarded; the time outside them is the loop waiting for work
+    step_counts: dict = field(default_factory=dict)
+    step_seconds: dict = field(default_factory=dict)
+    step_tokens: dict = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:

@@ -1,7 +1,7 @@
 """CUDA-graph capture of decode steps.
 
 One graph per batch-size bucket (1, 2, 4, 8, then multiples of 16 up to ``max_batch``), captured
-lazily on first use.  All inputs live in static device buffers that the graph reads; a step copies its
+lazily on first use; a server's engine captures them all before it serves (``runtime/warmup.py``).  All inputs live in static device buffers that the graph reads; a step copies its
 inputs in and replays.  Padded rows (bucket size > batch) get slot −1 (written to the scratch page),
 position 0, ``seq_len`` 1 and a page table of the scratch page, and their outputs are ignored.
 ``max_seqlen_k`` is fixed at ``max_model_len`` so shapes never change between replays; KV scales are

@@ -351,6 +351,13 @@ def prometheus_text(stats, model_id: str) -> str:
         ("kernel_compile_seconds_total", "counter", "Seconds spent compiling kernels while serving",
          getattr(stats, "kernel_compile_s", None)),
     ]
+    for k in ("prefill", "mixed", "decode"):  # engine_api.STEP_KINDS: where the step loop's time went
+        if k in (getattr(stats, "step_counts", None) or {}):
+            rows += [(f"engine_{k}_steps_total", "counter", f"Engine {k} steps run", stats.step_counts[k]),
+                     (f"engine_{k}_step_seconds_total", "counter",
+                      f"Wall seconds in {k} steps (scheduling to sampled tokens)", stats.step_seconds[k]),
+                     (f"engine_{k}_step_tokens_total", "counter", f"Tokens forwarded in {k} steps",
+                      stats.step_tokens[k])]
     out = []
     for name, kind, help_, value in rows:
         if value is None:  # not measured by this engine (kernel compiles on the CPU)

@@ -6,8 +6,9 @@ in-process (eval, diagnose, fidelity references) skip it: their latencies are no
 Triton compiles a kernel per set of constexprs and per class of its integer arguments (equal to 1, divisible by
 16); a serving load reaches variants one at a time (the first prompt chunked over a cached prefix, the first
 mixed step with five decode rows, ...), and each first time stalls every running request for the compile (up
-to 4 s per stall measured on an H200 under load, docs/performance.md).  The CUDA graphs captured at start cover
-the decode steps only.  The rounds below reach, for the step budget and context of this engine: a prompt
+to 4 s per stall measured on an H200 under load, docs/performance.md).  Decode steps run as CUDA graphs, one per
+batch-size bucket, each captured on first use: the warm-up captures every bucket up to ``max_running``.
+The rounds below reach, for the step budget and context of this engine: a prompt
 filling a step, short prompts of lengths on and off multiples of 16, more prompt tokens than one step takes
 (later chunks read a cached prefix), shrinking decode batches over short and long contexts (one split count per
 batch size), and with ``mixed_prefill`` decode rows of every count from 16 down to 1 riding in prefill steps of
@@ -19,11 +20,11 @@ every page is back in the pool; the engine restores its counters, request ids an
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import random
 import time
-from dataclasses import replace
 
 from kvbench.core import SamplingParams
 
@@ -82,6 +83,26 @@ def _mixed_round(engine, add, drain_steps, context: int, prompt: int) -> None:
     drain_steps(None)
 
 
+def _capture_graphs(engine) -> int:
+    """Capture every decode-graph bucket the rounds did not reach (``runtime/graphs.py`` captures a bucket on its
+    first step otherwise: a capture and its first compile mid-load, up to 3 s under load on an H200); returns how
+    many.  A capture that fails turns graphs off, as a failed capture while serving does."""
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is None:
+        return 0
+    todo = [bs for bs in graphs.buckets if bs not in graphs.graphs]
+    try:
+        for bs in todo:
+            graphs.capture(bs)
+    except Exception as e:  # noqa: BLE001 - as ModelRunner.run_rows does with GraphUnavailable
+        log.warning("CUDA-graph capture of decode failed (%s: %s); decoding eagerly", type(e).__name__, e)
+        engine.runner.graphs = None
+        return 0
+    if todo:
+        log.info("warm-up: captured %d more decode graphs (batch sizes %s)", len(todo), todo)
+    return len(todo)
+
+
 def warm_up(engine) -> float:
     """Run the rounds on ``engine`` (stepped here, its step thread stopped; ``Engine.prepare_to_serve`` keeps the
     counters as they were); returns the seconds taken."""
@@ -133,6 +154,7 @@ def warm_up(engine) -> float:
         raise
     else:
         note.done(f"{steps[0]} steps{compiled()}")
+    _capture_graphs(engine)
     if engine.device.type == "cuda":
         import torch
 
@@ -158,7 +180,7 @@ def prepare_to_serve(engine) -> None:
             running = engine._thread is not None and engine._thread.is_alive()
             if running:
                 engine.shutdown()
-            stats, preempted, next_id = replace(engine._stats), engine.scheduler.num_preemptions, next(engine._ids)
+            stats, preempted, next_id = copy.deepcopy(engine._stats), engine.scheduler.num_preemptions, next(engine._ids)
             try:
                 engine.warmup_s = warm_up(engine)
             finally:

@@ -90,6 +90,14 @@ def test_block_names_kernel_compiles_when_the_server_counts_them():
     assert "Kernel compiles" not in format_block({**s, "server_metrics": {**metrics, "kernel_compiles": None}})
     block = format_block({**s, "server_metrics": {**metrics, "kernel_compiles": 3}})
     assert "Kernel compiles (stalls):               3" in block
+    assert "Engine busy" not in block
+    steps = {"prefill": {"steps": 4, "seconds": 1.0, "tokens": 400, "ms_per_step": 250.0},
+             "decode": {"steps": 100, "seconds": 1.0, "tokens": 800, "ms_per_step": 10.0},
+             "window_s": 4.0, "busy_fraction": 0.5}
+    block = format_block({**s, "server_metrics": {**metrics, "engine_steps": steps}})
+    assert "Engine busy (fraction of the run):      0.500" in block
+    assert "Prefill steps (n, ms each, tok each):   4, 250.00, 100" in block
+    assert "Decode steps (n, ms each, tok each):    100, 10.00, 8" in block and "Mixed steps" not in block
 
 
 def test_random_dataset_is_seeded_and_bounded():

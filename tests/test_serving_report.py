@@ -349,3 +349,32 @@ def test_serving_only_run_two_engines_baseline_series_and_labels(tmp_path):
     assert ("vllm FLASH_ATTN bf16", "4") in rows and ("kvbench triton fp8_e4m3", "16") in rows  # backend said once
     assert rows[("vllm FLASH_ATTN bf16", "4")] == "—"  # the baseline itself
     assert rows[("kvbench triton bf16", "16")].endswith("×") and rows[("vllm FLASH_ATTN fp8_e4m3", "4")].endswith("×")
+
+
+def test_sampler_reports_where_the_engine_step_time_went(monkeypatch):
+    """kvbench's step-time counters (prefill / mixed / decode): their increase between the first and the last
+    scrape, per kind, and the loop's busy fraction of that window; a server without them gives None (vLLM)."""
+    import kvbench.harness.loadgen.server_metrics as smod
+
+    def text(n_pre, s_pre, n_dec, s_dec):
+        stats = SimpleNamespace(running=1, waiting=0, pages_used=1, pages_total=100, kv_usage=0.01, preemptions=0,
+                                prompt_tokens=0, generation_tokens=0, requests_finished=0, requests_aborted=0,
+                                step_counts={"prefill": n_pre, "decode": n_dec},
+                                step_seconds={"prefill": s_pre, "decode": s_dec},
+                                step_tokens={"prefill": 100 * n_pre, "decode": 8 * n_dec})
+        return prometheus_text(stats, "m")
+
+    texts = [text(1, 0.5, 10, 0.25), text(2, 0.75, 20, 0.5), text(5, 1.5, 110, 1.25)]
+    clock = [10.0, 11.0, 14.0]
+    monkeypatch.setattr(smod.time, "perf_counter", lambda: clock.pop(0) if len(clock) > 1 else clock[0])
+    sampler = MetricsSampler(None, "/metrics", 0.001, 0.0)
+    sampler.pool = _Pool(texts, on_get=lambda i: sampler.stop() if i == len(texts) - 2 else None)
+    asyncio.run(sampler.run())
+    es = sampler.summary()["engine_steps"]
+    assert es["prefill"] == {"steps": 4, "seconds": pytest.approx(1.0), "tokens": 400, "ms_per_step": pytest.approx(250)}
+    assert es["decode"]["steps"] == 100 and es["decode"]["seconds"] == pytest.approx(1.0) and es["decode"]["tokens"] == 800
+    assert "mixed" not in es and es["window_s"] == pytest.approx(4.0) and es["busy_fraction"] == pytest.approx(0.5)
+    other = MetricsSampler(_Pool([_vllm_text(*SAMPLES[0])] * 3), "/metrics", 0.001, 0.0)
+    asyncio.run(other._poll())
+    asyncio.run(other._poll())
+    assert other.summary()["engine_steps"] is None

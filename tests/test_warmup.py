@@ -79,6 +79,7 @@ def test_warmup_reaches_the_load_shapes_and_leaves_the_engine_new(loaded, monkey
         assert e.cache.allocator.num_used == 0 and not e.scheduler.has_work()
         st = e.stats()
         assert (st.prompt_tokens, st.generation_tokens, st.requests_finished, st.preemptions) == (0, 0, 0, 0)
+        assert st.step_counts == st.step_seconds == st.step_tokens == {}  # the warm-up's steps are not counted
         assert e.add_request([1, 2, 3], SamplingParams(max_tokens=1)) == "req-0"
         assert st.kernel_compiles is None and e.info()["compiles_after_warmup"] is None  # not watched on the CPU
     finally:
@@ -126,6 +127,47 @@ def test_compile_watch_counts_and_names_compiles_after_the_warmup(monkeypatch, c
     assert w.after_warmup == 1 and w.after_warmup_s >= 0
     assert "compiled while serving" in caplog.text and "_decode_reduce_kernel(S_PAD: 16)" in caplog.text
     assert [c[0] for c in calls] == ["before", "after", "before", "after"]
+
+
+def _hook_kw(seq_aligned: bool, no_prefix: bool) -> dict:
+    """What Triton's ``_call_hook`` passes (triton/runtime/jit.py): ``compile`` holds the signature (name -> type,
+    constexprs included), the constexpr values keyed by argument path and the specialization attributes."""
+    sig = {"Q": "*bf16", "SEQ_LENS": "*i32", "spt_b": "i32", "NO_PREFIX": "constexpr"}
+    attrs = {(0,): [["tt.divisibility", 16]]}
+    if seq_aligned:
+        attrs[(1,)] = [["tt.divisibility", 16]]
+    fn = type("Info", (), {"name": "_prefill_kernel"})()
+    return {"key": object(), "repr": "_prefill_kernel[num_warps=8](Q: ()", "fn": fn,
+            "compile": {"signature": sig, "constants": {(3,): no_prefix}, "configs": [attrs]}}
+
+
+def test_compile_watch_names_what_changed_from_the_nearest_variant(monkeypatch, caplog):
+    """A compile while serving names the arguments whose class or constexpr differ from the nearest variant
+    compiled before (Triton's own text says nothing useful there: ``Q: ()``)."""
+    import logging
+
+    from triton import knobs
+
+    from kvbench.runtime import compile_watch as cw
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(cw, "_WATCH", None)
+    w = cw.install_compile_watch()
+    before, after = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    assert w.specialization(_hook_kw(True, True)) == {"Q": "*bf16÷16", "SEQ_LENS": "*i32÷16", "spt_b": "i32",
+                                                       "NO_PREFIX": "True"}
+    for kw in (_hook_kw(True, True), _hook_kw(True, False)):  # the warm-up's variants
+        before(**kw)
+        after(**kw)
+    w.serving = True
+    with caplog.at_level(logging.WARNING, logger="kvbench.runtime"):
+        kw = _hook_kw(False, False)
+        before(**kw)
+        after(**kw)
+    assert "_prefill_kernel: SEQ_LENS=*i32 (was *i32÷16)" in caplog.text
+    assert "NO_PREFIX" not in caplog.text  # the nearest variant had the same constexprs
+    assert w.specialization({"compile": {"signature": 3}}) == {}  # other hook shapes: no detail, no error
 
 
 MLA = ("synthetic:deepseek-v3,layers=2,q_lora_rank=48,hidden=128,heads=4,kv_lora_rank=64,qk_rope_head_dim=32,"
@@ -239,3 +281,68 @@ def test_the_server_warms_a_running_engine_up_before_its_first_request(loaded, c
         assert busy.warmup_s is None and "warm-up skipped" in caplog.text
     finally:
         busy.shutdown()
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed"])
+def test_step_time_is_counted_per_step_kind(loaded, mixed):
+    """EngineStats.step_counts / step_seconds / step_tokens: every step the engine ran, by kind, its tokens adding
+    up to the prompt tokens plus the decode rows; prometheus exports them (server_protocol.prometheus_text)."""
+    from kvbench.runtime.server_protocol import prometheus_text
+
+    e = _engine(loaded, False, mixed_prefill=mixed)
+    try:
+        seen = []
+        real = e.scheduler.schedule
+
+        def watch():
+            b = real()
+            if b is not None:
+                seen.append("decode" if b.phase == "decode" else "mixed" if b.decode_rows else "prefill")
+            return b
+
+        e.scheduler.schedule = watch
+        prompts = [[(5 * i + j) % 300 for j in range(30 + 40 * i)] for i in range(4)]
+        outs = e.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        e.shutdown()  # the last step is counted once it ends, after its tokens reached the requests
+        st = e.stats()
+        assert st.step_counts == {k: seen.count(k) for k in set(seen)}
+        assert ("mixed" in st.step_counts) == mixed and st.step_counts["prefill"] >= 1 and st.step_counts["decode"] >= 1
+        prompt_toks = sum(len(p) for p in prompts)
+        # each request's first token comes from its last prefill chunk; the other 5 from decode rows
+        assert sum(st.step_tokens.values()) == prompt_toks + 5 * len(prompts) == st.prompt_tokens + 5 * len(outs)
+        assert all(st.step_seconds[k] > 0 for k in st.step_counts)
+        text = prometheus_text(st, "m")
+        for k, n in st.step_counts.items():
+            assert f'kvbench_engine_{k}_steps_total{{model_name="m"}} {float(n)}' in text
+            assert f"kvbench_engine_{k}_step_seconds_total" in text and f"kvbench_engine_{k}_step_tokens_total" in text
+    finally:
+        e.shutdown()
+
+
+def test_warmup_captures_every_decode_graph_bucket(loaded):
+    """The decode graphs (runtime/graphs.py) are captured per batch-size bucket on first use; the warm-up
+    captures the buckets its rounds did not reach, so no capture lands mid-load; a capture that fails turns
+    graphs off as it would while serving."""
+    from kvbench.runtime.graphs import bucket_sizes
+    from kvbench.runtime.warmup import _capture_graphs
+
+    class FakeGraphs:
+        def __init__(self, fail_at=None):
+            self.buckets, self.graphs, self.fail_at, self.captured = bucket_sizes(40), {1: "g", 16: "g"}, fail_at, []
+
+        def capture(self, bs):
+            if bs == self.fail_at:
+                raise RuntimeError("capture failed")
+            self.captured.append(bs)
+            self.graphs[bs] = "g"
+
+    e = _engine(loaded, False)
+    try:
+        e.runner.graphs = FakeGraphs()
+        assert _capture_graphs(e) == 5 and e.runner.graphs.captured == [2, 4, 8, 32, 40]
+        assert sorted(e.runner.graphs.graphs) == bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+        assert _capture_graphs(e) == 0
+        e.runner.graphs = FakeGraphs(fail_at=8)
+        assert _capture_graphs(e) == 0 and e.runner.graphs is None
+    finally:
+        e.shutdown()

@@ -7,6 +7,7 @@
 #   bash docs/scripts/serving_ab.sh OLD [vllm]      # KV fp8_e4m3 (KV=bf16 for bf16), results in $OUT/res
 #   ARMS="new mixed vllm" CONC="16 64 256" KV=bf16 bash docs/scripts/serving_ab.sh -   # no old tree
 #
+# SHAPES: input x output lengths (default "1024x128"; "1024x1" times prefill alone, "32x512" mostly decode).
 # ARMS picks the arms (default "old new mixed", plus "vllm" when the second argument is vllm); CONC the
 # concurrency levels (default "64 256"): 4 x the concurrency in requests up to 64 (at least 64), 2 x above (c=64: 256,
 # c=256: 512, as before).  Each engine serves
@@ -21,13 +22,15 @@ if [ "$1" != - ]; then
   mkdir -p /tmp/kvb-old/kvbench
   for d in core harness kernels runtime suites reports configs tools; do ln -sfn $OLD/$d /tmp/kvb-old/kvbench/$d; done
 fi
-load() { # name port concurrency
-  local n=$(( $3 > 64 ? $3 * 2 : ($3 * 4 < 64 ? 64 : $3 * 4) ))
+load() { # name port concurrency input-len output-len
+  local n=$(( $3 > 64 ? $3 * 2 : ($3 * 4 < 64 ? 64 : $3 * 4) )) tag=$KV-$1-c$3
+  [ "$4x$5" != 1024x128 ] && tag=$tag-i$4o$5
   PYTHONPATH=$W/kvb:$SITE timeout 300 python3 -m kvbench.harness load --base-url http://127.0.0.1:$2 --model llama8b \
-    --max-concurrency $3 --num-prompts $n --input-len 1024 --output-len 128 --dataset random --warmup 4 --no-progress \
-    --tokenizer none --salt $KV-$3 --out $OUT/res/$KV-$1-c$3 > $OUT/res/$KV-$1-c$3.txt 2>&1
+    --max-concurrency $3 --num-prompts $n --input-len $4 --output-len $5 --dataset random --warmup 4 --no-progress \
+    --tokenizer none --salt $KV-$3-$4-$5 --out $OUT/res/$tag > $OUT/res/$tag.txt 2>&1
 }
-levels() { for c in $CONC; do load $1 $2 $c; done; }
+# SHAPES: input x output lengths per level (default 1024x128); 1024x1 times prefill alone, 32x512 mostly decode
+levels() { for sh in ${SHAPES:-1024x128}; do for c in $CONC; do load $1 $2 $c ${sh%x*} ${sh#*x}; done; done; }
 kvb() { # name package-root [serve flags...]
   local name=$1 root=$2; shift 2
   PYTHONPATH=$root:$SITE python3 -m kvbench.harness serve --model synthetic:llama-3-8b,vocab=49152 --served-model-name llama8b \
@@ -55,12 +58,20 @@ done
 date -u
 python3 - "$OUT/res" <<'PY'
 import glob, json, sys
-print("| run | req/s | out tok/s | mean TTFT ms | mean TPOT ms | median ITL ms | max ITL ms | kernel compiles | failed |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| run | req/s | in+out tok/s | mean TTFT ms | mean TPOT ms | median ITL ms | max ITL ms | kernel compiles | "
+      "busy | prefill steps ms (tok) | mixed steps ms (tok) | decode steps ms (rows) | failed |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+def steps(es, kind):  # kvbench's server only: ms per step and tokens per step of one kind
+    k = (es or {}).get(kind)
+    return f"{k['ms_per_step']:.2f} ({k['tokens'] / k['steps']:.0f})" if k else ""
 for f in sorted(glob.glob(f"{sys.argv[1]}/*-c*/summary.json")):
     lv = json.load(open(f))["levels"][0]
-    comp = (lv.get("server_metrics") or {}).get("kernel_compiles")  # kvbench's server only
-    print(f"| {f.split('/')[-2]} | {lv['request_throughput']:.2f} | {lv['output_throughput']:,.0f} | {lv['mean_ttft_ms']:,.1f} | "
-          f"{lv['mean_tpot_ms']:.2f} | {lv['median_itl_ms']:.2f} | {lv['max_itl_ms']:,.0f} | {'' if comp is None else comp} | "
-          f"{lv['failed']} |")
+    sm = lv.get("server_metrics") or {}
+    comp, es = sm.get("kernel_compiles"), sm.get("engine_steps")
+    busy = f"{es['busy_fraction']:.2f}" if es and es.get("busy_fraction") is not None else ""
+    v = lambda key, spec: "" if lv.get(key) is None else format(lv[key], spec)  # no TPOT / ITL at one output token
+    print(f"| {f.split('/')[-2]} | {v('request_throughput', '.2f')} | {v('total_token_throughput', ',.0f')} | "
+          f"{v('mean_ttft_ms', ',.1f')} | {v('mean_tpot_ms', '.2f')} | {v('median_itl_ms', '.2f')} | {v('max_itl_ms', ',.0f')} | "
+          f"{'' if comp is None else comp} | {busy} | {steps(es, 'prefill')} | {steps(es, 'mixed')} | "
+          f"{steps(es, 'decode')} | {lv['failed']} |")
 PY

@@ -217,6 +217,25 @@ def _brief(s: dict) -> dict:
     return {k: s.get(k) for k in _BRIEF}
 
 
+def _sum_engine_steps(rows: list) -> Optional[dict]:
+    """Replicas' step-time summaries (server_metrics.engine_steps) added per kind; ``busy_fraction`` is the
+    replicas' mean (each is one engine's share of its own window)."""
+    rows = [r for r in rows if isinstance(r, dict)]
+    if not rows:
+        return None
+    out: dict = {}
+    for kind in ("prefill", "mixed", "decode"):
+        got = [r[kind] for r in rows if kind in r]
+        if got:
+            k = {f: sum(g.get(f, 0) for g in got) for f in ("steps", "seconds", "tokens")}
+            k["ms_per_step"] = 1000 * k["seconds"] / k["steps"] if k["steps"] else None
+            out[kind] = k
+    out["window_s"] = max(r.get("window_s") or 0.0 for r in rows)
+    busy = [r["busy_fraction"] for r in rows if r.get("busy_fraction") is not None]
+    out["busy_fraction"] = sum(busy) / len(busy) if busy else None
+    return out
+
+
 def combine_server_metrics(metrics: list, urls: list[str], concurrent: bool) -> dict:
     """Every replica's ``/metrics`` summary as one (module docstring); ``available`` when any replica exported
     them (``replicas_reporting`` says how many), each replica's own under ``per_replica``."""
@@ -238,5 +257,6 @@ def combine_server_metrics(metrics: list, urls: list[str], concurrent: bool) -> 
     out["preemptions"] = int(sum(pre)) if pre else None
     comp = nums("kernel_compiles")
     out["kernel_compiles"] = int(sum(comp)) if comp else None
+    out["engine_steps"] = _sum_engine_steps([m.get("engine_steps") for m in avail])
     out["per_replica"] = [{"url": u, **(m if isinstance(m, dict) else {"available": False})} for u, m in zip(urls, metrics)]
     return out

@@ -357,6 +357,14 @@ def format_block(summary: dict) -> str:
         row("Preemptions:", sm.get("preemptions"), "d")
         if sm.get("kernel_compiles") is not None:
             row("Kernel compiles (stalls):", sm.get("kernel_compiles"), "d")
+        es = sm.get("engine_steps") or {}
+        if es:
+            row("Engine busy (fraction of the run):", es.get("busy_fraction"), ".3f")
+            for kind in ("prefill", "mixed", "decode"):
+                if kind in es:
+                    k = es[kind]
+                    row(f"{kind.capitalize()} steps (n, ms each, tok each):",
+                        f"{k['steps']}, {k['ms_per_step']:.2f}, {k['tokens'] / k['steps']:.0f}", "")
     lines.append("=" * w)
     return "\n".join(lines)
 

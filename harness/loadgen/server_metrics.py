@@ -12,7 +12,11 @@ Gauges (running, waiting, KV usage) are summarized by their maxima; the preempti
 over the run (kvbench ``kvbench_preemptions_total``, vLLM ``vllm:num_preemptions_total``, SGLang
 ``sglang:num_retracted_requests_total``: requests retracted to free KV memory).  kvbench's server also counts the
 kernels it compiled while serving (``kvbench_kernel_compiles_total`` and ``_seconds_total``; runtime/compile_watch.py):
-their increase over the run says whether compile stalls are inside the measurement.
+their increase over the run says whether compile stalls are inside the measurement.  And where its step loop's
+time went (``kvbench_engine_<kind>_steps_total``, ``_step_seconds_total``, ``_step_tokens_total`` for the kinds
+prefill, mixed, decode; ``runtime/engine_api.py`` STEP_KINDS): their increase between the first and the last
+sample, with that window's length, gives ``engine_steps`` (seconds per kind, the rest of the window being the
+loop waiting for work).
 """
 
 from __future__ import annotations
@@ -30,6 +34,30 @@ PREEMPTIONS = ("kvbench_preemptions_total", "vllm:num_preemptions_total", "sglan
 COMPILES = ("kvbench_kernel_compiles_total",)
 COMPILE_S = ("kvbench_kernel_compile_seconds_total",)
 _RATIOS = frozenset(KV_USAGE)
+STEP_KINDS = ("prefill", "mixed", "decode")
+_STEP_FIELDS = (("steps", "steps_total"), ("seconds", "step_seconds_total"), ("tokens", "step_tokens_total"))
+
+
+def engine_steps(first: dict[str, float], last: dict[str, float], window_s: float) -> Optional[dict]:
+    """kvbench's step-time counters between two scrapes: ``{kind: {steps, seconds, tokens, ms_per_step}, ...,
+    "window_s", "busy_fraction"}``; None where the server exports none."""
+    out: dict = {}
+    for kind in STEP_KINDS:
+        row = {}
+        for key, suffix in _STEP_FIELDS:
+            name = f"kvbench_engine_{kind}_{suffix}"
+            if name in last:
+                row[key] = max(0.0, last[name] - first.get(name, 0.0))
+        if row.get("steps"):
+            row["steps"], row["tokens"] = int(round(row["steps"])), int(round(row.get("tokens", 0)))
+            row["ms_per_step"] = 1000 * row.get("seconds", 0.0) / row["steps"]
+            out[kind] = row
+    if not out:
+        return None
+    out["window_s"] = window_s
+    out["busy_fraction"] = (sum(out[k].get("seconds", 0.0) for k in STEP_KINDS if k in out) / window_s
+                            if window_s > 0 else None)
+    return out
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -89,6 +117,7 @@ class MetricsSampler:
         self.samples: list[tuple[Optional[float], ...]] = []
         self.available = True
         self._stop = asyncio.Event()
+        self._engine: list[tuple[float, dict[str, float]]] = []  # (t_s, kvbench_engine_* counters): first, last
 
     async def _poll(self) -> bool:
         try:
@@ -98,8 +127,12 @@ class MetricsSampler:
             values = parse_prometheus(text)
         except Exception:  # noqa: BLE001 - a server without /metrics is fine
             return False
+        t = time.perf_counter() - self.t0
+        eng = {k: v for k, v in values.items() if k.startswith("kvbench_engine_")}
+        if eng:  # keep the first scrape and the latest
+            self._engine[min(1, len(self._engine)):] = [(t, eng)]
         self.samples.append(
-            (time.perf_counter() - self.t0, _first(values, RUNNING), _first(values, WAITING), _first(values, KV_USAGE),
+            (t, _first(values, RUNNING), _first(values, WAITING), _first(values, KV_USAGE),
              _first(values, PREEMPTIONS), _first(values, COMPILES), _first(values, COMPILE_S))
         )
         return True
@@ -143,6 +176,9 @@ class MetricsSampler:
             # kvbench's server: kernels compiled during the run and the seconds they took (None elsewhere)
             "kernel_compiles": None if compiles is None else int(round(compiles)),
             "kernel_compile_s": compile_s,
+            # kvbench's server: its step loop's seconds per step kind between the first and last sample
+            "engine_steps": (engine_steps(self._engine[0][1], self._engine[-1][1],
+                                          self._engine[-1][0] - self._engine[0][0]) if len(self._engine) > 1 else None),
             # [t_s, running, waiting, kv_usage, preemptions counter, kernel compiles counter, compile seconds counter]
             "timeline": [list(s) for s in self.samples],
         }
