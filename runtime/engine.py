@@ -232,11 +232,8 @@ class Engine:
             n = len(out.seq_idx)
             for a in range(0, n, LOGIT_ROWS):
                 self._sample_rows(batch, out, a, min(n, a + LOGIT_ROWS))
-        kind = "decode" if batch.phase == "decode" else "mixed" if batch.decode_rows else "prefill"
-        s = self._stats
-        s.step_counts[kind] = s.step_counts.get(kind, 0) + 1
-        s.step_seconds[kind] = s.step_seconds.get(kind, 0.0) + (time.perf_counter() - t0)
-        s.step_tokens[kind] = s.step_tokens.get(kind, 0) + batch.num_tokens
+        self._stats.count_step("decode" if batch.phase == "decode" else "mixed" if batch.decode_rows else "prefill",
+                               time.perf_counter() - t0, batch.num_tokens)
         return batch.num_tokens
 
     def _sample_rows(self, batch, out, a: int, b: int) -> None:

@@ -75,6 +75,11 @@ class EngineStats:
     step_seconds: dict = field(default_factory=dict)
     step_tokens: dict = field(default_factory=dict)
 
+    def count_step(self, kind: str, seconds: float, tokens: int) -> None:
+        self.step_counts[kind] = self.step_counts.get(kind, 0) + 1
+        self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
+        self.step_tokens[kind] = self.step_tokens.get(kind, 0) + tokens
+
     @property
     def kv_usage(self) -> float:
         return self.pages_used / self.pages_total if self.pages_total else 0.0

@@ -346,3 +346,31 @@ def test_warmup_captures_every_decode_graph_bucket(loaded):
         assert _capture_graphs(e) == 0 and e.runner.graphs is None
     finally:
         e.shutdown()
+
+
+def test_server_shortens_the_gil_switch_interval_while_it_runs(loaded, monkeypatch):
+    """The server sets the interpreter's switch interval (runtime/server.py ``gil_switch_s``: 0.5 ms, or
+    KVBENCH_GIL_SWITCH_MS) while it runs and restores it after; ``off`` leaves it; a bad value is refused."""
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    from kvbench.runtime import create_app
+    from kvbench.runtime.server import gil_switch_s
+
+    before = sys.getswitchinterval()
+    assert gil_switch_s() == pytest.approx(0.0005)
+    e = _engine(loaded, False)
+    try:
+        for env, inside in (("", 0.0005), ("2", 0.002), ("off", before)):
+            monkeypatch.setenv("KVBENCH_GIL_SWITCH_MS", env)
+            with TestClient(create_app(e)) as client:
+                assert client.get("/health").status_code == 200
+                assert sys.getswitchinterval() == pytest.approx(inside)
+            assert sys.getswitchinterval() == pytest.approx(before)
+        for bad in ("fast", "0", "-1"):
+            monkeypatch.setenv("KVBENCH_GIL_SWITCH_MS", bad)
+            with pytest.raises(ValueError, match="KVBENCH_GIL_SWITCH_MS must be"):
+                gil_switch_s()
+    finally:
+        e.shutdown()
