@@ -55,7 +55,18 @@ class Tokenizer:
         return _bound_or_none(byte_level_token_bound, self._definition())
 
     def _definition(self) -> Optional[dict]:
-        """The tokenizer.json definition of the Rust tokenizer behind this one (None if there is none)."""
+        """The tokenizer.json definition of the Rust tokenizer behind this one (None if there is none), parsed
+        once for the byte bound and the byte pieces (both built as an engine starts) and let go when both are
+        built: it is large (a 150k vocabulary with its merges)."""
+        d = self.__dict__
+        if "_definition_kept" not in d:
+            d["_definition_kept"] = self._parse_definition()
+        spec = d["_definition_kept"]
+        if "_byte_bound" in d or "byte_pieces" in d:  # the second of the two: neither asks again
+            del d["_definition_kept"]
+        return spec
+
+    def _parse_definition(self) -> Optional[dict]:
         backend = getattr(self._tok, "backend_tokenizer", None)
         if backend is None:
             return None

@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 __all__ = ["TargetError", "free_port", "wait_healthy", "spawn_logged", "reap_stale", "kill_group"]
 
@@ -46,14 +46,19 @@ def _get(url: str, timeout: float = 5.0):
 
 
 def wait_healthy(url: str, timeout_s: float, proc: Optional[subprocess.Popen] = None,
-                 log_path: Optional[Path] = None, interval_s: float = 0.25) -> float:
-    """Poll ``url`` until it answers 200; fail early if ``proc`` exits.  Returns the seconds waited."""
+                 log_path: Optional[Path] = None, interval_s: float = 0.25,
+                 alive: Optional[Callable[[], bool]] = None) -> float:
+    """Poll ``url`` until it answers 200; fail early if ``proc`` exits or ``alive()`` turns false (an in-process
+    server's thread).  Returns the seconds waited."""
     t0 = time.monotonic()
     last = "no answer yet"
     while True:
         if proc is not None and proc.poll() is not None:
             raise TargetError(f"server exited with code {proc.returncode} before {url} answered{_cause(log_path)}"
                               + _tail(log_path))
+        if alive is not None and not alive():
+            raise TargetError(f"the server stopped before {url} answered: its start-up failed (the error is logged "
+                              "above it)")
         try:
             r = _get(url, timeout=min(5.0, max(timeout_s, 0.5)))
             if r.status_code == 200:

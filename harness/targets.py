@@ -77,11 +77,18 @@ def _in_process_server(engine, host: str = "127.0.0.1") -> Iterator[str]:
 
     port = free_port(host)
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="kvbench-cell-server", daemon=True)
+    def run() -> None:
+        try:
+            server.run()
+        except SystemExit:  # uvicorn exits its start-up failures (the app's lifespan raised; logged by it)
+            pass
+
+    thread = threading.Thread(target=run, name="kvbench-cell-server", daemon=True)
     thread.start()
     url = f"http://{host}:{port}"
     try:
-        wait_healthy(f"{url}/health", timeout_s=300.0)  # (a GPU engine warms up its kernels first)
+        # a GPU engine warms up its kernels first; a start-up that fails ends the thread, and the wait with it
+        wait_healthy(f"{url}/health", timeout_s=300.0, alive=thread.is_alive)
         yield url
     finally:
         server.should_exit = True

@@ -66,3 +66,15 @@ def test_no_fast_path_where_joining_bytes_is_not_decode():
     assert build(decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])).byte_pieces is None
     wordlevel = RustTokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
     assert Tokenizer(PreTrainedTokenizerFast(tokenizer_object=wordlevel)).byte_pieces is None
+
+
+def test_tokenizer_definition_is_parsed_once_for_both_byte_tables(smol, monkeypatch):
+    """The byte bound and the byte pieces (both built as an engine starts) read the tokenizer.json definition:
+    parsed once for the two, then let go."""
+    tok = Tokenizer(smol._tok)
+    calls = []
+    real = Tokenizer._parse_definition
+    monkeypatch.setattr(Tokenizer, "_parse_definition", lambda self: calls.append(1) or real(self))
+    assert tok.byte_pieces is not None and tok._byte_bound is not None
+    assert calls == [1] and "_definition_kept" not in tok.__dict__
+    assert tok.byte_pieces == smol.byte_pieces

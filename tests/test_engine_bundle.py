@@ -54,6 +54,8 @@ def bundle(tmp_path):
     make_wheel(cache, "toyengine", "1.2.0", {
         "toyengine/__init__.py": "__version__ = '1.2.0'\nfrom toyhelper import helper\n",
         "toyengine/cli.py": "import sys\ndef main():\n    print('toyengine', sys.argv[1:])\nif __name__ == '__main__':\n    main()\n",
+        # an optional package probed by name, as servers probe for one called `kernels`
+        "toyengine/probe.py": "import importlib.util\nif importlib.util.find_spec('kernels'):\n    import kernels\n",
         "toyengine/big_unused/blob.txt": "x" * 5000,
     }, requires=["toyhelper>=0.1", "torch==2.11.0", "notbundled", "winonly; sys_platform == 'win32'",
                  "docs-only; extra == 'docs'"])
@@ -66,7 +68,7 @@ platforms = ["manylinux_2_28_x86_64"]
 target_has = ["torch==2.11.0"]
 wheels = ["toyengine==1.2.0", "toyhelper==0.3.0"]
 trim = ["toyengine/big_unused", "*.dist-info/RECORD"]
-imports = ["toyengine", "toyengine.cli"]
+imports = ["toyengine", "toyengine.cli", "toyengine.probe"]
 console_scripts = {{ toyengine = "toyengine.cli" }}
 [environment]
 TOY_CACHE = "{{dest}}/cache"
@@ -105,9 +107,14 @@ def test_unpack_verifies_reassembles_and_writes_launchers(bundle):
     res = subprocess.run([str(launcher), "serve", "--port", "1"], capture_output=True, text=True,
                          env={"PYTHONPATH": str(dest / "site"), "PATH": "/usr/bin:/bin"})
     assert res.stdout.strip() == "toyengine ['serve', '--port', '1']"
-    v = run("verify", dest)
+    # verify run from a kvbench checkout, whose top-level `kernels/` a probe would import from the working directory
+    checkout = bundle["tmp"] / "checkout"
+    (checkout / "kernels").mkdir(parents=True)
+    # (on the GPU machine, where kvbench is not installed, its first line fails so)
+    (checkout / "kernels" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'kvbench'\")\n")
+    v = run("verify", dest, cwd=checkout)
     # imports pass; the target lacks torch 2.11.0 here unless it has exactly that version: verify says so
-    assert "import toyengine" not in v.stdout
+    assert "import toyengine" not in v.stdout and "kvbench" not in v.stdout, v.stdout
     assert ("target package torch==2.11.0" in v.stdout) == (v.returncode == 1)
 
 

@@ -182,3 +182,32 @@ def test_kvbench_serve_through_a_launch_template(tmp_path):
     text = log.read_text()
     assert "--kv-dtype fp8_e4m3" in text.splitlines()[0]  # the rendered command heads the log
     assert "KV cache:" in text  # the server's own start-up output was captured
+
+
+def test_in_process_server_whose_start_fails_stops_the_wait_at_once():
+    """A sweep's in-process server (a GPU engine warms up at its start): a start-up that raises ends the server
+    thread, and the health wait fails then with a clear error, not after its 300 s."""
+    from kvbench.harness.targets import _in_process_server
+    from kvbench.runtime.engine_api import CapacityReport
+
+    class Tok:
+        eos_token_ids, vocab_size = [0], 10
+
+    class Broken:
+        model_id, tokenizer, max_model_len = "m", Tok(), 64
+        capacity = CapacityReport("bf16", 16, 4, 64, 2.0, 128, 64, 1)
+
+        def prepare_to_serve(self):
+            raise RuntimeError("warm-up failed on purpose")
+
+        def start(self):
+            pass
+
+        def shutdown(self):
+            pass
+
+    t0 = time.monotonic()
+    with pytest.raises(TargetError, match="stopped before .* answered: its start-up failed"):
+        with _in_process_server(Broken()):
+            pass
+    assert time.monotonic() - t0 < 30

@@ -308,7 +308,10 @@ def cmd_verify(args) -> int:
     manifest = json.loads((dest / "bundle.json").read_text())
     env = dict(os.environ, **environment(dest, manifest))
     code = VERIFY_CODE % {"imports": manifest.get("imports", []), "target_has": manifest.get("target_has", [])}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    # from the bundle's folder: run from a kvbench checkout, `-c` would put its top-level folders (kernels/,
+    # core/, tools/, ...) on the path as packages of those names, and whatever probes for such a package
+    # imports them ("No module named 'kvbench'" from vllm.entrypoints.openai.api_server)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=dest)
     try:
         info = json.loads(r.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):

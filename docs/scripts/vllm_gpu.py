@@ -230,7 +230,9 @@ def spawn(cmd: list[str], env: dict, logfile: Path, port: int) -> subprocess.Pop
     f = open(logfile, "w")
     f.write("$ " + " ".join(cmd) + "\n")
     f.flush()
-    proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    # run from WORK, not the checkout: its top-level folders (kernels/, core/, tools/, ...) would be importable
+    # from the working directory as packages of those names by anything the server probes for
+    proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=WORK)
     (WORK / "pids").mkdir(parents=True, exist_ok=True)
     (WORK / "pids" / f"{port}").write_text(str(proc.pid))
     return proc
