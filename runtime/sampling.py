@@ -72,11 +72,15 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow], top_n: Sequence[int] = ()) -> SampleOutput:
     """``logits`` float32 ``[N, V]``; ``top_n[i]`` = how many top logprobs row i wants (0 = none).
 
-    The host waits on the device a fixed number of times per call, not once per row: the argmax of every row,
-    then the chosen tokens' log-probs in one gather, then one top-k per distinct ``top_n``.  Only rows that
+    The host waits on the device a fixed number of times per call, not once per row: the argmax of every row
+    with its log-prob (all a step of greedy rows needs), then, where a row took another token, the chosen tokens'
+    log-probs in one gather, then one top-k per distinct ``top_n``.  Only rows that
     draw (temperature > 0) or mask ids (``banned``) are handled one by one."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    argmax = logp.argmax(dim=-1).tolist()
+    best, best_at = logp.max(dim=-1)
+    # one copy to the host for both (float64 holds every id and every float32 log-prob exactly)
+    host = torch.stack((best_at.double(), best.double())).tolist() if logp.shape[0] else [[], []]
+    argmax, best_lp = [int(a) for a in host[0]], host[1]
     n = len(rows)
     toks = list(argmax)
     for i, r in enumerate(rows):
@@ -93,7 +97,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], top_n: Sequence[int]
                 probs = torch.softmax(_filter(row, r.params), dim=-1)
                 toks[i] = int(torch.multinomial(probs, 1, generator=r.generator))
     out = SampleOutput(toks, [], [None] * n, [None] * n, [t == a for t, a in zip(toks, argmax)], logp)
-    if n:
+    if all(out.greedy):  # every row took its argmax (greedy rows, and draws that landed there): no gather
+        out.logprobs = list(best_lp)
+    elif n:
         chosen = torch.tensor(toks, dtype=torch.int64).to(logp.device, non_blocking=True)
         out.logprobs = logp.gather(1, chosen[:, None]).squeeze(1).tolist()
     by_n: dict[int, list[int]] = {}
