@@ -144,3 +144,26 @@ def test_config_rejects_bad_values(kw):
 def test_parse_prometheus_sums_labels():
     text = "# HELP x y\nvllm:num_requests_running{model_name=\"a\"} 3\nvllm:num_requests_running{model_name=\"b\"} 2\nfoo 1.5\nbad line x\n"
     assert parse_prometheus(text) == {"vllm:num_requests_running": 5.0, "foo": 1.5}
+
+
+def test_replicas_step_times_add_up_per_kind():
+    """Data-parallel replicas (harness/loadgen/replicas.py): each replica's engine step counters added per kind,
+    ms per step recomputed from the sums, the busy fraction their mean; replicas without them are left out."""
+    from kvbench.harness.loadgen.replicas import combine_server_metrics
+
+    def one(pre_n, pre_s, dec_n, dec_s, busy):
+        return {"available": True, "samples": 3, "interval_s": 0.5, "preemptions": 0, "kernel_compiles": 0,
+                "engine_steps": {"prefill": {"steps": pre_n, "seconds": pre_s, "tokens": 100 * pre_n,
+                                             "ms_per_step": 1000 * pre_s / pre_n},
+                                 "decode": {"steps": dec_n, "seconds": dec_s, "tokens": 8 * dec_n,
+                                            "ms_per_step": 1000 * dec_s / dec_n},
+                                 "window_s": 4.0, "busy_fraction": busy}}
+
+    vllm_like = {"available": True, "samples": 3, "interval_s": 0.5, "preemptions": 1, "engine_steps": None}
+    out = combine_server_metrics([one(2, 1.0, 100, 1.0, 0.5), one(4, 1.0, 300, 2.0, 0.75), vllm_like],
+                                 ["a", "b", "c"], concurrent=True)
+    es = out["engine_steps"]
+    assert es["prefill"] == {"steps": 6, "seconds": 2.0, "tokens": 600, "ms_per_step": pytest.approx(2000 / 6)}
+    assert es["decode"]["steps"] == 400 and es["decode"]["ms_per_step"] == pytest.approx(7.5)
+    assert es["busy_fraction"] == pytest.approx(0.625) and "mixed" not in es
+    assert combine_server_metrics([vllm_like], ["c"], concurrent=True)["engine_steps"] is None
