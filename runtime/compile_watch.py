@@ -80,15 +80,20 @@ class CompileWatch:
             seen.append(spec)
         return text
 
+    @classmethod
+    def _compile_id(cls, kw: dict) -> str:
+        """One compile's key, the same in both hooks: the kernel and its specialization key (the hook's text
+        alone, ``(Q: ()``, is the same for every variant of a kernel)."""
+        return f"{cls._kernel(kw)}|{kw.get('key')!r}"
+
     def before(self, **kw) -> bool:
         with self._lock:
-            self._started[self._name(kw)] = time.perf_counter()
+            self._started[self._compile_id(kw)] = time.perf_counter()
         return False  # never skips the compile
 
     def after(self, **kw) -> bool:
-        name = self._name(kw)
         with self._lock:
-            took = time.perf_counter() - self._started.pop(name, time.perf_counter())
+            took = time.perf_counter() - self._started.pop(self._compile_id(kw), time.perf_counter())
             what = self._describe(kw)
             if not self.serving:
                 self.during_warmup += 1

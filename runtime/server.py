@@ -26,6 +26,8 @@ passes the bound is counted in the Rust tokenizer without making Python integers
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -93,8 +95,6 @@ def _lifespan(engine, lanes: PrepLanes, own_engine: bool):
 
     @asynccontextmanager
     async def lifespan(_app):
-        import sys
-
         prev_switch, switch = sys.getswitchinterval(), gil_switch_s()
         if switch is not None:
             sys.setswitchinterval(switch)
@@ -123,8 +123,6 @@ def gil_switch_s() -> Optional[float]:
     Python's 5 ms default let a busy loop delay a step by up to that; on an H200 at 64 streams of a Llama-3-8B
     shape, 0.5 ms cut the max inter-token gap from 208-226 to 82-92 ms and TPOT by 4% (docs/performance.md).
     ``KVBENCH_GIL_SWITCH_MS``: milliseconds, or ``off`` for Python's default; None: leave it."""
-    import os
-
     raw = os.environ.get("KVBENCH_GIL_SWITCH_MS", "").strip().lower()
     if raw in ("off", "default", "none"):
         return None

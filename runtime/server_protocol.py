@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from kvbench.runtime.engine_api import SamplingParams
+from kvbench.runtime.engine_api import STEP_KINDS, SamplingParams
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -351,7 +351,7 @@ def prometheus_text(stats, model_id: str) -> str:
         ("kernel_compile_seconds_total", "counter", "Seconds spent compiling kernels while serving",
          getattr(stats, "kernel_compile_s", None)),
     ]
-    for k in ("prefill", "mixed", "decode"):  # engine_api.STEP_KINDS: where the step loop's time went
+    for k in STEP_KINDS:  # where the step loop's time went
         if k in (getattr(stats, "step_counts", None) or {}):
             rows += [(f"engine_{k}_steps_total", "counter", f"Engine {k} steps run", stats.step_counts[k]),
                      (f"engine_{k}_step_seconds_total", "counter",

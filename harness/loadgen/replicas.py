@@ -44,6 +44,7 @@ from kvbench.core import combine_machine, summarize
 from kvbench.harness.loadgen.run import (LoadConfig, _lag_monitor, dispatch, _summary, _warm_up, jsonable, run_load, run_measured,
                                          server_root)
 from kvbench.harness.replica_set import ReplicaURL, check_same_model, replica_mode, replica_urls
+from kvbench.runtime.engine_api import STEP_KINDS
 
 __all__ = ["run_replicas", "combine_server_metrics"]
 
@@ -224,7 +225,7 @@ def _sum_engine_steps(rows: list) -> Optional[dict]:
     if not rows:
         return None
     out: dict = {}
-    for kind in ("prefill", "mixed", "decode"):
+    for kind in STEP_KINDS:
         got = [r[kind] for r in rows if kind in r]
         if got:
             k = {f: sum(g.get(f, 0) for g in got) for f in ("steps", "seconds", "tokens")}

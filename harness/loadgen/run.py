@@ -23,6 +23,7 @@ from typing import Optional
 from kvbench.harness.loadgen.datasets import DATASETS, LoadItem, custom_items, random_items, sharegpt_items
 from kvbench.harness.loadgen.machine import MachineProbe
 from kvbench.core import describe_ms, summarize, tpot_of
+from kvbench.runtime.engine_api import STEP_KINDS
 
 APIS = ("completions", "chat")
 
@@ -360,7 +361,7 @@ def format_block(summary: dict) -> str:
         es = sm.get("engine_steps") or {}
         if es:
             row("Engine busy (fraction of the run):", es.get("busy_fraction"), ".3f")
-            for kind in ("prefill", "mixed", "decode"):
+            for kind in STEP_KINDS:
                 if kind in es:
                     k = es[kind]
                     row(f"{kind.capitalize()} steps (n, ms each, tok each):",

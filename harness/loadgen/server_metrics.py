@@ -25,6 +25,8 @@ import asyncio
 import time
 from typing import Optional
 
+from kvbench.runtime.engine_api import STEP_KINDS
+
 RUNNING = ("kvbench_num_requests_running", "vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("kvbench_num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("kvbench_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
@@ -34,7 +36,6 @@ PREEMPTIONS = ("kvbench_preemptions_total", "vllm:num_preemptions_total", "sglan
 COMPILES = ("kvbench_kernel_compiles_total",)
 COMPILE_S = ("kvbench_kernel_compile_seconds_total",)
 _RATIOS = frozenset(KV_USAGE)
-STEP_KINDS = ("prefill", "mixed", "decode")
 _STEP_FIELDS = (("steps", "steps_total"), ("seconds", "step_seconds_total"), ("tokens", "step_tokens_total"))
 
 
