@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # EngineConfig fields that change how a run is scheduled or sized, not what logits a request gets
 LOGITS_NEUTRAL = frozenset({
     "model",  # replaced by the model's identity
-    "max_running", "max_num_batched_tokens", "mixed_prefill", "kv_budget_gb", "mem_fraction", "max_model_len",
+    "max_running", "max_num_batched_tokens", "mixed_prefill", "overlap_schedule", "kv_budget_gb", "mem_fraction", "max_model_len",
     "enforce_eager", "served_model_name", "seed",  # the seed of a synthetic model is in its identity
     "device", "dtype",  # replaced by the resolved device type and compute dtype
 })

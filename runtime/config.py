@@ -156,6 +156,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # chunked-prefill token budget per step
     # decode rows ride in prefill steps (one token each, decode semantics) instead of waiting for them
     mixed_prefill: bool = False
+    # launch each step before the last one's tokens reach the host (greedy steps; runtime/step_outputs.py)
+    overlap_schedule: bool = True
     max_model_len: Optional[int] = None  # None = the model's own context length
     device: Optional[str] = None  # None = cuda if available else cpu
     dtype: Optional[str] = None  # None = float32 on CPU, bfloat16 on GPU
@@ -194,7 +196,7 @@ class EngineConfig:
                 setattr(self, name, opt.engine_value(opt.parse(value)))
             except ValueError as e:
                 raise ConfigError(f"{name}: {e}", name) from None
-        for name in ("enforce_eager", "mixed_prefill"):
+        for name in ("enforce_eager", "mixed_prefill", "overlap_schedule"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}", name)
         for name, optional in (("page_size", False), ("max_running", False), ("max_num_batched_tokens", False),

@@ -32,9 +32,10 @@ from kvbench.runtime.config import EngineConfig
 from kvbench.runtime.engine_api import CapacityReport, EngineStats, RequestOutput, StreamDelta
 from kvbench.runtime.models.engine_setup import build_engine_parts, engine_device
 from kvbench.runtime.models.outputs import OutputProcessor
-from kvbench.runtime.sampling import MAX_REQUEST_LOGPROBS, MAX_SCORE_LOGPROBS, SampleRow, sample, validate_params
+from kvbench.runtime.sampling import MAX_REQUEST_LOGPROBS, MAX_SCORE_LOGPROBS, validate_params
 from kvbench.runtime.scheduler import Scheduler, SeqKind, SeqStatus, Sequence as Seq
 from kvbench.runtime.scoring import SCORE_MODES, TokenScoreRequest, score_result
+from kvbench.runtime.step_outputs import StepOutputs
 from kvbench.runtime.warmup import prepare_to_serve
 
 __all__ = ["Engine", "SCORE_MODES", "LOGIT_ROWS", "TokenScoreRequest"]
@@ -71,6 +72,7 @@ class Engine:
                                    scratch_page=self.cache.scratch_page,
                                    group_windows=list(groups.windows) if groups else None, mixed=self.config.mixed_prefill)
         self.out = OutputProcessor(self.tokenizer)
+        self.rows = StepOutputs(self)  # sampled rows: recorded at once, text and deltas one step later
         self._inbox: list = []
         self._inbox_lock = threading.Lock()
         self._wake = threading.Condition(self._inbox_lock)
@@ -115,7 +117,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stop and not self._inbox and not self.scheduler.has_work():
+                while not self._stop and not self._inbox and not self.scheduler.has_work() and not self.rows.pending \
+                        and self.rows.inflight is None:
                     self._wake.wait(timeout=0.5)
                 if self._stop:
                     break
@@ -123,8 +126,16 @@ class Engine:
                 self.step()
             except Exception as e:  # fail every live request, keep the engine usable
                 log.exception("engine step failed")
+                error = f"{type(e).__name__}: {e}"
+                try:  # rows sampled before the failure still go out (a finished request keeps its answer)
+                    self.rows.resolve()
+                    self.rows.emit()
+                except Exception:
+                    self.rows.inflight = None
+                    log.exception("emitting the recorded rows failed")
+                self.rows.fail(error)
                 for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+                    self._finish(seq, "error", error=error)
 
     # -------------------------------------------------------------------------------- requests
     def add_request(
@@ -217,65 +228,39 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ step
     def step(self) -> int:
-        """Run one scheduler step; returns the number of tokens forwarded (0 = idle)."""
+        """Run one scheduler step; returns the number of tokens forwarded (0 = idle).  The step is launched before
+        the last one's tokens are recorded when that one is in flight (``runtime/step_outputs.py``)."""
         self._drain_inbox()
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        if batch is None and self.rows.inflight is not None:
+            self.rows.resolve()  # its rows may end sequences (and free pages for waiting ones)
+            batch = self.scheduler.schedule()
         if batch is None:
+            self.rows.emit()
             return 0
         out = self.runner.run_rows(batch)
         for k, (seq, q) in enumerate(zip(batch.seqs, batch.q_lens)):
             seq.num_cached += q
             if batch.phase == "prefill" and k >= batch.decode_rows:
                 self._stats.prompt_tokens += q
-        if out is not None:
+        self.rows.resolve()  # the last step's tokens, while the device runs this one
+        self.rows.emit()  # and their text and deltas
+        if out is not None and not self.rows.launch(batch, out, LOGIT_ROWS):
             n = len(out.seq_idx)
             for a in range(0, n, LOGIT_ROWS):
-                self._sample_rows(batch, out, a, min(n, a + LOGIT_ROWS))
+                self.rows.sample(batch, out, a, min(n, a + LOGIT_ROWS))
         self._stats.count_step("decode" if batch.phase == "decode" else "mixed" if batch.decode_rows else "prefill",
                                time.perf_counter() - t0, batch.num_tokens)
         return batch.num_tokens
 
-    def _sample_rows(self, batch, out, a: int, b: int) -> None:
-        """Sample (or, for scoring, force) rows ``a:b`` of a step's output and hand them to the requests."""
-        logits = self.runner.model.logits(out.hidden[a:b])
-        rows, top_n = [], []
-        for j in range(a, b):
-            seq = batch.seqs[out.seq_idx[j]]
-            p, sc = seq.params, seq.scoring
-            banned = ()
-            if sc is None and len(seq.output_ids) < p.min_tokens:
-                banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.tokenizer.eos_token_ids))
-            tok = None if sc is None else sc.forced[sc.row_index(seq, out.positions[j])]
-            rows.append(SampleRow(p, seq.state.get("generator"), banned, tok))
-            top_n.append(p.logprobs or 0)
-        res = sample(logits, rows, top_n)
-        now = time.monotonic()
-        for jj, j in enumerate(range(a, b)):
-            seq = batch.seqs[out.seq_idx[j]]
-            if seq.status == SeqStatus.FINISHED:
-                continue
-            sc, t = seq.scoring, len(seq.state["logprobs"])
-            if seq.kind is SeqKind.SCORE_PREFILL and sc.row_index(seq, out.positions[j]) < t:
-                continue  # recomputed after a preemption: this row was scored before
-            if sc is not None:
-                sc.keep_row(t, res.logp[jj])
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self._stats.generation_tokens += 1
-            if seq.kind is SeqKind.SCORE_PREFILL:
-                reason = self.out.record_scored(seq, res.token_ids[jj], res.logprobs[jj], res.top_ids[jj], res.top_logprobs[jj], res.greedy[jj])
-                if reason is not None:
-                    self._finish(seq, reason)
-                continue
-            reason, delta = self.out.append(seq, res.token_ids[jj], res.logprobs[jj], res.top_ids[jj], res.top_logprobs[jj], res.greedy[jj])
-            if reason is not None:
-                self._finish(seq, reason, last=delta)
-            elif seq.on_delta is not None and delta is not None:
-                seq.on_delta(delta)
-
     def _finish(self, seq: Seq, reason: str, last: Optional[StreamDelta] = None, error: Optional[str] = None) -> None:
         self.scheduler.finish(seq, reason)
+        seq.finish_reason = reason  # a stop string found after "length" ended it (step_outputs.py)
+        seq.state["closed"] = True
+        ids = seq.output_ids
+        while ids and ids[-1] < 0:  # the placeholder of a row in flight (step_outputs.py): never an output
+            ids.pop()
         with self._inbox_lock:
             self._seqs.pop(seq.request_id, None)
         if reason == "abort":

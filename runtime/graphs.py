@@ -30,6 +30,14 @@ entries of a sliding list's pages below the window by the scratch page *in place
 dead count growing).  So a row holding the same list rewrites its entries from the old dead count to the new
 one and its new pages; any other list (a new one after preemption, another sequence) rewrites the whole row.
 
+Fed ids (steps launched ahead, ``EngineConfig.overlap_schedule``, ``runtime/step_outputs.py``): a step may be
+launched before the previous step's tokens reach the host; its rows then take their input id from ``fed``, where
+the previous step's sampling wrote its tokens on the device.  The graph reads its ids through one gather,
+``flat[src]`` over the device buffer seen as int64: ``src[i]`` is ``i`` (the staged id) or ``fed``'s offset plus
+the previous step's row (``StepInputs.feed``).  ``fed`` lies after the tables, so no staging copy overwrites it.
+With steps launched ahead the staging copy runs before each replay (``copy_outside``): the host buffer is free
+again once that copy ran, while the step before may still be running.
+
 The decode backend must be capturable (``graph_safe = True``: no host syncs in ``plan``/``forward``);
 otherwise the engine runs decode eagerly.
 """
@@ -39,6 +47,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvbench.runtime.attention.base import AttentionMetadata
@@ -84,8 +93,10 @@ class DecodeGraphs:
         # every input is a view of one buffer, on the host (pinned staging) and on the device, so a step
         # is one copy: ids, positions, slots [G, B] (int64), seq_lens (int32, padded to 8 bytes), then the
         # page tables [B, G, P] int32 last, so the rows of a bucket of bs sequences end the prefix a step copies
+        # then ``src`` (int64, before the tables: staged) and ``fed`` (after them: never copied, module doc "Fed ids")
         fields = (("ids", torch.int64, B), ("pos", torch.int64, B), ("slots", torch.int64, G * B),
-                  ("lens", torch.int32, B + (B & 1)), ("table", torch.int32, B * G * P))
+                  ("lens", torch.int32, B + (B & 1)), ("src", torch.int64, B), ("table", torch.int32, B * G * P + (B * G * P & 1)),
+                  ("fed", torch.int64, B))
         off, self._off = 0, {}
         for name, dt, n in fields:
             self._off[name] = (off, dt, n)
@@ -98,20 +109,26 @@ class DecodeGraphs:
         h, d = self._views(self._h_buf), self._views(self._d_buf)
         self.ids, self.pos, self.seq_lens = d["ids"], d["pos"], d["lens"][:B]
         self.group_slots = d["slots"].view(G, B)  # [G, B]: row k is group k's slot mapping
-        self.tables = d["table"].view(B, G, P)  # [B, G, P]: tables[:, k] is group k's page table
+        self.tables = d["table"][: B * G * P].view(B, G, P)  # [B, G, P]: tables[:, k] is group k's page table
+        self.src, self.fed = d["src"], d["fed"]
+        self._flat = self._d_buf.view(torch.int64)  # ids are its first B entries, fed its last B
+        self._fed_at = self._off["fed"][0] // 8
         self.slots, self.table = self.group_slots[0], self.tables[:, 0]  # group 0's (the only one without groups)
         self.cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
-        self._np = {k: h[k].numpy() for k in ("ids", "pos", "slots", "lens", "table")}
+        self._np = {k: h[k].numpy() for k in ("ids", "pos", "slots", "lens", "src", "table")}
         self._np["lens"] = self._np["lens"][:B]
         self._np["slots"] = self._np["slots"].reshape(G, B)
-        self._np["table"] = self._np["table"].reshape(B, G, P)
+        self._np["table"] = self._np["table"][: B * G * P].reshape(B, G, P)
         for k, v in self.pad.items():
             self._np[k][...] = v
+        self._iota = np.arange(B, dtype=np.int64)  # a row's own id: src's value where no fed id replaces it
+        self._np["src"][...] = self._iota
         self._d_buf.copy_(self._h_buf)
         # per group and staging row: (page list last written, pages written, leading scratch entries then)
         self._rows: list = [[(None, 0, 0)] * B for _ in range(G)]
         self._live = 0  # staging rows 0 .. _live-1 may hold a sequence; the rest hold the padding
         self.copy_in_graph: dict[int, bool] = {}  # per bucket: its graph copies the staged inputs itself
+        self.copy_outside = False  # copy before each replay (set before any capture: steps launched ahead)
         self._copied = None  # event after the last step's replay (its copy out of the staging buffer done)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -134,6 +151,10 @@ class DecodeGraphs:
             raise ValueError(f"the step has {len(inp.group_slots) + 1} layer groups' slots, the graphs stage {G}")
         h = self._np
         h["ids"][:n] = inp.ids
+        src = h["src"]
+        src[:n] = self._iota[:n]
+        for row, j in inp.feed:  # the id the previous step sampled on the device, ``fed[j]``
+            src[row] = self._fed_at + j
         h["pos"][:n] = inp.pos
         slots = h["slots"]
         slots[0, :n] = inp.slots
@@ -163,6 +184,7 @@ class DecodeGraphs:
             live = self._live
             for k in ("ids", "pos", "lens", "table"):
                 h[k][n:live] = self.pad[k]
+            src[n:live] = self._iota[n:live]
             slots[:, n:live] = self.pad["slots"]
             for rows in self._rows:
                 rows[n:live] = [(None, 0, 0)] * (live - n)
@@ -185,7 +207,7 @@ class DecodeGraphs:
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         r = self.runner
         r.backend.plan(meta, r.cache)
-        return r.model(self.ids[:bs], r.backend, r.cache, meta)
+        return r.model(self._flat[self.src[:bs]], r.backend, r.cache, meta)  # staged ids, or fed ones
 
     @torch.inference_mode()
     def capture(self, bs: int) -> None:
@@ -198,7 +220,7 @@ class DecodeGraphs:
                 self._forward(bs, meta)
         torch.cuda.current_stream().wait_stream(side)
         h, d = self._prefix(bs)
-        for inside in (True, False):  # the inputs' copy as the graph's first node; else before each replay
+        for inside in ((False,) if self.copy_outside else (True, False)):  # the inputs' copy as the graph's first node; else before each replay
             g = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(g, pool=self.pool):
@@ -225,6 +247,7 @@ class DecodeGraphs:
         """Device rows ``start ..`` to the padding (before a capture, whose warm-up runs on them)."""
         for name, t in (("pos", self.pos), ("ids", self.ids), ("lens", self.seq_lens), ("table", self.tables)):
             t[start:].fill_(self.pad[name])
+        self.src[start:].copy_(torch.from_numpy(self._iota[start:]))
         self.group_slots[:, start:].fill_(self.pad["slots"])
 
     @torch.inference_mode()
@@ -241,11 +264,13 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()
         self.stage(inp)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
         if not self.copy_in_graph[bs]:
             h, d = self._prefix(bs)
             d.copy_(h, non_blocking=True)
+            self._copied.record()  # the staging buffer is free once this copy ran (not the whole step)
         self.graphs[bs].replay()
-        if self._copied is None:
-            self._copied = torch.cuda.Event()
-        self._copied.record()  # one event, recorded again each step: synchronize() waits for the latest record
+        if self.copy_in_graph[bs]:
+            self._copied.record()  # one event, recorded again each step: synchronize() waits for the latest record
         return self.outputs[bs][:n]

@@ -78,7 +78,7 @@ def _reference(loaded, kv):
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3", "nvfp4"])
 def test_cuda_graph_decode_matches_eager(loaded, kv):
-    graphs = _engine(loaded, kv, "triton", "triton", eager=False)
+    graphs = _engine(loaded, kv, "triton", "triton", eager=False, overlap_schedule=False)  # the copy in the graph
     eager = _engine(loaded, kv, "triton", "triton", eager=True)
     try:
         g, e = _score(graphs), _score(eager)
@@ -159,6 +159,45 @@ def _score_in_mixed_steps(e):
     while e.step():
         pass
     return score_result(req, e.out.request_output(seq, last["d"]), seq), carried[0]
+
+
+def _greedy_run(e, params):
+    """``PROMPTS`` with ``params`` through ``step()`` on this thread: each request's (tokens, log-probs) and in how
+    many steps a step was left in flight."""
+    got: dict = {}
+    for k, (ids, p) in enumerate(zip(PROMPTS * 2, params)):
+        e.add_request(ids, p, request_id=f"r{k}", on_delta=lambda d: got.setdefault(d.request_id, []).append(d))
+    flights = 0
+    while e.step():
+        flights += e.rows.inflight is not None
+    assert e.cache.allocator.num_used == 0 and e.rows.inflight is None
+    return {r: ([t for d in ds for t in d.token_ids], [x for d in ds for x in d.logprobs]) for r, ds in got.items()}, flights
+
+
+@pytest.mark.parametrize("kv,eager", [("bf16", False), ("fp8_e4m3", False), ("nvfp4", False), ("fp8_e4m3", True)])
+def test_steps_launched_ahead_match_steps_waited_for(loaded, kv, eager):
+    """``overlap_schedule`` on the GPU (CUDA graphs reading their ids from the device, the copy before each replay;
+    or eager steps with the ids fixed up on the device): the same tokens and log-probs, bit for bit, as steps whose
+    tokens the host waited for; a stop id seen one step late ends its request at the same token."""
+    on = _engine(loaded, kv, "triton", "triton", eager=eager, overlap_schedule=True)
+    off = _engine(loaded, kv, "triton", "triton", eager=eager, overlap_schedule=False)
+    try:
+        p = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=0) for m in (16, 9, 5, 30, 12, 1)]
+        a, fa = _greedy_run(on, p)
+        b, fb = _greedy_run(off, p)
+        assert fa > 10 and fb == 0, (fa, fb)
+        assert a == b
+        if not eager:
+            dg = on.runner.graphs
+            assert dg is not None and dg.graphs and not any(dg.copy_in_graph.values()), dg.copy_in_graph
+        stop = a["r3"][0][7]  # a stop id: the request ends there, its next row (already launched) dropped
+        p[3] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=0, stop_token_ids=[stop])
+        c, _ = _greedy_run(on, p)
+        k = a["r3"][0].index(stop) + 1
+        assert c["r3"][0] == a["r3"][0][:k]
+    finally:
+        on.shutdown()
+        off.shutdown()
 
 
 @pytest.mark.parametrize("kv,pre,dec", [

@@ -119,10 +119,14 @@ def test_staging_views_share_one_buffer():
     table row."""
     g = _graphs()
     base = g._d_buf.data_ptr()
-    for t in (g.ids, g.pos, g.slots, g.seq_lens, g.table):
+    for t in (g.ids, g.pos, g.slots, g.seq_lens, g.src, g.table, g.fed):
         assert base <= t.data_ptr() < base + g._nbytes
-    assert g.table.data_ptr() + g.table.numel() * 4 == base + g._nbytes
-    assert g._table_off + B * g.max_pages * 4 == g._nbytes
+    table_end = g.table.data_ptr() + g.table.numel() * 4
+    assert table_end == base + g._table_off + B * g.max_pages * 4 == base + g._prefix(B)[1].numel()
+    # the fed ids lie after every bucket's prefix (no staging copy overwrites them), the staged src inside it
+    assert g.fed.data_ptr() >= table_end and g.fed.data_ptr() + B * 8 == base + g._nbytes
+    assert g.src.data_ptr() + B * 8 <= base + g._table_off
+    assert g._flat[g._fed_at:].data_ptr() == g.fed.data_ptr() and g._flat[:B].data_ptr() == g.ids.data_ptr()
     g._np["slots"][0, 3] = 77
     g._np["table"][2, 0, 1] = 5
     g._d_buf.copy_(g._h_buf)
@@ -136,7 +140,8 @@ def test_layer_group_views_end_in_the_bucket_prefix():
     cache = SimpleNamespace(page_size=PAGE, scratch_page=SCRATCH, spec=SimpleNamespace(groups=SimpleNamespace(num_groups=G)))
     g = DecodeGraphs(SimpleNamespace(cache=cache, device="cpu"), max_batch=B, max_model_len=MAX_LEN)
     P, base = g.max_pages, g._d_buf.data_ptr()
-    assert g.num_groups == G and g._nbytes == g._table_off + B * G * P * 4
+    table_bytes = B * G * P * 4
+    assert g.num_groups == G and g._nbytes == g._table_off + table_bytes + table_bytes % 8 + B * 8  # then fed ids
     for bs in g.buckets:
         h, d = g._prefix(bs)
         end = base + d.numel()

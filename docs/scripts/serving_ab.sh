@@ -1,5 +1,5 @@
 #!/bin/bash
-# kvbench's engine (before / after a change, plain and with --mixed-prefill) and vLLM under the same load on one
+# kvbench's engine (before / after a change; steps launched ahead or not; with --mixed-prefill) and vLLM under the same load on one
 # GPU (docs/performance.md "Host work per step").  On the GPU machine, from the checkout, after
 # `python3 docs/scripts/vllm_gpu.py setup` (the bundle also brings fastapi/uvicorn for `kvbench serve`):
 #
@@ -8,7 +8,8 @@
 #   ARMS="new mixed vllm" CONC="16 64 256" KV=bf16 bash docs/scripts/serving_ab.sh -   # no old tree
 #
 # SHAPES: input x output lengths (default "1024x128"; "1024x1" times prefill alone, "32x512" mostly decode).
-# ARMS picks the arms (default "old new mixed", plus "vllm" when the second argument is vllm); CONC the
+# ARMS picks the arms (default "old new mixed", plus "vllm" when the second argument is vllm; "plain" is new with
+# --no-overlap-schedule); CONC the
 # concurrency levels (default "64 256"): 4 x the concurrency in requests up to 64 (at least 64), 2 x above (c=64: 256,
 # c=256: 512, as before).  Each engine serves
 # the Llama-3-8B shape (synthetic weights, vocabulary 49,152) with 40 GiB of KV; the load is `kvbench load`,
@@ -30,7 +31,9 @@ load() { # name port concurrency input-len output-len
     --tokenizer none --salt $KV-$3-$4-$5 --out $OUT/res/$tag > $OUT/res/$tag.txt 2>&1
 }
 # SHAPES: input x output lengths per level (default 1024x128); 1024x1 times prefill alone, 32x512 mostly decode
-levels() { for sh in ${SHAPES:-1024x128}; do for c in $CONC; do load $1 $2 $c ${sh%x*} ${sh#*x}; done; done; }
+# CONC_<arm> (e.g. CONC_plain="64") overrides CONC for one arm
+levels() { local cs; eval "cs=\${CONC_$1:-\$CONC}"
+  for sh in ${SHAPES:-1024x128}; do for c in $cs; do load $1 $2 $c ${sh%x*} ${sh#*x}; done; done; }
 kvb() { # name package-root [serve flags...]
   local name=$1 root=$2; shift 2
   PYTHONPATH=$root:$SITE python3 -m kvbench.harness serve --model synthetic:llama-3-8b,vocab=49152 --served-model-name llama8b \
@@ -47,12 +50,13 @@ for arm in $ARMS; do
     old) kvb old /tmp/kvb-old ;;
     new) kvb new $W/kvb ;;
     mixed) kvb mixed $W/kvb --mixed-prefill ;;
+    plain) kvb plain $W/kvb --no-overlap-schedule ;;  # each step waits for the last one's tokens
     vllm)
       v=$([ "$KV" = bf16 ] && echo bf16 || echo fp8); port=$([ "$v" = bf16 ] && echo 8101 || echo 8102)
       python3 docs/scripts/vllm_gpu.py --out $OUT/vllm serve-vllm $v > $OUT/res/$KV-vllm-serve.txt 2>&1
       levels vllm $port
       python3 docs/scripts/vllm_gpu.py stop >/dev/null 2>&1 ;;
-    *) echo "unknown arm $arm (old, new, mixed, vllm)" >&2; exit 2 ;;
+    *) echo "unknown arm $arm (old, new, mixed, plain, vllm)" >&2; exit 2 ;;
   esac
 done
 date -u

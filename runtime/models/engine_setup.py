@@ -175,6 +175,23 @@ def _refuse_head_dim(cfg: EngineConfig, m, mla: bool, device: torch.device, laye
                           f"has head_dim {m.head_dim}: use the torch backend or another kv_dtype", "kv_dtype")
 
 
+def _attach_graphs(runner: ModelRunner, cfg: EngineConfig, backend, device: torch.device, max_len: int) -> None:
+    """Decode CUDA graphs on a GPU (unless eager), and the buffer steps launched ahead read their ids from."""
+    if device.type == "cuda" and not cfg.enforce_eager:
+        from kvbench.runtime.graphs import DecodeGraphs, graph_safe
+
+        if graph_safe(backend):  # with layer groups too: the graphs stage every group's table and slots
+            runner.graphs = DecodeGraphs(runner, max_batch=cfg.max_running, max_model_len=max_len)
+        else:
+            log.warning("decode backend %s is not CUDA-graph capturable; decoding eagerly", cfg.decode_backend)
+    if cfg.overlap_schedule:  # steps launched ahead read the previous step's tokens from here (runtime/step_outputs.py)
+        if runner.graphs is not None:
+            runner.graphs.copy_outside = True
+            runner.fed = runner.graphs.fed
+        else:
+            runner.fed = torch.zeros(cfg.max_running, dtype=torch.int64, device=device)
+
+
 def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, scales: Optional[KVScales] = None) -> EngineParts:
     """``loaded``: reuse an already loaded model (tests, sweeps over KV formats) instead of loading ``cfg.model``;
     ``scales``: use these KV scales instead of the policy's (a diagnosis builds many engines on one calibration)."""
@@ -222,13 +239,7 @@ def build_engine_parts(cfg: EngineConfig, loaded: LoadedModel | None = None, sca
     for layer, qs in zip(loaded.model.attention_layers, q_scales.values):
         layer.q_scale = qs  # set every time: a shared loaded model gets the same values
     runner = ModelRunner(loaded.model, cache, backend, rope, device)
-    if device.type == "cuda" and not cfg.enforce_eager:
-        from kvbench.runtime.graphs import DecodeGraphs, graph_safe
-
-        if graph_safe(backend):  # with layer groups too: the graphs stage every group's table and slots
-            runner.graphs = DecodeGraphs(runner, max_batch=cfg.max_running, max_model_len=max_len)
-        else:
-            log.warning("decode backend %s is not CUDA-graph capturable; decoding eagerly", cfg.decode_backend)
+    _attach_graphs(runner, cfg, backend, device, max_len)
     capacity = CapacityReport(
         kv_dtype=cfg.kv_dtype, page_size=cfg.page_size, num_pages=plan.num_pages, tokens=plan.tokens,
         bytes_per_token=plan.bytes_per_token, kv_bytes=plan.kv_bytes, context_len=max_len,

@@ -40,27 +40,40 @@ class OutputProcessor:
         return min(hits) if hits else None
 
     def append(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps, greedy: bool) -> tuple[Optional[str], StreamDelta]:
+        """``record`` then ``emit``: one sampled token, its finish reason (or None) and its stream delta."""
+        return self.emit(seq, tok, lp, top_ids, top_lps, self.record(seq, tok, lp, top_ids, top_lps, greedy))
+
+    def record(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps, greedy: bool) -> Optional[str]:
+        """Append a sampled token and its log-probs; the reason it ends the sequence, decided by token ids and
+        counts alone: "stop" (a stop id or EOS once ``min_tokens`` are out), "length" (``max_tokens`` or the
+        context; a scoring sequence once its continuation is through), else None.  Stop strings need the text:
+        ``emit`` finds them."""
         p, st = seq.params, seq.state
         seq.output_ids.append(tok)
         st["logprobs"].append(lp)
         st["top_ids"].append(top_ids)
         st["top_lps"].append(top_lps)
         st["greedy"].append(greedy)
-        reason: Optional[str] = None
+        n = len(seq.output_ids)
+        if seq.scoring is not None:
+            return "length" if n >= len(seq.scoring.forced) else None
+        if n >= p.min_tokens and (tok in self.eos and not p.ignore_eos or tok in p.stop_token_ids):
+            return "stop"
+        return "length" if n >= st["max_new"] else None
+
+    def emit(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps, reason: Optional[str]) -> tuple[Optional[str], StreamDelta]:
+        """The text side of a token ``record`` kept (``reason`` is what it returned): detokenization, stop strings
+        (which may end the sequence: "stop") and the stream delta.  Returns the final reason and the delta."""
+        p, st = seq.params, seq.state
         detok: IncrementalDetokenizer = st["detok"]
         if seq.scoring is not None:
-            if len(seq.output_ids) >= len(seq.scoring.forced):
-                reason = "length"
             return reason, self._delta(seq, tok, lp, top_ids, top_lps, "")
-        is_stop_tok = tok in set(p.stop_token_ids) or (not p.ignore_eos and tok in self.eos)
-        if is_stop_tok and len(seq.output_ids) >= p.min_tokens:
-            reason = "stop"
+        if reason == "stop":  # a stop id: its own text is not part of the output
             final = detok.text + detok.flush()
         else:
             detok.add(tok)
             final = None
-            if len(seq.output_ids) >= st["max_new"]:
-                reason = "length"
+            if reason == "length":
                 detok.flush()
             # like stop ids, stop strings only count once min_tokens are out
             cut = self._find_stop(seq, detok.text) if st["stops"] and len(seq.output_ids) >= p.min_tokens else None

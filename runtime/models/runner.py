@@ -42,6 +42,9 @@ class StepInputs:
         self.roundtrip: list[bool] = []
         self.decode_rows = batch.decode_rows if batch.phase == "prefill" else 0  # a mixed step's leading decode rows
         self.group_slots: list[list[int]] = []  # layer groups 1..G-1: each one's slot of every row
+        # (row, j): the row's input id is the token the previous step sampled in its row j, still on the device
+        # (a placeholder ``-(j + 1)`` in ``output_ids``; ``runtime/step_outputs.py``); its staged id is 0
+        self.feed: list[tuple[int, int]] = []
         if _general or batch.phase != "decode" or not self._decode(batch.seqs, page_size):
             self._general(batch, page_size)
             self.max_pages_used = max(len(s.pages) for s in batch.seqs)
@@ -79,6 +82,8 @@ class StepInputs:
             add_len(t + 1)
             if t + 1 == n + len(s.output_ids):
                 done.append(i)
+        if min(ids, default=0) < 0:
+            self._fed([i for i, t in enumerate(ids) if t < 0], ids)
         self.ids, self.pos, self.slots, self.seq_lens = ids, pos, slots, lens
         self.group_slots = group_slots
         self.cu = list(range(len(seqs) + 1))
@@ -125,6 +130,10 @@ class StepInputs:
                     sample_rows.append(cu[-1] - 1)
                     sample_idx.append(i)
                     sample_pos.append(start + q - 1)
+        # a placeholder is a sequence's last token (module doc of step_outputs.py): the last row of its chunk
+        fed = [r - 1 for r in cu[1:] if ids[r - 1] < 0]
+        if fed:
+            self._fed(fed, ids)
         self.ids, self.pos, self.slots, self.seq_lens, self.cu = ids, pos, slots, seq_lens, cu
         self.sample_rows, self.sample_idx, self.sample_pos = sample_rows, sample_idx, sample_pos
         if batch.seqs[0].group_pages:  # layer groups: the same positions in each group's pages
@@ -132,6 +141,12 @@ class StepInputs:
             self.group_slots = [[batch.seqs[i].group_pages[k][p // page_size] * page_size + p % page_size
                                  for i, p in zip(rows, pos)] for k in range(len(batch.seqs[0].group_pages))]
         self.roundtrip = roundtrip if batch.phase == "prefill" and any(roundtrip) else []
+
+    def _fed(self, rows: list[int], ids: list[int]) -> None:
+        """Rows whose id is a placeholder: fed from the device, staged as 0."""
+        self.feed = [(r, -ids[r] - 1) for r in rows]
+        for r in rows:
+            ids[r] = 0
 
     @property
     def table(self) -> list[list[int]]:
@@ -178,6 +193,9 @@ class ModelRunner:
         self.rope = rope
         self.device = device
         self.graphs = None  # DecodeGraphs, attached by the engine on GPU
+        # the tokens a step sampled on the device, read by the next step's fed rows (``StepInputs.feed``); set by
+        # the engine (the graphs' ``fed`` when it has graphs); None: steps are not launched ahead
+        self.fed: Optional[torch.Tensor] = None
 
     def metadata(self, phase: str, inp: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
         dev = self.device
@@ -231,6 +249,10 @@ class ModelRunner:
                 self.graphs = None
         if hidden is None:
             ids, meta = self.metadata(batch.phase, inp)
+            if inp.feed:
+                rows, src = zip(*inp.feed)
+                dev = ids.device
+                ids[torch.tensor(rows, device=dev)] = self.fed[torch.tensor(src, device=dev)]
             self.backend.plan(meta, self.cache)
             hidden = self.model(ids, self.backend, self.cache, meta)
         if not inp.sample_rows:
