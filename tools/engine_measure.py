@@ -1,6 +1,6 @@
 """The engine measurements of ``engine_perf`` (docs/performance.md): the device's copy bandwidth, decode steps
-(timed whole and taken apart, ``step_anatomy``), a step's GPU kernels by name, and the concurrency a KV budget
-serves.  ``engine_perf`` runs them as its sections and re-exports them."""
+(timed whole and taken apart, ``step_anatomy``), a step's GPU kernels by name, a prefill step's kernels by kind
+(``prefill_breakdown``), and the concurrency a KV budget serves.  ``engine_perf`` runs them as its sections and re-exports them."""
 
 from __future__ import annotations
 
@@ -163,6 +163,81 @@ def kernel_breakdown(engine, batch: int, ctx: int, steps: int = 3, top: int = 18
     return {"kernel_ms_per_step": sum(v[0] for v in agg.values()) / runs / 1e3,
             "kernels": [{"name": k[:120], "ms_per_step": v[0] / runs / 1e3, "launches_per_step": v[1] // runs}
                         for k, v in rows[:top]]}
+
+
+# kernel names by kind (the GEMM libraries' kernels, the attention kernels of every backend)
+_GEMM_NAMES = ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul")
+_ATTN_NAMES = ("prefill", "attn", "attention", "flash", "_fwd")
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    if any(k in low for k in _GEMM_NAMES):
+        return "gemm"
+    if any(k in low for k in _ATTN_NAMES):
+        return "attention"
+    return "other"
+
+
+@contextlib.contextmanager
+def _prefill_batch(engine, seqs: int, prompt: int):
+    """A prefill step of ``seqs`` prompts of ``prompt`` tokens, nothing cached (pages freed afterwards)."""
+    cache = engine.cache
+    vocab = engine.parts.loaded.config.vocab_size
+    batch = []
+    for i in range(seqs):
+        s = Sequence(f"prefill{i}", [(i * 131 + j * 7) % vocab for j in range(prompt)], SamplingParams(max_tokens=2))
+        s.pages = cache.allocator.allocate(-(-prompt // cache.page_size))
+        s.status = "running"
+        batch.append(s)
+    try:
+        yield ScheduledBatch("prefill", batch, [prompt] * seqs)
+    finally:
+        for s in batch:
+            cache.allocator.free(s.pages)
+
+
+def prefill_breakdown(engine, seqs: int, prompt: int, iters: int = 5, top: int = 10) -> dict:
+    """One prefill step of ``seqs`` x ``prompt`` new tokens (forward and the sampled rows' logits): its median
+    wall time, its GPU kernel time by kind (GEMMs, attention, the rest) and longest kernels (torch profiler over
+    two steps), and the GEMMs' rate in TFLOP/s (2 x linear weights x tokens)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = engine.device
+    with _prefill_batch(engine, seqs, prompt) as b:
+        for _ in range(2):
+            engine.runner.run(b)
+        _sync(dev)
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            engine.runner.run(b)
+            _sync(dev)
+            times.append(time.perf_counter() - t)
+        acts = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]  # no kernels on a CPU
+        with profile(activities=acts) as prof:
+            for _ in range(2):
+                engine.runner.run(b)
+            _sync(dev)
+    agg: dict = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            us = getattr(ev, "device_time_total", None)
+            agg[ev.name] = agg.get(ev.name, 0.0) + (ev.cuda_time_total if us is None else us) / 2
+    kinds: dict = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for name, us in agg.items():
+        kinds[kernel_kind(name)] += us / 1e3
+    model = engine.runner.model
+    linear = sum(m.weight.numel() for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and "lm_head" not in n)
+    tokens = seqs * prompt
+    step_ms = statistics.median(times) * 1e3
+    return {"seqs": seqs, "prompt": prompt, "tokens": tokens, "step_ms": step_ms,
+            "kernel_ms": sum(kinds.values()), **{f"{k}_ms": v for k, v in kinds.items()},
+            "gemm_TFLOPs": 2 * linear * tokens / (kinds["gemm"] * 1e-3) / 1e12 if kinds["gemm"] else None,
+            "tokens_per_s": tokens / (step_ms * 1e-3),
+            "kernels": [{"name": k[:100], "kind": kernel_kind(k), "ms": v / 1e3}
+                        for k, v in sorted(agg.items(), key=lambda kv: -kv[1])[:top]]}
 
 
 def weight_bytes_read_per_step(model) -> int:

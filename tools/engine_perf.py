@@ -7,7 +7,8 @@
    against the roofline (weight bytes + KV bytes) / copy bandwidth; MLA models (``--model
    synthetic:deepseek-v2-lite``) count their latent cache (one ``rank + rope`` plane per layer, scales
    included) as the KV bytes; a graphed step's row carries its ``anatomy`` (``step_anatomy``: host and
-   device parts, and the time the device idles);
+   device parts, and the time the device idles); an eager step's kernels by name (``profile``) and a prefill
+   step's (``--prefill SEQSxPROMPT``) by kind, with the GEMMs' TFLOP/s (``prefill``);
 3. max concurrent sequences without queueing per KV format at a fixed KV budget (measured from the
    scheduler's running count while requests of a fixed length are served);
 4. every KV format x backend pair generates (tokens/s, greedy agreement with bf16 on torch).
@@ -35,6 +36,7 @@ from kvbench.tools.engine_measure import (  # noqa: F401 - re-exported: the meas
     decode_step_times,
     kernel_breakdown,
     peak_concurrency,
+    prefill_breakdown,
     step_anatomy,
     weight_bytes_read_per_step,
 )
@@ -125,7 +127,8 @@ def _parse_args(argv):
     ap.add_argument("--decode-backend", default="triton")
     ap.add_argument("--capacity-budget-gb", type=float, default=2.0)
     ap.add_argument("--formats", default="", help="comma list of KV formats for the decode and profile rows (default: one per element width)")
-    ap.add_argument("--skip", default="", help="comma list of: bandwidth,decode,anatomy (of the graphed steps),profile,capacity,matrix,default,concurrent")
+    ap.add_argument("--prefill", default="8x1024", help="the prefill step the prefill section times: SEQSxPROMPT")
+    ap.add_argument("--skip", default="", help="comma list of: bandwidth,decode,anatomy (of the graphed steps),profile,prefill,capacity,matrix,default,concurrent")
     return ap.parse_args(argv)
 
 
@@ -188,6 +191,17 @@ class _Sections:
         self.res.setdefault("profile", []).append(row)
         return ("profile", row)
 
+    def prefill(self, fmt):
+        """A prefill step's wall time and its GPU kernels by kind (Triton prefill, as ``kvbench serve --backend triton``)."""
+        a = self.args
+        n, p = (int(x) for x in a.prefill.lower().split("x"))
+        cfg = EngineConfig(model=a.model, kv_dtype=fmt, prefill_backend="triton", decode_backend=a.decode_backend,
+                           device=a.device, max_running=max(n, 1), max_num_batched_tokens=n * p, max_model_len=p + 16,
+                           kv_budget_gb=n * (p + 16) * 1.05 * _bpt(a.model, fmt) / 2**30, enforce_eager=True)
+        row = {"kv": fmt, **_with_engine(cfg, lambda e: prefill_breakdown(e, n, p))}
+        self.res.setdefault("prefill", []).append(row)
+        return ("prefill", row)
+
     def capacity(self, fmt):
         a = self.args
         cfg = EngineConfig(model=a.model, kv_dtype=fmt, device=a.device, prefill_backend="torch",
@@ -243,6 +257,8 @@ def _steps(sec: _Sections, formats, skip: set) -> list:
     if "profile" not in skip and args.device.startswith("cuda"):
         steps += [Step(f"kernel breakdown {fmt} B={args.batch} L={args.ctx} eager", lambda fmt=fmt: sec.profile_step(fmt))
                   for fmt in formats]
+    if "prefill" not in skip and args.device.startswith("cuda"):
+        steps += [Step(f"prefill step {fmt} {args.prefill}", lambda fmt=fmt: sec.prefill(fmt)) for fmt in formats]
     if "capacity" not in skip:
         steps += [Step(f"capacity {fmt} {args.capacity_budget_gb} GiB", lambda fmt=fmt: sec.capacity(fmt)) for fmt in format_names()]
     if "matrix" not in skip:
