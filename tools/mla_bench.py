@@ -248,18 +248,28 @@ def iter_vs_flashinfer(dev, gen, heads=(128,), formats=("bf16", "fp8_e4m3", "nvf
 
 
 def mla_speed_targets(rows: list) -> list:
-    """Issue 28's MLA targets at 128 heads from ``iter_vs_flashinfer`` rows: bf16 >= 400 TFLOP/s, fp8 >= 1.3x
-    bf16's speed, for each fp8_e4m3 query variant (bf16 queries, e4m3 queries, e4m3 queries with fp8 P) →
-    (name, met, value)."""
-    ours = {(r["format"], r.get("query", "bf16")): r for r in rows
-            if r.get("who") == "kvbench" and r.get("heads") == 128 and "us" in r}
+    """Issue 44's MLA targets from ``iter_vs_flashinfer`` rows (64 x 8192) → (name, met, value): at 128 heads,
+    bf16 >= 400 TFLOP/s (held), fp8 with the exact bf16-query path at least as fast as bf16, and fp8 with e4m3
+    queries faster than that path (the lossy ``e4m3, fp8 P`` path is opt-in and reported, not a target); at 16
+    heads, fp8 >= 1.7x bf16's speed."""
+    ours = {(r["heads"], r["format"], r.get("query", "bf16")): r for r in rows
+            if r.get("who") == "kvbench" and "us" in r}
     out = []
-    bf = ours.get(("bf16", "bf16"))
+    bf = ours.get((128, "bf16", "bf16"))
+    exact = ours.get((128, "fp8_e4m3", "bf16"))
+    q8 = ours.get((128, "fp8_e4m3", "e4m3"))
     if bf:
         t = bf["TFLOPs"]
         out.append(("MLA decode bf16 >= 400 TFLOP/s (128 heads, 64 x 8192)", t >= 400, f"{t:.0f} TFLOP/s"))
-    for query in ("bf16", "e4m3", "e4m3, fp8 P"):
-        if bf and ("fp8_e4m3", query) in ours:
-            r = bf["us"] / ours[("fp8_e4m3", query)]["us"]
-            out.append((f"MLA decode fp8 >= 1.3x bf16 (128 heads, 64 x 8192; {query} queries)", r >= 1.3, f"{r:.2f}x"))
+    if bf and exact:
+        r = bf["us"] / exact["us"]
+        out.append(("MLA decode fp8 >= 1.0x bf16 (128 heads; bf16 queries, exact)", r >= 1.0, f"{r:.2f}x"))
+    if exact and q8:
+        r = exact["us"] / q8["us"]
+        out.append(("MLA decode fp8 with e4m3 queries faster than with bf16 queries (128 heads)", r > 1.0,
+                    f"{r:.2f}x" + (f"; {bf['us'] / q8['us']:.2f}x bf16" if bf else "")))
+    bf16, fp8 = ours.get((16, "bf16", "bf16")), ours.get((16, "fp8_e4m3", "bf16"))
+    if bf16 and fp8:
+        r = bf16["us"] / fp8["us"]
+        out.append(("MLA decode fp8 >= 1.7x bf16 (16 heads, 64 x 8192)", r >= 1.7, f"{r:.2f}x"))
     return out
