@@ -315,3 +315,25 @@ def test_mla_engine_at_128_heads_decodes_on_the_hopper_kernel(monkeypatch):
             assert same >= 4, (a.token_ids, b.token_ids)
             d = (torch.tensor(a.logprobs[:same]) - torch.tensor(b.logprobs[:same])).abs().max()
             assert float(d) < 0.05, float(d)
+
+
+def test_step_inputs_reach_the_device_without_waiting_for_the_stream():
+    """``to_device`` (every host-built input of an eager step): the copy is queued behind the work in flight
+    instead of waiting for it, as ``torch.tensor(..., device=...)`` does; the values arrive intact."""
+    import time
+
+    from kvbench.runtime.attention.base import to_device
+
+    data = [(i * 7919) % 100003 for i in range(5000)]
+    for waits in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(1.5e9))  # about half a second of device time at H200 clocks
+        t = time.perf_counter()
+        x = torch.tensor(data, dtype=torch.int64, device="cuda") if waits else to_device(data, torch.int64, "cuda")
+        dt = time.perf_counter() - t
+        torch.cuda.synchronize()
+        assert x.tolist() == data
+        if waits:
+            assert dt > 0.2, dt  # the plain copy waited for the sleep: the test can tell the two apart
+        else:
+            assert dt < 0.05, dt

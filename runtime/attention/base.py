@@ -66,7 +66,19 @@ __all__ = [
     "query_fp8",
     "query_fp8_rows",
     "stored_new_kv",
+    "to_device",
 ]
+
+
+def to_device(data, dtype, device) -> "torch.Tensor":
+    """A host list as a tensor on ``device``.  On a GPU through pinned memory and a non-blocking copy: a plain
+    ``torch.tensor(data, device=...)`` waits for everything queued on the stream first (the step in flight too,
+    runtime/step_outputs.py), which leaves the device idle while the host builds the rest of the step."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 
@@ -209,7 +221,7 @@ def query_fp8_rows(flags: list[bool], meta: AttentionMetadata, num_rows: int) ->
     q_lens = list(meta.q_lens_cpu) if meta.q_lens_cpu else torch.diff(meta.cu_seqlens_q).tolist()
     rows = [bool(f) for f, q in zip(flags, q_lens) for _ in range(int(q))]
     rows += [False] * (num_rows - len(rows))
-    return torch.tensor(rows, dtype=torch.bool, device=meta.positions.device)
+    return to_device(rows, torch.bool, meta.positions.device)
 
 
 @runtime_checkable

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from kvbench.runtime.attention.base import AttentionBackend, AttentionMetadata, RopeCache
+from kvbench.runtime.attention.base import AttentionBackend, AttentionMetadata, RopeCache, to_device
 from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.models.llama import LlamaForCausalLM
 from kvbench.runtime.scheduler import ScheduledBatch
@@ -198,16 +198,16 @@ class ModelRunner:
         self.fed: Optional[torch.Tensor] = None
 
     def metadata(self, phase: str, inp: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
-        dev = self.device
-        i64 = dict(dtype=torch.int64, device=dev)
-        i32 = dict(dtype=torch.int32, device=dev)
+        """The step's ids and metadata on the device; every copy is non-blocking (``to_device``), so building a
+        step never waits for the one in flight."""
+        dev, i64, i32 = self.device, torch.int64, torch.int32
         meta = AttentionMetadata(
             phase=phase,
-            positions=torch.tensor(inp.pos, **i64),
-            slot_mapping=torch.tensor(inp.slots, **i64),
-            page_table=torch.tensor(inp.table, **i32),
-            seq_lens=torch.tensor(inp.seq_lens, **i32),
-            cu_seqlens_q=torch.tensor(inp.cu, **i32),
+            positions=to_device(inp.pos, i64, dev),
+            slot_mapping=to_device(inp.slots, i64, dev),
+            page_table=to_device(inp.table, i32, dev),
+            seq_lens=to_device(inp.seq_lens, i32, dev),
+            cu_seqlens_q=to_device(inp.cu, i32, dev),
             max_seqlen_q=max(inp.q_lens),
             max_seqlen_k=max(inp.seq_lens),
             page_size=self.cache.page_size,
@@ -216,14 +216,14 @@ class ModelRunner:
             q_lens_cpu=list(inp.q_lens),
         )
         if inp.group_slots:
-            meta.group_page_tables = [meta.page_table] + [torch.tensor(inp.group_table(k), **i32) for k in range(len(inp.group_slots))]
-            meta.group_slot_mappings = [meta.slot_mapping] + [torch.tensor(s, **i64) for s in inp.group_slots]
+            meta.group_page_tables = [meta.page_table] + [to_device(inp.group_table(k), i32, dev) for k in range(len(inp.group_slots))]
+            meta.group_slot_mappings = [meta.slot_mapping] + [to_device(s, i64, dev) for s in inp.group_slots]
         meta.decode_rows = inp.decode_rows
         if inp.roundtrip:
             meta.roundtrip_seqs_cpu = list(inp.roundtrip)
             flags = [f for f, q in zip(inp.roundtrip, inp.q_lens) for _ in range(q)]
-            meta.roundtrip_rows = torch.tensor(flags, dtype=torch.bool, device=dev)
-        return torch.tensor(inp.ids, **i64), meta
+            meta.roundtrip_rows = to_device(flags, torch.bool, dev)
+        return to_device(inp.ids, i64, dev), meta
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[Optional[torch.Tensor], list[int]]:
@@ -251,13 +251,12 @@ class ModelRunner:
             ids, meta = self.metadata(batch.phase, inp)
             if inp.feed:
                 rows, src = zip(*inp.feed)
-                dev = ids.device
-                ids[torch.tensor(rows, device=dev)] = self.fed[torch.tensor(src, device=dev)]
+                ids[to_device(rows, torch.int64, ids.device)] = self.fed[to_device(src, torch.int64, ids.device)]
             self.backend.plan(meta, self.cache)
             hidden = self.model(ids, self.backend, self.cache, meta)
         if not inp.sample_rows:
             return None
         if inp.all_rows_sampled:  # every decode step: no index tensor (whose host-to-device copy would wait for the step)
             return StepRows(hidden, inp.sample_idx, inp.sample_pos)
-        rows = torch.tensor(inp.sample_rows, dtype=torch.int64, device=hidden.device)
+        rows = to_device(inp.sample_rows, torch.int64, hidden.device)
         return StepRows(hidden[rows], inp.sample_idx, inp.sample_pos)
