@@ -246,12 +246,12 @@ class Engine:
                 self._stats.prompt_tokens += q
         self.rows.resolve()  # the last step's tokens, while the device runs this one
         self.rows.emit()  # and their text and deltas
-        if out is not None and not self.rows.launch(batch, out, LOGIT_ROWS):
-            n = len(out.seq_idx)
+        step = ("decode" if batch.phase == "decode" else "mixed" if batch.decode_rows else "prefill", t0, batch.num_tokens)
+        if out is None or not self.rows.launch(batch, out, LOGIT_ROWS, step):
+            n = 0 if out is None else len(out.seq_idx)
             for a in range(0, n, LOGIT_ROWS):
                 self.rows.sample(batch, out, a, min(n, a + LOGIT_ROWS))
-        self._stats.count_step("decode" if batch.phase == "decode" else "mixed" if batch.decode_rows else "prefill",
-                               time.perf_counter() - t0, batch.num_tokens)
+            self.rows.done(*step)
         return batch.num_tokens
 
     def _finish(self, seq: Seq, reason: str, last: Optional[StreamDelta] = None, error: Optional[str] = None) -> None:

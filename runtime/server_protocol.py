@@ -355,7 +355,7 @@ def prometheus_text(stats, model_id: str) -> str:
         if k in (getattr(stats, "step_counts", None) or {}):
             rows += [(f"engine_{k}_steps_total", "counter", f"Engine {k} steps run", stats.step_counts[k]),
                      (f"engine_{k}_step_seconds_total", "counter",
-                      f"Wall seconds in {k} steps (scheduling to sampled tokens)", stats.step_seconds[k]),
+                      f"Wall seconds in {k} steps (launch, or the step before done, to sampled tokens on the host)", stats.step_seconds[k]),
                      (f"engine_{k}_step_tokens_total", "counter", f"Tokens forwarded in {k} steps",
                       stats.step_tokens[k])]
     out = []

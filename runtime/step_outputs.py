@@ -56,6 +56,8 @@ class InFlight:
     seqs: list
     host: torch.Tensor
     event: Optional["torch.cuda.Event"]
+    step: tuple  # (kind, launch time, tokens) for the step-time counters (``StepOutputs.done``)
+    ended: Optional[float] = None  # a device that computes as it is called (CPU): when the step's work ended
 
 
 def _plain(seq: Seq) -> bool:
@@ -71,6 +73,18 @@ class StepOutputs:
         self.engine = engine
         self.pending: list[tuple] = []  # (seq, token, logprob, top ids, top logprobs, reason) not yet emitted
         self.inflight: Optional[InFlight] = None  # a step launched ahead, its tokens not yet on the host
+        self.last_done = 0.0  # perf_counter() when the last step was done (``done``)
+
+    def done(self, kind: str, launched: float, tokens: int, ended: Optional[float] = None) -> None:
+        """Count a step in the engine's step-time counters when its tokens are on the host: its time is from its
+        launch, or from the step before it being done if that was later (steps launched ahead overlap), to now —
+        so under load the times add up to the wall time the device was busy, each step's to about its device time.
+        A step that samples no row (a prompt's middle chunk) is done once launched; its device time falls to the
+        step done after it.  ``ended``: when the step's work ended, where that is known before it is recorded (a CPU
+        step ends before the next one starts)."""
+        now = time.perf_counter() if ended is None else ended
+        self.engine._stats.count_step(kind, now - max(launched, self.last_done), tokens)
+        self.last_done = now
 
     def sample(self, batch, out, a: int, b: int) -> None:
         """Sample (or, for scoring, force) rows ``a:b`` of a step's output and record them on their sequences."""
@@ -112,7 +126,7 @@ class StepOutputs:
                 e.scheduler.finish(seq, reason)  # scheduled no more; its final delta goes out with the rest
             pending.append((seq, tok, lp, ti, tl, reason))
 
-    def launch(self, batch, out, logit_rows: int) -> bool:
+    def launch(self, batch, out, logit_rows: int, step: tuple) -> bool:
         """Sample a step whose rows are all plain greedy rows on the device and leave it in flight: its tokens go to
         ``runner.fed`` (the next step's fed rows read them) and, by an asynchronous copy, to the host; each row's
         sequence gets the placeholder ``-(j + 1)`` as its last token (unless this row is its last by length), so the
@@ -138,7 +152,7 @@ class StepOutputs:
         for j, seq in enumerate(seqs):
             if seq.status != SeqStatus.FINISHED and len(seq.output_ids) + 1 < seq.state["max_new"]:
                 seq.output_ids.append(-(j + 1))
-        self.inflight = InFlight(seqs, host, event)
+        self.inflight = InFlight(seqs, host, event, step, None if event is not None else time.perf_counter())
         return True
 
     def resolve(self) -> None:
@@ -166,6 +180,7 @@ class StepOutputs:
             if reason is not None:
                 e.scheduler.finish(seq, reason)
             pending.append((seq, tok, lp, None, None, reason))
+        self.done(*f.step, ended=f.ended)
 
     def _scored(self, seq: Seq, sc, res, jj: int, position: int) -> None:
         e = self.engine

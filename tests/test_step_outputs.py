@@ -182,3 +182,20 @@ def test_a_stop_id_found_in_flight_drops_the_next_row(loaded):
     assert [t for d in deltas for t in d.token_ids] == ref.token_ids[:k] and deltas[-1].finish_reason == "stop"
     assert len(at_launch) == k + 1  # the row after the stop id was launched, then dropped
     assert e2.cache.allocator.num_used == 0
+
+
+def test_overlapping_steps_are_timed_from_the_step_before_being_done():
+    """A step launched before the one before it was done is timed from that one being done: the times add up to
+    the busy wall time; an idle gap before a launch is not counted."""
+    from types import SimpleNamespace
+
+    from kvbench.runtime.engine_api import EngineStats
+    from kvbench.runtime.step_outputs import StepOutputs
+
+    stats = EngineStats()
+    rows = StepOutputs(SimpleNamespace(_stats=stats))
+    rows.done("prefill", 10.0, 100, ended=10.5)
+    rows.done("decode", 10.2, 4, ended=10.6)  # launched while the prefill ran: 0.1 s of its own
+    rows.done("decode", 20.0, 4, ended=20.3)  # launched after an idle gap: from its launch
+    assert stats.step_counts == {"prefill": 1, "decode": 2} and stats.step_tokens == {"prefill": 100, "decode": 8}
+    assert stats.step_seconds == pytest.approx({"prefill": 0.5, "decode": 0.4})
