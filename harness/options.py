@@ -57,7 +57,7 @@ ENGINE_PARAMS: dict[str, tuple[object, object]] = {
                                  help="Run the decoding requests' next tokens inside prefill steps (one token each, decode "
                                       "semantics) rather than holding them while a prompt chunk runs")),
     "overlap_schedule": (bool, _opt(True, "--overlap-schedule/--no-overlap-schedule",
-                                    help="Launch each greedy step before the last one's tokens reach the host (the host's "
+                                    help="Launch each step before the last one's tokens reach the host (the host's "
                                          "per-step work then runs while the device computes; outputs are the same)")),
     "max_model_len": (Optional[int], _opt(None, "--max-model-len", help="Context length limit (default: the model's)")),
     "device": (Optional[str], _opt(None, "--device", help="cpu or cuda[:N] (default: cuda when available)")),

@@ -156,7 +156,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # chunked-prefill token budget per step
     # decode rows ride in prefill steps (one token each, decode semantics) instead of waiting for them
     mixed_prefill: bool = False
-    # launch each step before the last one's tokens reach the host (greedy steps; runtime/step_outputs.py)
+    # launch each step before the last one's tokens reach the host (steps without scoring rows; runtime/step_outputs.py)
     overlap_schedule: bool = True
     max_model_len: Optional[int] = None  # None = the model's own context length
     device: Optional[str] = None  # None = cuda if available else cpu

@@ -15,7 +15,7 @@ import torch
 
 from kvbench.core import SamplingParams
 
-__all__ = ["SampleRow", "SampleOutput", "sample", "validate_params"]
+__all__ = ["DeviceSample", "SampleRow", "SampleOutput", "sample", "sample_on_device", "validate_params"]
 
 
 MAX_REQUEST_LOGPROBS = 20  # per generated token, as the OpenAI API allows
@@ -69,47 +69,85 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow], top_n: Sequence[int] = ()) -> SampleOutput:
-    """``logits`` float32 ``[N, V]``; ``top_n[i]`` = how many top logprobs row i wants (0 = none).
+@dataclass
+class DeviceSample:
+    """``sample_on_device``'s result, still on the device: ``packed`` ``[N, 3]`` float64 (each row's token, its
+    log-prob, 1.0 where it is the argmax; float64 holds every id and float32 log-prob exactly), ``tokens`` ``[N]``
+    (the next step's fed ids), the top log-probs per distinct ``top_n`` as (row indices, ``[M, 2k]``: the ids then
+    their log-probs), and the log-softmax ``logp``.  ``host`` is what ``fetch`` reads: the same tensors, or their
+    pinned host copies once ``to_host`` queued them."""
 
-    The host waits on the device a fixed number of times per call, not once per row: the argmax of every row
-    with its log-prob (all a step of greedy rows needs), then, where a row took another token, the chosen tokens'
-    log-probs in one gather, then one top-k per distinct ``top_n``.  Only rows that
-    draw (temperature > 0) or mask ids (``banned``) are handled one by one."""
+    packed: torch.Tensor
+    tokens: torch.Tensor
+    tops: list
+    logp: torch.Tensor
+    host: Optional[list] = None
+
+    def to_host(self) -> None:
+        """Queue the copies to pinned host memory (a CUDA device); ``fetch`` after the stream passed them."""
+        self.host = []
+        for t in [self.packed] + [v for _, v in self.tops]:
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            self.host.append(h)
+
+    def fetch(self) -> SampleOutput:
+        """The tokens and log-probs as lists (waits for the device unless ``to_host``'s copies are done)."""
+        host = self.host or [self.packed] + [v for _, v in self.tops]
+        rows = host[0].tolist()
+        n = len(rows)
+        out = SampleOutput([int(r[0]) for r in rows], [r[1] for r in rows], [None] * n, [None] * n,
+                           [r[2] == 1.0 for r in rows], self.logp)
+        for (idx, _), h in zip(self.tops, host[1:]):
+            for i, r in zip(idx, h.tolist()):
+                k = len(r) // 2
+                out.top_ids[i], out.top_logprobs[i] = [int(x) for x in r[:k]], r[k:]
+        return out
+
+
+def sample_on_device(logits: torch.Tensor, rows: Sequence[SampleRow], top_n: Sequence[int] = ()) -> DeviceSample:
+    """Sample ``rows`` of ``logits`` (float32 ``[N, V]``) without the host waiting for the device: the argmax of
+    every row with its log-prob; rows that draw (temperature > 0), mask ids (``banned``) or are forced are
+    handled one by one, on the device (a draw uses the row's own generator there, as ``sample`` always did), and
+    then the chosen tokens' log-probs come in one gather; one top-k per distinct ``top_n``."""
+    from kvbench.runtime.attention.base import to_device
+
     logp = torch.log_softmax(logits.float(), dim=-1)
     best, best_at = logp.max(dim=-1)
-    # one copy to the host for both (float64 holds every id and every float32 log-prob exactly)
-    host = torch.stack((best_at.double(), best.double())).tolist() if logp.shape[0] else [[], []]
-    argmax, best_lp = [int(a) for a in host[0]], host[1]
-    n = len(rows)
-    toks = list(argmax)
-    for i, r in enumerate(rows):
-        if r.forced is not None:
-            toks[i] = int(r.forced)
-        elif r.banned or r.params.temperature != 0:
+    special = [(i, r) for i, r in enumerate(rows) if r.forced is not None or r.banned or r.params.temperature != 0]
+    toks, lp = best_at, best
+    if special:
+        toks = best_at.clone()
+        for i, r in special:
+            if r.forced is not None:
+                toks[i] = int(r.forced)
+                continue
             row = logits[i].float()
             if r.banned:
-                row = row.clone()
-                row[list(r.banned)] = float("-inf")
+                row = row.index_fill(0, to_device(list(r.banned), torch.int64, row.device), float("-inf"))
             if r.params.temperature == 0:
-                toks[i] = int(row.argmax())
+                toks[i] = row.argmax()
             else:
-                probs = torch.softmax(_filter(row, r.params), dim=-1)
-                toks[i] = int(torch.multinomial(probs, 1, generator=r.generator))
-    out = SampleOutput(toks, [], [None] * n, [None] * n, [t == a for t, a in zip(toks, argmax)], logp)
-    if all(out.greedy):  # every row took its argmax (greedy rows, and draws that landed there): no gather
-        out.logprobs = list(best_lp)
-    elif n:
-        chosen = torch.tensor(toks, dtype=torch.int64).to(logp.device, non_blocking=True)
-        out.logprobs = logp.gather(1, chosen[:, None]).squeeze(1).tolist()
+                toks[i] = torch.multinomial(torch.softmax(_filter(row, r.params), dim=-1), 1, generator=r.generator)[0]
+        lp = logp.gather(1, toks[:, None]).squeeze(1)
+    packed = torch.stack((toks.double(), lp.double(), (toks == best_at).double()), dim=1)
     by_n: dict[int, list[int]] = {}
-    for i in range(n):
+    for i in range(len(rows)):
         k = top_n[i] if i < len(top_n) else 0
         if k:
             by_n.setdefault(k, []).append(i)
+    tops = []
     for k, idx in by_n.items():
-        sel = logp if len(idx) == n else logp[torch.tensor(idx, dtype=torch.int64).to(logp.device)]
+        sel = logp if len(idx) == len(rows) else logp[to_device(idx, torch.int64, logp.device)]
         v, ids = torch.topk(sel, k, dim=-1)
-        for i, vi, ii in zip(idx, v.tolist(), ids.tolist()):
-            out.top_logprobs[i], out.top_ids[i] = vi, ii
-    return out
+        tops.append((idx, torch.cat((ids.double(), v.double()), dim=1)))
+    return DeviceSample(packed, toks, tops, logp)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], top_n: Sequence[int] = ()) -> SampleOutput:
+    """``logits`` float32 ``[N, V]``; ``top_n[i]`` = how many top logprobs row i wants (0 = none).  The host waits
+    for the device once per call (``sample_on_device``, then one copy of every row's token and log-prob, and one
+    per distinct ``top_n``)."""
+    if not len(rows):
+        return SampleOutput([], [], [], [], [], torch.log_softmax(logits.float(), dim=-1))
+    return sample_on_device(logits, rows, top_n).fetch()

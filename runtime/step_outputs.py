@@ -1,13 +1,13 @@
 """What the engine's step thread does with a step's sampled rows (``Engine.step``).
 
-**Steps launched ahead** (``EngineConfig.overlap_schedule``, on by default; ``launch`` / ``resolve``).  A step whose
-sampled rows are all plain greedy rows (temperature 0, no log-prob list, ``min_tokens`` out, not scoring) is
-sampled on the device and left in flight: its tokens go to ``runner.fed`` on the device and, by an asynchronous
-copy, to the host.  Each row's sequence gets a placeholder ``-(j + 1)`` (its row ``j``) as its last token, unless
+**Steps launched ahead** (``EngineConfig.overlap_schedule``, on by default; ``launch`` / ``resolve``).  A step without
+scoring rows is sampled on the device (``sampling.sample_on_device``: argmax, draws with each request's own
+generator, banned ids, top log-probs) and left in flight: its tokens go to ``runner.fed`` on the device and, by
+asynchronous copies, to the host.  Each row's sequence gets a placeholder ``-(j + 1)`` (its row ``j``) as its last token, unless
 this row is its last by length, so the scheduler plans the next step with the right counts, and that step's inputs
 take the placeholder rows' ids from ``fed`` (``StepInputs.feed``; CUDA graphs gather them, ``runtime/graphs.py``).
 So the next step is scheduled and launched before the host waits for this one's tokens: the device runs step N+1
-while the host records step N.  Every other step is sampled at once (``sample``), as before.  A stop id is then
+while the host records step N.  A step with scoring rows is sampled at once (``sample``).  A stop id is then
 seen one step late: the sequence was scheduled into the step in flight, whose row for it is dropped.  The device
 writes that row's K/V into pages the sequence just freed, before any later step can use them (one stream).
 
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from kvbench.runtime.sampling import SampleRow, sample
+from kvbench.runtime.sampling import SampleRow, sample, sample_on_device
 from kvbench.runtime.scheduler import SeqKind, SeqStatus, Sequence as Seq
 
 if TYPE_CHECKING:
@@ -50,20 +50,14 @@ log = logging.getLogger("kvbench.runtime")
 
 @dataclass
 class InFlight:
-    """A step whose greedy tokens are on their way to the host: each sampled row's sequence, and the host copy of
-    ``[token, log-prob]`` per row (float64, exact for both) with the event that marks it done."""
+    """A step whose tokens are on their way to the host: its sampled rows' sequences, and per chunk of rows the
+    ``DeviceSample`` whose host copies are queued, with the event that marks them done."""
 
     seqs: list
-    host: torch.Tensor
+    chunks: list  # DeviceSample per chunk of rows, in row order
     event: Optional["torch.cuda.Event"]
     step: tuple  # (kind, launch time, tokens) for the step-time counters (``StepOutputs.done``)
     ended: Optional[float] = None  # a device that computes as it is called (CPU): when the step's work ended
-
-
-def _plain(seq: Seq) -> bool:
-    """A row whose token is its argmax and that asks for nothing but that token's log-prob."""
-    p = seq.params
-    return seq.scoring is None and p.temperature == 0 and not p.logprobs and len(seq.output_ids) >= p.min_tokens
 
 
 class StepOutputs:
@@ -86,10 +80,9 @@ class StepOutputs:
         self.engine._stats.count_step(kind, now - max(launched, self.last_done), tokens)
         self.last_done = now
 
-    def sample(self, batch, out, a: int, b: int) -> None:
-        """Sample (or, for scoring, force) rows ``a:b`` of a step's output and record them on their sequences."""
-        e = self.engine
-        logits = e.runner.model.logits(out.hidden[a:b])
+    def _rows(self, batch, out, a: int, b: int) -> tuple[list, list]:
+        """Rows ``a:b``'s ``SampleRow`` (banned ids while ``min_tokens`` are not out, forced tokens of scoring rows)
+        and how many top log-probs each wants."""
         rows, top_n = [], []
         for j in range(a, b):
             seq = batch.seqs[out.seq_idx[j]]
@@ -102,49 +95,59 @@ class StepOutputs:
             else:
                 banned = ()
                 if sc is None:
-                    banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(e.tokenizer.eos_token_ids))
+                    banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.engine.tokenizer.eos_token_ids))
                 tok = None if sc is None else sc.forced[sc.row_index(seq, out.positions[j])]
                 rows.append(SampleRow(p, st.get("generator"), banned, tok))
             top_n.append(p.logprobs or 0)
-        res = sample(logits, rows, top_n)
+        return rows, top_n
+
+    def sample(self, batch, out, a: int, b: int) -> None:
+        """Sample (or, for scoring, force) rows ``a:b`` of a step's output and record them on their sequences."""
+        res = sample(self.engine.runner.model.logits(out.hidden[a:b]), *self._rows(batch, out, a, b))
         now = time.monotonic()
-        stats, outp, pending = e._stats, e.out, self.pending
         for jj, j in enumerate(range(a, b)):
             seq = batch.seqs[out.seq_idx[j]]
             if seq.status == SeqStatus.FINISHED:
                 continue  # ended after this step was scheduled (a stop string, an abort): the row is dropped
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            sc = seq.scoring
-            if sc is not None:
-                self._scored(seq, sc, res, jj, out.positions[j])
-                continue
-            stats.generation_tokens += 1
-            tok, lp, ti, tl = res.token_ids[jj], res.logprobs[jj], res.top_ids[jj], res.top_logprobs[jj]
-            reason = outp.record(seq, tok, lp, ti, tl, res.greedy[jj])
-            if reason is not None:
-                e.scheduler.finish(seq, reason)  # scheduled no more; its final delta goes out with the rest
-            pending.append((seq, tok, lp, ti, tl, reason))
+            if seq.scoring is not None:
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                self._scored(seq, seq.scoring, res, jj, out.positions[j])
+            else:
+                self._record(seq, res, jj, now)
+
+    def _record(self, seq: Seq, res, jj: int, now: float) -> None:
+        """Record a generation row's token on its sequence (part 1 of the module doc)."""
+        e = self.engine
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        e._stats.generation_tokens += 1
+        tok, lp, ti, tl = res.token_ids[jj], res.logprobs[jj], res.top_ids[jj], res.top_logprobs[jj]
+        reason = e.out.record(seq, tok, lp, ti, tl, res.greedy[jj])
+        if reason is not None:
+            e.scheduler.finish(seq, reason)  # scheduled no more; its final delta goes out with the rest
+        self.pending.append((seq, tok, lp, ti, tl, reason))
 
     def launch(self, batch, out, logit_rows: int, step: tuple) -> bool:
-        """Sample a step whose rows are all plain greedy rows on the device and leave it in flight: its tokens go to
-        ``runner.fed`` (the next step's fed rows read them) and, by an asynchronous copy, to the host; each row's
-        sequence gets the placeholder ``-(j + 1)`` as its last token (unless this row is its last by length), so the
-        scheduler can plan the next step.  False (nothing done) when the step does not qualify: ``sample`` it."""
+        """Sample a step without scoring rows on the device and leave it in flight: its tokens go to ``runner.fed``
+        (the next step's fed rows read them) and, by asynchronous copies, to the host; each row's sequence gets the
+        placeholder ``-(j + 1)`` as its last token (unless this row is its last by length), so the scheduler can plan
+        the next step.  False (nothing done) when the step does not qualify: ``sample`` it."""
         e = self.engine
         fed, n = e.runner.fed, len(out.seq_idx)
         if fed is None or not e.config.overlap_schedule or n > fed.shape[0]:
             return False
         seqs = [batch.seqs[i] for i in out.seq_idx]
-        if not all(map(_plain, seqs)):
+        if any(s.scoring is not None for s in seqs):
             return False
-        host = torch.empty((n, 2), dtype=torch.float64, pin_memory=fed.is_cuda)
+        chunks = []
         for a in range(0, n, logit_rows):
             b = min(n, a + logit_rows)
-            logp = torch.log_softmax(e.runner.model.logits(out.hidden[a:b]).float(), dim=-1)
-            best, best_at = logp.max(dim=-1)
-            fed[a:b].copy_(best_at)
-            host[a:b].copy_(torch.stack((best_at.double(), best.double()), dim=1), non_blocking=True)
+            ds = sample_on_device(e.runner.model.logits(out.hidden[a:b]), *self._rows(batch, out, a, b))
+            fed[a:b].copy_(ds.tokens)
+            if fed.is_cuda:
+                ds.to_host()
+            chunks.append(ds)
         event = None
         if fed.is_cuda:
             event = torch.cuda.Event()
@@ -152,7 +155,7 @@ class StepOutputs:
         for j, seq in enumerate(seqs):
             if seq.status != SeqStatus.FINISHED and len(seq.output_ids) + 1 < seq.state["max_new"]:
                 seq.output_ids.append(-(j + 1))
-        self.inflight = InFlight(seqs, host, event, step, None if event is not None else time.perf_counter())
+        self.inflight = InFlight(seqs, chunks, event, step, None if event is not None else time.perf_counter())
         return True
 
     def resolve(self) -> None:
@@ -162,24 +165,19 @@ class StepOutputs:
             return
         if f.event is not None:
             f.event.synchronize()
-        vals = f.host.tolist()
         now = time.monotonic()
-        e = self.engine
-        stats, outp, pending = e._stats, e.out, self.pending
-        for seq, (tok, lp) in zip(f.seqs, vals):
-            if seq.status == SeqStatus.FINISHED:
-                continue  # ended meanwhile (a stop string, an abort): the row is dropped, its placeholder gone
-            ids = seq.output_ids
-            if ids and ids[-1] < 0:
-                ids.pop()
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            stats.generation_tokens += 1
-            tok = int(tok)
-            reason = outp.record(seq, tok, lp, None, None, True)
-            if reason is not None:
-                e.scheduler.finish(seq, reason)
-            pending.append((seq, tok, lp, None, None, reason))
+        j = 0
+        for ds in f.chunks:
+            res = ds.fetch()
+            for jj in range(len(res.token_ids)):
+                seq = f.seqs[j + jj]
+                if seq.status == SeqStatus.FINISHED:
+                    continue  # ended meanwhile (a stop string, an abort): the row is dropped, its placeholder gone
+                ids = seq.output_ids
+                if ids and ids[-1] < 0:
+                    ids.pop()
+                self._record(seq, res, jj, now)
+            j += len(res.token_ids)
         self.done(*f.step, ended=f.ended)
 
     def _scored(self, seq: Seq, sc, res, jj: int, position: int) -> None:

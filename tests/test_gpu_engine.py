@@ -171,18 +171,23 @@ def _greedy_run(e, params):
     while e.step():
         flights += e.rows.inflight is not None
     assert e.cache.allocator.num_used == 0 and e.rows.inflight is None
-    return {r: ([t for d in ds for t in d.token_ids], [x for d in ds for x in d.logprobs]) for r, ds in got.items()}, flights
+    return {r: ([t for d in ds for t in d.token_ids], [x for d in ds for x in d.logprobs],
+                [d.top_logprobs for d in ds]) for r, ds in got.items()}, flights
 
 
 @pytest.mark.parametrize("kv,eager", [("bf16", False), ("fp8_e4m3", False), ("nvfp4", False), ("fp8_e4m3", True)])
 def test_steps_launched_ahead_match_steps_waited_for(loaded, kv, eager):
     """``overlap_schedule`` on the GPU (CUDA graphs reading their ids from the device, the copy before each replay;
-    or eager steps with the ids fixed up on the device): the same tokens and log-probs, bit for bit, as steps whose
-    tokens the host waited for; a stop id seen one step late ends its request at the same token."""
+    or eager steps with the ids fixed up on the device): the same tokens, log-probs and top log-probs, bit for bit,
+    as steps whose tokens the host waited for, greedy and drawn rows; a stop id seen one step late ends its request
+    at the same token."""
     on = _engine(loaded, kv, "triton", "triton", eager=eager, overlap_schedule=True)
     off = _engine(loaded, kv, "triton", "triton", eager=eager, overlap_schedule=False)
     try:
         p = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=0) for m in (16, 9, 5, 30, 12, 1)]
+        # drawn rows (their own seeds, top-k / top-p) and top log-probs go through the device sampler too
+        p[1] = SamplingParams(max_tokens=9, temperature=0.8, seed=3, ignore_eos=True, logprobs=0)
+        p[4] = SamplingParams(max_tokens=12, temperature=1.0, top_k=40, top_p=0.9, seed=11, ignore_eos=True, logprobs=2)
         a, fa = _greedy_run(on, p)
         b, fb = _greedy_run(off, p)
         assert fa > 10 and fb == 0, (fa, fb)
