@@ -374,6 +374,13 @@ def test_sampler_reports_where_the_engine_step_time_went(monkeypatch):
     assert es["prefill"] == {"steps": 4, "seconds": pytest.approx(1.0), "tokens": 400, "ms_per_step": pytest.approx(250)}
     assert es["decode"]["steps"] == 100 and es["decode"]["seconds"] == pytest.approx(1.0) and es["decode"]["tokens"] == 800
     assert "mixed" not in es and es["window_s"] == pytest.approx(4.0) and es["busy_fraction"] == pytest.approx(0.5)
+    # a server restarted between two scrapes: its counters start again from zero and still add up
+    from kvbench.harness.loadgen.server_metrics import engine_steps, parse_prometheus
+
+    scrapes = [parse_prometheus(t) for t in (text(4, 1.0, 40, 0.5), text(6, 1.5, 60, 0.75), text(1, 0.25, 10, 0.25))]
+    es = engine_steps(scrapes, 2.0)
+    assert es["prefill"]["steps"] == 3 and es["prefill"]["seconds"] == pytest.approx(0.75)
+    assert es["decode"]["steps"] == 30 and es["busy_fraction"] == pytest.approx((0.75 + 0.5) / 2.0)
     other = MetricsSampler(_Pool([_vllm_text(*SAMPLES[0])] * 3), "/metrics", 0.001, 0.0)
     asyncio.run(other._poll())
     asyncio.run(other._poll())

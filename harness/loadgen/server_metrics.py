@@ -14,8 +14,8 @@ over the run (kvbench ``kvbench_preemptions_total``, vLLM ``vllm:num_preemptions
 kernels it compiled while serving (``kvbench_kernel_compiles_total`` and ``_seconds_total``; runtime/compile_watch.py):
 their increase over the run says whether compile stalls are inside the measurement.  And where its step loop's
 time went (``kvbench_engine_<kind>_steps_total``, ``_step_seconds_total``, ``_step_tokens_total`` for the kinds
-prefill, mixed, decode; ``runtime/engine_api.py`` STEP_KINDS): their increase between the first and the last
-sample, with that window's length, gives ``engine_steps`` (seconds per kind, the rest of the window being the
+prefill, mixed, decode; ``runtime/engine_api.py`` STEP_KINDS): their increase over the samples (a restart of the
+server counts from zero again, as ``counter_increase``), with the window's length, gives ``engine_steps`` (seconds per kind, the rest of the window being the
 loop waiting for work).
 """
 
@@ -39,16 +39,17 @@ _RATIOS = frozenset(KV_USAGE)
 _STEP_FIELDS = (("steps", "steps_total"), ("seconds", "step_seconds_total"), ("tokens", "step_tokens_total"))
 
 
-def engine_steps(first: dict[str, float], last: dict[str, float], window_s: float) -> Optional[dict]:
-    """kvbench's step-time counters between two scrapes: ``{kind: {steps, seconds, tokens, ms_per_step}, ...,
-    "window_s", "busy_fraction"}``; None where the server exports none."""
+def engine_steps(scrapes: list[dict[str, float]], window_s: float) -> Optional[dict]:
+    """kvbench's step-time counters over a run's scrapes (their increase, restart-aware as ``counter_increase``):
+    ``{kind: {steps, seconds, tokens, ms_per_step}, ..., "window_s", "busy_fraction"}``; None where the server
+    exports none."""
     out: dict = {}
     for kind in STEP_KINDS:
         row = {}
         for key, suffix in _STEP_FIELDS:
             name = f"kvbench_engine_{kind}_{suffix}"
-            if name in last:
-                row[key] = max(0.0, last[name] - first.get(name, 0.0))
+            if scrapes and name in scrapes[-1]:
+                row[key] = counter_increase([s.get(name, 0.0) for s in scrapes])
         if row.get("steps"):
             row["steps"], row["tokens"] = int(round(row["steps"])), int(round(row.get("tokens", 0)))
             row["ms_per_step"] = 1000 * row.get("seconds", 0.0) / row["steps"]
@@ -178,8 +179,8 @@ class MetricsSampler:
             "kernel_compiles": None if compiles is None else int(round(compiles)),
             "kernel_compile_s": compile_s,
             # kvbench's server: its step loop's seconds per step kind between the first and last sample
-            "engine_steps": (engine_steps(self._engine[0][1], self._engine[-1][1],
-                                          self._engine[-1][0] - self._engine[0][0]) if len(self._engine) > 1 else None),
+            "engine_steps": (engine_steps([v for _, v in self._engine], self._engine[-1][0] - self._engine[0][0])
+                             if len(self._engine) > 1 else None),
             # [t_s, running, waiting, kv_usage, preemptions counter, kernel compiles counter, compile seconds counter]
             "timeline": [list(s) for s in self.samples],
         }
