@@ -30,7 +30,6 @@ shows, and their row bookkeeping (``ScoreState.row_index``) counts the rows alre
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -44,8 +43,6 @@ if TYPE_CHECKING:
     from kvbench.runtime.engine import Engine
 
 __all__ = ["StepOutputs"]
-
-log = logging.getLogger("kvbench.runtime")
 
 
 @dataclass
