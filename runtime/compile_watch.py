@@ -21,13 +21,35 @@ log = logging.getLogger("kvbench.runtime")
 
 class CompileWatch:
     def __init__(self) -> None:
-        self.serving = False
+        self._serving: set = set()  # the engines of this process that serve (``serve`` / ``release``)
         self._variants: dict[str, list[dict[str, str]]] = {}  # kernel name -> the specializations compiled
         self.during_warmup = 0  # compiles while no engine serves (graph capture, the warm-up: its note counts them)
         self.after_warmup = 0
         self.after_warmup_s = 0.0
         self._started: dict[str, float] = {}
         self._lock = threading.Lock()
+
+    @property
+    def serving(self) -> bool:
+        """A compile now stalls a serving engine: some engine of the process serves (its warm-up done)."""
+        return bool(self._serving)
+
+    @serving.setter
+    def serving(self, on: bool) -> None:  # by hand (tests): on for an anonymous owner, off for every engine
+        if on:
+            self._serving.add("manual")
+        else:
+            self._serving.clear()
+
+    def serve(self, owner) -> None:
+        """``owner`` (an engine) serves from now on: compiles are stalls until it is ``release``d.  Another engine
+        constructed or warming up meanwhile does not change that: its compiles stall this one's requests too."""
+        with self._lock:
+            self._serving.add(id(owner))
+
+    def release(self, owner) -> None:
+        with self._lock:
+            self._serving.discard(id(owner))
 
     @staticmethod
     def _name(kw: dict) -> str:

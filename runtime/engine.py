@@ -52,8 +52,6 @@ class Engine:
         self.config = config or EngineConfig()
         # Triton compiles before the engine serves are expected; later ones are logged (compile_watch.py)
         self._compiles = install_compile_watch() if engine_device(self.config).type == "cuda" else None
-        if self._compiles is not None:
-            self._compiles.serving = False
         self._compiles_base = (0, 0.0) if self._compiles is None else (self._compiles.after_warmup,
                                                                       self._compiles.after_warmup_s)
         parts = build_engine_parts(self.config, loaded, scales)
@@ -101,6 +99,8 @@ class Engine:
             self._thread.start()
 
     def shutdown(self) -> None:
+        if self._compiles is not None:
+            self._compiles.release(self)  # a compile no longer stalls this engine's requests
         with self._wake:
             self._stop = True
             self._wake.notify_all()

@@ -190,5 +190,5 @@ def prepare_to_serve(engine) -> None:
                     engine.start()
     watch = engine._compiles
     if watch is not None:
-        watch.serving = True
+        watch.serve(engine)
         engine._compiles_base = (watch.after_warmup, watch.after_warmup_s)

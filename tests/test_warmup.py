@@ -381,3 +381,29 @@ def test_server_shortens_the_gil_switch_interval_while_it_runs(loaded, monkeypat
                 gil_switch_s()
     finally:
         e.shutdown()
+
+
+def test_compile_watch_counts_stalls_while_any_engine_serves():
+    """The watch is the process's: a second engine constructed or warming up while the first serves does not turn
+    the counting off (its compiles stall the first one's requests); an engine shut down no longer counts."""
+    from kvbench.runtime.compile_watch import CompileWatch
+
+    w = CompileWatch()
+    e1, e2 = object(), object()
+    kw = {"key": 1, "repr": "_k(Q: *bf16)"}
+
+    def compile_once():
+        w.before(**kw)
+        w.after(**kw)
+
+    compile_once()  # nobody serves: a warm-up compile
+    w.serve(e1)
+    compile_once()
+    assert (w.during_warmup, w.after_warmup) == (1, 1)
+    w.serve(e2)
+    w.release(e2)  # the second engine's life ends; the first still serves
+    compile_once()
+    assert w.serving and w.after_warmup == 2
+    w.release(e1)
+    compile_once()
+    assert not w.serving and (w.during_warmup, w.after_warmup) == (2, 2)
