@@ -261,6 +261,8 @@ class DecodeGraphs:
                 log.warning("CUDA-graph capture of decode failed (%s: %s); decoding eagerly", type(e).__name__, e)
                 torch.cuda.synchronize()
                 raise GraphUnavailable(str(e)) from e
+        if inp.feed and self.runner.fed is not self.fed:
+            raise RuntimeError("fed ids are read from the graphs' own buffer: the runner's fed must be graphs.fed")
         if self._copied is not None:
             self._copied.synchronize()
         self.stage(inp)

@@ -66,7 +66,9 @@ class HostGraphs(DecodeGraphs):
         self.stage(inp)
         self._count(inp, before)
         check_staged(self, inp)
-        self._d_buf.fill_(0x55)  # what a bucket does not copy must not be read: 0x55555555 is no page id
+        # what a bucket does not copy must not be read: 0x55555555 is no page id (but ``fed``, after the tables, holds
+        # the tokens the last step sampled there, for the rows of steps launched ahead)
+        self._d_buf[: self._off["fed"][0]].fill_(0x55)
         h, d = self._prefix(bs)
         d.copy_(h)
         meta = self._meta(bs)
@@ -150,6 +152,7 @@ def _engine(path: str, backend: str, graphs: bool, **kw):
     e = engine(path, backend, max_num_batched_tokens=8, max_running=3, **kw)
     if graphs:
         e.runner.graphs = HostGraphs(e.runner, max_batch=e.config.max_running, max_model_len=e.max_model_len)
+        e.runner.fed = e.runner.graphs.fed  # as engine_setup wires them: the sampler writes where the graphs read
     e.decode_steps = 0
     schedule = e.scheduler.schedule
 
