@@ -34,13 +34,6 @@ class CompileWatch:
         """A compile now stalls a serving engine: some engine of the process serves (its warm-up done)."""
         return bool(self._serving)
 
-    @serving.setter
-    def serving(self, on: bool) -> None:  # by hand (tests): on for an anonymous owner, off for every engine
-        if on:
-            self._serving.add("manual")
-        else:
-            self._serving.clear()
-
     def serve(self, owner) -> None:
         """``owner`` (an engine) serves from now on: compiles are stalls until it is ``release``d.  Another engine
         constructed or warming up meanwhile does not change that: its compiles stall this one's requests too."""

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvbench.core import SamplingParams
+from kvbench.runtime.attention.base import to_device
 
 __all__ = ["DeviceSample", "SampleRow", "SampleOutput", "sample", "sample_on_device", "validate_params"]
 
@@ -110,8 +111,6 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SampleRow], top_n: Seq
     every row with its log-prob; rows that draw (temperature > 0), mask ids (``banned``) or are forced are
     handled one by one, on the device (a draw uses the row's own generator there, as ``sample`` always did), and
     then the chosen tokens' log-probs come in one gather; one top-k per distinct ``top_n``."""
-    from kvbench.runtime.attention.base import to_device
-
     logp = torch.log_softmax(logits.float(), dim=-1)
     best, best_at = logp.max(dim=-1)
     special = [(i, r) for i, r in enumerate(rows) if r.forced is not None or r.banned or r.params.temperature != 0]

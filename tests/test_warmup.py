@@ -122,7 +122,7 @@ def test_compile_watch_counts_and_names_compiles_after_the_warmup(monkeypatch, c
     assert before(repr="_decode_split_kernel[num_warps=4](Q: *bf16)") is False
     after(repr="_decode_split_kernel[num_warps=4](Q: *bf16)")
     assert (w.during_warmup, w.after_warmup) == (1, 0)
-    w.serving = True
+    w.serve(object())
     with caplog.at_level(logging.WARNING, logger="kvbench.runtime"):
         assert before(repr="_decode_reduce_kernel(S_PAD: 16)") is False
         after(repr="_decode_reduce_kernel(S_PAD: 16)")
@@ -162,7 +162,7 @@ def test_compile_watch_names_what_changed_from_the_nearest_variant(monkeypatch, 
     for kw in (_hook_kw(True, True), _hook_kw(True, False)):  # the warm-up's variants
         before(**kw)
         after(**kw)
-    w.serving = True
+    w.serve(object())
     with caplog.at_level(logging.WARNING, logger="kvbench.runtime"):
         kw = _hook_kw(False, False)
         before(**kw)

@@ -141,6 +141,18 @@ def step_anatomy(engine, batch: int, ctx: int, iters: int = 20) -> dict:
         return out
 
 
+def _kernel_times(prof) -> dict:
+    """A torch profile's GPU kernels: name -> [total µs, launches]."""
+    agg: dict = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            us = getattr(ev, "device_time_total", None)
+            a = agg.setdefault(ev.name, [0.0, 0])
+            a[0] += ev.cuda_time_total if us is None else us
+            a[1] += 1
+    return agg
+
+
 def kernel_breakdown(engine, batch: int, ctx: int, steps: int = 3, top: int = 18) -> dict:
     """GPU kernel time of one decode step by kernel name (torch profiler over ``steps`` steps after the
     warm-up): ``{"kernel_ms_per_step": total, "kernels": [{"name", "ms_per_step", "launches_per_step"}, …]}``,
@@ -151,14 +163,7 @@ def kernel_breakdown(engine, batch: int, ctx: int, steps: int = 3, top: int = 18
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         decode_step(engine, batch, ctx, iters=steps)
     runs = 3 + steps  # decode_step's three warm-up steps are inside the profile too
-    agg: dict = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            us = getattr(ev, "device_time_total", None)
-            us = ev.cuda_time_total if us is None else us
-            a = agg.setdefault(ev.name, [0.0, 0])
-            a[0] += us
-            a[1] += 1
+    agg = _kernel_times(prof)
     rows = sorted(agg.items(), key=lambda kv: -kv[1][0])
     return {"kernel_ms_per_step": sum(v[0] for v in agg.values()) / runs / 1e3,
             "kernels": [{"name": k[:120], "ms_per_step": v[0] / runs / 1e3, "launches_per_step": v[1] // runs}
@@ -219,11 +224,7 @@ def prefill_breakdown(engine, seqs: int, prompt: int, iters: int = 5, top: int =
             for _ in range(2):
                 engine.runner.run(b)
             _sync(dev)
-    agg: dict = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            us = getattr(ev, "device_time_total", None)
-            agg[ev.name] = agg.get(ev.name, 0.0) + (ev.cuda_time_total if us is None else us) / 2
+    agg = {name: us / 2 for name, (us, _) in _kernel_times(prof).items()}  # per step: two were profiled
     kinds: dict = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
     for name, us in agg.items():
         kinds[kernel_kind(name)] += us / 1e3
