@@ -249,11 +249,12 @@ def _decode_reduce_kernel(
 _DEFAULTS = {0: (64, 2, False, 4, 2, None), 1: (128, 2, False, 4, 3, 128), 2: (128, 2, False, 4, 2, 128)}
 
 
-# nvfp4 fills its resident slots: its program (128 registers × 128 threads) fits 4 times on an SM, and as
-# many splits as fill them once beat the 2-per-SM rule where the batch is small: H100, 2026-11-24, 8 × 32768,
-# 32/8 heads, HND (``python docs/scripts/speed_probes.py decode-sweep``, 96 launch configurations): 5 splits (2 per SM) 284.9 µs, 8 splits 195.1 µs,
-# 16 splits 200.5 µs; at 64 × 8192 both rules give one split.
-_FILL = {2: 4}
+# Every format fills four resident slots per SM once where the batch is small: H100, 2026-11-24, 8 × 32768,
+# 32/8 heads, HND (``python docs/scripts/speed_probes.py decode-sweep``): nvfp4 5 splits (2 per SM) 284.9 µs, 8
+# splits 195.1 µs, 16 splits 200.5 µs; H200, 2026-11-29 (``python docs/scripts/decode_probes.py splits``): bf16
+# 5 splits 286.8 µs (88% of copy), 8 splits 251.9 µs (100%); fp8_e4m3 149.8 (84%) against 135.3 µs (93%).  At 64 ×
+# 8192 both rules give one split.
+_FILL = {0: 4, 1: 4, 2: 4}
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64,

@@ -63,6 +63,20 @@ def test_decode_nvfp4_explicit_layouts():
     _ok(check_decode("nvfp4", [5000, 1], 8, 1, 128, 32, sinks=True, seed=18, gluon=True, prefetch=False, maxnreg=0))
 
 
+@pytest.mark.parametrize("unpack,stages,vswz", [(0, 0, False), (1, 0, False), (0, 2, True), (1, 2, False),
+                                                (1, 4, True)])
+def test_decode_nvfp4_unpackings_and_pipelines(monkeypatch, unpack, stages, vswz):
+    """decode_nv4's module settings besides the defaults (byte permutes, two stages, swizzled V): the e4m3
+    conversions, direct register loads (the kernel before 2026-11-29), row-major V, four stages."""
+    from kvbench.kernels import decode_nv4
+
+    for name, value in (("UNPACK", unpack), ("STAGES", stages), ("VSWZ", vswz)):
+        monkeypatch.setattr(decode_nv4, name, value)
+    _ok(check_decode("nvfp4", RAGGED, *G32, layout="HND", seed=31, gluon=True))
+    _ok(check_decode("nvfp4", [4097, 17, 2000, 1], *G32, window=1000, sinks=True, seed=32, gluon=True))
+    _ok(check_decode("nvfp4", [3000, 4096], 64, 4, 128, 16, sinks=True, num_splits=5, seed=33, gluon=True))
+
+
 def test_decode_nvfp4_default_is_the_explicit_layout_kernel_where_it_applies(monkeypatch):
     """nvfp4 decode on the GPU runs decode_nv4 by default where it applies and the Triton kernel otherwise (a
     Triton launch option, pages of 8 tokens, head dim 64, an fp8 query); the Triton kernel stays checked."""

@@ -65,10 +65,17 @@ def compile_decode_nv4():
     ptrs = dict(Q="*bf16", KC="*i32", VC="*i32", KBS="*u8", VBS="*u8", K_SCALE="*fp32", PT="*i32", SEQ_LENS="*i32",
                 ACC="*fp32", ML="*fp32", OUT="*bf16", V_SCALE="*fp32", SINKS="*fp32")
     aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs or n in ("s_page", "s_tok", "skc_h", "svc_h")]
-    for consts, opts in ((dict(G=4, NH=8, PAGE=16, DIRECT=False, HAS_SINKS=False, PREFETCH=nv4.PREFETCH),
-                          dict(maxnreg=nv4.MAXNREG)),
-                         (dict(G=16, NH=16, PAGE=32, DIRECT=True, HAS_SINKS=True, PREFETCH=True), {})):
-        sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32")
+    # the defaults (byte-permute unpacking, tiles copied ahead into shared memory), the kernel before them (direct
+    # loads into registers, e4m3 conversions), and the register prefetch with the other options
+    defaults = dict(PREFETCH=nv4.PREFETCH, UNPACK=nv4.UNPACK, STAGES=nv4.STAGES, VSWZ=nv4.VSWZ, CPL=nv4.CPL,
+                    HALVES=nv4.HALVES)
+    for consts, opts in ((dict(G=4, NH=8, PAGE=16, DIRECT=False, HAS_SINKS=False, **defaults), dict(maxnreg=nv4.MAXNREG)),
+                         (dict(G=4, NH=8, PAGE=16, DIRECT=False, HAS_SINKS=False, PREFETCH=False, UNPACK=0, STAGES=0,
+                               VSWZ=False, CPL=0, HALVES=False), dict(maxnreg=nv4.MAXNREG)),
+                         (dict(G=16, NH=16, PAGE=32, DIRECT=True, HAS_SINKS=True, PREFETCH=True, UNPACK=0, STAGES=0,
+                               VSWZ=False, CPL=0, HALVES=False), {})):
+        scales = dict(KBS="*i32", VBS="*i32") if consts["STAGES"] else {}  # the launcher copies them as words
+        sig = {n: "constexpr" if n in consts else {**ptrs, **scales}.get(n, "fp32" if n == "sm_scale_log2" else "i32")
                for n in fn.arg_names}
         src = GluonASTSource(fn, sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, **opts))
@@ -81,6 +88,12 @@ def compile_decode_nv4():
                 res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
             regs = int(re.search(r"REG:(\d+)", res).group(1))
             assert regs <= nv4.MAXNREG, res
+            copies = len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*, 0x10,", k.asm["ptx"]))
+            if consts["STAGES"]:  # K and V rows as 16-byte copies, the first tiles and one per iteration
+                assert copies >= 16 and k.metadata.shared >= consts["STAGES"] * 18 * 1024, (copies, k.metadata.shared)
+                assert int(re.search(r"STACK:(\d+)", res).group(1)) == 0, res  # no spills under the cap
+            else:
+                assert copies == 0
 
 
 def compile_prefill():

@@ -268,15 +268,9 @@ def nv4_layouts(shapes=("64x8192", "8x32768")) -> None:
                   f"({100 * nbytes / (us * 1e-6) / 1e9 / copy:.0f}% of copy)", flush=True)
 
 
-def nv4_check() -> int:
-    """The explicit-layout nvfp4 decode and the Triton one against the float64 reference: 15 cases x 2 seeds
-    each (GQA 1-16, pages 16 / 32 / 64, NHD / HND, windows, sinks, fp16 queries, 1-7 splits, the launch
-    sweep's prefetch and register caps).  Exit 1 if any case fails."""
-    import torch
-
-    from kvbench.tools.kernel_check import check_decode
-
-    cases = [
+def nv4_cases(torch) -> list:
+    """The nvfp4 decode's check cases: (lens, query heads, kv heads, page, options)."""
+    return [
         ([1, 7, 128, 129, 300, 1000], 32, 8, 16, {}),
         ([5, 64, 257, 700], 32, 8, 16, {"layout": "HND"}),
         ([33, 400, 1025], 16, 16, 16, {}),
@@ -293,6 +287,17 @@ def nv4_check() -> int:
         ([2000, 37, 4099], 32, 8, 16, {"prefetch": True, "maxnreg": 128, "num_splits": 2}),
         ([2000, 37, 4099], 32, 8, 16, {"maxnreg": 128}),
     ]
+
+
+def nv4_check() -> int:
+    """The explicit-layout nvfp4 decode and the Triton one against the float64 reference: 15 cases x 2 seeds
+    each (GQA 1-16, pages 16 / 32 / 64, NHD / HND, windows, sinks, fp16 queries, 1-7 splits, the launch
+    sweep's prefetch and register caps).  Exit 1 if any case fails."""
+    import torch
+
+    from kvbench.tools.kernel_check import check_decode
+
+    cases = nv4_cases(torch)
     ok = n = 0
     for lens, hq, hk, page, kw in cases:
         for seed in (0, 1):
