@@ -115,6 +115,64 @@ def test_v_unpack_ptx_gives_token_pairs_per_column(seed):
             assert list(_halves(r[f"${j}"])) == want, (j, hex(wt), hex(wu))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_byte_permute_unpacking_gives_the_values_times_its_gain(seed):
+    # UNPACK=1 (the default): the same outputs in the same order as the e4m3 route, times 2^-8 (``unpack_gain``),
+    # exactly: nibbles placed as float16 high bytes (2^-14 times their values), times the scale times 2^6
+    rng = np.random.default_rng(200 + seed)
+    gain = nv4.unpack_gain(1)
+    assert gain == 2.0 ** -8 and nv4.unpack_gain(0) == 1.0
+    for _ in range(64):
+        wa, wb = (int(x) for x in rng.integers(0, 2**32, size=2, dtype=np.uint64))
+        sa, sb = (int(x) for x in rng.choice([0x40, 0x08, 0x7E, 0x38, 0x01], size=2))  # 0x01: 2^-9, subnormal
+        s16 = [int(np.array([_e4m3(x) * 64], dtype=np.float16).view(np.uint16)[0]) for x in (sa, sb)]
+        k_ref = run_ptx(nv4._K_ASM.value, {"$8": wa, "$10": wb, "$24": s16[0] * 0x10001, "$25": s16[1] * 0x10001})
+        k_new = run_ptx(nv4._K_ASM_P.value, {"$8": wa, "$10": wb, "$24": s16[0] * 0x10001, "$25": s16[1] * 0x10001})
+        v_ref = run_ptx(nv4._V_ASM.value, {"$8": wa, "$9": wb, "$24": s16[0] | (s16[1] << 16)})
+        v_new = run_ptx(nv4._V_ASM_P.value, {"$8": wa, "$9": wb, "$24": s16[0] | (s16[1] << 16)})
+        for j in range(8):
+            for ref, new in ((k_ref, k_new), (v_ref, v_new)):
+                assert [x * gain for x in _halves(ref[f"${j}"])] == list(_halves(new[f"${j}"])), (j, hex(wa), hex(wb))
+
+
+def test_v_rows_in_shared_memory_are_a_bijection_without_bank_conflicts():
+    # _V_SMEM maps each word offset of a stage [128 tokens, 16 words] to one (token, word); a lane's 8-byte read of
+    # V's fragment (tokens 2c + e + 8h + 16a + 32w, words 2g, 2g + 1) meets the other 15 lanes of its half-warp in
+    # 32 different banks; the copies' 16-byte runs (words 4r .. 4r + 3 of a token) stay contiguous and aligned
+    bases = nv4._V_SMEM.value.offset_bases
+    where = {}
+    for off in range(128 * 16):
+        t = w = 0
+        for i, (bt, bw) in enumerate(bases):
+            if off >> i & 1:
+                t, w = t ^ bt, w ^ bw
+        where[(t, w)] = off
+    assert len(where) == 128 * 16 and set(where) == {(t, w) for t in range(128) for w in range(16)}
+    for e, h, a, wp, half in ((e, h, a, wp, half) for e in (0, 1) for h in (0, 1) for a in (0, 1) for wp in range(4)
+                              for half in (0, 1)):
+        banks = [(where[(2 * c + e + 8 * h + 16 * a + 32 * wp, 2 * g + x)]) % 32 for c in range(4)
+                 for g in range(4 * half, 4 * half + 4) for x in (0, 1)]
+        assert len(set(banks)) == 32
+    for t in range(128):
+        for r in range(4):
+            offs = [where[(t, 4 * r + x)] for x in range(4)]
+            assert offs[0] % 4 == 0 and offs == list(range(offs[0], offs[0] + 4))
+
+
+def test_the_pipelined_loads_take_block_scales_as_words_only_where_rows_are_aligned():
+    from kvbench.kernels._triton_utils import check_cache
+    from kvbench.tools.kernel_check import make_cache
+
+    gen = torch.Generator().manual_seed(2)
+    kc, kbs, ks, _ = make_cache("nvfp4", 4, 16, 2, 128, "cpu", gen)
+    vc, vbs, vs, _ = make_cache("nvfp4", 4, 16, 2, 128, "cpu", gen)
+    k, v = check_cache("k", "nvfp4", kc, kbs, ks, 128), check_cache("v", "nvfp4", vc, vbs, vs, 128)
+    assert nv4._scale_words(k, v)
+    odd = torch.zeros(kbs.numel() + 1, dtype=kbs.dtype)[1:].view(kbs.shape)  # rows one byte off a word
+    k2 = check_cache("k", "nvfp4", kc, odd, ks, 128)
+    assert not nv4._scale_words(k2, v)
+
+
 def test_unsupported_names_the_reason():
     from kvbench.kernels._triton_utils import check_cache
     from kvbench.tools.kernel_check import make_cache
