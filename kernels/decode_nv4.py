@@ -63,6 +63,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from kvbench.kernels import _gluon_compat as compat
 from kvbench.kernels.config import DecodeOptions
 from kvbench.kernels.formats import get_format
 
@@ -410,9 +411,7 @@ def _tile(kw, ks, vw, vs, qv, tok, j, hi, lo_tok, qk_scale, m_i, l_i, acc, NH: g
 # [128 tokens, 2 words] go to shared memory by asynchronous copies (``cp.async``) ``STAGES - 1`` tiles ahead, so
 # the copies of the next tiles are in flight while a tile is unpacked; each thread then reads its fragment bytes
 # from shared memory in the layouts of the direct loads above (``_KW4`` ... as [token, word] / [token, byte]).
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-_NEW_SMEM_API = gl.constexpr(hasattr(async_copy, "async_load"))  # ``reinterpret`` after Triton 3.6, ``_reinterpret`` up to it
-_sync = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+_async_load, _NEW_SMEM_API, _sync = compat.async_load, compat.NEW_SMEM_API, compat.sync
 # The copies (``CPL``): 3 (the default): the tile as 8 groups of 16 tokens, one page lookup per group, a warp's
 # instruction covering 8 whole rows; 0: the same coalescing, a page lookup and a mask per token; 2: each thread
 # copies one whole token (one lookup, but a warp's instruction reads 16 bytes of each of 32 rows 64 bytes apart).

@@ -40,18 +40,17 @@ import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
+
+from kvbench.kernels import _gluon_compat as compat
 
 __all__ = ["BLOCK_H", "BLOCK_N", "STAGES", "unsupported", "launch"]
 
 BLOCK_H = 64  # query heads per program: the M of one warpgroup MMA
 BLOCK_N = 64  # tokens per tile: a page of 64 holds one tile
 STAGES = {False: 2, True: 3}  # tile buffers, bf16 / fp8_pv: 2 x 72 KB next to the 72 KB query, 3 x 36 KB in fp8
-# one bar.sync over the program's warps (named thread_barrier up to Triton 3.6, barrier after)
-_sync = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
-# a TMA copy into shared memory (async_copy_global_to_shared up to Triton 3.6, async_load after)
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_sync, _tma_load = compat.sync, compat.tma_load
 
 
 @gluon.jit

@@ -18,7 +18,8 @@ import argparse
 import sys
 
 HQ, HK, D, PAGE, LAYOUT = 32, 8, 128, 16, "HND"
-_SHORT = None  # ``nv4-unpack --short``: only the kernel before 2026-11-29, the default and the floor
+# ``nv4-unpack --short``: the kernel before 2026-11-29, the defaults (also under register caps), the floor, halves off
+SHORT = {(0, 0, False), (1, 2, True), (9, 2, True), (1, 2, True, 3, False), (1, 2, True, 3, True)}
 
 
 def _cases(fmts, b, ctx):
@@ -52,7 +53,7 @@ def _settings(unpack=1, stages=2, vswz=True, cpl=3, halves=True) -> str:
     return f"unpack={unpack} stages={stages} vswz={int(vswz)} cpl={cpl} halves={int(halves)}"
 
 
-def nv4_unpack(shapes) -> None:
+def nv4_unpack(shapes, short: bool = False) -> None:
     from kvbench.tools.common import copy_bandwidth
 
     copy = copy_bandwidth()
@@ -62,7 +63,7 @@ def nv4_unpack(shapes) -> None:
     variants += [((1, 2, True), {"gluon": True, "maxnreg": r}) for r in (0, 112)] + [((9, 2, True), {})]
     variants += [((1, 2, True, c), {}) for c in (0, 1, 2)]
     variants += [((1, 2, True, 3, h), {"gluon": True, "maxnreg": r}) for h in (False, True) for r in (128, 104, 96)]
-    variants = [v for v in variants if _SHORT is None or v[0] in _SHORT]
+    variants = [v for v in variants if not short or v[0] in SHORT]
     for shape in shapes:
         b, ctx = map(int, shape.split("x"))
         base = None
@@ -131,11 +132,11 @@ def ncu(unpack: int, stages: int, vswz: bool, shape: str = "64x8192") -> None:
     b, ctx = map(int, shape.split("x"))
     for fmt, case in _cases(("nvfp4",), b, ctx):
         for _ in range(5):
-            _time_once(fmt, case)
+            _run_once(fmt, case)
     torch.cuda.synchronize()
 
 
-def _time_once(fmt, case) -> None:
+def _run_once(fmt, case) -> None:
     import torch
 
     from kvbench.kernels.config import PagedKV
@@ -165,9 +166,7 @@ def main(argv=None) -> int:
     s.add_argument("--vswz", default="0")
     a = p.parse_args(argv)
     if a.cmd == "nv4-unpack":
-        global _SHORT
-        _SHORT = {(0, 0, False), (1, 2, True), (9, 2, True), (1, 2, True, 3, False), (1, 2, True, 3, True)} if a.short else None
-        nv4_unpack(a.shapes.split(","))
+        nv4_unpack(a.shapes.split(","), a.short)
     elif a.cmd == "ncu":
         ncu(a.unpack, a.stages, bool(a.vswz), a.shape)
     elif a.cmd == "splits":
