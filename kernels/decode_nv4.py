@@ -38,7 +38,9 @@ Layout (one program per sequence × kv head × split, four warps, each warp its 
   unpacked; each thread then reads its fragment bytes from shared memory (K 16 bytes, V 8 bytes per token; V's
   rows swizzled so those reads hit 32 banks, ``_V_SMEM``).  The copies take the tile as 8 groups of 16 tokens
   that never straddle a page (pages of a multiple of 16 tokens, tiles 16-aligned, tokens before a sliding
-  window's start zero-filled): one page lookup per group, and a whole tile's copies and scores go unmasked.
+  window's start zero-filled): one page lookup per group, shared by the code rows and the block-scale rows (the
+  token strides are compile-time constants, so the offsets within a group are immediates; ``CPL`` 4), and a
+  whole tile's copies and scores go unmasked.
   ``STAGES`` 0 loads straight into the registers (the kernel before; also ``DecodeOptions.prefetch``).
 * The operands in halves (``HALVES``): the scores as two products over slots 0-63 and 64-127, P·V as two over
   columns 0-63 and 64-127, each half unpacked just before its product, V read after the softmax.
@@ -199,7 +201,7 @@ UNPACK = 1
 # 2026-11-29; ``DecodeOptions.prefetch`` also takes that path)
 STAGES = 2
 VSWZ = True  # V's rows swizzled in shared memory (``_V_SMEM``)
-CPL = 3  # the copies' layout (``_CPW0`` ...)
+CPL = 4  # the copies' layout (``_CPW0`` ...; ``_issue``)
 HALVES = True  # the operands in halves (``_tile_h``); with STAGES only
 
 
@@ -412,8 +414,9 @@ def _tile(kw, ks, vw, vs, qv, tok, j, hi, lo_tok, qk_scale, m_i, l_i, acc, NH: g
 # the copies of the next tiles are in flight while a tile is unpacked; each thread then reads its fragment bytes
 # from shared memory in the layouts of the direct loads above (``_KW4`` ... as [token, word] / [token, byte]).
 _async_load, _NEW_SMEM_API, _sync = compat.async_load, compat.NEW_SMEM_API, compat.sync
-# The copies (``CPL``): 3 (the default): the tile as 8 groups of 16 tokens, one page lookup per group, a warp's
-# instruction covering 8 whole rows; 0: the same coalescing, a page lookup and a mask per token; 2: each thread
+# The copies (``CPL``): 4 (the default): the tile as 8 groups of 16 tokens, one page lookup per group for the code
+# and scale rows alike, a warp's instruction covering 8 whole rows; 3: the same with separate lookups for the codes
+# and the scales (the default until 2026-11-29 18:40); 0: the same coalescing, a page lookup and a mask per token; 2: each thread
 # copies one whole token (one lookup, but a warp's instruction reads 16 bytes of each of 32 rows 64 bytes apart).
 _CPW0 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 _CPS0 = gl.constexpr(gl.BlockedLayout([1, 1], [16, 2], [4, 1], [1, 0]))
@@ -463,6 +466,9 @@ def _issue(KC, VC, KBS, VBS, kbuf, vbuf, ksbuf, vsbuf, pt_row, t0, lo_tok, hi, k
                       vh_off, s_page, s_tok, PAGE, 16, _CPW3)
         _issue_groups(KBS, VBS, ksbuf.reshape([8, 16, 2]), vsbuf.reshape([8, 16, 2]), pt_row, t0, lo_tok, hi, kbh_off,
                       vbh_off, sb_page, sb_tok, PAGE, 2, _CPS3)
+    elif CPL == 4:
+        _issue_shared(KC, VC, KBS, VBS, kbuf, vbuf, ksbuf, vsbuf, pt_row, t0, lo_tok, hi, kh_off, vh_off, kbh_off,
+                      vbh_off, s_page, s_tok, sb_page, sb_tok, PAGE)
     else:
         _issue_tokens(KC, VC, kbuf, vbuf, pt_row, t0, lo_tok, hi, kh_off, vh_off, s_page, s_tok, PAGE, 16, _CPW2)
         _issue_tokens(KBS, VBS, ksbuf, vsbuf, pt_row, t0, lo_tok, hi, kbh_off, vbh_off, sb_page, sb_tok, PAGE, 2, _CPS2)
@@ -503,6 +509,46 @@ def _issue_groups(KC, VC, kbuf, vbuf, pt_row, t0, lo_tok, hi, kh_off, vh_off, s_
 
 
 @gluon.jit
+def _issue_shared(KC, VC, KBS, VBS, kbuf, vbuf, ksbuf, vsbuf, pt_row, t0, lo_tok, hi, kh_off, vh_off, kbh_off,
+                  vbh_off, s_page, s_tok: gl.constexpr, sb_page, sb_tok: gl.constexpr, PAGE: gl.constexpr):
+    """``CPL`` 4: the copies of ``CPL`` 3 with one page lookup per group for the code rows and the scale rows alike
+    (the two layouts hold the same groups in the same threads), and the offsets within a group immediates."""
+    g = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, _CPW3)))
+    t16 = t0 + g * 16
+    whole = (t0 >= lo_tok) & (t0 + 128 <= hi)
+    if whole:
+        page = gl.load(pt_row + t16 // PAGE).to(gl.int64)
+    else:
+        page = gl.load(pt_row + t16 // PAGE, mask=t16 < hi, other=0).to(gl.int64)
+    rk = page * s_page + (t16 % PAGE) * s_tok
+    rs = gl.convert_layout(page * sb_page + (t16 % PAGE) * sb_tok, gl.SliceLayout(1, gl.SliceLayout(2, _CPS3)),
+                           assert_trivial=True)
+    _copy_rows(KC, VC, kbuf.reshape([8, 16, 16]), vbuf.reshape([8, 16, 16]), rk, t0, lo_tok, hi, kh_off, vh_off,
+               whole, s_tok, 16, _CPW3)
+    _copy_rows(KBS, VBS, ksbuf.reshape([8, 16, 2]), vsbuf.reshape([8, 16, 2]), rs, t0, lo_tok, hi, kbh_off, vbh_off,
+               whole, sb_tok, 2, _CPS3)
+
+
+@gluon.jit
+def _copy_rows(KC, VC, kbuf, vbuf, base, t0, lo_tok, hi, kh_off, vh_off, whole, s_tok: gl.constexpr, W: gl.constexpr,
+               L: gl.constexpr):
+    i = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+    q = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+    off = (i * s_tok)[None, :, None] + q[None, None, :]
+    kp = KC + (base + kh_off)[:, None, None]
+    vp = VC + (base + vh_off)[:, None, None]
+    if whole:
+        _async_load(kbuf, kp + off)
+        _async_load(vbuf, vp + off)
+    else:
+        g = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        t = (t0 + g * 16)[:, None] + i[None, :]
+        m = ((t >= lo_tok) & (t < hi))[:, :, None] & (q < W)[None, None, :]
+        _async_load(kbuf, kp + off, mask=m)
+        _async_load(vbuf, vp + off, mask=m)
+
+
+@gluon.jit
 def _bytes(buf):
     if _NEW_SMEM_API:
         return buf.reinterpret(gl.uint8, [128, 8], _SMEM2)
@@ -536,10 +582,11 @@ def _read_v(vbuf, vsbuf):
 def _decode_nv4_kernel(
     Q, KC, VC, KBS, VBS, K_SCALE, PT, SEQ_LENS, ACC, ML, OUT, V_SCALE, SINKS,
     sm_scale_log2,
-    sq_b, sq_h, s_page, s_tok, skc_h, svc_h, sb_page, sb_tok, skb_h, svb_h, spt_b,
+    sq_b, sq_h, s_page, skc_h, svc_h, sb_page, skb_h, svb_h, spt_b,
     sacc_b, sacc_h, sacc_s, sml_b, sml_h, sml_s, so_b, so_h,
     window, num_splits,
     G: gl.constexpr, NH: gl.constexpr, PAGE: gl.constexpr, DIRECT: gl.constexpr, HAS_SINKS: gl.constexpr,
+    s_tok: gl.constexpr, sb_tok: gl.constexpr,
     PREFETCH: gl.constexpr, UNPACK: gl.constexpr, STAGES: gl.constexpr, VSWZ: gl.constexpr, CPL: gl.constexpr, HALVES: gl.constexpr,
 ):
     b = gl.program_id(0)
@@ -739,10 +786,12 @@ def launch(q, kc, vc, page_table, seq_lens, out, *, sinks, scale: float, window,
     _decode_nv4_kernel[(bsz, hk, num_splits)](
         q, kw, vw, kb, vb, kc.scale, page_table, seq_lens, acc, ml, out, vc.scale,
         sinks if sinks is not None else vc.scale, scale,
-        q.stride(0), q.stride(1), kc.page_stride // 4, kc.tok_stride // 4, kc.head_stride // 4, vc.head_stride // 4,
-        *sb, page_table.stride(0),
+        q.stride(0), q.stride(1), kc.page_stride // 4, kc.head_stride // 4, vc.head_stride // 4,
+        sb[0], sb[2], sb[3], page_table.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
         out.stride(0), out.stride(1), int(window or 0), num_splits,
         G=g, NH=8 if g <= 8 else 16, PAGE=kc.page_size, DIRECT=direct, HAS_SINKS=sinks is not None,
-        PREFETCH=PREFETCH if prefetch is None else bool(prefetch), UNPACK=UNPACK, STAGES=stages, VSWZ=VSWZ, CPL=CPL, HALVES=bool(HALVES and stages), num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
+        s_tok=kc.tok_stride // 4, sb_tok=sb[1],
+        PREFETCH=PREFETCH if prefetch is None else bool(prefetch), UNPACK=UNPACK, STAGES=stages, VSWZ=VSWZ, CPL=CPL,
+        HALVES=bool(HALVES and stages), num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
     )

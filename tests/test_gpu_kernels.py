@@ -63,14 +63,16 @@ def test_decode_nvfp4_explicit_layouts():
     _ok(check_decode("nvfp4", [5000, 1], 8, 1, 128, 32, sinks=True, seed=18, gluon=True, prefetch=False, maxnreg=0))
 
 
-@pytest.mark.parametrize("unpack,stages,vswz", [(0, 0, False), (1, 0, False), (0, 2, True), (1, 2, False),
-                                                (1, 4, True)])
-def test_decode_nvfp4_unpackings_and_pipelines(monkeypatch, unpack, stages, vswz):
-    """decode_nv4's module settings besides the defaults (byte permutes, two stages, swizzled V): the e4m3
-    conversions, direct register loads (the kernel before 2026-11-29), row-major V, four stages."""
+@pytest.mark.parametrize("unpack,stages,vswz,cpl", [(0, 0, False, 4), (1, 0, False, 4), (0, 2, True, 4),
+                                                    (1, 2, False, 4), (1, 4, True, 4), (1, 2, True, 3),
+                                                    (1, 2, True, 0)])
+def test_decode_nvfp4_unpackings_and_pipelines(monkeypatch, unpack, stages, vswz, cpl):
+    """decode_nv4's module settings besides the defaults (byte permutes, two stages, swizzled V, copies with one
+    page lookup per group for codes and scales): the e4m3 conversions, direct register loads (the kernel before
+    2026-11-29), row-major V, four stages, the copies of ``CPL`` 3 and 0."""
     from kvbench.kernels import decode_nv4
 
-    for name, value in (("UNPACK", unpack), ("STAGES", stages), ("VSWZ", vswz)):
+    for name, value in (("UNPACK", unpack), ("STAGES", stages), ("VSWZ", vswz), ("CPL", cpl)):
         monkeypatch.setattr(decode_nv4, name, value)
     _ok(check_decode("nvfp4", RAGGED, *G32, layout="HND", seed=31, gluon=True))
     _ok(check_decode("nvfp4", [4097, 17, 2000, 1], *G32, window=1000, sinks=True, seed=32, gluon=True))

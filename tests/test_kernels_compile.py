@@ -64,16 +64,17 @@ def compile_decode_nv4():
     fn = nv4._decode_nv4_kernel
     ptrs = dict(Q="*bf16", KC="*i32", VC="*i32", KBS="*u8", VBS="*u8", K_SCALE="*fp32", PT="*i32", SEQ_LENS="*i32",
                 ACC="*fp32", ML="*fp32", OUT="*bf16", V_SCALE="*fp32", SINKS="*fp32")
-    aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs or n in ("s_page", "s_tok", "skc_h", "svc_h")]
+    aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs or n in ("s_page", "skc_h", "svc_h")]
     # the defaults (byte-permute unpacking, tiles copied ahead into shared memory), the kernel before them (direct
     # loads into registers, e4m3 conversions), and the register prefetch with the other options
     defaults = dict(PREFETCH=nv4.PREFETCH, UNPACK=nv4.UNPACK, STAGES=nv4.STAGES, VSWZ=nv4.VSWZ, CPL=nv4.CPL,
-                    HALVES=nv4.HALVES)
+                    HALVES=nv4.HALVES, s_tok=16, sb_tok=2)
     for consts, opts in ((dict(G=4, NH=8, PAGE=16, DIRECT=False, HAS_SINKS=False, **defaults), dict(maxnreg=nv4.MAXNREG)),
                          (dict(G=4, NH=8, PAGE=16, DIRECT=False, HAS_SINKS=False, PREFETCH=False, UNPACK=0, STAGES=0,
-                               VSWZ=False, CPL=0, HALVES=False), dict(maxnreg=nv4.MAXNREG)),
+                               VSWZ=False, CPL=0, HALVES=False, s_tok=16, sb_tok=8), dict(maxnreg=nv4.MAXNREG)),
                          (dict(G=16, NH=16, PAGE=32, DIRECT=True, HAS_SINKS=True, PREFETCH=True, UNPACK=0, STAGES=0,
-                               VSWZ=False, CPL=0, HALVES=False), {})):
+                               VSWZ=False, CPL=0, HALVES=False, s_tok=128,
+                               sb_tok=64), {})):
         scales = dict(KBS="*i32", VBS="*i32") if consts["STAGES"] else {}  # the launcher copies them as words
         sig = {n: "constexpr" if n in consts else {**ptrs, **scales}.get(n, "fp32" if n == "sm_scale_log2" else "i32")
                for n in fn.arg_names}

@@ -19,7 +19,7 @@ import sys
 
 HQ, HK, D, PAGE, LAYOUT = 32, 8, 128, 16, "HND"
 # ``nv4-unpack --short``: the kernel before 2026-11-29, the defaults (also under register caps), the floor, halves off
-SHORT = {(0, 0, False), (1, 2, True), (9, 2, True), (1, 2, True, 3, False), (1, 2, True, 3, True)}
+SHORT = {(0, 0, False), (1, 2, True), (9, 2, True), (1, 2, True, 3, False), (1, 2, True, 3, True), (1, 2, True, 4, True)}
 
 
 def _cases(fmts, b, ctx):
@@ -45,12 +45,51 @@ def _time(fmt, case, **kw) -> float:
     return bench_us(lambda: paged_decode(q, pkv, table, seq, out=out, opts=opts), graph=True)
 
 
+DEFAULTS = (1, 2, True, 4, True)  # the module's defaults (``decode_nv4.UNPACK`` ...)
+
+
 def _settings(unpack=1, stages=2, vswz=True, cpl=3, halves=True) -> str:
+    """Sets the module settings (``cpl`` 3 unless given: what ``nv4-unpack``'s rows were measured with)."""
     from kvbench.kernels import decode_nv4
 
     decode_nv4.UNPACK, decode_nv4.STAGES, decode_nv4.VSWZ, decode_nv4.CPL = unpack, stages, vswz, cpl
     decode_nv4.HALVES = halves
     return f"unpack={unpack} stages={stages} vswz={int(vswz)} cpl={cpl} halves={int(halves)}"
+
+
+def parse_sets(text: str) -> list:
+    """``--sets``: settings separated by ';', each 'unpack,stages,vswz,cpl,halves' (a prefix: the rest from
+    ``DEFAULTS``)."""
+    out = []
+    for item in filter(None, text.split(";")):
+        full = [int(x) for x in item.split(",")] + list(DEFAULTS[len(item.split(",")):])
+        out.append((full[0], full[1], bool(full[2]), full[3], bool(full[4])))
+    return out
+
+
+def nv4_sets(shapes, sets, rounds: int = 2) -> None:
+    """Times each of ``sets`` (``parse_sets``) interleaved over ``rounds`` rounds at each shape, with bf16 first."""
+    from kvbench.tools.common import copy_bandwidth
+
+    copy = copy_bandwidth()
+    print(f"copy {copy:.0f} GB/s", flush=True)
+    for shape in shapes:
+        b, ctx = map(int, shape.split("x"))
+        base = None
+        for fmt, case in _cases(("bf16", "nvfp4"), b, ctx):
+            pct = lambda us: 100 * case[4] / (us * 1e-6) / 1e9 / copy  # noqa: E731
+            if fmt == "bf16":
+                base = _time(fmt, case)
+                print(f"B={b} L={ctx} bf16: {base:.1f} us ({pct(base):.0f}% of copy)", flush=True)
+                continue
+            for r in range(rounds):
+                for one in sets:
+                    label = _settings(*one)
+                    us = _time(fmt, case)
+                    print(f"B={b} L={ctx} nvfp4 round {r} {label}: {us:.1f} us ({pct(us):.0f}% of copy, "
+                          f"{base / us:.2f}x bf16)", flush=True)
+            _settings(*DEFAULTS)
+
 
 
 def nv4_unpack(shapes, short: bool = False) -> None:
@@ -63,6 +102,7 @@ def nv4_unpack(shapes, short: bool = False) -> None:
     variants += [((1, 2, True), {"gluon": True, "maxnreg": r}) for r in (0, 112)] + [((9, 2, True), {})]
     variants += [((1, 2, True, c), {}) for c in (0, 1, 2)]
     variants += [((1, 2, True, 3, h), {"gluon": True, "maxnreg": r}) for h in (False, True) for r in (128, 104, 96)]
+    variants += [(DEFAULTS, {})]
     variants = [v for v in variants if not short or v[0] in SHORT]
     for shape in shapes:
         b, ctx = map(int, shape.split("x"))
@@ -79,7 +119,7 @@ def nv4_unpack(shapes, short: bool = False) -> None:
                 us = _time(fmt, case, **kw)
                 print(f"B={b} L={ctx} nvfp4 {label} {kw or 'defaults'}: {us:.1f} us ({pct(us):.0f}% of copy, "
                       f"{base / us:.2f}x bf16)", flush=True)
-            _settings()
+            _settings(*DEFAULTS)
 
 
 def splits(shapes, fmts) -> None:
@@ -98,10 +138,10 @@ def splits(shapes, fmts) -> None:
                     us = _time(fmt, case, num_splits=s)
                     print(f"B={b} L={ctx} {fmt} unpack={unpack} splits={s}: {us:.1f} us ({pct(us):.0f}% of copy)",
                           flush=True)
-            _settings()
+            _settings(*DEFAULTS)
 
 
-def check(unpacks, stages=(0,), vswz=(False,)) -> int:
+def check(unpacks, stages=(0,), vswz=(False,), sets=None) -> int:
     import torch
 
     from kvbench.tools.kernel_check import check_decode
@@ -110,15 +150,15 @@ def check(unpacks, stages=(0,), vswz=(False,)) -> int:
 
     cases = nv4_cases(torch)
     ok = n = 0
-    for sets in ((u, st, sw) for u in unpacks for st in stages for sw in vswz):
-        label = _settings(*sets)
+    for one in (sets or [(u, st, sw) for u in unpacks for st in stages for sw in vswz]):
+        label = _settings(*one)
         for lens, hq, hk, page, kw in cases:
             c = check_decode("nvfp4", lens, hq, hk, D, page, seed=0, gluon=True, **kw)
             n += 1
             ok += bool(c.ok)
             print(f"{'ok  ' if c.ok else 'FAIL'} {label} {c.label} {kw}: rel err {c.err:.2e} (tol {c.tol})",
                   flush=True)
-    _settings()
+    _settings(*DEFAULTS)
     print(f"{ok}/{n} passed", flush=True)
     return 0 if ok == n else 1
 
@@ -164,6 +204,11 @@ def main(argv=None) -> int:
     s.add_argument("--unpack", default="0,1")
     s.add_argument("--stages", default="0,2")
     s.add_argument("--vswz", default="0")
+    s.add_argument("--sets", default="", help="settings to check instead (see parse_sets)")
+    s = sub.add_parser("nv4-sets")
+    s.add_argument("--shapes", default="64x8192,8x32768")
+    s.add_argument("--sets", required=True, help="see parse_sets")
+    s.add_argument("--rounds", type=int, default=2)
     a = p.parse_args(argv)
     if a.cmd == "nv4-unpack":
         nv4_unpack(a.shapes.split(","), a.short)
@@ -171,9 +216,11 @@ def main(argv=None) -> int:
         ncu(a.unpack, a.stages, bool(a.vswz), a.shape)
     elif a.cmd == "splits":
         splits(a.shapes.split(","), a.formats.split(","))
+    elif a.cmd == "nv4-sets":
+        nv4_sets(a.shapes.split(","), parse_sets(a.sets), a.rounds)
     else:
         return check([int(u) for u in a.unpack.split(",")], [int(x) for x in a.stages.split(",")],
-                     [x == "1" for x in a.vswz.split(",")])
+                     [x == "1" for x in a.vswz.split(",")], parse_sets(a.sets) or None)
     return 0
 
 
