@@ -219,6 +219,24 @@ def test_bench_mla_command_parses_its_options_and_needs_a_gpu():
 
     r = CliRunner().invoke(app, ["bench", "mla", "--heads", "16", "--no-sweep", "--quick"])
     assert r.exit_code == 2 and "needs a CUDA device" in r.output, r.output  # options parsed; no GPU here
+    r = CliRunner().invoke(app, ["bench", "mla", "--targets"])
+    assert r.exit_code == 2 and "needs a CUDA device" in r.output, r.output
+    r = CliRunner().invoke(app, ["bench", "mla", "--targets", "--stages"])
+    assert r.exit_code == 2 and "give one" in r.output, r.output
+
+
+def test_bench_mla_targets_option_runs_the_flashinfer_table(monkeypatch):
+    """``kvbench bench mla --targets`` is ``mla_check --flashinfer`` (the 64 x 8192 table and the speed targets)."""
+    from typer.testing import CliRunner
+
+    from kvbench.harness.cli import app
+    from kvbench.tools import mla_check
+
+    seen = []
+    monkeypatch.setattr(mla_check, "main", lambda argv: seen.append(argv) or 0)
+    r = CliRunner().invoke(app, ["bench", "mla", "--targets", "--heads", "16,128", "--out", "d"])
+    assert r.exit_code == 0, r.output
+    assert seen == [["--out", "d", "--heads", "16,128", "--flashinfer"]]
 
 
 def test_decode_query_split_over_e4m3_latent():

@@ -347,6 +347,9 @@ def main(argv=None) -> int:
     if args.out:
         atomic_write_text(os.path.join(args.out, "mla_check.json"), json.dumps(report, indent=1))
         atomic_write_text(os.path.join(args.out, "mla_check.md"), md)
+    if not args.quick:  # the speed targets close the full run (the table of --flashinfer)
+        print("\n## targets (decode at 64 x 8192; `--flashinfer` runs this table alone)", flush=True)
+        _vs_flashinfer(args)
     return 0 if ok else 1
 
 

@@ -45,10 +45,16 @@ def register(app: typer.Typer) -> None:
         heads: str = typer.Option("16,128", "--heads", help="Query head counts for the decode benchmark (comma list)."),
         no_sweep: bool = typer.Option(False, "--no-sweep", help="Skip the launch-configuration sweep."),
         stages: bool = typer.Option(False, "--stages", help="Only the decode's pipeline-depth table at 64 x 8192."),
+        targets: bool = typer.Option(False, "--targets", help="Only the decode per format at 64 x 8192 against "
+                                     "flashinfer's MLA decode, with the speed targets (MET / MISS); the full run "
+                                     "ends with the same table unless --quick."),
     ) -> None:
-        """MLA latent-cache kernels: checks at DeepSeek-V3 shapes and decode/append timings."""
+        """MLA latent-cache kernels: checks at DeepSeek-V3 shapes, decode/append/prefill timings, the speed targets."""
         from kvbench.tools.mla_check import main
 
+        if stages and targets:
+            raise typer.BadParameter("--stages and --targets each run one table; give one", param_hint="--targets")
         argv = (["--out", out] if out else []) + (["--quick"] if quick else []) + (["--skip-checks"] if skip_checks else [])
         argv += ["--heads", heads] + (["--no-sweep"] if no_sweep else []) + (["--stages"] if stages else [])
+        argv += ["--flashinfer"] if targets else []
         raise typer.Exit(main(argv) or 0)
