@@ -67,8 +67,9 @@ def parse_sets(text: str) -> list:
     return out
 
 
-def nv4_sets(shapes, sets, rounds: int = 2) -> None:
-    """Times each of ``sets`` (``parse_sets``) interleaved over ``rounds`` rounds at each shape, with bf16 first."""
+def _nvfp4_cases(shapes):
+    """Per shape: bf16 timed and printed first, then ``(b, ctx, case, pct, base)`` for the nvfp4 case (``pct``: µs →
+    % of copy bandwidth, ``base``: bf16's µs); the module settings are reset to ``DEFAULTS`` after each."""
     from kvbench.tools.common import copy_bandwidth
 
     copy = copy_bandwidth()
@@ -77,26 +78,27 @@ def nv4_sets(shapes, sets, rounds: int = 2) -> None:
         b, ctx = map(int, shape.split("x"))
         base = None
         for fmt, case in _cases(("bf16", "nvfp4"), b, ctx):
-            pct = lambda us: 100 * case[4] / (us * 1e-6) / 1e9 / copy  # noqa: E731
+            pct = lambda us, case=case: 100 * case[4] / (us * 1e-6) / 1e9 / copy  # noqa: E731
             if fmt == "bf16":
                 base = _time(fmt, case)
                 print(f"B={b} L={ctx} bf16: {base:.1f} us ({pct(base):.0f}% of copy)", flush=True)
                 continue
-            for r in range(rounds):
-                for one in sets:
-                    label = _settings(*one)
-                    us = _time(fmt, case)
-                    print(f"B={b} L={ctx} nvfp4 round {r} {label}: {us:.1f} us ({pct(us):.0f}% of copy, "
-                          f"{base / us:.2f}x bf16)", flush=True)
+            yield b, ctx, case, pct, base
             _settings(*DEFAULTS)
 
 
+def nv4_sets(shapes, sets, rounds: int = 2) -> None:
+    """Times each of ``sets`` (``parse_sets``) interleaved over ``rounds`` rounds at each shape, with bf16 first."""
+    for b, ctx, case, pct, base in _nvfp4_cases(shapes):
+        for r in range(rounds):
+            for one in sets:
+                label = _settings(*one)
+                us = _time("nvfp4", case)
+                print(f"B={b} L={ctx} nvfp4 round {r} {label}: {us:.1f} us ({pct(us):.0f}% of copy, "
+                      f"{base / us:.2f}x bf16)", flush=True)
+
 
 def nv4_unpack(shapes, short: bool = False) -> None:
-    from kvbench.tools.common import copy_bandwidth
-
-    copy = copy_bandwidth()
-    print(f"copy {copy:.0f} GB/s", flush=True)
     variants = [((0, 0, False), {}), ((1, 0, False), {}), ((9, 0, False), {})]
     variants += [((u, st, sw), {}) for u in (0, 1) for st in (2, 4) for sw in (False, True)]
     variants += [((1, 2, True), {"gluon": True, "maxnreg": r}) for r in (0, 112)] + [((9, 2, True), {})]
@@ -104,22 +106,13 @@ def nv4_unpack(shapes, short: bool = False) -> None:
     variants += [((1, 2, True, 3, h), {"gluon": True, "maxnreg": r}) for h in (False, True) for r in (128, 104, 96)]
     variants += [(DEFAULTS, {})]
     variants = [v for v in variants if not short or v[0] in SHORT]
-    for shape in shapes:
-        b, ctx = map(int, shape.split("x"))
-        base = None
-        for fmt, case in _cases(("bf16", "nvfp4"), b, ctx):
-            pct = lambda us: 100 * case[4] / (us * 1e-6) / 1e9 / copy  # noqa: E731
-            if fmt == "bf16":
-                base = _time(fmt, case)
-                print(f"B={b} L={ctx} bf16: {base:.1f} us ({pct(base):.0f}% of copy)", flush=True)
-                continue
-            extra = [((1, 2, True), {"num_splits": n}) for n in (8, 12, 16)] if b <= 16 else []
-            for sets, kw in variants + extra:
-                label = _settings(*sets)
-                us = _time(fmt, case, **kw)
-                print(f"B={b} L={ctx} nvfp4 {label} {kw or 'defaults'}: {us:.1f} us ({pct(us):.0f}% of copy, "
-                      f"{base / us:.2f}x bf16)", flush=True)
-            _settings(*DEFAULTS)
+    for b, ctx, case, pct, base in _nvfp4_cases(shapes):
+        extra = [((1, 2, True), {"num_splits": n}) for n in (8, 12, 16)] if b <= 16 else []
+        for sets, kw in variants + extra:
+            label = _settings(*sets)
+            us = _time("nvfp4", case, **kw)
+            print(f"B={b} L={ctx} nvfp4 {label} {kw or 'defaults'}: {us:.1f} us ({pct(us):.0f}% of copy, "
+                  f"{base / us:.2f}x bf16)", flush=True)
 
 
 def splits(shapes, fmts) -> None:
