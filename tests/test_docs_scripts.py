@@ -216,3 +216,14 @@ def test_engine_layouts_helpers():
     assert el.first_divergence([1, 2, 3], [1, 2, 3]) == 3 and el.first_divergence([1, 5, 3], [1, 2, 3]) == 1
     assert el.first_divergence([1, 2], [1, 2, 3]) == 2
     assert el.compare([[1, 2], [3, 4], [5]], [[1, 2], [3, 9], [5]]) == (2, [2, 1, 1])
+
+
+# ------------------------------------------------------------------------------------ decode_probes
+def test_decode_probes_sets_fill_from_the_module_defaults():
+    dp = _load("decode_probes.py")
+    from kvbench.kernels import decode_nv4
+
+    assert dp.DEFAULTS == (decode_nv4.UNPACK, decode_nv4.STAGES, decode_nv4.VSWZ, decode_nv4.CPL, decode_nv4.HALVES)
+    assert dp.parse_sets("1,2,1,3,1;0,0;;9") == [(1, 2, True, 3, True), (0, 0, True, 4, True),
+                                                 (9, 2, True, 4, True)]
+    assert dp.parse_sets("") == []
