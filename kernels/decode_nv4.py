@@ -46,8 +46,8 @@ Layout (one program per sequence × kv head × split, four warps, each warp its 
   columns 0-63 and 64-127, each half unpacked just before its product, V read after the softmax.
 
 The module settings ``UNPACK``, ``STAGES``, ``VSWZ``, ``CPL`` and ``HALVES`` are read at launch; the defaults
-are the fastest of ``docs/scripts/decode_probes.py nv4-unpack`` on an H200 (docs/kernels.md, "nvfp4 decode on
-the H200"), the others stay for that probe and the GPU tests.
+are the fastest of ``docs/scripts/decode_probes.py nv4-unpack`` and ``nv4-sets`` on an H200 (docs/kernels.md,
+"nvfp4 decode on the H200"), the others stay for those probes and the GPU tests.
 
 Everything else is the Triton kernel's semantics: split bounds from ``seq_lens`` on the device, the sliding
 window, sinks, the per-head global scales, and the same partial-result layout for the reduce kernel.
