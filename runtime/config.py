@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 # page layouts: head-major pages (HND, each kv head's tokens of a page contiguous) or token-major (NHD)
 KV_LAYOUTS = ("HND", "NHD")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# torch's BLAS library for the linear layers on a CUDA GPU (``runtime/gemm_library.py``)
+GEMM_LIBRARIES = ("cublas", "cublaslt")
 # which attention phases round the query through float8_e4m3fn (True = "both", False = "none")
 
 
@@ -162,6 +164,7 @@ class EngineConfig:
     device: Optional[str] = None  # None = cuda if available else cpu
     dtype: Optional[str] = None  # None = float32 on CPU, bfloat16 on GPU
     enforce_eager: bool = False
+    gemm_library: str = "cublas"  # torch's BLAS library for the linear layers on a CUDA GPU (GEMM_LIBRARIES)
     seed: int = 0
     calibration_prompts: int = 16
     served_model_name: Optional[str] = None
@@ -183,6 +186,7 @@ class EngineConfig:
             _choice(name, getattr(self, name), allowed)
         if self.dtype is not None:
             _choice("dtype", self.dtype, COMPUTE_DTYPES)
+        _choice("gemm_library", self.gemm_library, GEMM_LIBRARIES)
         if self.device is not None and (not isinstance(self.device, str) or not _DEVICE_RE.fullmatch(self.device)):
             raise ConfigError(f"device={self.device!r} is not supported; choose cpu, cuda or cuda:N", "device")
         self.quantize_query = normalize_quantize_query(self.quantize_query)

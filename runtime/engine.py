@@ -30,6 +30,7 @@ from kvbench.core import SamplingParams, ScoreResult
 from kvbench.runtime.compile_watch import install_compile_watch
 from kvbench.runtime.config import EngineConfig
 from kvbench.runtime.engine_api import CapacityReport, EngineStats, RequestOutput, StreamDelta
+from kvbench.runtime.gemm_library import apply as apply_gemm_library
 from kvbench.runtime.models.engine_setup import build_engine_parts, engine_device
 from kvbench.runtime.models.outputs import OutputProcessor
 from kvbench.runtime.sampling import MAX_REQUEST_LOGPROBS, MAX_SCORE_LOGPROBS, validate_params
@@ -50,6 +51,7 @@ class Engine:
         """``loaded``: an already loaded ``LoadedModel`` to share between engines (else ``config.model`` loads);
         ``scales``: KV scales to use instead of the config's policy (``KVScales``, e.g. another engine's)."""
         self.config = config or EngineConfig()
+        apply_gemm_library(self.config.gemm_library, engine_device(self.config))  # also before each step
         # Triton compiles before the engine serves are expected; later ones are logged (compile_watch.py)
         self._compiles = install_compile_watch() if engine_device(self.config).type == "cuda" else None
         self._compiles_base = (0, 0.0) if self._compiles is None else (self._compiles.after_warmup,
@@ -232,6 +234,7 @@ class Engine:
         the last one's tokens are recorded when that one is in flight (``runtime/step_outputs.py``)."""
         self._drain_inbox()
         t0 = time.perf_counter()
+        apply_gemm_library(self.config.gemm_library, self.device)
         batch = self.scheduler.schedule()
         if batch is None and self.rows.inflight is not None:
             self.rows.resolve()  # its rows may end sequences (and free pages for waiting ones)

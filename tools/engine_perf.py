@@ -125,6 +125,8 @@ def _parse_args(argv):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--decode-backend", default="triton")
+    ap.add_argument("--gemm-library", default="cublas", choices=("cublas", "cublaslt"),
+                    help="torch's BLAS library for the linear layers (EngineConfig.gemm_library)")
     ap.add_argument("--capacity-budget-gb", type=float, default=2.0)
     ap.add_argument("--formats", default="", help="comma list of KV formats for the decode and profile rows (default: one per element width)")
     ap.add_argument("--prefill", default="8x1024", help="the prefill step the prefill section times: SEQSxPROMPT")
@@ -153,7 +155,7 @@ class _Sections:
         return EngineConfig(model=a.model, kv_dtype=fmt, prefill_backend="torch", decode_backend=a.decode_backend,
                             device=a.device, max_running=a.batch, max_model_len=a.ctx + 16,
                             kv_budget_gb=a.batch * (a.ctx + 16) * 1.05 * _bpt(a.model, fmt) / 2**30,
-                            enforce_eager=eager)
+                            enforce_eager=eager, gemm_library=a.gemm_library)
 
     def bandwidth(self):
         self.res["copy_bandwidth_GBs"] = copy_bandwidth(self.args.device) / 1e9
@@ -197,7 +199,8 @@ class _Sections:
         n, p = (int(x) for x in a.prefill.lower().split("x"))
         cfg = EngineConfig(model=a.model, kv_dtype=fmt, prefill_backend="triton", decode_backend=a.decode_backend,
                            device=a.device, max_running=max(n, 1), max_num_batched_tokens=n * p, max_model_len=p + 16,
-                           kv_budget_gb=n * (p + 16) * 1.05 * _bpt(a.model, fmt) / 2**30, enforce_eager=True)
+                           kv_budget_gb=n * (p + 16) * 1.05 * _bpt(a.model, fmt) / 2**30, enforce_eager=True,
+                           gemm_library=a.gemm_library)
         row = {"kv": fmt, **_with_engine(cfg, lambda e: prefill_breakdown(e, n, p))}
         self.res.setdefault("prefill", []).append(row)
         return ("prefill", row)

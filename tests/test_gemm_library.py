@@ -1,0 +1,49 @@
+"""``EngineConfig.gemm_library``: torch's BLAS library for the engine's linear layers on a CUDA GPU, checked and
+applied (runtime/gemm_library.py); the flag every engine command takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.runtime import ConfigError, EngineConfig
+from kvbench.runtime import gemm_library as G
+
+
+def test_choices_and_errors():
+    assert EngineConfig().gemm_library == "cublas"
+    assert EngineConfig(gemm_library="cublaslt").gemm_library == "cublaslt"
+    for bad in ("hipblaslt", "auto"):
+        with pytest.raises(ConfigError, match=f"gemm_library='{bad}' is not supported; choose one of: cublas, cublaslt"):
+            EngineConfig(gemm_library=bad)
+
+
+def test_applied_on_cuda_only(monkeypatch):
+    from types import SimpleNamespace
+
+    state, calls = ["Cublas"], []
+
+    def fake(*a):  # torch's getter / setter, with a state of its own (a CPU build may not keep a CUDA choice)
+        calls.append(a)
+        if a:
+            state[0] = a[0].capitalize()
+        return SimpleNamespace(name=state[0])
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", fake)
+    G.apply("cublaslt", torch.device("cpu"))
+    assert calls == []  # a CPU engine leaves torch's choice alone
+    G.apply("cublaslt", torch.device("cuda", 0))  # only the setting: no CUDA device is needed to make it
+    assert calls == [(), ("cublaslt",)] and state == ["Cublaslt"]
+    G.apply("cublaslt", torch.device("cuda", 0))  # already the library: read, not set again
+    assert calls[2:] == [()]
+    G.apply("cublas", torch.device("cuda", 0))
+    assert calls[3:] == [(), ("cublas",)] and state == ["Cublas"]
+
+
+def test_engine_flag():
+    from typer.testing import CliRunner
+
+    from kvbench.harness.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--gemm-library", "rocblas", "--device", "cpu"])
+    assert r.exit_code == 2 and "gemm_library='rocblas' is not supported" in r.output, r.output
