@@ -51,9 +51,10 @@ class Engine:
         """``loaded``: an already loaded ``LoadedModel`` to share between engines (else ``config.model`` loads);
         ``scales``: KV scales to use instead of the config's policy (``KVScales``, e.g. another engine's)."""
         self.config = config or EngineConfig()
-        apply_gemm_library(self.config.gemm_library, engine_device(self.config))  # also before each step
+        device = engine_device(self.config)
+        apply_gemm_library(self.config.gemm_library, device)  # also before each step
         # Triton compiles before the engine serves are expected; later ones are logged (compile_watch.py)
-        self._compiles = install_compile_watch() if engine_device(self.config).type == "cuda" else None
+        self._compiles = install_compile_watch() if device.type == "cuda" else None
         self._compiles_base = (0, 0.0) if self._compiles is None else (self._compiles.after_warmup,
                                                                       self._compiles.after_warmup_s)
         parts = build_engine_parts(self.config, loaded, scales)
