@@ -63,8 +63,9 @@ ENGINE_PARAMS: dict[str, tuple[object, object]] = {
     "device": (Optional[str], _opt(None, "--device", help="cpu or cuda[:N] (default: cuda when available)")),
     "dtype": (Optional[str], _opt(None, "--dtype", help="Compute dtype: float32 (CPU default), bfloat16 (GPU default), float16")),
     "enforce_eager": (bool, _opt(False, "--enforce-eager", help="Disable CUDA graphs")),
-    "gemm_library": (str, _opt("cublas", "--gemm-library", metavar="cublas|cublaslt",
-                               help="torch's BLAS library for the linear layers on a CUDA GPU")),
+    "gemm_library": (str, _opt("cublas", "--gemm-library", metavar="cublas|cublaslt|triton",
+                               help="The linear layers' library on a CUDA GPU: torch's BLAS (cublas, cublaslt) or "
+                                    "kvbench's few-row Triton GEMM for decode steps (triton)")),
     "seed": (int, _opt(0, "--seed", help="Engine seed (weights of synthetic models, sampling defaults)")),
     "served_model_name": (Optional[str], _opt(None, "--served-model-name", help="Model id served at /v1/models (default: derived from --model)")),
 }

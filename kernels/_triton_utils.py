@@ -25,6 +25,42 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def gdc_available() -> bool:
+    """Whether kernels may use grid dependency control (``tl.extra.cuda.gdc_*``, programmatic dependent
+    launch): this Triton has it and the code is compiled, not interpreted."""
+    return not interpreting() and hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
+
+
+# Programmatic dependent launch of the decode step's own kernels (RMSNorm, SiLU·up, the fused append, the paged
+# decode and its reduce, the few-row GEMM), on while the engine's linear layers are ``gemm_library = "triton"``
+# (``runtime/gemm_library.py`` sets it before each step): each such kernel may start while the kernel before it
+# in the stream finishes, and waits for it (``pdl_enter``) before it touches memory.
+_PDL = [False]
+
+
+def set_pdl(on: bool) -> None:
+    _PDL[0] = bool(on)
+
+
+def pdl() -> bool:
+    """Whether launches now are programmatic dependents (``set_pdl`` and ``gdc_available``)."""
+    return _PDL[0] and gdc_available()
+
+
+def pdl_launch(on: bool) -> dict:
+    """The launch option of a programmatic dependent launch, when ``on``."""
+    return {"launch_pdl": True} if on else {}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A kernel's first statement: with ``PDL``, let the next kernel launch (it waits in turn), then wait until
+    the kernel before this one is done and its writes are visible.  Nothing before it touches memory."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
 def dot_code(dtype: torch.dtype) -> int:
     """Dot-operand code for a compute dtype (0 bf16, 1 fp16, 2 fp32, 3 bf16 emulated in fp32 on the
     CPU interpreter, whose bf16 ``tl.dot`` gives wrong results)."""

@@ -27,6 +27,9 @@ from kvbench.kernels._triton_utils import (
     format_code,
     interpreting,
     next_pow2,
+    pdl,
+    pdl_enter,
+    pdl_launch,
 )
 from kvbench.kernels.config import PagedKV
 from kvbench.kernels.formats import get_format
@@ -126,11 +129,13 @@ def _append_kernel(
     ROT: tl.constexpr, NEOX: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     DO_ROPE: tl.constexpr, DO_STORE: tl.constexpr, WRITE_K_OUT: tl.constexpr, Q_FP8: tl.constexpr,
     E5M2: tl.constexpr, EXACT: tl.constexpr, KV_FIRST: tl.constexpr = False, PACKED: tl.constexpr = False,
-    HOIST: tl.constexpr = True, BITCODE: tl.constexpr = True,
+    HOIST: tl.constexpr = True, BITCODE: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
     """One program: token ``t``, a block of ``HB`` query heads or of ``HB`` kv heads.  ``KV_FIRST``: the kv
     blocks (the longer programs: RoPE, quantization, two stores) take the first block indices, so they are
-    scheduled before the query blocks instead of forming the grid's tail."""
+    scheduled before the query blocks instead of forming the grid's tail.  ``PDL``: a programmatic dependent
+    launch (``_triton_utils.pdl_enter``)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     nqb = tl.cdiv(H_Q, HB)
@@ -310,8 +315,8 @@ def _launch(t, q, k, v, positions, slots, cs, q_out, k_out, q8, q_scale, kc, vc,
         DO_ROPE=do_rope, DO_STORE=do_store, WRITE_K_OUT=write_k_out, Q_FP8=q8 is not None,
         E5M2=fmt.name == "fp8_e5m2", EXACT=interpreting(), KV_FIRST=_TUNE.get("kv_first", True),
         PACKED=_TUNE.get("packed", packed_stores(t, d)) and fmt.name == "nvfp4" and d % 64 == 0,
-        HOIST=_TUNE.get("hoist", True), BITCODE=_TUNE.get("bitcode", True),
-        num_warps=_TUNE.get("num_warps", warps), **NO_FMA,
+        HOIST=_TUNE.get("hoist", True), BITCODE=_TUNE.get("bitcode", True), PDL=pdl(),
+        num_warps=_TUNE.get("num_warps", warps), **NO_FMA, **pdl_launch(pdl()),
     )
 
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kvbench.kernels._triton_utils import (cache_dot_code, check_kv, check_query, dequant_tile, format_code,
                                           fp8_pairs_split, load_raw_tile, next_pow2, nvfp4_units_split, page_rows,
-                                          to_dot)
+                                          pdl, pdl_enter, pdl_launch, to_dot)
 from kvbench.kernels.config import AttentionParams, DecodeOptions, PagedKV
 from kvbench.kernels.formats import get_format
 
@@ -47,8 +47,9 @@ def _decode_split_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DP_PAD: tl.constexpr, NB: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
     PREFETCH: tl.constexpr, SPLIT8: tl.constexpr = False, E5M2: tl.constexpr = False, NV4: tl.constexpr = False,
-    DIRECT: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
+    DIRECT: tl.constexpr = False, HAS_SINKS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # PDL: a programmatic dependent launch (``_triton_utils.pdl_enter``)
     # DIRECT (one split): the program finishes the softmax itself (sinks, v_scale) and writes OUT, and no
     # reduce kernel runs; otherwise it writes its unnormalised partial sums to ACC / ML.
     b = tl.program_id(0)
@@ -209,8 +210,9 @@ def _decode_reduce_kernel(
     ACC, ML, OUT, V_SCALE, SINKS,
     sacc_b, sacc_h, sacc_s, sml_b, sml_h, sml_s, so_b, so_h, num_splits,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
-    FMT: tl.constexpr, HAS_SINKS: tl.constexpr,
+    FMT: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -355,7 +357,8 @@ def paged_decode(
         G=g, G_PAD=max(16, next_pow2(g)), D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size, BLOCK_N=block_n,
         FMT=fmt, DOT=dot, HAS_Q_SCALE=q_scale is not None, PREFETCH=bool(prefetch), SPLIT8=split8,
         E5M2=get_format(kv_format).name == "fp8_e5m2", NV4=nv4, DIRECT=direct, HAS_SINKS=sinks is not None,
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+        PDL=pdl(), num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+        **pdl_launch(pdl()),
     )
     if direct:
         return out
@@ -413,7 +416,7 @@ def _reduce_splits(acc, ml, out, vc, sinks, g: int, num_splits: int, fmt: int) -
         acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale,
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2), out.stride(0), out.stride(1),
         num_splits, G=g, D=d, D_PAD=next_pow2(d), S_PAD=next_pow2(num_splits), FMT=fmt,
-        HAS_SINKS=sinks is not None, num_warps=4 if d >= 128 else 2,
+        HAS_SINKS=sinks is not None, PDL=pdl(), num_warps=4 if d >= 128 else 2, **pdl_launch(pdl()),
     )
     return out
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench.kernels._triton_utils import cast_rne, interpreting, next_pow2
+from kvbench.kernels._triton_utils import cast_rne, interpreting, next_pow2, pdl, pdl_enter, pdl_launch
 
 __all__ = ["rms_norm", "rms_norm_torch", "silu_mul", "silu_mul_torch", "use_triton"]
 
@@ -52,9 +52,11 @@ def use_triton(x: torch.Tensor, want: Optional[bool] = None) -> bool:
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, OUT, RES_OUT, s_x0, s_x1, s_r0, s_r1, s_o0, s_o1, s_ro0, s_ro1, N, eps,
-                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, EXACT: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
     """Row (i, j) of ``N`` elements at ``i · s0 + j · s1`` (2-D and 3-D inputs alike).  ``EXACT``: the CPU
-    interpreter's casts to bf16 truncate, so they round through ``cast_rne``."""
+    interpreter's casts to bf16 truncate, so they round through ``cast_rne``.  ``PDL``: a programmatic
+    dependent launch (``_triton_utils.pdl_enter``)."""
+    pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64)
     c = tl.arange(0, BLOCK)
@@ -95,14 +97,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Option
     _, sr = _rows(r)
     _, so = _rows(out)
     _, sro = _rows(res_out)
-    block = next_pow2(n)
+    block, on = next_pow2(n), pdl()
     _rms_norm_kernel[grid](x, r, weight, out, res_out, *sx, *sr, *so, *sro, n, float(eps),
-                           BLOCK=block, HAS_RES=residual is not None, EXACT=interpreting(), num_warps=min(16, max(1, block // 512)))
+                           BLOCK=block, HAS_RES=residual is not None, EXACT=interpreting(), PDL=on,
+                           num_warps=min(16, max(1, block // 512)), **pdl_launch(on))
     return out if residual is None else (out, res_out)
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, s_g, s_o, I, BLOCK: tl.constexpr, EXACT: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, s_g, s_o, I, BLOCK: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # as in ``_rms_norm_kernel``
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < I
@@ -121,7 +125,7 @@ def silu_mul(gate_up: torch.Tensor, triton_kernel: Optional[bool] = None) -> tor
     out = torch.empty(t, i, dtype=gate_up.dtype, device=gate_up.device)
     if t == 0:
         return out
-    block = min(1024, next_pow2(i))
+    block, on = min(1024, next_pow2(i)), pdl()
     _silu_mul_kernel[(t, triton.cdiv(i, block))](gate_up, out, gate_up.stride(0), out.stride(0), i, BLOCK=block,
-                                                 EXACT=interpreting(), num_warps=4)
+                                                 EXACT=interpreting(), PDL=on, num_warps=4, **pdl_launch(on))
     return out

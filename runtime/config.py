@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 # page layouts: head-major pages (HND, each kv head's tokens of a page contiguous) or token-major (NHD)
 KV_LAYOUTS = ("HND", "NHD")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-# torch's BLAS library for the linear layers on a CUDA GPU (``runtime/gemm_library.py``)
-GEMM_LIBRARIES = ("cublas", "cublaslt")
+# the library of the linear layers on a CUDA GPU: torch's BLAS, or the few-row Triton GEMM (``runtime/gemm_library.py``)
+GEMM_LIBRARIES = ("cublas", "cublaslt", "triton")
 # which attention phases round the query through float8_e4m3fn (True = "both", False = "none")
 
 
@@ -164,7 +164,7 @@ class EngineConfig:
     device: Optional[str] = None  # None = cuda if available else cpu
     dtype: Optional[str] = None  # None = float32 on CPU, bfloat16 on GPU
     enforce_eager: bool = False
-    gemm_library: str = "cublas"  # torch's BLAS library for the linear layers on a CUDA GPU (GEMM_LIBRARIES)
+    gemm_library: str = "cublas"  # the library of the linear layers on a CUDA GPU (GEMM_LIBRARIES)
     seed: int = 0
     calibration_prompts: int = 16
     served_model_name: Optional[str] = None

@@ -14,7 +14,8 @@ def test_choices_and_errors():
     assert EngineConfig().gemm_library == "cublas"
     assert EngineConfig(gemm_library="cublaslt").gemm_library == "cublaslt"
     for bad in ("hipblaslt", "auto"):
-        with pytest.raises(ConfigError, match=f"gemm_library='{bad}' is not supported; choose one of: cublas, cublaslt"):
+        with pytest.raises(ConfigError, match=f"gemm_library='{bad}' is not supported; choose one of: cublas, cublaslt, "
+                                              "triton"):
             EngineConfig(gemm_library=bad)
 
 
@@ -30,6 +31,8 @@ def test_applied_on_cuda_only(monkeypatch):
         return SimpleNamespace(name=state[0])
 
     monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", fake)
+    reserved = []
+    monkeypatch.setattr("kvbench.kernels.skinny_gemm.reserve", reserved.append)  # no CUDA device here
     G.apply("cublaslt", torch.device("cpu"))
     assert calls == []  # a CPU engine leaves torch's choice alone
     G.apply("cublaslt", torch.device("cuda", 0))  # only the setting: no CUDA device is needed to make it
@@ -38,6 +41,23 @@ def test_applied_on_cuda_only(monkeypatch):
     assert calls[2:] == [()]
     G.apply("cublas", torch.device("cuda", 0))
     assert calls[3:] == [(), ("cublas",)] and state == ["Cublas"]
+    assert not G._TRITON[0]
+    G.apply("triton", torch.device("cuda", 0))  # the Triton GEMM for few rows, cuBLAS for the rest
+    assert calls[5:] == [()] and state == ["Cublas"] and G._TRITON[0] and reserved == [torch.device("cuda", 0)]
+    G.apply("cublaslt", torch.device("cpu"))  # a CPU engine leaves the choice alone
+    assert G._TRITON[0]
+    G.apply("cublaslt", torch.device("cuda", 0))
+    assert not G._TRITON[0] and state == ["Cublaslt"]
+
+
+def test_linear_is_torch_off_the_gpu(monkeypatch):
+    """On CPU tensors (and for what the kernel does not take, and outside a CUDA-graph capture) ``linear`` is
+    ``F.linear``, whatever the choice."""
+    monkeypatch.setattr(G, "_TRITON", [True])
+    x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+    assert torch.equal(G.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    x3 = torch.randn(2, 3, 8)
+    assert torch.equal(G.linear(x3, w), torch.nn.functional.linear(x3, w))
 
 
 def test_engine_flag():

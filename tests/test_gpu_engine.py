@@ -205,6 +205,37 @@ def test_steps_launched_ahead_match_steps_waited_for(loaded, kv, eager):
         off.shutdown()
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+def test_triton_gemm_library_matches_cublas(loaded, kv, monkeypatch):
+    """``gemm_library="triton"``: the decode steps' projections through ``kernels/skinny_gemm.py`` and every Triton
+    kernel of the step launched as a programmatic dependent (inside CUDA graphs and eager) give the distributions of the cuBLAS engine within
+    ``KL_MAX`` and its greedy tokens, with an engine of each library in one process (each step sets its own)."""
+    from kvbench.kernels import skinny_gemm
+
+    calls = []
+    real = skinny_gemm.linear
+    monkeypatch.setattr(skinny_gemm, "linear", lambda *a, **k: calls.append(k["p"]) or real(*a, **k))
+    tri = _engine(loaded, kv, "triton", "triton", eager=False, overlap_schedule=False, gemm_library="triton")
+    ref = _engine(loaded, kv, "triton", "triton", eager=True)
+    try:
+        from kvbench.kernels import _triton_utils
+
+        r = _score(ref)
+        assert not _triton_utils.pdl()
+        t = _score(tri)
+        assert _triton_utils.pdl()  # the step's own kernels launched as programmatic dependents too
+        assert calls and all(p.pdl for p in calls), calls[:4]  # captured into the decode graphs
+        assert tri.runner.graphs is not None and tri.runner.graphs.graphs
+        _close(r, t)
+        p = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (16, 9, 5)]
+        for a, b in zip(tri.generate(PROMPTS, p), ref.generate(PROMPTS, p)):
+            same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+            assert same >= 4, (a.token_ids, b.token_ids)
+    finally:
+        tri.shutdown()
+        ref.shutdown()
+
+
 @pytest.mark.parametrize("kv,pre,dec", [
     ("bf16", "triton", "triton"), ("fp8_e4m3", "triton", "triton"), ("nvfp4", "triton", "triton"),
     ("fp8_e4m3", "torch", "triton"), ("nvfp4", "triton", "torch"),

@@ -255,3 +255,26 @@ def test_fused_rms_norm_and_silu_mul_match_torch(dtype):
     want = silu_mul_torch(gu)
     assert not got.isnan().any()
     assert ((got.double() - want.double()).norm() / want.double().norm()).item() <= tol
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_skinny_gemm_against_float64(m):
+    """The few-row GEMM at Llama-3-8B's projection shapes (K-major weights, bias), with its default tiling, tensor
+    descriptors, and K split in 2 / 8 parts: within 1.05× cuBLAS's own error against float64, output poisoned first,
+    the same bits on a second run."""
+    from kvbench.kernels import skinny_gemm as S
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for n, k in [(6144, 4096), (4096, 14336), (28672, 4096), (1000, 4096)]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = (torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=g) / 64).t()
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+        ref = x.double() @ w.double().t() + b.double()
+        blas = ((torch.nn.functional.linear(x, w, b).double() - ref).norm() / ref.norm()).item()
+        base = S.plan(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        for p in [None, S.Plan(base.bm, 128, 128, 2, tma=True), S.Plan(base.bm, 64, 64, 8, stages=3)]:
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            S.linear(x, w, b, p=p, out=out)
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            assert math.isfinite(err) and err <= 1.05 * blas + 1e-6, (n, k, p, err, blas)
+            assert torch.equal(S.linear(x, w, b, p=p), out)

@@ -160,6 +160,34 @@ def compile_append():
              WRITE_K_OUT=True, Q_FP8=True, E5M2=False, EXACT=False, KV_FIRST=True, PACKED=False, HOIST=True,
              BITCODE=True)
     _compile(_append_kernel, c, ptrs, num_warps=4, enable_fp_fusion=False)
+    _pdl_ptx(_compile(_append_kernel, dict(c, PDL=True), ptrs, num_warps=4, enable_fp_fusion=False, launch_pdl=True))
+
+
+def _pdl_ptx(k) -> None:
+    """A programmatic dependent launch's kernel lets the next launch go, then waits, before its first load."""
+    ptx = k.asm["ptx"]
+    go, wait, load = (ptx.find(s) for s in ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "ld.global"))
+    assert 0 <= go < wait and (load < 0 or wait < load), (go, wait, load)
+
+
+def compile_pdl_small_kernels():
+    """The decode step's small kernels and the paged decode as programmatic dependent launches
+    (``_triton_utils.pdl_enter``)."""
+    from kvbench.kernels.decode import _decode_reduce_kernel, _decode_split_kernel
+    from kvbench.kernels.fused_ops import _rms_norm_kernel, _silu_mul_kernel
+
+    opts = dict(num_warps=4, launch_pdl=True)
+    _pdl_ptx(_compile(_rms_norm_kernel, dict(BLOCK=4096, HAS_RES=True, EXACT=False, PDL=True),
+                      dict(X="*bf16", R="*bf16", W="*bf16", OUT="*bf16", RES_OUT="*bf16"), ("eps",), **opts))
+    _pdl_ptx(_compile(_silu_mul_kernel, dict(BLOCK=1024, EXACT=False, PDL=True), dict(GU="*bf16", OUT="*bf16"), **opts))
+    base = dict(Q="*bf16", KBS="*fp8e4nv", VBS="*fp8e4nv", K_SCALE="*fp32", Q_SCALE="*fp32", PT="*i32", SEQ_LENS="*i32",
+                ACC="*fp32", ML="*fp32", OUT="*bf16", V_SCALE="*fp32", SINKS="*fp32", KC="*i16", VC="*i16")
+    c = dict(G=4, G_PAD=16, D=128, DP_PAD=64, NB=8, PAGE=16, BLOCK_N=64, HAS_Q_SCALE=False, FMT=1, DOT=1,
+             PREFETCH=False, SPLIT8=True, E5M2=False, NV4=False, PDL=True)
+    _pdl_ptx(_compile(_decode_split_kernel, c, base, ("sm_scale_log2",), **opts))
+    c = dict(G=4, D=128, D_PAD=128, S_PAD=4, FMT=1, HAS_SINKS=False, PDL=True)
+    _pdl_ptx(_compile(_decode_reduce_kernel, c, dict(ACC="*fp32", ML="*fp32", OUT="*bf16", V_SCALE="*fp32", SINKS="*fp32"),
+                      **opts))
 
 
 def compile_mla_decode():
@@ -288,17 +316,35 @@ def compile_mla_prefill():
             assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", k.asm["ptx"]), "no fp8 wgmma"
 
 
+def compile_skinny_gemm():
+    """The few-row GEMM: pointer loads with split K; tensor descriptors with a programmatic dependent launch that
+    prefetches weight lines into L2 (``griddepcontrol`` and ``prefetch.global.L2`` in the PTX)."""
+    from kvbench.kernels.skinny_gemm import _skinny_kernel
+
+    ptrs = dict(X="*bf16", W="*bf16", WP="*bf16", B="*bf16", OUT="*bf16", PART="*fp32", LOCK="*i32")
+    base = dict(BM=64, BK=128, HAS_B=True, F32_DOT=False, EXACT=False)
+    _compile(_skinny_kernel, dict(base, BN=64, SPLIT=2, TMA=False, PDL=False, PREFETCH=0), ptrs, num_warps=4, num_stages=5)
+    desc = dict(ptrs, X="tensordesc<bf16[64,64]>", W="tensordesc<bf16[64,256]>")
+    k = _compile(_skinny_kernel, dict(base, BK=64, BN=256, SPLIT=1, TMA=True, PDL=True, PREFETCH=2), desc,
+                 num_warps=4, num_stages=4, launch_pdl=True)
+    ptx = k.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx and "prefetch.global.L2" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "wgmma" in ptx
+
+
 def test_kernels_compile_for_sm90():
     import triton.backends.nvidia  # noqa: F401  (ships with every Linux triton wheel)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.split() == ["decode", "decode_nv4", "prefill", "append", "mla_decode", "mla_decode_wg", "mla_prefill"]
+    assert r.stdout.split() == ["decode", "decode_nv4", "prefill", "append", "mla_decode", "mla_decode_wg", "mla_prefill",
+                                "skinny_gemm", "pdl"]
 
 
 if __name__ == "__main__":
     for name, fn in (("decode", compile_decode), ("decode_nv4", compile_decode_nv4), ("prefill", compile_prefill), ("append", compile_append),
                      ("mla_decode", compile_mla_decode), ("mla_decode_wg", compile_mla_decode_wg),
-                     ("mla_prefill", compile_mla_prefill)):
+                     ("mla_prefill", compile_mla_prefill), ("skinny_gemm", compile_skinny_gemm),
+                     ("pdl", compile_pdl_small_kernels)):
         fn()
         print(name, flush=True)

@@ -125,8 +125,8 @@ def _parse_args(argv):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--decode-backend", default="triton")
-    ap.add_argument("--gemm-library", default="cublas", choices=("cublas", "cublaslt"),
-                    help="torch's BLAS library for the linear layers (EngineConfig.gemm_library)")
+    ap.add_argument("--gemm-library", default="cublas", choices=("cublas", "cublaslt", "triton"),
+                    help="the linear layers' library (EngineConfig.gemm_library)")
     ap.add_argument("--capacity-budget-gb", type=float, default=2.0)
     ap.add_argument("--formats", default="", help="comma list of KV formats for the decode and profile rows (default: one per element width)")
     ap.add_argument("--prefill", default="8x1024", help="the prefill step the prefill section times: SEQSxPROMPT")

@@ -16,6 +16,7 @@ from torch import nn
 
 from kvbench.kernels import rms_norm, silu_mul
 from kvbench.runtime.attention.base import AttentionBackend, AttentionLayer, AttentionMetadata
+from kvbench.runtime.gemm_library import linear
 from kvbench.runtime.models.config import ModelConfig
 
 __all__ = ["LlamaForCausalLM", "RMSNorm"]
@@ -108,7 +109,7 @@ class Attention(nn.Module):
         s = self.spec
         if self._qkv is not None:
             nq, nk = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-            q, k, v = nn.functional.linear(x, *self._qkv).split([nq, nk, nk], dim=-1)
+            q, k, v = linear(x, *self._qkv).split([nq, nk, nk], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(T, s.num_heads, s.head_dim)
@@ -116,7 +117,8 @@ class Attention(nn.Module):
         v = v.reshape(T, s.num_kv_heads, s.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(backend.forward(q, k, v, s, cache, meta))
+        o = self.o_proj
+        return linear(backend.forward(q, k, v, s, cache, meta), o.weight, o.bias)
 
 
 class MLP(nn.Module):
@@ -140,12 +142,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act == "gelu_tanh":
             if self._gate_up is not None:
-                gate, up = nn.functional.linear(x, *self._gate_up).chunk(2, dim=-1)
+                gate, up = linear(x, *self._gate_up).chunk(2, dim=-1)
             else:
                 gate, up = self.gate_proj(x), self.up_proj(x)
-            return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
+            return linear(nn.functional.gelu(gate, approximate="tanh") * up, self.down_proj.weight)
         if self._gate_up is not None:
-            return self.down_proj(silu_mul(nn.functional.linear(x, *self._gate_up)))
+            return linear(silu_mul(linear(x, *self._gate_up)), self.down_proj.weight)
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -220,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.lm_weight()).float()
+        return linear(hidden, self.lm_weight()).float()
 
     @classmethod
     def from_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device, dtype) -> "LlamaForCausalLM":
