@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kvbench.kernels._triton_utils import cast_rne, gdc_available, interpreting, next_pow2, pdl_launch
 
-__all__ = ["MAX_ROWS", "Plan", "ahead_of_blas", "linear", "plan", "reserve", "supported"]
+__all__ = ["MAX_ROWS", "Plan", "ahead_of_blas", "hopper", "linear", "plan", "reserve", "supported"]
 
 MAX_ROWS = 64  # rows above this go to the BLAS library: past it the GEMM starts to be bound by its FLOPs
 _MAX_STRIPS = 4096  # counters per device: strips of a split launch
@@ -64,6 +64,13 @@ def ahead_of_blas(m: int) -> bool:
 @functools.lru_cache(maxsize=None)
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+@functools.lru_cache(maxsize=None)
+def hopper(device: torch.device) -> bool:
+    """Whether ``device`` has Hopper's tensor memory accelerator and programmatic dependent launch (compute
+    capability 9 or above): without them a plan's ``tma`` and ``pdl`` are not used."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def plan(m: int, n: int, k: int, sms: int = 132, kmajor: bool = True, pdl: bool = False) -> Plan:
@@ -225,8 +232,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
         raise ValueError(f"skinny_gemm.linear: {strips} strips of a split launch exceed {_MAX_STRIPS}")
     locks, part = reserve(x.device, split * m * n if split > 1 else 0)
     xa, wa = x, w
-    tma = p.tma and _tma_ok(x, w)
-    pdl = p.pdl and gdc_available()
+    tma = p.tma and _tma_ok(x, w) and hopper(x.device)
+    pdl = p.pdl and gdc_available() and hopper(x.device)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 

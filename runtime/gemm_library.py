@@ -36,13 +36,15 @@ def apply(choice: str, device: torch.device) -> None:
     if device.type != "cuda":
         return
     _TRITON[0] = choice == "triton"
+    pdl = False
     if _TRITON[0]:  # the partial-sum buffer, before any capture (a dict lookup once it exists)
-        from kvbench.kernels.skinny_gemm import reserve
+        from kvbench.kernels.skinny_gemm import hopper, reserve
 
         reserve(device)
+        pdl = hopper(device)  # programmatic dependent launches need compute capability 9
     utils = sys.modules.get("kvbench.kernels._triton_utils")  # not loaded: no kernel launched yet, PDL still off
     if utils is not None:
-        utils.set_pdl(_TRITON[0])
+        utils.set_pdl(pdl)
     blas = "cublas" if choice == "triton" else choice
     if torch.backends.cuda.preferred_blas_library().name.lower() != blas:
         torch.backends.cuda.preferred_blas_library(blas)

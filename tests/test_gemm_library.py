@@ -33,6 +33,12 @@ def test_applied_on_cuda_only(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", fake)
     reserved = []
     monkeypatch.setattr("kvbench.kernels.skinny_gemm.reserve", reserved.append)  # no CUDA device here
+    cc = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cc[0])
+    from kvbench.kernels import _triton_utils as U
+    from kvbench.kernels.skinny_gemm import hopper
+
+    hopper.cache_clear()
     G.apply("cublaslt", torch.device("cpu"))
     assert calls == []  # a CPU engine leaves torch's choice alone
     G.apply("cublaslt", torch.device("cuda", 0))  # only the setting: no CUDA device is needed to make it
@@ -44,10 +50,16 @@ def test_applied_on_cuda_only(monkeypatch):
     assert not G._TRITON[0]
     G.apply("triton", torch.device("cuda", 0))  # the Triton GEMM for few rows, cuBLAS for the rest
     assert calls[5:] == [()] and state == ["Cublas"] and G._TRITON[0] and reserved == [torch.device("cuda", 0)]
+    assert U._PDL[0]  # the step's kernels launched as programmatic dependents on a Hopper GPU
+    cc[0] = (8, 0)
+    hopper.cache_clear()
+    G.apply("triton", torch.device("cuda", 1))
+    assert G._TRITON[0] and not U._PDL[0]  # no programmatic dependent launch before compute capability 9
+    hopper.cache_clear()
     G.apply("cublaslt", torch.device("cpu"))  # a CPU engine leaves the choice alone
     assert G._TRITON[0]
     G.apply("cublaslt", torch.device("cuda", 0))
-    assert not G._TRITON[0] and state == ["Cublaslt"]
+    assert not G._TRITON[0] and state == ["Cublaslt"] and not U._PDL[0]
 
 
 def test_linear_is_torch_off_the_gpu(monkeypatch):
