@@ -298,6 +298,7 @@ def _launch(t, q, k, v, positions, slots, cs, q_out, k_out, q8, q_scale, kc, vc,
     qo = q_out if q_out is not None else dummy
     ko = k_out if k_out is not None else dummy
     q8t = q8 if q8 is not None else dummy
+    on = pdl()
     _append_kernel[grid](
         qq, k, v, positions if positions is not None else slots, slots if slots is not None else positions,
         cs if cs is not None else k, qo, ko, q8t, q_scale if q_scale is not None else k,
@@ -315,8 +316,8 @@ def _launch(t, q, k, v, positions, slots, cs, q_out, k_out, q8, q_scale, kc, vc,
         DO_ROPE=do_rope, DO_STORE=do_store, WRITE_K_OUT=write_k_out, Q_FP8=q8 is not None,
         E5M2=fmt.name == "fp8_e5m2", EXACT=interpreting(), KV_FIRST=_TUNE.get("kv_first", True),
         PACKED=_TUNE.get("packed", packed_stores(t, d)) and fmt.name == "nvfp4" and d % 64 == 0,
-        HOIST=_TUNE.get("hoist", True), BITCODE=_TUNE.get("bitcode", True), PDL=pdl(),
-        num_warps=_TUNE.get("num_warps", warps), **NO_FMA, **pdl_launch(pdl()),
+        HOIST=_TUNE.get("hoist", True), BITCODE=_TUNE.get("bitcode", True), PDL=on,
+        num_warps=_TUNE.get("num_warps", warps), **NO_FMA, **pdl_launch(on),
     )
 
 

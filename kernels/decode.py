@@ -347,6 +347,7 @@ def paged_decode(
     if units:  # the same bytes seen as int16; strides in 16-bit units
         kdata, vdata = kdata.view(torch.int16), vdata.view(torch.int16)
         sp, st, khs, vhs = sp // 2, st // 2, khs // 2, vhs // 2
+    on = pdl()
     _decode_split_kernel[(bsz, hk, num_splits)](
         q, kdata, vdata, kc.bs_ptr, vc.bs_ptr, kc.scale, q_scale if q_scale is not None else kc.scale,
         page_table, seq_lens, acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale, scale,
@@ -357,8 +358,8 @@ def paged_decode(
         G=g, G_PAD=max(16, next_pow2(g)), D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=kc.page_size, BLOCK_N=block_n,
         FMT=fmt, DOT=dot, HAS_Q_SCALE=q_scale is not None, PREFETCH=bool(prefetch), SPLIT8=split8,
         E5M2=get_format(kv_format).name == "fp8_e5m2", NV4=nv4, DIRECT=direct, HAS_SINKS=sinks is not None,
-        PDL=pdl(), num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
-        **pdl_launch(pdl()),
+        PDL=on, num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+        **pdl_launch(on),
     )
     if direct:
         return out
@@ -412,11 +413,12 @@ def _decode_gluon(q, kc, vc, page_table, seq_lens, out, sinks, scale: float, win
 def _reduce_splits(acc, ml, out, vc, sinks, g: int, num_splits: int, fmt: int) -> torch.Tensor:
     """Merge the splits' partial results (``acc`` / ``ml``, written by either split kernel) into ``out``."""
     bsz, hq, d = out.shape
+    on = pdl()
     _decode_reduce_kernel[(bsz, hq)](
         acc, ml, out, vc.scale, sinks if sinks is not None else vc.scale,
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2), out.stride(0), out.stride(1),
         num_splits, G=g, D=d, D_PAD=next_pow2(d), S_PAD=next_pow2(num_splits), FMT=fmt,
-        HAS_SINKS=sinks is not None, PDL=pdl(), num_warps=4 if d >= 128 else 2, **pdl_launch(pdl()),
+        HAS_SINKS=sinks is not None, PDL=on, num_warps=4 if d >= 128 else 2, **pdl_launch(on),
     )
     return out
 

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kvbench.kernels._triton_utils import cast_rne, gdc_available, interpreting, next_pow2, pdl_launch
 
-__all__ = ["MAX_ROWS", "Plan", "ahead_of_blas", "hopper", "linear", "plan", "reserve", "supported"]
+__all__ = ["MAX_ROWS", "Plan", "ahead_of_blas", "hopper", "linear", "plan", "reserve", "sm_count", "supported"]
 
 MAX_ROWS = 64  # rows above this go to the BLAS library: past it the GEMM starts to be bound by its FLOPs
 _MAX_STRIPS = 4096  # counters per device: strips of a split launch
@@ -62,7 +62,8 @@ def ahead_of_blas(m: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The multiprocessors ``plan`` fills (an H200's 132 off a CUDA device)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
@@ -168,6 +169,7 @@ def _skinny_kernel(X, W, WP, B, OUT, PART, LOCK, M, N, K, k_per, s_xm, s_wk, s_w
 
 
 _BUFFERS: dict = {}  # device → (counters int32 [_MAX_STRIPS], partials float32 [...])
+_RETIRED: list = []  # partial buffers replaced by larger ones: kept, since a captured graph may still use them
 
 
 def _key(device: torch.device) -> tuple:
@@ -190,6 +192,8 @@ def reserve(device: torch.device, partial_elems: int = 0):
                                "before CUDA-graph capture; run the step eagerly once first")
         if locks is None:
             locks = torch.zeros(_MAX_STRIPS, dtype=torch.int32, device=device)
+        else:
+            _RETIRED.append(part)
         part = torch.empty(max(partial_elems, 1 << 20), dtype=torch.float32, device=device)
         _BUFFERS[key] = (locks, part)
     return _BUFFERS[key]
@@ -220,7 +224,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     m, k = x.shape
     n = w.shape[0]
     kmajor = w.stride(0) == 1
-    p = p or plan(m, n, k, _sms(x.device), kmajor)
+    p = p or plan(m, n, k, sm_count(x.device), kmajor)
     if p.bm < m:
         p = replace(p, bm=max(16, next_pow2(m)))  # a tiling planned for fewer rows
     if out is None:

@@ -20,7 +20,6 @@ torch's.
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Optional
 
@@ -50,14 +49,6 @@ def apply(choice: str, device: torch.device) -> None:
         torch.backends.cuda.preferred_blas_library(blas)
 
 
-@functools.lru_cache(maxsize=None)
-def _plan(m: int, n: int, k: int, kmajor: bool, device: torch.device):
-    from kvbench.kernels import skinny_gemm
-
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return skinny_gemm.plan(m, n, k, sms, kmajor, pdl=True)
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, w, b)``, through ``kernels/skinny_gemm.py`` when the library is ``triton``, a CUDA graph is
     being captured, and the kernel takes the operands (2-D) at a row count where it runs ahead of cuBLAS."""
@@ -66,5 +57,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -
 
         if (skinny_gemm.ahead_of_blas(x.shape[0]) and skinny_gemm.supported(x, w)
                 and (b is None or b.dtype == x.dtype)):
-            return skinny_gemm.linear(x, w, b, p=_plan(x.shape[0], w.shape[0], w.shape[1], w.stride(0) == 1, x.device))
+            (m, k), n = x.shape, w.shape[0]
+            p = skinny_gemm.plan(m, n, k, skinny_gemm.sm_count(x.device), w.stride(0) == 1, pdl=True)
+            return skinny_gemm.linear(x, w, b, p=p)
     return F.linear(x, w, b)

@@ -86,3 +86,13 @@ def test_one_buffer_per_device(monkeypatch):
 
 def test_rows_where_it_runs_ahead_of_blas():
     assert [m for m in range(0, 70) if S.ahead_of_blas(m)] == list(range(1, 17)) + list(range(33, S.MAX_ROWS + 1))
+
+
+def test_a_grown_buffer_keeps_the_old_one():
+    """A larger partial-sum buffer replaces the device's, and the old one stays allocated: a CUDA graph captured
+    before may still write to it."""
+    cpu = torch.device("cpu")
+    _, old = S.reserve(cpu)
+    _, new = S.reserve(cpu, old.numel() + 1)
+    assert new.numel() > old.numel() and S.reserve(cpu)[1] is new
+    assert any(t is old for t in S._RETIRED)
