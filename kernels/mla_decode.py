@@ -14,7 +14,8 @@ stages, which is what gives the tile loads two shared-memory buffers behind the 
 bfloat16 queries over an e4m3 latent are split exactly into two e4m3 terms per row (``_fp8_split``): the
 scores run as fp8 dots on the stored tile, and only ``P·c`` converts it (``q_split``).  With e4m3 queries
 (``quantize_query``) over an e4m3 latent above 32 heads, the scores are one fp8 dot per part on the stored
-tile (``fp8_scores``); ``P·c`` stays in fp16, since an fp8 dot would need the tile transposed.
+tile (``fp8_scores``); ``P·c`` stays in fp16, since an fp8 dot would need the tile transposed.  On an sm_90 GPU
+those many-head paths run the Hopper kernel (``mla_decode_wg``) with the same arithmetic.
 """
 
 from __future__ import annotations
@@ -370,9 +371,11 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     converted path up to float32 summation order.  At 16 heads Triton lowers those dots to 16-row fp16
     ``mma`` and the converted 16-bit-unit path is faster.
     ``wgmma``: the Hopper kernel with warpgroup MMAs from shared memory (``mla_decode_wg``: bf16 queries over
-    a bf16 latent, or ``fp8_pv``); by default above 32 heads wherever it applies and no tile or launch option
-    of the Triton kernel (``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``units16``, ``q_split``,
-    ``chunks``) is given; ``True`` raises where it does not apply or with any of those options.
+    a bf16 latent; bf16 queries, split as ``q_split`` does, or e4m3 queries over an e4m3 latent, the scores on
+    the stored tile and ``P·c`` in fp16; or ``fp8_pv``); by default above 32 heads wherever it applies and no
+    tile or launch option of the Triton kernel (``block_h``, ``block_n``, ``num_warps``, ``num_stages``,
+    ``units16``, ``chunks``, ``q_split=False``, ``fp8_scores=False``) is given; ``True`` raises where it does
+    not apply or with any of those options.
     ``fp8_pv`` (e4m3 queries over an fp8_e4m3 latent; off by default): ``fp8_scores`` and ``P·c`` as an fp8 MMA
     too, with ``P`` rounded to e4m3 (lossy: the regime of fp8 attention kernels); runs ``mla_decode_wg``.
     """
@@ -382,9 +385,10 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     num_warps, num_stages, units16, q_split, chunks = opts.num_warps, opts.num_stages, opts.units16, opts.q_split, opts.chunks
     fp8_scores, wgmma, fp8_pv = opts.fp8_scores, opts.wgmma, opts.fp8_pv
     # the Triton kernel's own options, as given (they select it over the Hopper kernel)
+    # (q_split / fp8_scores off: the tile converted for the scores, which only the Triton kernel does)
     triton_opts = [k for k, v in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps),
-                                  ("num_stages", num_stages), ("units16", units16), ("q_split", q_split),
-                                  ("chunks", chunks)) if v is not None]
+                                  ("num_stages", num_stages), ("units16", units16), ("chunks", chunks)) if v is not None]
+    triton_opts += [k for k, v in (("q_split", q_split), ("fp8_scores", fp8_scores)) if v is False]
     fmt = check_cache(cache)
     lay = cache.layout
     dev = cache.data.device
@@ -442,6 +446,8 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
                     else "leave wgmma unset for the Triton kernel")
             raise ValueError(f"{opt}: {wg_why} ({hint})")
     wgmma = (wgmma or fp8_pv or (wgmma is None and h > 32 and not triton_opts)) and wg_why is None
+    if wgmma and q_fp8:
+        fp8_scores = True  # the Hopper kernel's scores over an e4m3 latent run on the tile as stored
     block_h = d_bh if block_h is None else block_h
     block_n = d_bn if block_n is None else block_n
     num_warps = d_nw if num_warps is None else num_warps

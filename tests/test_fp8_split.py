@@ -87,3 +87,41 @@ def test_edge_rows(special):
     assert torch.allclose(rebuilt, x.double(), rtol=2.0**-8, atol=2.0**-130)
     if special == "zeros":
         assert (hi == 0).all() and (lo == 0).all()
+
+
+def test_split_rows_one_scale_per_row_of_both_parts():
+    # the staging wrapper of the Hopper MLA decode: [B, H, width] latent and rope queries (strided) into
+    # contiguous e4m3 terms and one inverse power-of-two scale per row of both parts; checked against the same
+    # split done by torch in float64 (round to nearest even), outputs poisoned first
+    from kvbench.kernels import _fp8_split
+
+    g = torch.Generator().manual_seed(5)
+    b, h = 3, 5
+    q_lat = (torch.randn(b, h + 2, 512, generator=g) * torch.rand(b, h + 2, 1, generator=g) * 40).to(torch.bfloat16)[:, :h]
+    q_pe = (torch.randn(b, h, 64, generator=g) * 0.01).to(torch.bfloat16)
+    q_pe[0, 1] *= 1e5  # a row whose maximum is in the rope part
+    q_lat[1, 2] = 0
+    q_pe[1, 2] = 0  # an all-zero row
+    real_empty = torch.empty
+    poisoned = lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))  # noqa: E731
+    try:
+        torch.empty = poisoned
+        hi_l, lo_l, hi_p, lo_p, inv = _fp8_split.split_rows(q_lat, q_pe)
+    finally:
+        torch.empty = real_empty
+    assert hi_l.shape == lo_l.shape == (b, h, 512) and hi_p.shape == lo_p.shape == (b, h, 64) and inv.shape == (b, h)
+    assert hi_l.is_contiguous() and lo_p.is_contiguous() and torch.isfinite(inv).all()
+    amax = torch.maximum(q_lat.double().abs().amax(-1), q_pe.double().abs().amax(-1))
+    s = 1.0 / inv.double()
+    assert torch.equal(torch.frexp(s)[0].abs(), torch.full_like(s, 0.5)), "scales must be powers of two"
+    live = amax > 0
+    assert ((amax * s)[live] > 128).all() and ((amax * s) <= 448).all()
+    for x, hi, lo in ((q_lat, hi_l, lo_l), (q_pe, hi_p, lo_p)):
+        y = x.double() * s[..., None]
+        want_hi = y.to(torch.float8_e4m3fn)
+        assert torch.equal(hi.view(torch.uint8), want_hi.view(torch.uint8))
+        assert torch.equal(lo.view(torch.uint8), (y - want_hi.double()).to(torch.float8_e4m3fn).view(torch.uint8))
+        err = (hi.double() + lo.double() - y).abs()
+        assert (err[y.abs() >= 0.25] == 0).all() and (err <= 2.0**-10).all()
+    with pytest.raises(ValueError, match="power-of-two"):
+        _fp8_split.split_rows(q_lat[..., :500], q_pe)

@@ -171,11 +171,12 @@ def test_mla_decode(fmt, mla_gen):
 
 @pytest.mark.parametrize("fmt", mla_formats())
 def test_mla_decode_wgmma(fmt, mla_gen, monkeypatch):
-    """The Hopper decode kernel (bf16 above 32 heads by default, ``fp8_pv`` over e4m3) against the float64
-    reference, with head counts, split counts, sequence ends around its 64-token tiles and pages of 64, 16 and 8;
-    counted, so it must have run where it applies and not elsewhere; ``fp8_pv`` refused for every other format.
-    On a GPU other than sm_90 the same checks run on the Triton kernel, which must then have run alone, and an
-    explicit request must be refused."""
+    """The Hopper decode kernel (above 32 heads by default: a bf16 latent with bf16 queries; an e4m3 latent with
+    bf16 queries split into two e4m3 terms or with e4m3 queries, the scores on the stored tile and P·c on its bf16
+    conversion; ``fp8_pv``) against the float64 reference, with head counts, split counts, sequence ends around its
+    64-token tiles and pages of 64, 16 and 8; counted, so it must have run where it applies and not elsewhere;
+    ``fp8_pv`` refused for every other format.  On a GPU other than sm_90 the same checks run on the Triton kernel,
+    which must then have run alone, and an explicit request must be refused."""
     from kvbench.kernels import mla_decode_wg
     from kvbench.tools.mla_check import check_decode as mla_decode_check, check_decode_fp8_query
 
@@ -189,7 +190,8 @@ def test_mla_decode_wgmma(fmt, mla_gen, monkeypatch):
     _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097, 15, 16, 17), page=16))  # four copies per tile
     _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 33), page=8, num_splits=2))
     _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097), wgmma=False))
-    assert len(calls) == (4 if hopper and fmt == "bf16" else 0), calls
+    wg_formats = ("bf16", "fp8_e4m3")
+    assert len(calls) == (4 if hopper and fmt in wg_formats else 0), calls
     if not hopper:
         with pytest.raises(ValueError, match="needs an sm_90"):
             mla_decode_check("bf16", dev, mla_gen, lens=(1, 100), wgmma=True)
@@ -201,10 +203,22 @@ def test_mla_decode_wgmma(fmt, mla_gen, monkeypatch):
         _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097), heads=16, wgmma=True))
         assert len(calls) == 5, calls
     if fmt == "fp8_e4m3":
+        # the exact split against the Triton kernel's on the same inputs (both with P in bf16)
+        errs = {wg: mla_decode_check(fmt, dev, torch.Generator().manual_seed(11), lens=(1, 100, 4097, 129, 32768),
+                                     wgmma=wg)["rel_err"] for wg in (None, False)}
+        assert errs[None] <= 1.1 * errs[False] + 1e-4, errs
+        _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097), heads=16, wgmma=True))
+        # e4m3 queries: by default above 32 heads; at 16 with wgmma
+        _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097, 64, 65)))
+        _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097, 17), page=16))
+        _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097), heads=16, wgmma=True, num_splits=3))
+        assert len(calls) == 9, calls
         _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097, 64, 65), fp8_pv=True))
         _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097), heads=16, fp8_pv=True, num_splits=3))
         _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097, 17), fp8_pv=True, page=16))
-        assert len(calls) == 3, calls
+        assert len(calls) == 12, calls
+        with pytest.raises(ValueError, match="fp8_scores"):  # the scores on a converted tile: the Triton kernel's
+            check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100), wgmma=True, fp8_scores=False)
     elif fmt != "bf16":
         with pytest.raises(ValueError, match="fp8_pv"):
             check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100), fp8_pv=True)

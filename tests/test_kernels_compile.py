@@ -259,33 +259,41 @@ def compile_mla_decode_wg():
     from kvbench.kernels import mla_decode_wg as wg
 
     fn = wg._mla_decode_wg
-    # pages of 64 (one copy per tile) and of 16 (one copy per page, four per tile)
-    for fp8, page in ((False, 64), (True, 64), (False, 16)):
-        ty, bits = ("fp8e4nv", 8) if fp8 else ("bf16", 16)
+    # (mode, page): bf16, fp8_pv, an e4m3 latent with e4m3 queries / with bf16 queries split into two e4m3 terms
+    # (scores on the stored tile, P·c in bf16 on its conversion); pages of 64 (one copy per tile) and of 16 (four)
+    for mode, page in (("bf16", 64), ("fp8_pv", 64), ("bf16", 16), ("e4m3", 64), ("split", 16)):
+        fp8, cvt = mode == "fp8_pv", mode in ("e4m3", "split")
+        ty, bits = ("bf16", 16) if mode == "bf16" else ("fp8e4nv", 8)
         c_lay, pe_lay = (repr(x) for x in wg._tile_layouts(bits))
         rows = min(page, 64)
+        qty = "bf16" if mode == "bf16" else "fp8e4nv"
         ptrs = dict(C_DESC=f"tensordesc<{ty}[{rows},512],{c_lay}>", PE_DESC=f"tensordesc<{ty}[{rows},64],{pe_lay}>",
-                    QL=f"*{ty}", QP=f"*{ty}", KSCALE="*fp32", QSCALE="*fp32", PT="*i32", SL="*i32", MO="*fp32", ML="*fp32")
-        consts = dict(PAGE=page, RANK=512, ROPE=64, STAGES=wg.STAGES[fp8], FP8=fp8, PARTS=0)
+                    QL=f"*{qty}", QP=f"*{qty}", QL2=f"*{qty}", QP2=f"*{qty}", QINV="*fp32", KSCALE="*fp32",
+                    QSCALE="*fp32", PT="*i32", SL="*i32", MO="*fp32", ML="*fp32")
+        consts = dict(PAGE=page, RANK=512, ROPE=64, STAGES=wg.STAGES[mode if cvt else fp8], FP8=fp8, PARTS=0,
+                      CVT=cvt, SPLIT=mode == "split")
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32")
                for n in fn.arg_names}
         aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs and "DESC" not in n]
         src = GluonASTSource(fn, sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
         ptx = k.asm["ptx"]
-        dt = "e4m3.e4m3" if fp8 else "bf16.bf16"
-        kk = 32 if fp8 else 16
-        # scores: (512 + 64) / depth per tile, issued at two places (tile 0, the loop); P·c at two (loop, last tile)
-        assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n32k{kk}\.f32\.{dt}", ptx)) == 2 * 576 // kk
-        assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n256k{kk}\.f32\.{dt}", ptx)) == 2 * 64 // kk
+        sdt, ks = ("bf16.bf16", 16) if mode == "bf16" else ("e4m3.e4m3", 32)
+        pdt, kp = ("e4m3.e4m3", 32) if fp8 else ("f16.f16", 16) if cvt else ("bf16.bf16", 16)
+        terms = 2 if mode == "split" else 1
+        # scores: terms x (512 + 64) / depth per tile, issued at two places (tile 0, the loop; three with the
+        # converted tile: tile 1 before the loop); P·c at two (loop, last tile)
+        sites = 3 if cvt else 2
+        assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n32k{ks}\.f32\.{sdt}", ptx)) == sites * terms * 576 // ks
+        assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n256k{kp}\.f32\.{pdt}", ptx)) == 2 * 64 // kp
         assert "cp.async.bulk.tensor" in ptx
-        assert k.metadata.shared <= 232448, k.metadata.shared
+        assert k.metadata.shared <= 232448, (mode, k.metadata.shared)
         with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
             f.write(ptx)
             f.flush()
             log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
                                  text=True, check=True).stderr
-        assert "0 bytes spill stores" in log and "C751" not in log, log  # C7514/C7515: MMAs serialized
+        assert "0 bytes spill stores" in log and "C751" not in log, (mode, log)  # C7514/C7515: MMAs serialized
 
 
 def compile_mla_prefill():

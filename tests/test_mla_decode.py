@@ -141,8 +141,12 @@ def test_wgmma_kernel_applicability_and_refusals():
     q8, qp8 = qb.to(torch.float8_e4m3fn), qpb.to(torch.float8_e4m3fn)
     assert wg.unsupported(c, qb, False) == "needs an sm_90 (Hopper) GPU"
     assert wg.unsupported(c8, q8, True) == "needs an sm_90 (Hopper) GPU"
-    assert "bf16 latent and bf16 queries" in wg.unsupported(c, q8, False)
-    assert "bf16 latent and bf16 queries" in wg.unsupported(c8, qb, False)
+    assert "bf16 latent with bf16 queries" in wg.unsupported(c, q8, False)
+    # an e4m3 latent takes bf16 queries (split into two e4m3 terms) or e4m3 queries; not fp16 ones
+    assert wg.unsupported(c8, qb, False) == wg.unsupported(c8, q8, False) == "needs an sm_90 (Hopper) GPU"
+    assert "bf16 or e4m3 queries" in wg.unsupported(c8, qb.half(), False)
+    c5 = make_cache("fp8_e5m2", rank=512, rope=64, num_pages=2, page_size=64)
+    assert "bf16 latent with bf16 queries" in wg.unsupported(c5, qb, False)
     assert "fp8_e4m3 latent and e4m3 queries" in wg.unsupported(c, qb, True)
     assert "fp8_e4m3 latent and e4m3 queries" in wg.unsupported(c8, qb, True)
     assert "rank 512 and rope 64" in wg.unsupported(make_cache("bf16"), qb, False)
@@ -172,6 +176,13 @@ def test_wgmma_kernel_applicability_and_refusals():
         mla_decode(qb, qpb, c, pt, sl, 0.1, opts=MLADecodeOptions(wgmma=True, block_n=32, num_stages=2))
     with pytest.raises(ValueError, match="fp8_pv runs the Hopper kernel, which takes none .*: units16"):
         mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, opts=MLADecodeOptions(fp8_pv=True, units16=False))
+    # the scores on a converted tile (q_split / fp8_scores off) are the Triton kernel's alone
+    with pytest.raises(ValueError, match="takes none of the Triton kernel's options: q_split"):
+        mla_decode(qb, qpb, c8, pt, sl, 0.1, opts=MLADecodeOptions(wgmma=True, q_split=False))
+    with pytest.raises(ValueError, match="takes none of the Triton kernel's options: fp8_scores"):
+        mla_decode(q8, qp8, c8, pt, sl, 0.1, q_scale=qs, opts=MLADecodeOptions(wgmma=True, fp8_scores=False))
+    with pytest.raises(ValueError, match="wgmma: needs an sm_90"):  # the split query is the Hopper kernel's too
+        mla_decode(qb, qpb, c8, pt, sl, 0.1, opts=MLADecodeOptions(wgmma=True, q_split=True))
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])

@@ -16,8 +16,10 @@ shapes (kv_lora_rank 512, rope 64, page 64), bf16 compute, and prints a Markdown
   the defaults';
 * ``decode``: decode at the defaults for a list of formats, CUDA-graph and ``do_bench`` µs;
 * ``decode-wg``: the Hopper kernel (``mla_decode_wg``) against the Triton kernel at 128 heads (``--heads``):
-  bf16 with ``wgmma`` on / off, an e4m3 latent with e4m3 queries (``fp8_scores``, Triton) and with ``fp8_pv`` at
-  three and two tile buffers (the module constant ``mla_decode_wg.STAGES``, set for that row and restored),
+  bf16 with ``wgmma`` on / off, an e4m3 latent with bf16 queries (Triton ``q_split``; the Hopper kernel's split
+  query with a float16 ``P·c`` on the converted tile), with e4m3 queries (Triton ``fp8_scores``; the Hopper kernel
+  with a float16 ``P·c``, at two and three tile buffers) and
+  with ``fp8_pv`` at three and two tile buffers (the module constant ``mla_decode_wg.STAGES``, set for that row and restored),
   CUDA-graph µs and TFLOP/s; ``--ncu bf16`` / ``--ncu fp8_pv`` only launches that
   case three times, for ``ncu --kernel-name regex:_mla_decode_wg --launch-skip 2 --launch-count 1``; ``--page 16``
   for the engine's default page size; ``--parts`` times bf16 and ``fp8_pv`` whole and taken apart
@@ -262,14 +264,18 @@ def cmd_decode_wg(a, dev) -> None:
     from kvbench.kernels.mla_reference import quantize_absorbed_query
 
     cases = [("bf16", "bf16", "Triton", {"wgmma": False}, None), ("bf16", "bf16", "wgmma", {"wgmma": True}, None),
+             ("fp8_e4m3", "bf16", "Triton (q_split)", {"wgmma": False}, None),
+             ("fp8_e4m3", "bf16", "wgmma, split query, fp16 P·c", {"wgmma": True}, None),
              ("fp8_e4m3", "e4m3", "Triton (fp8_scores)", {"wgmma": False}, None),
+             ("fp8_e4m3", "e4m3", "wgmma, fp16 P·c", {"wgmma": True}, None),
+             ("fp8_e4m3", "e4m3", "wgmma, fp16 P·c, 3 tile buffers", {"wgmma": True}, 3),
              ("fp8_e4m3", "e4m3", "wgmma, fp8_pv", {"fp8_pv": True}, None),
              ("fp8_e4m3", "e4m3", "wgmma, fp8_pv, 2 tile buffers", {"fp8_pv": True}, 2)]
     if a.ncu:
         cases = [c for c in cases if c[2] == {"bf16": "wgmma", "fp8_pv": "wgmma, fp8_pv"}[a.ncu]]
     elif a.parts:
         # the kernel taken apart (mla_decode_wg.PARTS; the outputs of parts 1-3 are not attention)
-        cases = [c[:2] + (f"{c[2]}: {label}", c[3], c[4], parts) for c in (cases[1], cases[3])
+        cases = [c[:2] + (f"{c[2]}: {label}", c[3], c[4], parts) for c in (cases[1], cases[7])
                  for parts, label in ((0, "whole"), (1, "no softmax"), (2, "scores only"), (3, "P·c only"))]
         print(f"pages of {a.page} tokens; parts: 1 = P is the raw scores (no maxima, exponentials or rescaling), "
               "2 = the score MMAs without P·c or softmax, 3 = P·c (and fp8's transposition) without score MMAs "
@@ -287,8 +293,8 @@ def cmd_decode_wg(a, dev) -> None:
             if query == "e4m3":
                 ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
             saved = dict(mla_decode_wg.STAGES)
-            if stages:
-                mla_decode_wg.STAGES[True] = stages
+            if stages:  # the tile buffers of this row's kernel variant
+                mla_decode_wg.STAGES["fp8_pv" in name or ("e4m3" if query == "e4m3" else "split")] = stages
             mla_decode_wg.PARTS["value"] = parts[0] if parts else 0
             try:
                 fn = _decode((ql, qp, cache, pt, sl), kw)
