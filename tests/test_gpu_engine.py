@@ -312,8 +312,11 @@ def test_mixed_layer_formats_match_torch(loaded, kv, skip, layer_dtypes, pre, de
 MLA128 = "synthetic:deepseek-v3,layers=2,hidden=1024,intermediate_size=2048,q_lora_rank=256,vocab=512"
 
 
-def test_mla_engine_at_128_heads_decodes_on_the_hopper_kernel(monkeypatch):
-    """DeepSeek-V3's attention shape (128 heads, latent 512 + rope 64) in a small two-layer model, bf16 latent,
+@pytest.mark.parametrize("kv,qq", [("bf16", "none"), ("fp8_e4m3", "none"), ("fp8_e4m3", "decode")],
+                         ids=["bf16", "fp8-split-query", "fp8-e4m3-query"])
+def test_mla_engine_at_128_heads_decodes_on_the_hopper_kernel(monkeypatch, kv, qq):
+    """DeepSeek-V3's attention shape (128 heads, latent 512 + rope 64) in a small two-layer model, a bf16 latent
+    or an e4m3 one (bf16 queries, split into two e4m3 terms in the kernel; or e4m3 queries, ``quantize_query``),
     the engine's default pages of 16: the graphed decode steps run the Hopper MLA kernel (counted at capture),
     and their greedy tokens and log-probabilities agree with eager decode and with the Triton kernel's.  On a
     GPU other than sm_90 the kernel must not run, and graphed and eager decode must still agree."""
@@ -328,7 +331,7 @@ def test_mla_engine_at_128_heads_decodes_on_the_hopper_kernel(monkeypatch):
     p = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=1) for m in (12, 7, 5)]
 
     def run(eager):
-        e = _engine(model, "bf16", "triton", "triton", eager=eager)
+        e = _engine(model, kv, "triton", "triton", eager=eager, quantize_query=qq)
         try:
             assert e.cache.page_size == 16
             return e.generate(PROMPTS, p)
