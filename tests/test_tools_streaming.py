@@ -439,4 +439,13 @@ def test_mla_speed_targets_of_issue_44():
     got = {n: (ok, v) for n, ok, v in mla_speed_targets(rows)}
     assert got["MLA decode bf16 >= 400 TFLOP/s (128 heads, 64 x 8192)"] == (True, "487 TFLOP/s")
     assert got["MLA decode fp8 >= 1.0x bf16 (128 heads; bf16 queries, exact)"] == (False, "0.49x")
+    # graph replays, where a row has them, are the judged figures (do_bench's host-bound 16-head rows are not)
+    rows[5].update(us=190.0, graph_us=58.0, graph_TFLOPs=1500.0)
+    rows[4].update(graph_us=100.0, graph_TFLOPs=402.0)
+    rows[0].update(graph_us=98.0, graph_TFLOPs=410.0)
+    rows[1].update(graph_us=96.0, graph_TFLOPs=418.0)
+    got = {n: (ok, v) for n, ok, v in mla_speed_targets(rows)}
+    assert got["MLA decode fp8 >= 1.7x bf16 (16 heads, 64 x 8192)"] == (True, "1.72x")
+    assert got["MLA decode bf16 >= 400 TFLOP/s (128 heads, 64 x 8192)"] == (True, "410 TFLOP/s")
+    assert got["MLA decode fp8 >= 1.0x bf16 (128 heads; bf16 queries, exact)"] == (True, "1.02x")
     assert mla_speed_targets([]) == []

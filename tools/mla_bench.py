@@ -218,6 +218,7 @@ def iter_vs_flashinfer(dev, gen, heads=(128,), formats=("bf16", "fp8_e4m3", "nvf
                     ql, qp, kw["q_scale"] = quantize_absorbed_query(ql0, qp0)
                 try:
                     us = time_us(_decode_fn(ql, qp, cache, pt, sl, kw), ms=100)
+                    g_us = graph_time_us(_decode_fn(ql, qp, cache, pt, sl, kw))
                 except Exception as e:  # noqa: BLE001 - e.g. fp8_pv where its kernel does not apply (not sm_90)
                     yield {"who": "kvbench", "format": fmt, "query": query, "heads": nh, "batch": batch, "ctx": ctx,
                            "error": f"{type(e).__name__}: {' '.join(str(e).split())[:150]}"}
@@ -227,7 +228,8 @@ def iter_vs_flashinfer(dev, gen, heads=(128,), formats=("bf16", "fp8_e4m3", "nvf
                     ours["bf16"] = us
                     outs["bf16"] = (cache, pt, ql, qp, sl, _decode_fn(ql, qp, cache, pt, sl, kw)())
                 yield {"who": "kvbench", "format": fmt, "query": query, "heads": nh, "batch": batch, "ctx": ctx,
-                       "us": us, "TFLOPs": flops / (us * 1e-6) / 1e12, "GBps": nbytes / (us * 1e-6) / 1e9}
+                       "us": us, "TFLOPs": flops / (us * 1e-6) / 1e12, "GBps": nbytes / (us * 1e-6) / 1e9,
+                       "graph_us": g_us, "graph_TFLOPs": flops / (g_us * 1e-6) / 1e12}
             if fmt != "bf16":
                 del cache
         if "bf16" not in outs:
@@ -251,9 +253,14 @@ def mla_speed_targets(rows: list) -> list:
     """Issue 44's MLA targets from ``iter_vs_flashinfer`` rows (64 x 8192) → (name, met, value): at 128 heads,
     bf16 >= 400 TFLOP/s (held), fp8 with the exact bf16-query path at least as fast as bf16, and fp8 with e4m3
     queries faster than that path (the lossy ``e4m3, fp8 P`` path is opt-in and reported, not a target); at 16
-    heads, fp8 >= 1.7x bf16's speed."""
-    ours = {(r["heads"], r["format"], r.get("query", "bf16")): r for r in rows
-            if r.get("who") == "kvbench" and "us" in r}
+    heads, fp8 >= 1.7x bf16's speed.  Judged on CUDA-graph replays where the rows have them (the runtime replays
+    its decode steps as graphs; at 16 heads ``do_bench`` times the host's Python between launches as much as the
+    kernel: docs/mla.md, "An e4m3 latent on the Hopper kernel")."""
+    ours = {}
+    for r in rows:
+        if r.get("who") == "kvbench" and "us" in r:
+            ours[(r["heads"], r["format"], r.get("query", "bf16"))] = dict(
+                r, us=r.get("graph_us", r["us"]), TFLOPs=r.get("graph_TFLOPs", r["TFLOPs"]))
     out = []
     bf = ours.get((128, "bf16", "bf16"))
     exact = ours.get((128, "fp8_e4m3", "bf16"))

@@ -274,16 +274,19 @@ def _vs_flashinfer(args) -> int:
     heads = tuple(int(x) for x in args.heads.split(",") if x)
     head = (f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}, "
             f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC; MLA decode 64 x 8192, rank 512 + rope 64, "
-            f"page {PAGE}; medians of triton.testing.do_bench (L2 flushed before each call)")
+            f"page {PAGE}; medians of triton.testing.do_bench (L2 flushed before each call) and, for kvbench, of "
+            f"CUDA-graph replays (the targets' figures)")
     print(head, flush=True)
-    lines = ["| who | KV | query | heads | µs | TFLOP/s | GB/s | kvbench × | note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| who | KV | query | heads | µs | TFLOP/s | GB/s | graph µs | graph TFLOP/s | kvbench × | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for r in iter_vs_flashinfer(dev, gen, heads=heads, formats=tuple(mla_formats())):
         rows.append(r)
         note = r.get("error", "") or (f"output vs kvbench's {r['rel_err_vs_kvbench']:.1e}" if "rel_err_vs_kvbench" in r else "")
         fx = lambda k, f: format(r[k], f) if k in r else ""  # noqa: E731
         lines.append(f"| {r['who']} | {r['format']} | {r.get('query', 'bf16')} | {r['heads']} | {fx('us', '.1f')} | {fx('TFLOPs', '.0f')} | "
-                     f"{fx('GBps', '.0f')} | {fx('kvbench_x', '.2f')} | {note} |")
+                     f"{fx('GBps', '.0f')} | {fx('graph_us', '.1f')} | {fx('graph_TFLOPs', '.0f')} | {fx('kvbench_x', '.2f')} | "
+                     f"{note} |")
         print(lines[-1], flush=True)
     tg = mla_speed_targets(rows)
     md = head + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(
