@@ -22,7 +22,8 @@ Layout (one program per 64 query heads x sequence x split; 8 warps = two warpgro
 * The last tile of a sequence may hold slots past its end whose bytes are whatever the page holds (NaN
   included): those rows of the latent are zeroed in shared memory before ``P·c`` reads them.
 * ``CVT``: an e4m3 latent with bf16 queries (``SPLIT``: each row split before the launch into two e4m3 terms
-  with one power-of-two scale, ``_fp8_split.split_rows``) or e4m3 queries.  The scores run as fp8 MMAs on the
+  with one power-of-two scale, ``_fp8_split.split_rows``) or e4m3 queries; an e5m2 latent with the split bf16
+  queries (e4m3 × e5m2 MMAs).  The scores run as fp8 MMAs on the
   tile as copied; ``P·c`` runs in float16 (``P`` in float16) on the tile converted by the warps into a float16
   buffer, exactly (rows past the sequence's end converted as zeros).  Per tile ``i``: ``P·c`` of tile ``i − 1`` runs while the softmax of tile ``i`` writes its
   ``P`` (two ``P`` buffers); then the scores of tile ``i + 1`` run while the warps convert tile ``i`` into the
@@ -401,8 +402,9 @@ def unsupported(cache, q_lat, fp8: bool) -> str | None:
     elif lay.kv_dtype == "fp8_e4m3":
         if q_lat.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
             return "over an fp8_e4m3 latent it needs bf16 or e4m3 queries"
-    elif lay.kv_dtype != "bf16" or q_lat.dtype != torch.bfloat16:
-        return "needs a bf16 latent with bf16 queries, or an fp8_e4m3 latent with bf16 or e4m3 queries"
+    elif lay.kv_dtype not in ("bf16", "fp8_e5m2") or q_lat.dtype != torch.bfloat16:
+        return ("needs a bf16 or fp8_e5m2 latent with bf16 queries, or an fp8_e4m3 latent with bf16 or e4m3 "
+                "queries")
     if (lay.kv_lora_rank, lay.rope_dim) != (512, 64):
         return f"sized for rank 512 and rope 64, got {lay.kv_lora_rank} / {lay.rope_dim}"
     if cache.page_size % BLOCK_N and cache.page_size not in (8, 16, 32):
@@ -436,7 +438,7 @@ def launch(q_lat, q_pe, cache, page_table, seq_lens, mid_o, mid_l, sm_scale_log2
     from kvbench.kernels._fp8_split import split_rows
 
     lay = cache.layout
-    cvt = not fp8 and lay.kv_dtype == "fp8_e4m3"  # scores on the e4m3 tile, P·c on its bf16 conversion
+    cvt = not fp8 and lay.kv_dtype in ("fp8_e4m3", "fp8_e5m2")  # scores on the fp8 tile, P·c on its conversion
     split = cvt and q_lat.dtype == torch.bfloat16
     q_lo, qp_lo, q_inv = q_lat, q_pe, cache.k_scale  # placeholders unless split
     if split:  # bf16 queries as two e4m3 terms and the rows' inverse scales (kernels/_fp8_split.py)

@@ -312,11 +312,12 @@ def test_mixed_layer_formats_match_torch(loaded, kv, skip, layer_dtypes, pre, de
 MLA128 = "synthetic:deepseek-v3,layers=2,hidden=1024,intermediate_size=2048,q_lora_rank=256,vocab=512"
 
 
-@pytest.mark.parametrize("kv,qq", [("bf16", "none"), ("fp8_e4m3", "none"), ("fp8_e4m3", "decode")],
-                         ids=["bf16", "fp8-split-query", "fp8-e4m3-query"])
+@pytest.mark.parametrize("kv,qq", [("bf16", "none"), ("fp8_e4m3", "none"), ("fp8_e4m3", "decode"), ("fp8_e5m2", "none")],
+                         ids=["bf16", "fp8-split-query", "fp8-e4m3-query", "e5m2-split-query"])
 def test_mla_engine_at_128_heads_decodes_on_the_hopper_kernel(monkeypatch, kv, qq):
     """DeepSeek-V3's attention shape (128 heads, latent 512 + rope 64) in a small two-layer model, a bf16 latent
-    or an e4m3 one (bf16 queries, split into two e4m3 terms in the kernel; or e4m3 queries, ``quantize_query``),
+    or an e4m3 one (bf16 queries, split into two e4m3 terms in the kernel; or e4m3 queries, ``quantize_query``), or
+    an e5m2 one (the split bf16 queries),
     the engine's default pages of 16: the graphed decode steps run the Hopper MLA kernel (counted at capture),
     and their greedy tokens and log-probabilities agree with eager decode and with the Triton kernel's.  On a
     GPU other than sm_90 the kernel must not run, and graphed and eager decode must still agree."""

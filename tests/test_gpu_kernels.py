@@ -172,8 +172,8 @@ def test_mla_decode(fmt, mla_gen):
 @pytest.mark.parametrize("fmt", mla_formats())
 def test_mla_decode_wgmma(fmt, mla_gen, monkeypatch):
     """The Hopper decode kernel (above 32 heads by default: a bf16 latent with bf16 queries; an e4m3 latent with
-    bf16 queries split into two e4m3 terms or with e4m3 queries, the scores on the stored tile and P·c on its bf16
-    conversion; ``fp8_pv``) against the float64 reference, with head counts, split counts, sequence ends around its
+    bf16 queries split into two e4m3 terms or with e4m3 queries, an e5m2 latent with the split bf16 queries, the
+    scores on the stored tile and P·c on its float16 conversion; ``fp8_pv``) against the float64 reference, with head counts, split counts, sequence ends around its
     64-token tiles and pages of 64, 16 and 8; counted, so it must have run where it applies and not elsewhere;
     ``fp8_pv`` refused for every other format.  On a GPU other than sm_90 the same checks run on the Triton kernel,
     which must then have run alone, and an explicit request must be refused."""
@@ -190,7 +190,7 @@ def test_mla_decode_wgmma(fmt, mla_gen, monkeypatch):
     _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097, 15, 16, 17), page=16))  # four copies per tile
     _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 33), page=8, num_splits=2))
     _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097), wgmma=False))
-    wg_formats = ("bf16", "fp8_e4m3")
+    wg_formats = ("bf16", "fp8_e4m3", "fp8_e5m2")
     assert len(calls) == (4 if hopper and fmt in wg_formats else 0), calls
     if not hopper:
         with pytest.raises(ValueError, match="needs an sm_90"):
@@ -202,11 +202,15 @@ def test_mla_decode_wgmma(fmt, mla_gen, monkeypatch):
     if fmt == "bf16":
         _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097), heads=16, wgmma=True))
         assert len(calls) == 5, calls
-    if fmt == "fp8_e4m3":
-        # the exact split against the Triton kernel's on the same inputs (both with P in bf16)
+    if fmt in ("fp8_e4m3", "fp8_e5m2"):
+        # the split query against the Triton kernel on the same inputs (P in float16 in both).  The split's scores
+        # are fp8 MMAs, whose accumulation on Hopper is not a full float32 one; over e4m3 the Triton kernel's are
+        # too (1.03x on an H200, 2026-11-29), over e5m2 it scores in float16 (1.19x: 2.1e-3 against 1.8e-3)
         errs = {wg: mla_decode_check(fmt, dev, torch.Generator().manual_seed(11), lens=(1, 100, 4097, 129, 32768),
                                      wgmma=wg)["rel_err"] for wg in (None, False)}
-        assert errs[None] <= 1.1 * errs[False] + 1e-4, errs
+        assert errs[None] <= (1.1 if fmt == "fp8_e4m3" else 1.25) * errs[False] + 1e-4, errs
+        assert len(calls) == 5, calls
+    if fmt == "fp8_e4m3":
         _mla_ok(mla_decode_check(fmt, dev, mla_gen, lens=(1, 100, 4097), heads=16, wgmma=True))
         # e4m3 queries: by default above 32 heads; at 16 with wgmma
         _mla_ok(check_decode_fp8_query(fmt, dev, mla_gen, lens=(1, 100, 4097, 64, 65)))

@@ -261,26 +261,27 @@ def compile_mla_decode_wg():
     fn = wg._mla_decode_wg
     # (mode, page): bf16, fp8_pv, an e4m3 latent with e4m3 queries / with bf16 queries split into two e4m3 terms
     # (scores on the stored tile, P·c in bf16 on its conversion); pages of 64 (one copy per tile) and of 16 (four)
-    for mode, page in (("bf16", 64), ("fp8_pv", 64), ("bf16", 16), ("e4m3", 64), ("split", 16)):
-        fp8, cvt = mode == "fp8_pv", mode in ("e4m3", "split")
-        ty, bits = ("bf16", 16) if mode == "bf16" else ("fp8e4nv", 8)
+    # and ("split_e5m2") an e5m2 latent with the split bf16 query, its scores e4m3 x e5m2 MMAs
+    for mode, page in (("bf16", 64), ("fp8_pv", 64), ("bf16", 16), ("e4m3", 64), ("split", 16), ("split_e5m2", 64)):
+        fp8, cvt = mode == "fp8_pv", mode in ("e4m3", "split", "split_e5m2")
+        ty, bits = ("bf16", 16) if mode == "bf16" else ("fp8e5", 8) if mode == "split_e5m2" else ("fp8e4nv", 8)
         c_lay, pe_lay = (repr(x) for x in wg._tile_layouts(bits))
         rows = min(page, 64)
         qty = "bf16" if mode == "bf16" else "fp8e4nv"
         ptrs = dict(C_DESC=f"tensordesc<{ty}[{rows},512],{c_lay}>", PE_DESC=f"tensordesc<{ty}[{rows},64],{pe_lay}>",
                     QL=f"*{qty}", QP=f"*{qty}", QL2=f"*{qty}", QP2=f"*{qty}", QINV="*fp32", KSCALE="*fp32",
                     QSCALE="*fp32", PT="*i32", SL="*i32", MO="*fp32", ML="*fp32")
-        consts = dict(PAGE=page, RANK=512, ROPE=64, STAGES=wg.STAGES[mode if cvt else fp8], FP8=fp8, PARTS=0,
-                      CVT=cvt, SPLIT=mode == "split")
+        consts = dict(PAGE=page, RANK=512, ROPE=64, STAGES=wg.STAGES[mode[:5] if cvt else fp8], FP8=fp8, PARTS=0,
+                      CVT=cvt, SPLIT=mode.startswith("split"))
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32")
                for n in fn.arg_names}
         aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs and "DESC" not in n]
         src = GluonASTSource(fn, sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
         ptx = k.asm["ptx"]
-        sdt, ks = ("bf16.bf16", 16) if mode == "bf16" else ("e4m3.e4m3", 32)
+        sdt, ks = ("bf16.bf16", 16) if mode == "bf16" else ("e4m3.e5m2", 32) if mode == "split_e5m2" else ("e4m3.e4m3", 32)
         pdt, kp = ("e4m3.e4m3", 32) if fp8 else ("f16.f16", 16) if cvt else ("bf16.bf16", 16)
-        terms = 2 if mode == "split" else 1
+        terms = 2 if mode.startswith("split") else 1
         # scores: terms x (512 + 64) / depth per tile, issued at two places (tile 0, the loop; three with the
         # converted tile: tile 1 before the loop); P·c at two (loop, last tile)
         sites = 3 if cvt else 2

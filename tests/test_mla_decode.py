@@ -141,12 +141,18 @@ def test_wgmma_kernel_applicability_and_refusals():
     q8, qp8 = qb.to(torch.float8_e4m3fn), qpb.to(torch.float8_e4m3fn)
     assert wg.unsupported(c, qb, False) == "needs an sm_90 (Hopper) GPU"
     assert wg.unsupported(c8, q8, True) == "needs an sm_90 (Hopper) GPU"
-    assert "bf16 latent with bf16 queries" in wg.unsupported(c, q8, False)
-    # an e4m3 latent takes bf16 queries (split into two e4m3 terms) or e4m3 queries; not fp16 ones
+    assert "fp8_e5m2 latent with bf16 queries" in wg.unsupported(c, q8, False)
+    # an e4m3 latent takes bf16 queries (split into two e4m3 terms) or e4m3 queries, not fp16 ones; an e5m2
+    # latent the split bf16 queries only
     assert wg.unsupported(c8, qb, False) == wg.unsupported(c8, q8, False) == "needs an sm_90 (Hopper) GPU"
     assert "bf16 or e4m3 queries" in wg.unsupported(c8, qb.half(), False)
     c5 = make_cache("fp8_e5m2", rank=512, rope=64, num_pages=2, page_size=64)
-    assert "bf16 latent with bf16 queries" in wg.unsupported(c5, qb, False)
+    assert wg.unsupported(c5, qb, False) == "needs an sm_90 (Hopper) GPU"
+    assert "fp8_e5m2 latent with bf16 queries" in wg.unsupported(c5, q8, False)
+    assert "needs an fp8_e4m3 latent" in wg.unsupported(make_cache("nvfp4", rank=512, rope=64, num_pages=2,
+                                                                   page_size=64), qb, True)
+    assert "latent with bf16 queries" in wg.unsupported(make_cache("nvfp4", rank=512, rope=64, num_pages=2,
+                                                                   page_size=64), qb, False)
     assert "fp8_e4m3 latent and e4m3 queries" in wg.unsupported(c, qb, True)
     assert "fp8_e4m3 latent and e4m3 queries" in wg.unsupported(c8, qb, True)
     assert "rank 512 and rope 64" in wg.unsupported(make_cache("bf16"), qb, False)
