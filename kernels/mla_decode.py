@@ -372,8 +372,8 @@ def mla_decode(q_lat, q_pe, cache: LatentCache, page_table, seq_lens, sm_scale: 
     ``mma`` and the converted 16-bit-unit path is faster.
     ``wgmma``: the Hopper kernel with warpgroup MMAs from shared memory (``mla_decode_wg``: bf16 queries over
     a bf16 latent; bf16 queries, split as ``q_split`` does, or e4m3 queries over an e4m3 latent, and the split
-    bf16 queries over an e5m2 latent, the scores on the stored tile and ``P·c`` in fp16; or ``fp8_pv``); by default above 32 heads wherever it applies and no
-    tile or launch option of the Triton kernel (``block_h``, ``block_n``, ``num_warps``, ``num_stages``,
+    bf16 queries over an e5m2 latent, the scores on the stored tile and ``P·c`` in fp16; or ``fp8_pv``); by
+    default above 32 heads wherever it applies and no tile or launch option of the Triton kernel (``block_h``, ``block_n``, ``num_warps``, ``num_stages``,
     ``units16``, ``chunks``, ``q_split=False``, ``fp8_scores=False``) is given; ``True`` raises where it does
     not apply or with any of those options.
     ``fp8_pv`` (e4m3 queries over an fp8_e4m3 latent; off by default): ``fp8_scores`` and ``P·c`` as an fp8 MMA

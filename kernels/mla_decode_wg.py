@@ -23,9 +23,9 @@ Layout (one program per 64 query heads x sequence x split; 8 warps = two warpgro
   included): those rows of the latent are zeroed in shared memory before ``P·c`` reads them.
 * ``CVT``: an e4m3 latent with bf16 queries (``SPLIT``: each row split before the launch into two e4m3 terms
   with one power-of-two scale, ``_fp8_split.split_rows``) or e4m3 queries; an e5m2 latent with the split bf16
-  queries (e4m3 × e5m2 MMAs).  The scores run as fp8 MMAs on the
-  tile as copied; ``P·c`` runs in float16 (``P`` in float16) on the tile converted by the warps into a float16
-  buffer, exactly (rows past the sequence's end converted as zeros).  Per tile ``i``: ``P·c`` of tile ``i − 1`` runs while the softmax of tile ``i`` writes its
+  queries (e4m3 × e5m2 MMAs).  The scores run as fp8 MMAs on the tile as copied; ``P·c`` runs in float16 (``P``
+  in float16) on the tile converted by the warps into a float16 buffer, exactly (rows past the sequence's end
+  converted as zeros).  Per tile ``i``: ``P·c`` of tile ``i − 1`` runs while the softmax of tile ``i`` writes its
   ``P`` (two ``P`` buffers); then the scores of tile ``i + 1`` run while the warps convert tile ``i`` into the
   float16 buffer, which ``P·c`` of tile ``i − 1`` no longer reads.
 * ``FP8`` (``mla_decode``'s ``fp8_pv``): e4m3 queries over an e4m3 latent, both products as fp8 MMAs.  The
@@ -37,8 +37,9 @@ The partial outputs and log-sum-exps have ``mla_decode``'s split layout (element
 kernel combines them.  Gluon has no interpreter: the CPU path and the float64 checks of the CPU tests go
 through ``mla_decode.py``; ``tools/mla_check.py`` and ``tests/test_gpu_kernels.py`` check this kernel against
 the float64 reference on a GPU.  Measured against the Triton kernel and flashinfer in docs/mla.md ("The Hopper
-kernel at 128 heads", "An e4m3 latent on the Hopper kernel").  ``PARTS`` (a module setting for timing probes only; 0, the default, is the kernel) compiles
-it with the softmax or one of the products left out (``docs/scripts/mla_probes.py decode-wg --parts``).
+kernel at 128 heads", "An e4m3 latent on the Hopper kernel").  ``PARTS`` (a module setting for timing probes only;
+0, the default, is the kernel) compiles it with the softmax or one of the products left out
+(``docs/scripts/mla_probes.py decode-wg --parts``; not under ``CVT``).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ __all__ = ["BLOCK_H", "BLOCK_N", "STAGES", "unsupported", "launch"]
 
 BLOCK_H = 64  # query heads per program: the M of one warpgroup MMA
 BLOCK_N = 64  # tokens per tile: a page of 64 holds one tile
-# tile buffers: bf16 2 x 72 KB next to the 72 KB query; fp8_pv 3 x 36 KB; an e4m3 latent with a bf16 P·c ("split":
-# bf16 queries as two e4m3 terms, 72 KB; "e4m3": e4m3 queries, 36 KB) 2 or 3 x 36 KB next to its 64 KB bf16 buffer
+# tile buffers: bf16 2 x 72 KB next to the 72 KB query; fp8_pv 3 x 36 KB; an fp8 latent with a float16 P·c ("split":
+# bf16 queries as two e4m3 terms, 72 KB; "e4m3": e4m3 queries, 36 KB) 2 x 36 KB next to its 64 KB float16 buffer
 STAGES = {False: 2, True: 3, "split": 2, "e4m3": 2}
 _sync, _tma_load = compat.sync, compat.tma_load
 
@@ -107,7 +108,7 @@ def _transpose(src, dst, W: gl.constexpr, COLS: gl.constexpr, LAY: gl.constexpr)
 
 @gluon.jit
 def _convert(src, dst, valid, BN: gl.constexpr, W: gl.constexpr, COLS: gl.constexpr, LAY: gl.constexpr):
-    """The e4m3 tile ``src`` ``[BN, W]`` into the bf16 tile ``dst``, ``COLS`` columns at a time, rows ``valid..``
+    """The fp8 tile ``src`` ``[BN, W]`` into the float16 tile ``dst``, ``COLS`` columns at a time, rows ``valid..``
     zeroed (a sequence's last tile: the slots' bytes are whatever the page holds, and ``P·c`` reads them)."""
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, LAY))
     keep = (rows < valid)[:, None]
@@ -117,9 +118,9 @@ def _convert(src, dst, valid, BN: gl.constexpr, W: gl.constexpr, COLS: gl.conste
 
 
 @gluon.jit
-def _scores_e4m3(q_s, qp_s, z, c_buf, pe_buf, bar, phase, BH: gl.constexpr, BN: gl.constexpr, S_L: gl.constexpr,
-                 SPLIT: gl.constexpr):
-    """Wait for the e4m3 tile and issue its score MMAs on it as stored: e4m3 queries, or (``SPLIT``) the hi and lo
+def _scores_fp8(q_s, qp_s, z, c_buf, pe_buf, bar, phase, BH: gl.constexpr, BN: gl.constexpr, S_L: gl.constexpr,
+                SPLIT: gl.constexpr):
+    """Wait for the fp8 tile and issue its score MMAs on it as stored: e4m3 queries, or (``SPLIT``) the hi and lo
     e4m3 terms of bf16 queries, all into one accumulator (one scale per row of both parts).  The query terms are
     ``q_s`` / ``qp_s`` entries ``z`` (and ``z + 1``), ``z`` a zero the compiler cannot see as a constant, so the
     operand descriptors are formed at each use instead of held in registers through the loop."""
@@ -207,7 +208,7 @@ def _mla_decode_wg(
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     KI: gl.constexpr = 32 if FP8 else 16  # the MMA instruction's depth: 32 bytes of operand
-    KS: gl.constexpr = 32 if (FP8 or CVT) else 16  # the same for the score MMAs (on the e4m3 tile under CVT)
+    KS: gl.constexpr = 32 if (FP8 or CVT) else 16  # the same for the score MMAs (on the fp8 tile under CVT)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, KS])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, RANK // 2, KI])
@@ -216,7 +217,7 @@ def _mla_decode_wg(
     QDT: gl.constexpr = QL.dtype.element_ty
     PDT: gl.constexpr = gl.float16 if CVT else C_DESC.dtype  # P in the type of P·c's right operand
     X_L: gl.constexpr = gl.BlockedLayout([4, 4], [8, 4], [2, 4], [1, 0])  # the e4m3 tile's transposition
-    # 128-column slices of an e4m3 tile: 16 threads read a 128-byte row segment, 8 write 128 bytes of float16
+    # 128-column slices of an fp8 tile: 16 threads read a 128-byte row segment, 8 write 128 bytes of float16
     C_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
 
     hg = gl.program_id(0)
@@ -228,7 +229,7 @@ def _mla_decode_wg(
     end = gl.minimum(start + chunk, seq_len)
     n_tiles = gl.cdiv(end - start, BN)
 
-    # the query, once, into shared memory (CVT: q_s / qp_s hold the e4m3 query, or its hi and lo terms)
+    # the query, once, into shared memory (CVT: q_s / qp_s hold the e4m3 query, or the bf16 one's hi and lo terms)
     hq = hg * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LD))
     hmq = hq < H
     if CVT:
@@ -255,7 +256,7 @@ def _mla_decode_wg(
     if FP8:  # the latent transposed (tokens contiguous), as an fp8 MMA's right operand must be; two buffers
         vt_s = gl.allocate_shared_memory(C_DESC.dtype, [2, RANK, BN],
                                          gl.NVMMASharedLayout.get_default_for([RANK, BN], C_DESC.dtype))
-    if CVT:  # the e4m3 latent converted to float16 for P·c (exact; one buffer)
+    if CVT:  # the fp8 latent converted to float16 for P·c (exact; one buffer)
         w_s = gl.allocate_shared_memory(gl.float16, [BN, RANK], gl.NVMMASharedLayout.get_default_for([BN, RANK],
                                                                                                    gl.float16))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -281,22 +282,22 @@ def _mla_decode_wg(
     o = gl.zeros([BH, RANK], gl.float32, O_L)
     if CVT:
         # Per tile i: P·c of tile i - 1 runs while the softmax of tile i writes its P (the other P buffer); then,
-        # both warpgroups past that P·c, the scores of tile i + 1 run on its stored e4m3 tile while the warps
+        # both warpgroups past that P·c, the scores of tile i + 1 run on its stored fp8 tile while the warps
         # convert tile i into the float16 buffer.  Nothing is in flight across an iteration's end: the next
         # tile's scores are waited for after the conversion (the last iteration recomputes its own tile's, so
         # no MMA depends on a runtime test).  A stage is refilled at the top of the iteration after its tile's
         # scores and conversion.
         s = gl.zeros([BH, BN], gl.float32, S_L)
         if n_tiles > 0:
-            s = _scores_e4m3(q_s, qp_s, 0, c_s.index(0), pe_s.index(0), ready.index(0), 0, BH, BN, S_L, SPLIT)
+            s = _scores_fp8(q_s, qp_s, 0, c_s.index(0), pe_s.index(0), ready.index(0), 0, BH, BN, S_L, SPLIT)
             s = warpgroup_mma_wait(0, deps=[s])
             if SPLIT:
                 s = s * q_inv[:, None]
             p, m_i, l_acc, alpha = _softmax_p(s, m_i, l_acc, start, end, scale, BN, S_L)
             p_s.index(0).store(p.to(PDT))
             j = gl.minimum(1, n_tiles - 1)
-            s = _scores_e4m3(q_s, qp_s, 0, c_s.index(j % STAGES), pe_s.index(j % STAGES), ready.index(j % STAGES),
-                             (j // STAGES) & 1, BH, BN, S_L, SPLIT)
+            s = _scores_fp8(q_s, qp_s, 0, c_s.index(j % STAGES), pe_s.index(j % STAGES), ready.index(j % STAGES),
+                            (j // STAGES) & 1, BH, BN, S_L, SPLIT)
             _convert(c_s.index(0), w_s, end - start, BN, RANK, 128, C_L)
             s = warpgroup_mma_wait(0, deps=[s])
             fence_async_shared()
@@ -316,8 +317,8 @@ def _mla_decode_wg(
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             _sync()  # both warpgroups are past P·c of tile i - 1: the float16 buffer may be rewritten
             j = gl.minimum(i + 1, n_tiles - 1)
-            s = _scores_e4m3(q_s, qp_s, i >> 30, c_s.index(j % STAGES), pe_s.index(j % STAGES),
-                             ready.index(j % STAGES), (j // STAGES) & 1, BH, BN, S_L, SPLIT)
+            s = _scores_fp8(q_s, qp_s, i >> 30, c_s.index(j % STAGES), pe_s.index(j % STAGES),
+                            ready.index(j % STAGES), (j // STAGES) & 1, BH, BN, S_L, SPLIT)
             _convert(c_s.index(i % STAGES), w_s, end - n0, BN, RANK, 128, C_L)
             s = warpgroup_mma_wait(0, deps=[s])
             fence_async_shared()
