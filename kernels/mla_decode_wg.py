@@ -155,29 +155,23 @@ def _scores(q_s, qp_s, c_buf, pe_buf, bar, phase, n0, end, BH: gl.constexpr, BN:
 
 
 @gluon.jit
-def _softmax(s, m_i, l_acc, o, n0, end, scale, BN: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
-    """One tile's online softmax: ``P`` (base 2, scaled, slots past ``end`` at zero), the new row maxima, the
-    per-element row sums and the output rescaled to the new maxima."""
-    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-    s = gl.where((n0 + cols < end)[None, :], s * scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
-    l_acc = l_acc * alpha[:, None] + p
-    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-    return p, m_new, l_acc, o
-
-
-@gluon.jit
 def _softmax_p(s, m_i, l_acc, n0, end, scale, BN: gl.constexpr, S_L: gl.constexpr):
-    """``_softmax`` without the output's rescaling (``CVT``: the output is then in flight, ``P·c`` of the tile
-    before): ``P``, the new row maxima, the per-element row sums and the rescaling factors ``alpha``."""
+    """One tile's online softmax: ``P`` (base 2, scaled, slots past ``end`` at zero), the new row maxima, the
+    per-element row sums and the factors ``alpha`` that rescale the output to the new maxima (``CVT`` applies them
+    once ``P·c`` of the tile before, in flight during the softmax, is done)."""
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
     s = gl.where((n0 + cols < end)[None, :], s * scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[:, None])
     return p, m_new, l_acc * alpha[:, None] + p, alpha
+
+
+@gluon.jit
+def _softmax(s, m_i, l_acc, o, n0, end, scale, BN: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
+    """``_softmax_p`` with the output rescaled at once."""
+    p, m_new, l_acc, alpha = _softmax_p(s, m_i, l_acc, n0, end, scale, BN, S_L)
+    return p, m_new, l_acc, o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
 
 
 @gluon.jit

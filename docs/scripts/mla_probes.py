@@ -16,11 +16,11 @@ shapes (kv_lora_rank 512, rope 64, page 64), bf16 compute, and prints a Markdown
   the defaults';
 * ``decode``: decode at the defaults for a list of formats, CUDA-graph and ``do_bench`` µs;
 * ``decode-wg``: the Hopper kernel (``mla_decode_wg``) against the Triton kernel at 128 heads (``--heads``):
-  bf16 with ``wgmma`` on / off, an e4m3 latent with bf16 queries (Triton ``q_split``; the Hopper kernel's split
+  bf16 with ``wgmma`` on / off; an e4m3 latent with bf16 queries (Triton ``q_split``; the Hopper kernel's split
   query with a float16 ``P·c`` on the converted tile), with e4m3 queries (Triton ``fp8_scores``; the Hopper kernel
-  with a float16 ``P·c``, at three (the default) and two tile buffers), an e5m2 latent with bf16 queries (Triton; the Hopper
-  kernel's split query) and
-  with ``fp8_pv`` at three and two tile buffers (the module constant ``mla_decode_wg.STAGES``, set for that row and restored),
+  with a float16 ``P·c`` at three, the default, and two tile buffers) and with ``fp8_pv`` at three and two tile
+  buffers; an e5m2 latent with bf16 queries (Triton; the Hopper kernel's split query).  Tile buffers other than
+  the default are set in the module constant ``mla_decode_wg.STAGES`` for that row and restored.
   CUDA-graph µs and TFLOP/s; ``--ncu bf16`` / ``--ncu fp8_pv`` only launches that
   case three times, for ``ncu --kernel-name regex:_mla_decode_wg --launch-skip 2 --launch-count 1``; ``--page 16``
   for the engine's default page size; ``--parts`` times bf16 and ``fp8_pv`` whole and taken apart
@@ -296,8 +296,9 @@ def cmd_decode_wg(a, dev) -> None:
             if query == "e4m3":
                 ql, qp, kw["q_scale"] = quantize_absorbed_query(ql, qp)
             saved = dict(mla_decode_wg.STAGES)
-            if stages:  # the tile buffers of this row's kernel variant
-                mla_decode_wg.STAGES["fp8_pv" in name or ("e4m3" if query == "e4m3" else "split")] = stages
+            if stages:  # the tile buffers of this row's kernel variant (mla_decode_wg.STAGES's keys)
+                variant = True if "fp8_pv" in name else "e4m3" if query == "e4m3" else "split"
+                mla_decode_wg.STAGES[variant] = stages
             mla_decode_wg.PARTS["value"] = parts[0] if parts else 0
             try:
                 fn = _decode((ql, qp, cache, pt, sl), kw)
