@@ -217,9 +217,10 @@ def test_bench_kernels_streams_rows_with_sdpa_and_flashinfer_anchors(monkeypatch
     assert "1.93x" in fi8  # 520 / 270
     assert lines.index(sdpa) < next(i for i, l in enumerate(lines) if l.startswith("## targets"))
     # progress on stderr, one line per measurement (not a terminal here): copy 1; decode 3 tuned + 3 other
-    # layout + 3 long (8 x 32768) + SDPA + 4 flashinfer; prefill 3 causal + 2 flashinfer, extend bf16 1 + SDPA + 2 flashinfer,
-    # fp8_e4m3 3 + 2 flashinfer, nvfp4 2 (prefix workspace, in registers); append floor + 4 sizes
-    n = 1 + 14 + (5 + 4 + 5 + 2) + 5
+    # layout + 3 long (8 x 32768) + SDPA + 4 flashinfer; prefill 3 causal + 2 flashinfer + 8 x 1024 prompts, extend bf16
+    # 1 + SDPA + 2 flashinfer, fp8_e4m3 3 + 2 flashinfer, nvfp4 2 (prefix workspace, in registers); append floor + 4
+    # sizes; no vLLM FA3 rows (no library here)
+    n = 1 + 14 + (6 + 4 + 5 + 2) + 5
     prog = [l for l in text.err.splitlines() if l.startswith("[")]
     assert prog[0] == f"[1/{n}] device-to-device copy…" and prog[-1].startswith(f"[{n}/{n}] done in")
     assert len(prog) == n + 1
@@ -251,6 +252,23 @@ def test_prefill_plan_puts_kvbench_before_its_anchors():
     assert labels.index("extend torch SDPA bf16 B=4 L=8192") == labels.index("extend triton bf16 B=4 L=8192") + 1
     assert labels.index("extend flashinfer fa3 fp8_e4m3 fp8 q") > labels.index("extend triton fp8_e4m3 fp8 q B=4 L=8192")
     assert not [l for l in PrefillBench(BenchResults(), flashinfer=False).steps() if "flashinfer" in l.label]
+    assert not [l for l in labels if "FA3" in l]  # no vLLM FA3 library here
+
+
+def test_prefill_plan_with_vllm_fa3(monkeypatch):
+    """Where vLLM's FA3 library is found, it anchors both prompt problems and the bf16 / fp8 extends, each after
+    kvbench's row of the same problem."""
+    from kvbench.tools import vllm_fa3
+    from kvbench.tools.decode_bench import BenchResults
+    from kvbench.tools.prefill_bench import PrefillBench
+
+    monkeypatch.setattr(vllm_fa3, "available", lambda: True)
+    labels = [s.label for s in PrefillBench(BenchResults(), flashinfer=False).steps()]
+    fa3 = [l for l in labels if "FA3" in l]
+    assert fa3 == ["prefill vLLM FA3 causal 8192", "prefill vLLM FA3 causal 8x1024", "extend vLLM FA3 bf16",
+                   "extend vLLM FA3 fp8_e4m3 fp8 q"]
+    assert labels.index("prefill vLLM FA3 causal 8x1024") == labels.index("prefill triton causal 8x1024") + 1
+    assert labels.index("extend vLLM FA3 fp8_e4m3 fp8 q") > labels.index("extend triton fp8_e4m3 fp8 q B=4 L=8192")
 
 
 def test_decode_plan_takes_a_smaller_shape(monkeypatch):
@@ -411,11 +429,16 @@ def test_speed_targets_of_issue_44():
     assert got["decode nvfp4 >= 80% of copy bandwidth (64 x 8192)"] == (True, "83% (graph replays; eager 55%)")
     assert got["decode nvfp4 >= 2.9x faster than bf16 (64 x 8192)"] == (True, "2.95x (graph replays; eager 2.01x)")
     assert got["extend bf16 >= 1.0x flashinfer fa3's speed"] == (True, "1.01x (1040 us against 1052)")
+    assert "extend bf16 >= 1.0x vLLM's FA3's speed" not in got  # not measured: no verdict
     assert got["extend nvfp4 prefix >= 0.9x the bf16 extend's speed"] == (False, "0.75x")
     assert got["extend fp8_e4m3 prefix >= 0.95x the bf16 extend's speed"] == (False, "0.81x")
     assert got["append fused <= 0.6x unfused (up to 128 tokens)"] == (False, "worst 0.70x (nvfp4, T=128)")
     assert got["append fused <= 1.3x a plain bf16 store (every format, up to 512)"] == (False, "worst 1.55x (nvfp4, T=512)")
     assert len(got) == 10
+    res.pre["vllm_fa3_extend_bf16"] = 936.0  # vLLM's FA3 judged on its own line, beside flashinfer's
+    got = {name: (ok, val) for name, ok, val in speed_targets(res)}
+    assert got["extend bf16 >= 1.0x vLLM's FA3's speed"] == (False, "0.90x (1040 us against 936)")
+    assert got["extend bf16 >= 1.0x flashinfer fa3's speed"] == (True, "1.01x (1040 us against 1052)")
     assert speed_targets(BenchResults()) == []  # nothing measured: no verdicts
 
 

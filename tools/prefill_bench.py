@@ -10,19 +10,25 @@ the measurements as ``streaming.Step``: each row is printed as soon as it is mea
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 from kvbench.tools.common import Row, bench_formats, bench_us as _bench, fi_kv, speedup
 from kvbench.tools.decode_bench import BenchResults
 from kvbench.tools.streaming import Step
 
-__all__ = ["CONFIGS", "PrefillBench", "bench_prefill", "workspace_crossover"]
+__all__ = ["CONFIGS", "PrefillBench", "bench_prefill", "causal_name", "workspace_crossover"]
 
 # Launch configurations (block_m, block_n, block_n_prefix, num_warps, num_stages) timed for every prefill
 # row; ``None`` stands for ``paged_prefill``'s own defaults (``prefill.launch_defaults``).
 CONFIGS = (None, (128, 64, 64, 8, 3), (128, 128, 128, 8, 2), (128, 128, 128, 8, 3), (128, 64, 128, 8, 3),
            (128, 64, 128, 8, 2), (64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (128, 64, 128, 4, 3))
 _KEYS = ("block_m", "block_n", "block_n_prefix", "num_warps", "num_stages")
+
+
+def causal_name(who: str, n: int, length: int, hq: int, hk: int, d: int) -> str:
+    """A causal prompt problem's row name: one prompt of ``length`` tokens, or ``n`` of them."""
+    shape = str(length) if n == 1 else f"{n}x{length}"
+    return f"prefill {who} causal {shape} {hq}/{hk} D{d}"
 
 
 def _best(run, label):
@@ -55,36 +61,39 @@ class PrefillBench:
     ``fi_<backend>_extend_<fmt>[_<tag>]`` µs of flashinfer's on the same problem."""
 
     def __init__(self, res: BenchResults, seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True, layout="HND",
-                 formats=None, batch=4, new=1024):
+                 formats=None, batch=4, new=1024, prompts=(8, 1024)):
         self.res, self.seq, self.hq, self.hk, self.d, self.page = res, seq, hq, hk, d, page
         self.flashinfer, self.layout = flashinfer, layout
         self.formats = formats or bench_formats()
         self.b, self.new, self.pre = batch, new, seq - new
         self.flops = 4 * hq * d * seq * seq / 2
         self.fl = batch * (4 * hq * d * new * self.pre + 4 * hq * d * new * new / 2)
+        self.prompts = prompts  # (sequences, tokens): the engine's prefill step under load (8 x 1024)
         self._causal: dict = {}
         self._extend: dict = {}
 
     # ------------------------------------------------------------------------------ inputs
-    def causal_inputs(self) -> dict:
+    def causal_inputs(self, n: int = 1, length: Optional[int] = None) -> dict:
+        """``n`` prompts of ``length`` tokens (default: one of ``seq``), their pages and page table (built once)."""
         import torch
 
         from kvbench.tools.kernel_check import make_cache, random_page_table
 
-        if not self._causal:
-            seq, hq, hk, d, page = self.seq, self.hq, self.hk, self.d, self.page
-            gen = torch.Generator().manual_seed(2)
-            npg = seq // page + 2
+        length = length or self.seq
+        if (n, length) not in self._causal:
+            hq, hk, d, page, t = self.hq, self.hk, self.d, self.page, n * length
+            gen = torch.Generator().manual_seed(2 + n)
+            npg = n * (length // page + 1) + 2
             kc, _, ks, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen, self.layout)
             vc, _, vs, _ = make_cache("bf16", npg, page, hk, d, "cuda", gen, self.layout)
-            self._causal = dict(
-                q=torch.randn(seq, hq, d, device="cuda", dtype=torch.bfloat16),
-                kn=torch.randn(seq, hk, d, device="cuda", dtype=torch.bfloat16),
-                vn=torch.randn(seq, hk, d, device="cuda", dtype=torch.bfloat16),
-                cu=torch.tensor([0, seq], dtype=torch.int32, device="cuda"),
-                lens=torch.tensor([seq], dtype=torch.int32, device="cuda"),
-                kc=kc, vc=vc, ks=ks, vs=vs, table=random_page_table([seq], page, npg, gen, "cuda"))
-        return self._causal
+            self._causal[(n, length)] = dict(
+                q=torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16),
+                kn=torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16),
+                vn=torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16),
+                cu=torch.arange(0, n + 1, dtype=torch.int32, device="cuda") * length,
+                lens=torch.full((n,), length, dtype=torch.int32, device="cuda"),
+                kc=kc, vc=vc, ks=ks, vs=vs, table=random_page_table([length] * n, page, npg, gen, "cuda"))
+        return self._causal[(n, length)]
 
     def extend_inputs(self, fmt: str) -> dict:
         """The queries and new tokens (shared by every format) and ``fmt``'s cache (built once)."""
@@ -115,25 +124,28 @@ class PrefillBench:
         return {**self._extend, **self._extend[fmt]}
 
     # ------------------------------------------------------------------------------ rows
-    def _causal_row(self, tma: bool) -> Iterator[Row]:
+    def _causal_row(self, tma: bool, n: int = 1, length: Optional[int] = None) -> Iterator[Row]:
         import torch
 
         from kvbench.kernels import PagedKV, PrefillOptions
         from kvbench.kernels import paged_prefill
 
-        x = self.causal_inputs()
+        length = length or self.seq
+        x = self.causal_inputs(n, length)
         out = torch.empty_like(x["q"])
         opt = {} if tma else dict(tma=False)
         kv = PagedKV("bf16", x["kc"], x["vc"])
-        t, cfg, dflt = _best(lambda kw: paged_prefill(x["q"], x["kn"], x["vn"], x["cu"], self.seq, kv, x["table"],
+        t, cfg, dflt = _best(lambda kw: paged_prefill(x["q"], x["kn"], x["vn"], x["cu"], length, kv, x["table"],
                                                       x["lens"], out=out,
                                                       opts=PrefillOptions(max_prefix_len=0, **opt, **kw)), "prefill")
-        name = f"prefill triton causal {self.seq} {self.hq}/{self.hk} D{self.d} (new tokens only)"
-        if tma:
+        fl = n * 4 * self.hq * self.d * length * length / 2
+        if n == 1 and tma:
             self.res.pre["triton"] = _tflops(self.flops, t)
             self.res.pre["triton_us"] = t
-        yield Row(name + ("" if tma else ", pointer loads"), t, tflops=_tflops(self.flops, t),
-                  note=_note(len(CONFIGS), cfg, dflt))
+        elif tma:
+            self.res.pre[f"prompts_{n}x{length}"] = t
+        yield Row(causal_name("triton", n, length, self.hq, self.hk, self.d) + " (new tokens only)"
+                  + ("" if tma else ", pointer loads"), t, tflops=_tflops(fl, t), note=_note(len(CONFIGS), cfg, dflt))
 
     def _sdpa_causal_row(self) -> Iterator[Row]:
         import torch
@@ -226,12 +238,21 @@ class PrefillBench:
 
     def steps(self) -> list[Step]:
         """Every measurement in order: kvbench's row of a problem before its anchors (their speed-up needs it)."""
+        from kvbench.tools import vllm_fa3
+
+        fa3 = vllm_fa3.available()
+        n, length = self.prompts
         s = [Step(f"prefill triton causal {self.seq}", lambda: self._causal_row(True)),
              Step(f"prefill triton causal {self.seq} pointer loads", lambda: self._causal_row(False)),
              Step(f"prefill torch SDPA causal {self.seq}", self._sdpa_causal_row)]
         if self.flashinfer:
             s += [Step(f"prefill flashinfer {be} causal {self.seq}", lambda be=be: self._fi_causal_row(be))
                   for be in ("fa2", "fa3")]
+        if fa3:
+            s.append(Step(f"prefill vLLM FA3 causal {self.seq}", lambda: vllm_fa3.causal_row(self, 1, self.seq)))
+        s.append(Step(f"prefill triton causal {n}x{length}", lambda: self._causal_row(True, n, length)))
+        if fa3:
+            s.append(Step(f"prefill vLLM FA3 causal {n}x{length}", lambda: vllm_fa3.causal_row(self, n, length)))
         for fmt in self.formats:
             # an e4m3 prefix with bf16 queries: by default q is split exactly into two e4m3 terms and the scores
             # run as fp8 dots on the stored K; "converted K" is the path that converts every K tile instead
@@ -249,6 +270,9 @@ class PrefillBench:
                        "fp8_e4m3": [("fa2", False, ""), ("fa3", True, " fp8 q")]}.get(fmt, []) if self.flashinfer else []
             s += [Step(f"extend flashinfer {be} {fmt}{tag}", lambda fmt=fmt, be=be, q8=q8, tag=tag:
                        self._fi_extend_row(fmt, be, q8, tag)) for be, q8, tag in anchors]
+            if fa3 and fmt in ("bf16", "fp8_e4m3"):  # FA3 runs e4m3 pages with e4m3 queries only
+                tag = "" if fmt == "bf16" else " fp8 q"
+                s.append(Step(f"extend vLLM FA3 {fmt}{tag}", lambda fmt=fmt, tag=tag: vllm_fa3.extend_row(self, fmt, tag)))
         return s
 
 
