@@ -1,7 +1,8 @@
 """Paged prefill / extend attention over a quantized prefix (Triton).
 
 New tokens of several sequences come packed (``cu_seqlens_q``).  Each program takes ``BLOCK_M`` new
-tokens of one sequence and one query head and runs causal flash attention in two phases:
+tokens of one sequence and one query head (or, with ``pack_gqa``, ``BLOCK_M / G`` tokens of each of the ``G`` query
+heads of one kv head) and runs causal flash attention in two phases:
 
 1. the cached prefix ``[0, seq_len − q_len)``, gathered tile by tile from the pages through the page
    table and dequantized in registers (fp8: ``k_scale`` folded into the logit scale, ``v_scale`` applied
@@ -441,7 +442,8 @@ def paged_prefill(
     ``WORKSPACE_MIN_Q`` new tokens) dequantizes the cached prefix once into a float16 workspace of at most
     ``WORKSPACE_CAP_BYTES`` and attends over it, instead of dequantizing every prefix tile in every program;
     ``max_prefix_len`` must then be at least every sequence's prefix (a longer one reads a spare page, never
-    outside the workspace)."""
+    outside the workspace).  ``pack_gqa`` (default off: measured not faster on an H200, docs/kernels.md) gives
+    each program the query heads of one GQA group, so each K / V tile is read once for the group."""
     kv_format, sm_scale, q_scale, sinks = kv.kv_format, attn.sm_scale, attn.q_scale, attn.sinks
     max_prefix_len, prefix_workspace = opts.max_prefix_len, opts.prefix_workspace
     if q.dim() != 3 or k_new.dim() != 3 or v_new.shape != k_new.shape:
