@@ -89,8 +89,7 @@ class PrefillOptions:
     old path); ``max_prefix_len`` (host int: the batch's longest cached prefix, at least every sequence's when
     the prefix workspace runs; 0: prompts only; picks the launch defaults and the workspace plan); ``tma``
     (read q and the new tokens through tensor descriptors); ``prefix_workspace`` (dequantize the prefix once
-    into a float16 workspace, ``prefill.workspace_plan``); ``pack_gqa`` (one program takes the query heads of
-    one GQA group, ``block_m / group`` tokens of each, so every K / V tile it reads serves the whole group)."""
+    into a float16 workspace, ``prefill.workspace_plan``)."""
 
     block_m: Optional[int] = None
     block_n: Optional[int] = None
@@ -103,7 +102,6 @@ class PrefillOptions:
     max_prefix_len: Optional[int] = None
     tma: Optional[bool] = None
     prefix_workspace: Optional[bool] = None
-    pack_gqa: Optional[bool] = None
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,7 @@
 """Paged prefill / extend attention over a quantized prefix (Triton).
 
 New tokens of several sequences come packed (``cu_seqlens_q``).  Each program takes ``BLOCK_M`` new
-tokens of one sequence and one query head (or, with ``pack_gqa``, ``BLOCK_M / G`` tokens of each of the ``G`` query
-heads of one kv head) and runs causal flash attention in two phases:
+tokens of one sequence and one query head and runs causal flash attention in two phases:
 
 1. the cached prefix ``[0, seq_len − q_len)``, gathered tile by tile from the pages through the page
    table and dequantized in registers (fp8: ``k_scale`` folded into the logit scale, ``v_scale`` applied
@@ -162,7 +161,7 @@ def _prefill_kernel(
     HAS_Q_SCALE: tl.constexpr, HAS_SINKS: tl.constexpr, HEAVY_FIRST: tl.constexpr = True,
     FULL_D: tl.constexpr = False, FP8_QK: tl.constexpr = False, PREFIX_FULL: tl.constexpr = True,
     BLOCK_NP: tl.constexpr = 64, TMA: tl.constexpr = False, Q_SPLIT: tl.constexpr = False,
-    EXACT_CAST: tl.constexpr = False, NO_PREFIX: tl.constexpr = False, PACK: tl.constexpr = 1,
+    EXACT_CAST: tl.constexpr = False, NO_PREFIX: tl.constexpr = False,
 ):
     # FULL_D: the head dim (or its halves) fills DP_PAD, so full tiles of new tokens load without masks
     # HEAVY_FIRST: the last query blocks (the most causal work) are launched first, so the short ones
@@ -175,33 +174,20 @@ def _prefill_kernel(
     # (``_fp8_split``), so the prefix's Q·Kᵀ runs as two fp8 dots on the stored K with no K conversion
     # NO_PREFIX: the caller said no sequence has a cached prefix (prompts only): phase 1 is not compiled, so
     # the cache is never read (an nvfp4 cache's prompts then run the plain path: no half-head split, TMA)
-    # PACK (= G, or 1): the program takes the G query heads of kv head program_id(1), BLOCK_M / G tokens of each;
-    # row r is token r // G of the block and query head hk·G + r % G, so each K / V tile serves G heads.  q is
-    # then read by pointers (rows of several heads), the new tokens' K / V as without it
     mb = tl.program_id(0)
     if HEAVY_FIRST:
         mb = tl.num_programs(0) - 1 - mb
+    h = tl.program_id(1)
     b = tl.program_id(2)
-    BT: tl.constexpr = BLOCK_M // PACK  # query tokens per program
-    QTMA: tl.constexpr = TMA and PACK == 1
     q_start = tl.load(CU_Q + b)
     q_len = tl.load(CU_Q + b + 1) - q_start
-    if mb * BT >= q_len:
+    if mb * BLOCK_M >= q_len:
         return
     seq_len = tl.load(SEQ_LENS + b)
     prefix = seq_len - q_len
-    r = tl.arange(0, BLOCK_M)
-    if PACK > 1:
-        hk = tl.program_id(1)
-        h = hk * PACK + r % PACK  # each row's query head
-        hq2 = h[:, None]
-        rows = mb * BT + r // PACK
-    else:
-        h = tl.program_id(1)
-        hk = h // G
-        hq2 = h
-        rows = mb * BLOCK_M + r
+    hk = h // G
     SPLIT: tl.constexpr = FMT == 2
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < q_len
     tok = (q_start + rows).to(tl.int64)
     i = tl.arange(0, DP_PAD)
@@ -210,28 +196,28 @@ def _prefill_kernel(
     else:
         imask = i < D
     # q for the new tokens (q_a, q_b) and for the prefix tiles (qp_a, qp_b), which may use another dot dtype
-    if QTMA:
+    if TMA:
         q_raw = Q.load([q_start + mb * BLOCK_M, h * D])
         q_a = to_dot(q_raw, DOT)
         q_b = q_a
     else:
-        q_a, q_b = _load_new(Q, tok, hq2, sq_t, sq_h, i, imask, rmask, SPLIT, DOT)
+        q_a, q_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT)
     if Q_SPLIT:  # bf16 q, e4m3 prefix: hi + lo in e4m3, two fp8 dots of the stored values
         qp_a, qp_b, qinv = split_e4m3(q_a.to(tl.float32), EXACT_CAST)
     elif FP8_QK:  # fp8 q, e4m3 prefix: the prefix's Q·Kᵀ as an fp8 dot of the stored values
-        if QTMA:
+        if TMA:
             qp_a = q_raw
             qp_b = q_raw
         else:
-            qp_a, qp_b = _load_new(Q, tok, hq2, sq_t, sq_h, i, imask, rmask, SPLIT, 4)
+            qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, 4)
     elif DOT_P == DOT:
         qp_a = q_a
         qp_b = q_b
-    elif QTMA:  # the prefix tiles use their own dot dtype (fp16 for fp8 / nvfp4)
+    elif TMA:  # the prefix tiles use their own dot dtype (fp16 for fp8 / nvfp4)
         qp_a = to_dot(q_raw, DOT_P)
         qp_b = qp_a
     else:
-        qp_a, qp_b = _load_new(Q, tok, hq2, sq_t, sq_h, i, imask, rmask, SPLIT, DOT_P)
+        qp_a, qp_b = _load_new(Q, tok, h, sq_t, sq_h, i, imask, rmask, SPLIT, DOT_P)
     scale = sm_scale_log2
     if HAS_Q_SCALE:
         scale = scale * tl.load(Q_SCALE)
@@ -245,7 +231,7 @@ def _prefill_kernel(
     qpos = prefix + rows
     kstart = prefix * 0
     if window > 0:
-        kstart = tl.maximum(prefix + mb * BT - window + 1, 0)
+        kstart = tl.maximum(prefix + mb * BLOCK_M - window + 1, 0)
     pscale = scale
     vscale = 1.0
     if FMT != 0:
@@ -276,8 +262,8 @@ def _prefill_kernel(
     # ---- phase 2: the new tokens (compute precision); full tiles first, then the diagonal
     jstart = prefix * 0
     if window > 0:
-        jstart = tl.maximum(mb * BT - window + 1, 0)
-    diag = (mb * BT // BLOCK_N) * BLOCK_N
+        jstart = tl.maximum(mb * BLOCK_M - window + 1, 0)
+    diag = (mb * BLOCK_M // BLOCK_N) * BLOCK_N
     full_end = diag
     if window > 0:
         full_end = jstart  # the window cuts into tiles: every tile takes the masked path
@@ -286,7 +272,7 @@ def _prefill_kernel(
                                        SPLIT, DOT, TMA, FULL_D)
         acc_a, acc_b, m_i, l_i = _update(q_a, q_b, k_a, k_b, v_a, v_b, acc_a, acc_b, m_i, l_i, rmask[:, None],
                                          scale, 1.0, SPLIT, DOT, False, False)
-    jend = tl.minimum(q_len, (mb + 1) * BT)
+    jend = tl.minimum(q_len, (mb + 1) * BLOCK_M)
     for j in range(full_end, jend, BLOCK_N):
         offs = j + n_off
         tmask = offs < q_len
@@ -298,14 +284,14 @@ def _prefill_kernel(
                                          scale, 1.0, SPLIT, DOT, False, True)
 
     if HAS_SINKS:
-        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634  # per row with PACK
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
         m_new = tl.maximum(m_i, sink)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.math.exp2(sink - m_new)
         acc_a = acc_a * alpha[:, None]
         acc_b = acc_b * alpha[:, None]
     inv = 1.0 / l_i
-    obase = OUT + tok[:, None] * so_t + hq2 * so_h
+    obase = OUT + tok[:, None] * so_t + h * so_h
     om = rmask[:, None] & imask[None, :]
     if SPLIT:
         tl.store(obase + 2 * i[None, :], (acc_a * inv[:, None]).to(OUT.dtype.element_ty), mask=om)
@@ -442,8 +428,7 @@ def paged_prefill(
     ``WORKSPACE_MIN_Q`` new tokens) dequantizes the cached prefix once into a float16 workspace of at most
     ``WORKSPACE_CAP_BYTES`` and attends over it, instead of dequantizing every prefix tile in every program;
     ``max_prefix_len`` must then be at least every sequence's prefix (a longer one reads a spare page, never
-    outside the workspace).  ``pack_gqa`` (default off: measured not faster on an H200, docs/kernels.md) gives
-    each program the query heads of one GQA group, so each K / V tile is read once for the group."""
+    outside the workspace)."""
     kv_format, sm_scale, q_scale, sinks = kv.kv_format, attn.sm_scale, attn.q_scale, attn.sinks
     max_prefix_len, prefix_workspace = opts.max_prefix_len, opts.prefix_workspace
     if q.dim() != 3 or k_new.dim() != 3 or v_new.shape != k_new.shape:
@@ -499,16 +484,14 @@ def paged_prefill(
     while True:
         block_m, block_n, block_n_prefix, num_warps, num_stages, tma = tiles
         qa, ka, va = q, k_new, v_new
-        pack = _pack(opts.pack_gqa, hq // hk, block_m)
-        if tma:  # (a packed program reads q by pointers: its rows are several heads' of fewer tokens)
-            qa, ka, va = q if pack > 1 else _descriptor(q, block_m), _descriptor(k_new, block_n), _descriptor(v_new, block_n)
+        if tma:
+            qa, ka, va = _descriptor(q, block_m), _descriptor(k_new, block_n), _descriptor(v_new, block_n)
         common = dict(
             G=hq // hk, D=d, NB=next_pow2(max(d // 16, 1)), BLOCK_M=block_m, BLOCK_N=block_n, DOT=dot_code(k_new.dtype),
             DOT_P=dot_code(k_new.dtype) if no_prefix else cache_dot_code(kv_format, k_new.dtype),
             HAS_Q_SCALE=q_scale is not None,
             HAS_SINKS=sinks is not None, HEAVY_FIRST=opts.heavy_first, PREFIX_FULL=opts.prefix_full,
             BLOCK_NP=block_n_prefix, TMA=bool(tma), EXACT_CAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
-            PACK=pack,
         )
         args = (qa, ka, va, q_scale if q_scale is not None else kc.scale, sinks if sinks is not None else kc.scale,
                 out, scale, int(attn.sliding_window or 0), max_q_len, common)
@@ -531,16 +514,6 @@ def paged_prefill(
 
 
 _SHRUNK: dict = {}  # default tiles that did not fit this GPU's shared memory → the smaller ones that did
-
-
-def _pack(want: Optional[bool], group: int, block_m: int) -> int:
-    """Query heads per program: the GQA group (``PrefillOptions.pack_gqa``) or 1.  Packing needs a group of a
-    power of two that divides ``block_m``; ``True`` where it cannot is a ValueError, ``None`` leaves it off."""
-    ok = 1 < group <= block_m and group & (group - 1) == 0
-    if want and not ok:
-        raise ValueError(f"pack_gqa needs a GQA group (query heads per kv head) of a power of two from 2 to block_m "
-                         f"({block_m}), got {group}")
-    return group if want and ok else 1
 
 
 def _shrink(tiles: tuple) -> Optional[tuple]:
@@ -598,8 +571,7 @@ def _tiles(opts: PrefillOptions, device, d: int, max_q_len: int, tma):
 
 def _launch_prefill(qa, ka, va, qsc, snk, out, scale, window, max_q_len, common, kc, vc, page_table, seq_lens, cu_q,
                     nseq, q, k_new, v_new, fmt, extra):
-    pack = common["PACK"]
-    grid = (triton.cdiv(max_q_len, common["BLOCK_M"] // pack), q.shape[1] // pack, nseq)
+    grid = (triton.cdiv(max_q_len, common["BLOCK_M"]), q.shape[1], nseq)
     _prefill_kernel[grid](
         qa, ka, va, kc.data, vc.data, kc.bs_ptr, vc.bs_ptr, kc.scale, vc.scale, qsc, snk,
         page_table, seq_lens, cu_q, out, scale,

@@ -105,16 +105,6 @@ def test_prefill(fmt):
     _ok(check_prefill(fmt, [256, 1, 77], [0, 0, 0], *G32, window=100, layout="HND", seed=38, max_prefix_len=0))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_prefill_packed_gqa(fmt):
-    """The query heads of a GQA group in one program (``pack_gqa``, opt-in): prefixes, prompts only, window, sinks
-    and fp8 queries; the new tokens through descriptors, q by pointers."""
-    _ok(check_prefill(fmt, [256, 1, 77, 300], [0, 500, 1000, 31], *G32, layout="HND", seed=45, pack_gqa=True))
-    _ok(check_prefill(fmt, [200, 1, 64], [1000, 64, 0], *G32, window=300, sinks=True, q_fp8=True, layout="HND",
-                      seed=46, pack_gqa=True))
-    _ok(check_prefill(fmt, [256, 1, 77], [0, 0, 0], *G32, layout="HND", seed=47, max_prefix_len=0, pack_gqa=True))
-
-
 def test_prefill_fp8_query_split_and_pointer_loads():
     """A bf16 q over an e4m3 prefix (q split into two e4m3 terms) against converted K tiles, and the prefill's
     pointer loads (``tma=False``) against the reference."""

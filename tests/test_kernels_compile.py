@@ -109,7 +109,7 @@ def compile_prefill():
                                             (1, "*bf16", True, True, True), (2, "*fp8e4nv", False, False, True)):
         c = dict(G=4, D=128, DP_PAD=64 if fmt == 2 else 128, NB=8, PAGE=16, BLOCK_M=64, BLOCK_N=64, FMT=fmt, DOT=0,
                  DOT_P=1, HAS_Q_SCALE=not q_split, HAS_SINKS=True, HEAVY_FIRST=True, FULL_D=True, FP8_QK=fp8_qk,
-                 BLOCK_NP=128, PREFIX_FULL=full, TMA=False, Q_SPLIT=q_split, NO_PREFIX=False, PACK=1)
+                 BLOCK_NP=128, PREFIX_FULL=full, TMA=False, Q_SPLIT=q_split, NO_PREFIX=False)
         kc = "*u8" if fmt == 2 else "*fp8e4nv"
         k = _compile(_prefill_kernel, c, dict(ptrs, Q=qty, KC=kc, VC=kc), ("sm_scale_log2",), num_warps=4)
         _check_prefix_dots(k.asm["ttgir"], fp8_qk, q_split, full)
@@ -119,7 +119,7 @@ def compile_prefill():
     for qty, fp8_qk, q_split in (("bf16", False, False), ("fp8e4nv", True, False), ("bf16", True, True)):
         c = dict(G=4, D=128, DP_PAD=128, NB=8, PAGE=16, BLOCK_M=128, BLOCK_N=128, FMT=1, DOT=0, DOT_P=1,
                  HAS_Q_SCALE=qty != "bf16", HAS_SINKS=False, HEAVY_FIRST=True, FULL_D=True, FP8_QK=fp8_qk, BLOCK_NP=128,
-                 PREFIX_FULL=True, TMA=True, Q_SPLIT=q_split, NO_PREFIX=False, PACK=1)
+                 PREFIX_FULL=True, TMA=True, Q_SPLIT=q_split, NO_PREFIX=False)
         desc = dict(Q=f"tensordesc<{qty}[128,128]>", KN="tensordesc<bf16[128,128]>", VN="tensordesc<bf16[128,128]>")
         k = _compile(_prefill_kernel, c, dict(ptrs, **desc), ("sm_scale_log2",), num_warps=8, num_stages=3)
         tma = [ln for ln in k.asm["ttgir"].splitlines() if "async_tma_copy_global_to_local" in ln]
@@ -129,7 +129,7 @@ def compile_prefill():
     # (the nvfp4 bytes' pointer is never loaded: no phase 1 in the code)
     c = dict(G=4, D=128, DP_PAD=128, NB=8, PAGE=16, BLOCK_M=128, BLOCK_N=128, FMT=0, DOT=0, DOT_P=0, HAS_Q_SCALE=False,
              HAS_SINKS=False, HEAVY_FIRST=True, FULL_D=True, FP8_QK=False, BLOCK_NP=128, PREFIX_FULL=True, TMA=True,
-             Q_SPLIT=False, NO_PREFIX=True, PACK=1)
+             Q_SPLIT=False, NO_PREFIX=True)
     desc = dict(Q="tensordesc<bf16[128,128]>", KN="tensordesc<bf16[128,128]>", VN="tensordesc<bf16[128,128]>")
     k = _compile(_prefill_kernel, c, dict(ptrs, KC="*u8", VC="*u8", **desc), ("sm_scale_log2",), num_warps=8,
                  num_stages=3)
@@ -137,13 +137,6 @@ def compile_prefill():
     assert len([ln for ln in ttgir.splitlines() if "async_tma_copy_global_to_local" in ln]) >= 3
     loads = [ln for ln in ttgir.splitlines() if "tt.load" in ln]
     assert loads and not [ln for ln in loads if "i8>" in ln], "a prompts-only prefill read the nvfp4 cache"
-    # the GQA group packed into one program (pack_gqa): q by pointers, the new tokens' K / V still by descriptors
-    c = dict(c, FMT=1, DOT_P=1, NO_PREFIX=False, PACK=4)
-    desc = dict(Q="*bf16", KN="tensordesc<bf16[128,128]>", VN="tensordesc<bf16[128,128]>")
-    ttgir = _compile(_prefill_kernel, c, dict(ptrs, **desc), ("sm_scale_log2",), num_warps=8,
-                     num_stages=3).asm["ttgir"]
-    assert len([ln for ln in ttgir.splitlines() if "async_tma_copy_global_to_local" in ln]) >= 2
-    _check_prefix_dots(ttgir, False, False, True)
 
 
 def _check_prefix_dots(ttgir, fp8_qk, q_split, full):
