@@ -89,7 +89,9 @@ class PrefillOptions:
     old path); ``max_prefix_len`` (host int: the batch's longest cached prefix, at least every sequence's when
     the prefix workspace runs; 0: prompts only; picks the launch defaults and the workspace plan); ``tma``
     (read q and the new tokens through tensor descriptors); ``prefix_workspace`` (dequantize the prefix once
-    into a float16 workspace, ``prefill.workspace_plan``)."""
+    into a float16 workspace, ``prefill.workspace_plan``); ``wgmma`` (the Hopper kernel of ``prefill_wg.py`` for
+    16-bit caches: ``None`` where ``prefill.WGMMA_DEFAULT`` and it applies with no Triton launch option given,
+    ``True`` that kernel or a ValueError saying why not, ``False`` the Triton kernel)."""
 
     block_m: Optional[int] = None
     block_n: Optional[int] = None
@@ -102,6 +104,7 @@ class PrefillOptions:
     max_prefix_len: Optional[int] = None
     tma: Optional[bool] = None
     prefix_workspace: Optional[bool] = None
+    wgmma: Optional[bool] = None
 
 
 @dataclass(frozen=True)

@@ -456,6 +456,12 @@ def paged_prefill(
     out = torch.empty(t, hq, d, dtype=odt, device=q.device) if out is None else out
     if t == 0 or bsz == 0 or max_q_len <= 0:
         return out
+    if _use_wgmma(opts, q, k_new, v_new, kc, vc, kv_format, attn):
+        from kvbench.kernels import prefill_wg
+
+        prefill_wg.launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_len, out,
+                          sm_scale if sm_scale is not None else d**-0.5, opts.heavy_first)
+        return out
     dp = d // 2 if fmt == 2 else d
     # over an e4m3 prefix, the prefix's Q·Kᵀ runs on the stored fp8 values (fp8 tensor-core dots, float32
     # accumulation) instead of converting every K tile: an fp8 q directly, a bf16 q split exactly into two
@@ -514,6 +520,26 @@ def paged_prefill(
 
 
 _SHRUNK: dict = {}  # default tiles that did not fit this GPU's shared memory → the smaller ones that did
+WGMMA_DEFAULT = False  # PrefillOptions.wgmma=None: the Hopper kernel where it applies
+
+
+def _use_wgmma(opts: PrefillOptions, q, k_new, v_new, kc, vc, kv_format: str, attn) -> bool:
+    """Whether the call runs ``prefill_wg``'s Hopper kernel (``PrefillOptions.wgmma``); a ValueError saying why not
+    when it was asked for and cannot take the call."""
+    want = opts.wgmma
+    if want is False or not q.is_cuda or interpreting():
+        if want:
+            raise ValueError("wgmma=True needs a CUDA device (the Gluon kernel has no interpreter)")
+        return False
+    if want is None and (not WGMMA_DEFAULT or any(getattr(opts, k) is not None for k in _LAUNCH)
+                         or opts.tma is False or not opts.prefix_full):
+        return False
+    from kvbench.kernels import prefill_wg
+
+    why = prefill_wg.unsupported(q, k_new, v_new, kc, vc, kv_format, attn, all(tma_ok(x) for x in (q, k_new, v_new)))
+    if why and want:
+        raise ValueError(f"wgmma=True: {why} (leave wgmma unset for the Triton kernel)")
+    return why is None
 
 
 def _shrink(tiles: tuple) -> Optional[tuple]:

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 from kvbench.core import supported_formats
 from kvbench.core import get_spec
 
-__all__ = ["kernel_formats", "plain_and_quantized", "mla_formats", "is_plain", "bench_formats", "Row", "ROW_HEADER", "speedup", "bench_us", "graph_us",
+__all__ = ["kernel_formats", "plain_and_quantized", "mla_formats", "is_plain", "bench_formats", "Row", "ROW_HEADER", "causal_name", "speedup", "bench_us", "graph_us",
            "copy_bandwidth", "fi_kv"]
 
 
@@ -73,6 +73,12 @@ class Row:
         x = None if self.kvbench_x is None else f"{self.kvbench_x:.2f}x"
         return (f"{self.name:<{NAME_W}} {num(self.us, '.1f', 10)} {num(self.gbps, '.0f', 7)} "
                 f"{num(self.pct_copy, '.0f', 7)} {num(self.tflops, '.0f', 8)} {num(x, '', 8)}  {self.note}").rstrip()
+
+
+def causal_name(who: str, n: int, length: int, hq: int, hk: int, d: int) -> str:
+    """A causal prompt problem's row name: one prompt of ``length`` tokens, or ``n`` of them."""
+    shape = str(length) if n == 1 else f"{n}x{length}"
+    return f"prefill {who} causal {shape} {hq}/{hk} D{d}"
 
 
 def speedup(anchor_us: float, ours_us: Optional[float]) -> Optional[float]:

@@ -12,23 +12,17 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
-from kvbench.tools.common import Row, bench_formats, bench_us as _bench, fi_kv, speedup
+from kvbench.tools.common import Row, bench_formats, bench_us as _bench, causal_name, fi_kv, speedup
 from kvbench.tools.decode_bench import BenchResults
 from kvbench.tools.streaming import Step
 
-__all__ = ["CONFIGS", "PrefillBench", "bench_prefill", "causal_name", "workspace_crossover"]
+__all__ = ["CONFIGS", "PrefillBench", "bench_prefill", "workspace_crossover"]
 
 # Launch configurations (block_m, block_n, block_n_prefix, num_warps, num_stages) timed for every prefill
 # row; ``None`` stands for ``paged_prefill``'s own defaults (``prefill.launch_defaults``).
 CONFIGS = (None, (128, 64, 64, 8, 3), (128, 128, 128, 8, 2), (128, 128, 128, 8, 3), (128, 64, 128, 8, 3),
            (128, 64, 128, 8, 2), (64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (128, 64, 128, 4, 3))
 _KEYS = ("block_m", "block_n", "block_n_prefix", "num_warps", "num_stages")
-
-
-def causal_name(who: str, n: int, length: int, hq: int, hk: int, d: int) -> str:
-    """A causal prompt problem's row name: one prompt of ``length`` tokens, or ``n`` of them."""
-    shape = str(length) if n == 1 else f"{n}x{length}"
-    return f"prefill {who} causal {shape} {hq}/{hk} D{d}"
 
 
 def _best(run, label):

@@ -151,7 +151,7 @@ def _row(name, flops, ours_us, make):
 
 def causal_row(pb, n: int, length: int):
     """FA3 on ``PrefillBench`` ``pb``'s causal problem of ``n`` prompts of ``length`` tokens (read from the pages)."""
-    from kvbench.tools.prefill_bench import causal_name
+    from kvbench.tools.common import causal_name
 
     x = pb.causal_inputs(n, length)
     ours = pb.res.pre.get("triton_us" if n == 1 else f"prompts_{n}x{length}")

@@ -1,0 +1,262 @@
+"""Paged prefill / extend on Hopper with warpgroup MMAs (Gluon), for 16-bit caches: the cached prefix arrives by TMA,
+one copy per page into a slice of the tile's shared-memory buffer, the new tokens by one copy per tile, and the
+next tile's scores run on the tensor cores while the warps compute this tile's softmax.
+
+Why: the Triton kernel (``prefill.py``) gathers the prefix with pointer loads (a tensor descriptor's box cannot
+span pages in random order) and runs each tile's score MMA, softmax and output MMA in turn; on an H200 it reached
+0.71x vLLM's FlashAttention 3 on the extend (docs/kernels.md, "The extend against vLLM's FlashAttention 3").
+
+Layout (one program per 128 query rows x query head x sequence; 8 warps = two warpgroups of 64 rows):
+
+* q ``[128, D]`` is copied once into shared memory and held in registers as the score MMA's left operand.
+* Tiles of ``BLOCK_N`` keys, in order: the prefix's (through the page table: one TMA copy per page, pages of a
+  multiple of 16 tokens; a tile past the prefix's last page re-reads that page), then the new tokens' (``k_new``
+  / ``v_new`` rows of the sequence).  ``STAGES`` K / V buffers, one mbarrier each.
+* Per tile ``t``: the scores of tile ``t + 1`` are issued, then tile ``t``'s online softmax runs on the warps
+  (base 2, causal and prefix-end masks from the absolute key positions), then ``P·V`` with ``P`` in registers as
+  the left operand; both MMAs are waited for before the iteration ends (nothing in flight across the loop's back
+  edge).  The stage of tile ``t − 1`` is refilled once both are issued, so its page-table loads run while the
+  tensor cores work (``LATE_REFILL``).
+* **Slower than the Triton kernel** on the H200 (the extend 1404 against 1288 µs, vLLM's FA3 892;
+  docs/kernels.md), so ``paged_prefill`` runs it only when asked (``PrefillOptions.wgmma=True``): the two
+  warpgroups run in lockstep (a barrier over all warps ends each tile, and one precedes each TMA copy), with two
+  warps per scheduler and one program per SM.  Kept as the start of a kernel that overlaps one warpgroup's softmax
+  with the other's MMAs.
+* The prefix's last tile may hold slots past its end whose bytes are whatever the page holds (NaN included): those
+  rows of V are zeroed in shared memory before ``P·V`` reads them (their scores are masked).
+
+Sliding windows, sinks, fp8 queries and quantized caches stay with the Triton kernel (``unsupported``).  Gluon
+has no interpreter: the CPU path is ``prefill.py``; this kernel is checked against the float64 reference on a
+GPU (``tests/test_gpu_kernels.py``) and compiled for sm_90 on the CPU (``tests/test_kernels_compile.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from kvbench.kernels import _gluon_compat as compat
+
+__all__ = ["BLOCK_M", "BLOCK_N", "STAGES", "unsupported", "launch"]
+
+BLOCK_M = 128  # query rows per program: two warpgroups of 64
+BLOCK_N = 64  # keys per tile
+STAGES = 4  # K / V tile buffers: 4 x 32 KB at D 128, next to q's 32 KB
+# a stage's refill issued after P·V, both MMAs in flight (True), or after the next tile's scores alone (False: 27% slower
+# on the H200's extend, docs/kernels.md); each TMA copy is preceded by a barrier over the program's warps, and the
+# page-table loads feed it, so the warps stall there until the copies can be issued
+LATE_REFILL = True
+LOG2E = 1.4426950408889634
+_sync, _tma_load = compat.sync, compat.tma_load
+
+
+@gluon.jit
+def _issue(KC_DESC, VC_DESC, KN_DESC, VN_DESC, k_buf, v_buf, bar, PT, pt_row, t, n_pre, prefix, q_start, hk,
+           PAGE: gl.constexpr, HKV: gl.constexpr, HND: gl.constexpr, D: gl.constexpr, BN: gl.constexpr):
+    """TMA copies of tile ``t``'s K and V: a prefix tile through the page table (one copy per page it spans, or one
+    for the tile when pages hold whole tiles), else rows of the new tokens.  Both take the same bytes."""
+    mbarrier.expect(bar, 2 * KN_DESC.block_type.nbytes)
+    if t < n_pre:
+        R: gl.constexpr = KC_DESC.block_type.shape[0]  # rows per copy
+        last = (prefix - 1) // PAGE
+        for j in gl.static_range(BN // R):
+            pos = t * BN + j * R
+            pg = gl.load(PT + pt_row + gl.minimum(pos // PAGE, last))
+            if HND:  # the plane as [pages x kv heads x page rows, D]
+                row = (pg * HKV + hk) * PAGE + pos % PAGE
+                col = 0
+            else:  # as [pages x page rows, kv heads x D]
+                row = pg * PAGE + pos % PAGE
+                col = hk * D
+            _tma_load(KC_DESC, [row, col], bar, k_buf.slice(j * R, R))
+            _tma_load(VC_DESC, [row, col], bar, v_buf.slice(j * R, R))
+    else:
+        r0 = q_start + (t - n_pre) * BN
+        _tma_load(KN_DESC, [r0, hk * D], bar, k_buf)
+        _tma_load(VN_DESC, [r0, hk * D], bar, v_buf)
+
+
+@gluon.jit
+def _zero_tail(buf, valid, BN: gl.constexpr, D: gl.constexpr, LAY: gl.constexpr):
+    """Rows ``valid..`` of a ``[BN, D]`` tile in shared memory set to zero."""
+    rows = gl.arange(0, BN, layout=gl.SliceLayout(1, LAY))
+    x = buf.load(LAY)
+    buf.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _prefill_wg(
+    Q_DESC, KN_DESC, VN_DESC, KC_DESC, VC_DESC, PT, SEQ_LENS, CU_Q, OUT,
+    scale, so_t, so_h, spt_b,
+    G: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, HKV: gl.constexpr, HND: gl.constexpr,
+    STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, LATE: gl.constexpr = False,
+):
+    BM: gl.constexpr = 128
+    BN: gl.constexpr = 64
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, D, 16])
+    QA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
+    PA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    T_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte rows of a tile
+    DT: gl.constexpr = Q_DESC.dtype
+
+    mb = gl.program_id(0)
+    if HEAVY_FIRST:  # the query blocks with the most keys first
+        mb = gl.num_programs(0) - 1 - mb
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start = gl.load(CU_Q + b)
+    q_len = gl.load(CU_Q + b + 1) - q_start
+    if mb * BM >= q_len:
+        return
+    seq_len = gl.load(SEQ_LENS + b)
+    prefix = seq_len - q_len
+    hk = h // G
+    n_pre = gl.cdiv(prefix, BN)
+    n_tiles = n_pre + gl.cdiv(gl.minimum(q_len, (mb + 1) * BM), BN)
+    pt_row = b.to(gl.int64) * spt_b
+
+    q_s = gl.allocate_shared_memory(DT, [BM, D], Q_DESC.layout)
+    k_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)
+    v_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES + 1):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+    _sync()
+    qbar = ready.index(STAGES)
+    mbarrier.expect(qbar, Q_DESC.block_type.nbytes)
+    _tma_load(Q_DESC, [q_start + mb * BM, h * D], qbar, q_s)
+    for i in gl.static_range(STAGES):
+        if i < n_tiles:
+            _issue(KC_DESC, VC_DESC, KN_DESC, VN_DESC, k_s.index(i), v_s.index(i), ready.index(i), PT, pt_row, i,
+                   n_pre, prefix, q_start, hk, PAGE, HKV, HND, D, BN)
+    mbarrier.wait(qbar, 0)
+    q = q_s.load(QA_L)
+
+    rows = mb * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
+    qpos = prefix + rows  # each row's absolute position
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+    m_i = gl.full([BM], -1.0e30, gl.float32, gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, S_L))
+    o = gl.zeros([BM, D], gl.float32, O_L)
+    zero_s = gl.zeros([BM, BN], gl.float32, S_L)
+
+    mbarrier.wait(ready.index(0), 0)
+    s = warpgroup_mma(q, k_s.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s])
+    for t in range(n_tiles):
+        st = t % STAGES
+        tn = gl.minimum(t + 1, n_tiles - 1)  # the last iteration recomputes its own tile's scores, discarded
+        mbarrier.wait(ready.index(tn % STAGES), (tn // STAGES) & 1)
+        s_next = warpgroup_mma(q, k_s.index(tn % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if not LATE:
+            if t >= 1:  # tile t - 1's stage: its P·V was waited for, and both warpgroups synced, last iteration
+                if t - 1 + STAGES < n_tiles:
+                    prev = (t - 1) % STAGES
+                    _issue(KC_DESC, VC_DESC, KN_DESC, VN_DESC, k_s.index(prev), v_s.index(prev), ready.index(prev),
+                           PT, pt_row, t - 1 + STAGES, n_pre, prefix, q_start, hk, PAGE, HKV, HND, D, BN)
+        # keys by absolute position: the prefix's (below ``prefix``), then the new tokens' (causal)
+        kpos = gl.where(t < n_pre, t * BN, prefix + (t - n_pre) * BN) + cols
+        lim = gl.where(t < n_pre, prefix, seq_len)
+        valid = (kpos[None, :] <= qpos[:, None]) & (kpos < lim)[None, :]
+        x = gl.where(valid, s * scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(x, axis=1))
+        p = gl.exp2(x - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        if t == n_pre - 1:
+            if prefix % BN != 0:  # the prefix's last tile: V rows past its end zeroed before P·V reads them
+                _zero_tail(v_s.index(st), prefix - t * BN, BN, D, T_L)
+                fence_async_shared()
+                _sync()
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        pa = gl.convert_layout(p.to(DT), PA_L)
+        o = warpgroup_mma(pa, v_s.index(st), o, is_async=True)
+        if LATE:  # the refill behind both MMAs in flight
+            if t >= 1:
+                if t - 1 + STAGES < n_tiles:
+                    prev = (t - 1) % STAGES
+                    _issue(KC_DESC, VC_DESC, KN_DESC, VN_DESC, k_s.index(prev), v_s.index(prev), ready.index(prev),
+                           PT, pt_row, t - 1 + STAGES, n_pre, prefix, q_start, hk, PAGE, HKV, HND, D, BN)
+        s, o = warpgroup_mma_wait(0, deps=[s_next, o])
+        _sync()  # both warpgroups are past tile t: its stage may be refilled
+    for i in gl.static_range(STAGES + 1):
+        mbarrier.invalidate(ready.index(i))
+
+    inv = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L))
+    orow = mb * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
+    optr = OUT + (q_start + orow).to(gl.int64)[:, None] * so_t + h * so_h + d[None, :]
+    gl.store(optr, (o * inv[:, None]).to(OUT.dtype.element_ty), mask=(orow < q_len)[:, None])
+
+
+def unsupported(q, k_new, v_new, kc, vc, kv_format: str, attn, descriptors_ok: bool) -> str | None:
+    """Why this kernel does not apply (None when it does): an sm_90 GPU; a bf16 or float16 cache with q, k_new and
+    v_new of its dtype, readable through tensor descriptors (``descriptors_ok``: the caller's ``prefill.tma_ok`` of
+    all three); head dim 64 or 128; pages of a multiple of 16 tokens; no sliding window, sinks or q scale."""
+    import torch
+
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "needs an sm_90 (Hopper) GPU"
+    if kv_format not in ("bf16", "fp16") or not (q.dtype == k_new.dtype == v_new.dtype == kc.data.dtype):
+        return "needs a bf16 or float16 cache with q, k_new and v_new of its dtype"
+    if kc.head_dim not in (64, 128):
+        return f"needs head dim 64 or 128, got {kc.head_dim}"
+    if kc.page_size % 16:
+        return f"needs pages of a multiple of 16 tokens, got {kc.page_size}"
+    if attn.sliding_window or attn.sinks is not None or attn.q_scale is not None:
+        return "no sliding window, sinks or q scale (the Triton kernel takes them)"
+    if not descriptors_ok:
+        return "q, k_new and v_new must be readable through tensor descriptors (prefill.tma_ok)"
+    for c in (kc, vc):
+        x = c.data
+        hnd = x.stride(2) == c.page_size * c.head_dim and x.stride(1) == c.head_dim
+        nhd = x.stride(1) == c.num_kv_heads * c.head_dim and x.stride(2) == c.head_dim
+        if x.stride(3) != 1 or not (hnd or nhd) or x.stride(0) != c.page_size * c.num_kv_heads * c.head_dim:
+            return "needs a contiguous HND or NHD cache plane"
+        if x.data_ptr() % 16:
+            return "needs a 16-byte aligned cache"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(d: int, dtype):
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dtype)
+
+
+def launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_len: int, out, sm_scale: float,
+           heavy_first: bool = True) -> None:
+    """The kernel over ``(query blocks, query heads, sequences)`` (``unsupported`` must have said None)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t, hq, d = q.shape
+    hk, page = kc.num_kv_heads, kc.page_size
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    lay = _layout(d, gdt)
+    hnd = kc.data.stride(2) == page * d
+    rows = min(page, BLOCK_N)
+
+    def plane(c):
+        x = c.data.permute(0, 2, 1, 3) if hnd else c.data  # memory order
+        x2 = x.reshape(-1, d) if hnd else x.reshape(-1, hk * d)
+        return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, d], lay)
+
+    def packed(x, r):
+        return TensorDescriptor(x, [t, x.shape[1] * d], [x.stride(0), 1], [r, d],
+                                gl.NVMMASharedLayout.get_default_for([r, d], gdt))
+
+    nseq = cu_seqlens_q.shape[0] - 1
+    grid = (-(-max_q_len // BLOCK_M), hq, nseq)
+    _prefill_wg[grid](
+        packed(q, BLOCK_M), packed(k_new, BLOCK_N), packed(v_new, BLOCK_N), plane(kc), plane(vc), page_table, seq_lens,
+        cu_seqlens_q, out, float(sm_scale * LOG2E), out.stride(0), out.stride(1), page_table.stride(0),
+        G=hq // hk, D=d, PAGE=page, HKV=hk, HND=hnd, STAGES=STAGES, HEAVY_FIRST=heavy_first, LATE=LATE_REFILL,
+        num_warps=8,
+    )

@@ -1,0 +1,90 @@
+"""The Hopper prefill kernel (``kernels/prefill_wg.py``) on the CPU: compiled for sm_90 (a subprocess with the
+interpreter off: the MMA shapes and counts, the TMA copies, shared memory within an sm_90 program's 227 KB, no
+register spills, no MMA serialized by ptxas), and ``paged_prefill``'s routing (``PrefillOptions.wgmma``).  Its
+arithmetic is checked against the float64 reference on a GPU (``tests/test_gpu_kernels.py``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+
+def compile_prefill_wg(d: int, page: int, hnd: bool, late: bool):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kvbench.kernels import prefill_wg as wg
+
+    fn = wg._prefill_wg
+    lay = repr(wg._layout(d, gl.bfloat16))
+    qlay = repr(gl.NVMMASharedLayout.get_default_for([wg.BLOCK_M, d], gl.bfloat16))
+    rows = min(page, wg.BLOCK_N)
+    ptrs = dict(Q_DESC=f"tensordesc<bf16[{wg.BLOCK_M},{d}],{qlay}>", KN_DESC=f"tensordesc<bf16[{wg.BLOCK_N},{d}],{lay}>",
+                VN_DESC=f"tensordesc<bf16[{wg.BLOCK_N},{d}],{lay}>", KC_DESC=f"tensordesc<bf16[{rows},{d}],{lay}>",
+                VC_DESC=f"tensordesc<bf16[{rows},{d}],{lay}>", PT="*i32", SEQ_LENS="*i32", CU_Q="*i32", OUT="*bf16")
+    consts = dict(G=4, D=d, PAGE=page, HKV=8, HND=hnd, STAGES=wg.STAGES, HEAVY_FIRST=True, LATE=late)
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "scale" else "i32") for n in fn.arg_names}
+    aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs and "DESC" not in n]
+    src = GluonASTSource(fn, sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    ptx = k.asm["ptx"]
+    # scores: D / 16 MMAs of 64 keys at two sites (tile 0, the loop); P·V: 64 / 16 MMAs of D columns, one site
+    mma = {n: len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16", ptx)) for n in (64, 128)}
+    want = {64: 2 * d // 16, 128: 0}
+    want[d] += 4
+    assert mma == want, (mma, want)
+    # q, then K and V per tile: one copy per page of the prefix (one per tile for pages of whole tiles) or one of the
+    # new tokens, in the prologue's STAGES tiles and the loop's refill
+    copies = 1 + (wg.STAGES + 1) * 2 * (wg.BLOCK_N // rows + 1)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == copies
+    assert k.metadata.shared <= 232448, k.metadata.shared
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    assert "0 bytes spill stores" in log and "C751" not in log, log  # C7514/C7515: MMAs serialized
+
+
+def test_prefill_wg_compiles_for_sm90():
+    import triton.backends.nvidia  # noqa: F401  (ships with every Linux triton wheel)
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.split() == ["128-16-HND-late", "128-64-NHD-late", "64-32-HND-early"]
+
+
+def test_wgmma_routing_on_the_cpu():
+    from kvbench.kernels import PagedKV, PrefillOptions, paged_prefill
+    from kvbench.kernels import prefill as P
+    from kvbench.kernels import prefill_wg
+    from kvbench.kernels._triton_utils import check_kv
+    from kvbench.kernels.config import AttentionParams
+    from kvbench.tools.kernel_check import _attn_inputs
+
+    kv, table = _attn_inputs("bf16", [40], 2, 64, 16, "cpu", torch.Generator().manual_seed(1))
+    q, k = torch.randn(8, 8, 64, dtype=torch.bfloat16), torch.randn(8, 2, 64, dtype=torch.bfloat16)
+    args = (q, k, k.clone(), torch.tensor([0, 8], dtype=torch.int32), 8, PagedKV("bf16", **kv), table,
+            torch.tensor([40], dtype=torch.int32))
+    with pytest.raises(ValueError, match="wgmma=True needs a CUDA device"):
+        paged_prefill(*args, opts=PrefillOptions(wgmma=True))
+    assert P.WGMMA_DEFAULT is False  # opt-in: slower than the Triton kernel on the H200 (docs/kernels.md)
+    out = paged_prefill(*args)  # the Triton kernel (the interpreter here)
+    assert torch.isfinite(out.float()).all()
+    kc, vc = check_kv(PagedKV("bf16", **kv), 64)
+    assert prefill_wg.unsupported(q, k, k, kc, vc, "bf16", AttentionParams(), True) == "needs an sm_90 (Hopper) GPU"
+
+
+if __name__ == "__main__":
+    for d, page, hnd, late in ((128, 16, True, True), (128, 64, False, True), (64, 32, True, False)):
+        compile_prefill_wg(d, page, hnd, late)
+        print(f"{d}-{page}-{'HND' if hnd else 'NHD'}-{'late' if late else 'early'}", flush=True)
