@@ -106,19 +106,17 @@ def test_prefill(fmt):
 
 
 def test_prefill_wgmma():
-    """The Hopper kernel (``prefill_wg``, ``wgmma=True``) against the float64 reference: prefixes of whole and partial
-    tiles, prompts only, pages of 16 / 32 / 64, HND and NHD, head dims 128 and 64, bf16 and float16, GQA groups of 4,
-    8 and 1; and the calls it refuses."""
+    """The Hopper kernel (``prefill_wg``, ``wgmma=True``) against the float64 reference
+    (``kernel_check.check_prefill_wgmma``: prefixes, prompts, pages of 16 / 32 / 64, both layouts, head dims 128 and
+    64, bf16 and float16, groups of 4, 8 and 1), and the calls it refuses."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernel runs on sm_90 only")
-    for fmt, dtype, hq, hk, d, page, layout in (("bf16", torch.bfloat16, 32, 8, 128, 16, "HND"),
-                                               ("bf16", torch.bfloat16, 32, 8, 128, 64, "NHD"),
-                                               ("fp16", torch.float16, 64, 8, 64, 64, "HND"),
-                                               ("bf16", torch.bfloat16, 8, 8, 128, 32, "NHD")):
-        for q_lens, prefixes in (([256, 1, 77, 300], [0, 500, 1000, 31]), ([200, 1, 64, 129], [1000, 64, 0, 127]),
-                                 ([256, 1, 77], [0, 0, 0])):
-            _ok(check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, dtype=dtype, layout=layout, seed=len(q_lens),
-                              wgmma=True))
+    from kvbench.tools.kernel_check import check_prefill_wgmma
+
+    cases = check_prefill_wgmma()
+    assert len(cases) == 12
+    for case in cases:
+        _ok(case)
     for fmt, kw in (("fp8_e4m3", {}), ("bf16", dict(window=100))):
         with pytest.raises(ValueError, match="wgmma=True: "):
             check_prefill(fmt, [16], [32], *G32, wgmma=True, **kw)

@@ -306,6 +306,22 @@ def check_prefill_workspace(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype=tor
 SPLIT_TOL = 4e-3
 
 
+def check_prefill_wgmma() -> list[Case]:
+    """The Hopper prefill kernel (``wgmma=True``) against the float64 reference: prefixes of whole and partial
+    tiles, prompts only, pages of 16 / 32 / 64, HND and NHD, head dims 128 and 64, bf16 and float16, GQA groups of
+    4, 8 and 1 (an sm_90 GPU)."""
+    out = []
+    for fmt, dtype, hq, hk, d, page, layout in (("bf16", torch.bfloat16, 32, 8, 128, 16, "HND"),
+                                               ("bf16", torch.bfloat16, 32, 8, 128, 64, "NHD"),
+                                               ("fp16", torch.float16, 64, 8, 64, 64, "HND"),
+                                               ("bf16", torch.bfloat16, 8, 8, 128, 32, "NHD")):
+        for q_lens, prefixes in (([256, 1, 77, 300], [0, 500, 1000, 31]), ([200, 1, 64, 129], [1000, 64, 0, 127]),
+                                 ([256, 1, 77], [0, 0, 0])):
+            out.append(check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, dtype=dtype, layout=layout,
+                                     seed=len(q_lens), wgmma=True))
+    return out
+
+
 def check_prefill_q_split(q_lens, prefixes, hq, hk, d, page, *, window=None, sinks=False, device="cuda", seed=0,
                           **launch) -> Case:
     """A bf16 q over an e4m3 prefix: the default path (q split exactly into two e4m3 terms, fp8 dots on the

@@ -52,24 +52,13 @@ def _problems(pb):
 
 
 def check() -> int:
-    """The Hopper kernel against the float64 reference: prefixes of whole and partial tiles, prompts only, pages of 16
-    and 64, HND and NHD, head dims 128 and 64, bf16 and float16."""
-    import torch
+    """The Hopper kernel against the float64 reference (``kernel_check.check_prefill_wgmma``); failures counted."""
+    from kvbench.tools.kernel_check import check_prefill_wgmma
 
-    from kvbench.tools.kernel_check import check_prefill
-
-    bad = 0
-    for fmt, dtype, hq, hk, d, page, layout in (("bf16", torch.bfloat16, 32, 8, 128, 16, "HND"),
-                                               ("bf16", torch.bfloat16, 32, 8, 128, 64, "NHD"),
-                                               ("fp16", torch.float16, 64, 8, 64, 64, "HND"),
-                                               ("bf16", torch.bfloat16, 8, 8, 128, 32, "NHD")):
-        for q_lens, prefixes in (([256, 1, 77, 300], [0, 500, 1000, 31]), ([200, 1, 64, 129], [1000, 64, 0, 127]),
-                                 ([256, 1, 77], [0, 0, 0])):
-            case = check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, dtype=dtype, layout=layout, seed=len(q_lens),
-                                 wgmma=True)
-            print(case.line(), flush=True)
-            bad += not case.ok
-    return bad
+    cases = check_prefill_wgmma()
+    for case in cases:
+        print(case.line(), flush=True)
+    return sum(not c.ok for c in cases)
 
 
 def wg(stages: list[int], do_check: bool) -> int:
