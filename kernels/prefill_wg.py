@@ -17,7 +17,7 @@ Layout (one program per 128 query rows x query head x sequence; 8 warps = two wa
   the left operand; both MMAs are waited for before the iteration ends (nothing in flight across the loop's back
   edge).  The stage of tile ``t − 1`` is refilled once both are issued, so its page-table loads run while the
   tensor cores work (``LATE_REFILL``).
-* **Slower than the Triton kernel** on the H200 (the extend 1404 against 1288 µs, vLLM's FA3 892;
+* **Slower than the Triton kernel** on the H200 (the extend 1401 against 1283 µs, vLLM's FA3 876;
   docs/kernels.md), so ``paged_prefill`` runs it only when asked (``PrefillOptions.wgmma=True``): the two
   warpgroups run in lockstep (a barrier over all warps ends each tile, and one precedes each TMA copy), with two
   warps per scheduler and one program per SM.  Kept as the start of a kernel that overlaps one warpgroup's softmax
@@ -236,6 +236,8 @@ def launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_le
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    if STAGES < 3:  # the refill of tile t - 1's stage must not be the stage tile t + 1's scores are reading
+        raise ValueError(f"prefill_wg.STAGES must be at least 3, got {STAGES}")
     t, hq, d = q.shape
     hk, page = kc.num_kv_heads, kc.page_size
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16

@@ -84,6 +84,15 @@ def test_wgmma_routing_on_the_cpu():
     assert prefill_wg.unsupported(q, k, k, kc, vc, "bf16", AttentionParams(), True) == "needs an sm_90 (Hopper) GPU"
 
 
+def test_fewer_than_three_stages_refused(monkeypatch):
+    # with two, tile t - 1's refill would overwrite the stage tile t + 1's score MMA is reading
+    from kvbench.kernels import prefill_wg
+
+    monkeypatch.setattr(prefill_wg, "STAGES", 2)
+    with pytest.raises(ValueError, match="at least 3, got 2"):
+        prefill_wg.launch(*([None] * 9), out=None, sm_scale=1.0)
+
+
 if __name__ == "__main__":
     for d, page, hnd, late in ((128, 16, True, True), (128, 64, False, True), (64, 32, True, False)):
         compile_prefill_wg(d, page, hnd, late)
