@@ -1,11 +1,12 @@
 """Prefill / extend rows of ``kvbench bench kernels`` (``kernel_bench.py``): the Triton paged prefill against
-torch SDPA on the dense problem and flashinfer's paged prefill (bf16 and fp8 KV, when importable), at the
-same shapes, in the same run, each anchor's row with kvbench's speed-up over it; the 8k prompt also with
-pointer loads instead of tensor descriptors (``tma=False``).
+torch SDPA on the dense problem, flashinfer's paged prefill (bf16 and fp8 KV, when importable) and vLLM's
+FlashAttention 3 (``vllm_fa3``, where its library is found on a Hopper GPU), at the same shapes, in the same run,
+each anchor's row with kvbench's speed-up over it; the 8k prompt also with pointer loads instead of tensor
+descriptors (``tma=False``).
 
-Problems: a causal 8k prefill (no prefix), and an extend over a cached prefix (batch 4 × (7168 cached +
-1024 new)) for bf16, fp8 (bf16 queries split into e4m3 terms, over converted K tiles, and fp8 queries)
-and nvfp4 KV.  Each Triton row is the fastest of ``CONFIGS``.  ``PrefillBench(res, ...).steps()`` gives
+Problems: a causal 8k prefill (no prefix), 8 causal prompts of 1024 (the engine's prefill step under the serving
+load), and an extend over a cached prefix (batch 4 × (7168 cached + 1024 new)) for bf16, fp8 (bf16 queries split
+into e4m3 terms, over converted K tiles, and fp8 queries) and nvfp4 KV.  Each Triton row is the fastest of ``CONFIGS``.  ``PrefillBench(res, ...).steps()`` gives
 the measurements as ``streaming.Step``: each row is printed as soon as it is measured."""
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def _tflops(flops, us):
 
 class PrefillBench:
     """The prefill / extend measurements on shared inputs (built on first use).  Results go to ``res.pre``:
-    ``triton`` / ``sdpa`` TFLOP/s of the causal prefill, ``extend_<fmt>[_<tag>]`` µs of the extends,
-    ``fi_<backend>_extend_<fmt>[_<tag>]`` µs of flashinfer's on the same problem."""
+    ``triton`` / ``sdpa`` TFLOP/s of the causal prefill, ``prompts_<n>x<len>`` µs of the prompts,
+    ``extend_<fmt>[_<tag>]`` µs of the extends, ``fi_<backend>_extend_<fmt>[_<tag>]`` and ``vllm_fa3_extend_<fmt>[_<tag>]``
+    µs of flashinfer's and vLLM's FA3 on the same problem."""
 
     def __init__(self, res: BenchResults, seq=8192, hq=32, hk=8, d=128, page=16, flashinfer=True, layout="HND",
                  formats=None, batch=4, new=1024, prompts=(8, 1024)):
