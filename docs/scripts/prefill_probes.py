@@ -1,11 +1,11 @@
 """GPU probes of the paged prefill / extend kernels against FlashAttention 3 (issue 44's extend row; docs/kernels.md,
 "The extend against vLLM's FlashAttention 3").  The figures cited there for the Hopper kernel came from this script.
 
-``python docs/scripts/prefill_probes.py wg [--check] [--stages 3,4,5]``: the Triton kernel (``prefill.py``, launch
+``python docs/scripts/prefill_probes.py wg [--check] [--stages 3,4,5] [--page 16]``: the Triton kernel (``prefill.py``, launch
 defaults) against the Hopper kernel (``prefill_wg.py``, at each ``STAGES`` given, its refill early and late), on the problems of ``kvbench
 bench kernels``' prefill part (``tools/prefill_bench.py``): one causal prompt of 8192, 8 prompts of 1024 (the
 engine's prefill step under the serving load) and the bf16 extend of 4 x (7168 cached + 1024 new); 32 / 8 heads, D
-128, pages of 16, HND.  Each row: µs (``do_bench`` median), TFLOP/s and the speed over vLLM's FA3 on the same
+128, pages of 16 (``--page``), HND.  Each row: µs (``do_bench`` median), TFLOP/s and the speed over vLLM's FA3 on the same
 problem where its library is found (``tools/vllm_fa3.py``).  ``--check`` first runs the Hopper kernel against the
 float64 reference (``kernel_check.check_prefill``) at the GPU test shapes, and stops on a failure.
 
@@ -61,7 +61,7 @@ def check() -> int:
     return sum(not c.ok for c in cases)
 
 
-def wg(stages: list[int], do_check: bool) -> int:
+def wg(stages: list[int], do_check: bool, page: int = 16) -> int:
     import torch
 
     from kvbench.kernels import PrefillOptions
@@ -73,7 +73,8 @@ def wg(stages: list[int], do_check: bool) -> int:
     if do_check and check():
         return 1
     print(f"## prefill: Triton kernel against the Hopper kernel — {torch.cuda.get_device_name()}", flush=True)
-    pb = PrefillBench(BenchResults(), flashinfer=False, formats=("bf16",))
+    pb = PrefillBench(BenchResults(), flashinfer=False, formats=("bf16",), page=page)
+    print(f"pages of {page} tokens", flush=True)
     keep = prefill_wg.STAGES
     for name, flops, run, ref in _problems(pb):
         t_ref = bench_us(ref()) if ref else None
@@ -116,10 +117,11 @@ def main(argv=None) -> int:
     p = sub.add_parser("wg", help="the Triton kernel against the Hopper kernel, and vLLM's FA3")
     p.add_argument("--stages", default="4", help="comma list of prefill_wg.STAGES to time")
     p.add_argument("--check", action="store_true", help="the Hopper kernel against the float64 reference first")
+    p.add_argument("--page", type=int, default=16, help="tokens per page (16, the engine's default)")
     n = sub.add_parser("ncu", help="three launches of the Hopper kernel, for Nsight Compute")
     n.add_argument("problem", choices=("causal", "extend"))
     a = ap.parse_args(argv)
-    return wg([int(x) for x in a.stages.split(",")], a.check) if a.cmd == "wg" else ncu(a.problem)
+    return wg([int(x) for x in a.stages.split(",")], a.check, a.page) if a.cmd == "wg" else ncu(a.problem)
 
 
 if __name__ == "__main__":
