@@ -90,8 +90,9 @@ class PrefillOptions:
     the prefix workspace runs; 0: prompts only; picks the launch defaults and the workspace plan); ``tma``
     (read q and the new tokens through tensor descriptors); ``prefix_workspace`` (dequantize the prefix once
     into a float16 workspace, ``prefill.workspace_plan``); ``wgmma`` (the Hopper kernel of ``prefill_wg.py`` for
-    16-bit caches: ``None`` where ``prefill.WGMMA_DEFAULT`` and it applies with no Triton launch option given,
-    ``True`` that kernel or a ValueError saying why not, ``False`` the Triton kernel)."""
+    16-bit caches: ``None`` for an extend with a cached prefix (``max_prefix_len`` > 0) at head dim 128 where it
+    applies and no Triton launch option is given, ``True`` that kernel or a ValueError saying why not, ``False``
+    the Triton kernel)."""
 
     block_m: Optional[int] = None
     block_n: Optional[int] = None

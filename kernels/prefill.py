@@ -520,7 +520,11 @@ def paged_prefill(
 
 
 _SHRUNK: dict = {}  # default tiles that did not fit this GPU's shared memory → the smaller ones that did
-WGMMA_DEFAULT = False  # PrefillOptions.wgmma=None: the Hopper kernel where it applies
+# PrefillOptions.wgmma=None: the Hopper kernel where it applies to an extend (a cached prefix, ``max_prefix_len`` > 0
+# given) at head dim 128, where it was measured faster on an H200: 1.03-1.15x the Triton kernel over five extend
+# shapes, and 1.08x on the benchmark's 4 x (7168 + 1024); prompts alone stay on the Triton kernel, which was faster
+# there (docs/kernels.md, "The extend against vLLM's FlashAttention 3")
+WGMMA_DEFAULT = True
 
 
 def _use_wgmma(opts: PrefillOptions, q, k_new, v_new, kc, vc, kv_format: str, attn) -> bool:
@@ -532,7 +536,8 @@ def _use_wgmma(opts: PrefillOptions, q, k_new, v_new, kc, vc, kv_format: str, at
             raise ValueError("wgmma=True needs a CUDA device (the Gluon kernel has no interpreter)")
         return False
     if want is None and (not WGMMA_DEFAULT or any(getattr(opts, k) is not None for k in _LAUNCH)
-                         or opts.tma is False or not opts.prefix_full):
+                         or opts.tma is False or not opts.prefix_full or not opts.max_prefix_len
+                         or q.shape[-1] != 128):
         return False
     from kvbench.kernels import prefill_wg
 

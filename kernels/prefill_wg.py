@@ -17,13 +17,15 @@ Layout (one program per 128 query rows x query head x sequence; 8 warps = two wa
   the left operand; both MMAs are waited for before the iteration ends (nothing in flight across the loop's back
   edge).  The stage of tile ``t − 1`` is refilled once both are issued, so its page-table loads run while the
   tensor cores work (``LATE_REFILL``).
-* **Slower than the Triton kernel** on the H200 (the extend 1401 against 1283 µs, vLLM's FA3 876;
-  docs/kernels.md), so ``paged_prefill`` runs it only when asked (``PrefillOptions.wgmma=True``): the two
-  warpgroups run in lockstep (a barrier over all warps ends each tile, and one precedes each TMA copy), with two
-  warps per scheduler and one program per SM.  Kept as the start of a kernel that overlaps one warpgroup's softmax
-  with the other's MMAs.
-* The prefix's last tile may hold slots past its end whose bytes are whatever the page holds (NaN included): those
-  rows of V are zeroed in shared memory before ``P·V`` reads them (their scores are masked).
+* ``WARP_SPECIALIZE`` (the default): the same loop in ``_prefill_ws`` with a producer warp that issues every copy
+  (waiting on a stage's "empty" mbarrier before refilling it) and one partition per warpgroup, each running its 64
+  rows through all tiles and arriving on the stage's empty barrier after its ``P·V``: no barrier spans the two
+  warpgroups, so one's softmax runs while the other's MMAs do.  The one-partition ``_prefill_wg`` (every warp
+  issues the copies, a barrier over all eight ends each tile) stays as the probe's comparison.
+* On an H200 (docs/kernels.md, "The extend against vLLM's FlashAttention 3") the warp-specialized kernel runs the
+  extend 1.03-1.15x faster than the Triton kernel over five shapes (1187.5 against 1281.9 µs on 4 x (7168 +
+  1024); vLLM's FA3 908.8), and prompts alone slower (8 x 1024: 251.3 against 216.4 µs), so ``paged_prefill`` runs
+  it by default for extends with a known cached prefix at head dim 128 (``prefill.WGMMA_DEFAULT``).
 
 Sliding windows, sinks, fp8 queries and quantized caches stay with the Triton kernel (``unsupported``).  Gluon
 has no interpreter: the CPU path is ``prefill.py``; this kernel is checked against the float64 reference on a
@@ -50,6 +52,11 @@ STAGES = 4  # K / V tile buffers: 4 x 32 KB at D 128, next to q's 32 KB
 # on the H200's extend, docs/kernels.md); each TMA copy is preceded by a barrier over the program's warps, and the
 # page-table loads feed it, so the warps stall there until the copies can be issued
 LATE_REFILL = True
+# the warp-specialized kernel (``_prefill_ws``: a producer warp, one partition per warpgroup; the default, 1.18x the
+# one-partition kernel on the H200's extend) and the registers each warpgroup partition asks for; False runs
+# ``_prefill_wg`` (the probe's comparison)
+WARP_SPECIALIZE = True
+WS_REGS = 232
 LOG2E = 1.4426950408889634
 _sync, _tma_load = compat.sync, compat.tma_load
 
@@ -196,6 +203,147 @@ def _prefill_wg(
     gl.store(optr, (o * inv[:, None]).to(OUT.dtype.element_ty), mask=(orow < q_len)[:, None])
 
 
+# ------------------------------------------------------------------ warp-specialized variant (WARP_SPECIALIZE)
+# One producer warp issues q's and every tile's copies (waiting on a stage's "empty" barrier before refilling it);
+# each of the two warpgroups is a partition of its own that runs its 64 rows through all tiles and arrives on the
+# stage's empty barrier when its P·V is done: no barrier spans the warpgroups, so one's softmax can run while the
+# other's MMAs do.
+
+
+@gluon.jit
+def _ws_producer(Q_DESC, KN_DESC, VN_DESC, KC_DESC, VC_DESC, PT, pt_row, q_s, k_s, v_s, ready, empty, n_tiles, n_pre,
+                 prefix, q_start, hk, h, mb, PAGE: gl.constexpr, HKV: gl.constexpr, HND: gl.constexpr):
+    BM: gl.constexpr = Q_DESC.block_type.shape[0]
+    BN: gl.constexpr = KN_DESC.block_type.shape[0]
+    D: gl.constexpr = KN_DESC.block_type.shape[1]
+    STAGES: gl.constexpr = k_s.shape[0]
+    qbar = ready.index(STAGES)
+    mbarrier.expect(qbar, Q_DESC.block_type.nbytes)
+    _tma_load(Q_DESC, [q_start + mb * BM, h * D], qbar, q_s)
+    for t in range(n_tiles):
+        st = t % STAGES
+        if t >= STAGES:  # both warpgroups are past the tile this stage held
+            mbarrier.wait(empty.index(st), ((t // STAGES) - 1) & 1)
+        _issue(KC_DESC, VC_DESC, KN_DESC, VN_DESC, k_s.index(st), v_s.index(st), ready.index(st), PT, pt_row, t, n_pre,
+               prefix, q_start, hk, PAGE, HKV, HND, D, BN)
+
+
+@gluon.jit
+def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
+                 scale, W: gl.constexpr):
+    """Warpgroup ``W``'s rows ``64·W ..`` of the program's 128 through every tile."""
+    STAGES: gl.constexpr = k_s.shape[0]
+    BN: gl.constexpr = k_s.shape[1]
+    D: gl.constexpr = k_s.shape[2]
+    DT: gl.constexpr = k_s.dtype
+    R: gl.constexpr = 64
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    QA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
+    PA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    T_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    mbarrier.wait(ready.index(STAGES), 0)
+    q = q_s.slice(W * R, R).load(QA_L)
+    rows = mb * 128 + W * R + gl.arange(0, R, layout=gl.SliceLayout(1, S_L))
+    qpos = prefix + rows
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+    m_i = gl.full([R], -1.0e30, gl.float32, gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([R], gl.float32, gl.SliceLayout(1, S_L))
+    o = gl.zeros([R, D], gl.float32, O_L)
+    zero_s = gl.zeros([R, BN], gl.float32, S_L)
+    mbarrier.wait(ready.index(0), 0)
+    s = warpgroup_mma(q, k_s.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s])
+    for t in range(n_tiles):
+        st = t % STAGES
+        tn = gl.minimum(t + 1, n_tiles - 1)
+        mbarrier.wait(ready.index(tn % STAGES), (tn // STAGES) & 1)
+        s_next = warpgroup_mma(q, k_s.index(tn % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        kpos = gl.where(t < n_pre, t * BN, prefix + (t - n_pre) * BN) + cols
+        lim = gl.where(t < n_pre, prefix, seq_len)
+        valid = (kpos[None, :] <= qpos[:, None]) & (kpos < lim)[None, :]
+        x = gl.where(valid, s * scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(x, axis=1))
+        p = gl.exp2(x - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        if t == n_pre - 1:
+            if prefix % BN != 0:  # both warpgroups write the same zeros; each reads after its own
+                _zero_tail(v_s.index(st), prefix - t * BN, BN, D, T_L)
+                fence_async_shared()
+                _sync()
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        o = warpgroup_mma(gl.convert_layout(p.to(DT), PA_L), v_s.index(st), o, is_async=True)
+        s, o = warpgroup_mma_wait(0, deps=[s_next, o])
+        _sync()  # this warpgroup's four warps are past tile t
+        mbarrier.arrive(empty.index(st))
+    inv = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L))
+    orow = mb * 128 + W * R + gl.arange(0, R, layout=gl.SliceLayout(1, O_L))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
+    optr = OUT + (q_start + orow).to(gl.int64)[:, None] * so_t + h * so_h + d[None, :]
+    gl.store(optr, (o * inv[:, None]).to(OUT.dtype.element_ty), mask=(orow < q_len)[:, None])
+
+
+@gluon.jit
+def _ws_consumer0(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
+                  scale):
+    _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
+                 scale, 0)
+
+
+@gluon.jit
+def _ws_consumer1(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
+                  scale):
+    _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
+                 scale, 1)
+
+
+@gluon.jit
+def _prefill_ws(
+    Q_DESC, KN_DESC, VN_DESC, KC_DESC, VC_DESC, PT, SEQ_LENS, CU_Q, OUT,
+    scale, so_t, so_h, spt_b,
+    G: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, HKV: gl.constexpr, HND: gl.constexpr,
+    STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, REGS: gl.constexpr,
+):
+    BM: gl.constexpr = 128
+    BN: gl.constexpr = 64
+    DT: gl.constexpr = Q_DESC.dtype
+    mb = gl.program_id(0)
+    if HEAVY_FIRST:
+        mb = gl.num_programs(0) - 1 - mb
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start = gl.load(CU_Q + b)
+    q_len = gl.load(CU_Q + b + 1) - q_start
+    if mb * BM >= q_len:
+        return
+    seq_len = gl.load(SEQ_LENS + b)
+    prefix = seq_len - q_len
+    hk = h // G
+    n_pre = gl.cdiv(prefix, BN)
+    n_tiles = n_pre + gl.cdiv(gl.minimum(q_len, (mb + 1) * BM), BN)
+    pt_row = b.to(gl.int64) * spt_b
+    q_s = gl.allocate_shared_memory(DT, [BM, D], Q_DESC.layout)
+    k_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)
+    v_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES + 1):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(empty.index(i), count=2)  # one arrival per warpgroup
+    fence_async_shared()
+    _sync()
+    cargs = (q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb, scale)
+    gl.warp_specialize([
+        (_ws_consumer0, cargs),
+        (_ws_consumer1, cargs),
+        (_ws_producer, (Q_DESC, KN_DESC, VN_DESC, KC_DESC, VC_DESC, PT, pt_row, q_s, k_s, v_s, ready, empty, n_tiles,
+                        n_pre, prefix, q_start, hk, h, mb, PAGE, HKV, HND)),
+    ], [4, 1], [REGS, 24])
+
+
 def unsupported(q, k_new, v_new, kc, vc, kv_format: str, attn, descriptors_ok: bool) -> str | None:
     """Why this kernel does not apply (None when it does): an sm_90 GPU; a bf16 or float16 cache with q, k_new and
     v_new of its dtype, readable through tensor descriptors (``descriptors_ok``: the caller's ``prefill.tma_ok`` of
@@ -256,6 +404,14 @@ def launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_le
 
     nseq = cu_seqlens_q.shape[0] - 1
     grid = (-(-max_q_len // BLOCK_M), hq, nseq)
+    if WARP_SPECIALIZE:
+        _prefill_ws[grid](
+            packed(q, BLOCK_M), packed(k_new, BLOCK_N), packed(v_new, BLOCK_N), plane(kc), plane(vc), page_table,
+            seq_lens, cu_seqlens_q, out, float(sm_scale * LOG2E), out.stride(0), out.stride(1), page_table.stride(0),
+            G=hq // hk, D=d, PAGE=page, HKV=hk, HND=hnd, STAGES=STAGES, HEAVY_FIRST=heavy_first, REGS=WS_REGS,
+            num_warps=4,
+        )
+        return
     _prefill_wg[grid](
         packed(q, BLOCK_M), packed(k_new, BLOCK_N), packed(v_new, BLOCK_N), plane(kc), plane(vc), page_table, seq_lens,
         cu_seqlens_q, out, float(sm_scale * LOG2E), out.stride(0), out.stride(1), page_table.stride(0),

@@ -55,12 +55,46 @@ def compile_prefill_wg(d: int, page: int, hnd: bool, late: bool):
     assert "0 bytes spill stores" in log and "C751" not in log, log  # C7514/C7515: MMAs serialized
 
 
+def compile_prefill_ws(d: int, page: int):
+    """The warp-specialized kernel: its MMAs (each warpgroup partition's own: scores at two sites, P·V at one), the
+    copies (q once, K and V per tile in the producer's loop), register reallocation between the partitions, shared
+    memory.  (Spills are not asserted here: Triton 3.9, CI's, spills 4 bytes in it where 3.6, the GPU machine's,
+    spills none.)"""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kvbench.kernels import prefill_wg as wg
+
+    fn = wg._prefill_ws
+    lay = repr(wg._layout(d, gl.bfloat16))
+    qlay = repr(gl.NVMMASharedLayout.get_default_for([wg.BLOCK_M, d], gl.bfloat16))
+    rows = min(page, wg.BLOCK_N)
+    ptrs = dict(Q_DESC=f"tensordesc<bf16[{wg.BLOCK_M},{d}],{qlay}>", KN_DESC=f"tensordesc<bf16[{wg.BLOCK_N},{d}],{lay}>",
+                VN_DESC=f"tensordesc<bf16[{wg.BLOCK_N},{d}],{lay}>", KC_DESC=f"tensordesc<bf16[{rows},{d}],{lay}>",
+                VC_DESC=f"tensordesc<bf16[{rows},{d}],{lay}>", PT="*i32", SEQ_LENS="*i32", CU_Q="*i32", OUT="*bf16")
+    consts = dict(G=4, D=d, PAGE=page, HKV=8, HND=True, STAGES=wg.STAGES, HEAVY_FIRST=True, REGS=wg.WS_REGS)
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "scale" else "i32") for n in fn.arg_names}
+    aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs and "DESC" not in n]
+    src = GluonASTSource(fn, sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = k.asm["ptx"]
+    mma = {n: len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16", ptx)) for n in (64, 128)}
+    want = {64: 2 * 2 * d // 16, 128: 0}
+    want[d] += 2 * 4
+    assert mma == want, (mma, want)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) >= 1 + 2 * (wg.BLOCK_N // rows + 1)
+    assert "setmaxnreg" in ptx and ptx.count("mbarrier.arrive") >= 2
+    assert k.metadata.shared <= 232448, k.metadata.shared
+
+
 def test_prefill_wg_compiles_for_sm90():
     import triton.backends.nvidia  # noqa: F401  (ships with every Linux triton wheel)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.split() == ["128-16-HND-late", "128-64-NHD-late", "64-32-HND-early"]
+    assert r.stdout.split() == ["128-16-HND-late", "128-64-NHD-late", "64-32-HND-early", "ws-128-16", "ws-64-64"]
 
 
 def test_wgmma_routing_on_the_cpu():
@@ -77,11 +111,40 @@ def test_wgmma_routing_on_the_cpu():
             torch.tensor([40], dtype=torch.int32))
     with pytest.raises(ValueError, match="wgmma=True needs a CUDA device"):
         paged_prefill(*args, opts=PrefillOptions(wgmma=True))
-    assert P.WGMMA_DEFAULT is False  # opt-in: slower than the Triton kernel on the H200 (docs/kernels.md)
     out = paged_prefill(*args)  # the Triton kernel (the interpreter here)
     assert torch.isfinite(out.float()).all()
     kc, vc = check_kv(PagedKV("bf16", **kv), 64)
     assert prefill_wg.unsupported(q, k, k, kc, vc, "bf16", AttentionParams(), True) == "needs an sm_90 (Hopper) GPU"
+
+
+def test_wgmma_default_takes_extends_at_head_dim_128(monkeypatch):
+    """``wgmma=None`` on a GPU (faked here): the Hopper kernel for an extend with a known cached prefix at head dim
+    128, where it applies; the Triton kernel for prompts only, an unknown prefix, other head dims, or any Triton
+    launch option."""
+    from types import SimpleNamespace
+
+    from kvbench.kernels import PrefillOptions
+    from kvbench.kernels import prefill as P
+    from kvbench.kernels import prefill_wg
+
+    monkeypatch.setattr(P, "interpreting", lambda: False)
+    monkeypatch.setattr(P, "tma_ok", lambda x: True)
+    why = {"value": None}
+    monkeypatch.setattr(prefill_wg, "unsupported", lambda *a: why["value"])
+
+    def use(d=128, **kw):
+        q = SimpleNamespace(is_cuda=True, shape=(8, 32, d))
+        return P._use_wgmma(PrefillOptions(**kw), q, q, q, None, None, "bf16", None)
+
+    assert P.WGMMA_DEFAULT is True
+    assert use(max_prefix_len=7168)
+    assert not use(max_prefix_len=0) and not use() and not use(64, max_prefix_len=7168)
+    assert not use(max_prefix_len=7168, block_m=64) and not use(max_prefix_len=7168, wgmma=False)
+    assert use(wgmma=True)  # asked for: prompts too
+    why["value"] = "needs a bf16 or float16 cache"
+    assert not use(max_prefix_len=7168)  # does not apply: the Triton kernel, silently
+    with pytest.raises(ValueError, match="wgmma=True: needs a bf16"):
+        use(wgmma=True)
 
 
 def test_fewer_than_three_stages_refused(monkeypatch):
@@ -97,3 +160,6 @@ if __name__ == "__main__":
     for d, page, hnd, late in ((128, 16, True, True), (128, 64, False, True), (64, 32, True, False)):
         compile_prefill_wg(d, page, hnd, late)
         print(f"{d}-{page}-{'HND' if hnd else 'NHD'}-{'late' if late else 'early'}", flush=True)
+    for d, page in ((128, 16), (64, 64)):
+        compile_prefill_ws(d, page)
+        print(f"ws-{d}-{page}", flush=True)

@@ -2,11 +2,12 @@
 "The extend against vLLM's FlashAttention 3").  The figures cited there for the Hopper kernel came from this script.
 
 ``python docs/scripts/prefill_probes.py wg [--check] [--stages 3,4,5] [--page 16]``: the Triton kernel (``prefill.py``, launch
-defaults) against the Hopper kernel (``prefill_wg.py``, at each ``STAGES`` given, its refill early and late), on the problems of ``kvbench
+defaults) against the Hopper kernel (``prefill_wg.py``, at each ``STAGES`` given: its refill early and late, and
+the warp-specialized variant), on the problems of ``kvbench
 bench kernels``' prefill part (``tools/prefill_bench.py``): one causal prompt of 8192, 8 prompts of 1024 (the
 engine's prefill step under the serving load) and the bf16 extend of 4 x (7168 cached + 1024 new); 32 / 8 heads, D
 128, pages of 16 (``--page``), HND.  Each row: µs (``do_bench`` median), TFLOP/s and the speed over vLLM's FA3 on the same
-problem where its library is found (``tools/vllm_fa3.py``).  ``--check`` first runs the Hopper kernel against the
+problem where its library is found (``tools/vllm_fa3.py``).  ``--check`` first runs both Hopper kernels against the
 float64 reference (``kernel_check.check_prefill``) at the GPU test shapes, and stops on a failure.
 
 ``python docs/scripts/prefill_probes.py ncu causal|extend``: three launches of the Hopper kernel on one problem, for
@@ -70,8 +71,14 @@ def wg(stages: list[int], do_check: bool, page: int = 16) -> int:
     from kvbench.tools.decode_bench import BenchResults
     from kvbench.tools.prefill_bench import PrefillBench
 
-    if do_check and check():
-        return 1
+    if do_check:
+        for ws in (False, True):  # both kernels
+            prefill_wg.WARP_SPECIALIZE = ws
+            print(f"## float64 checks, {'warp-specialized' if ws else 'one partition'}", flush=True)
+            bad = check()
+            prefill_wg.WARP_SPECIALIZE = False
+            if bad:
+                return 1
     print(f"## prefill: Triton kernel against the Hopper kernel — {torch.cuda.get_device_name()}", flush=True)
     pb = PrefillBench(BenchResults(), flashinfer=False, formats=("bf16",), page=page)
     print(f"pages of {page} tokens", flush=True)
@@ -81,11 +88,11 @@ def wg(stages: list[int], do_check: bool, page: int = 16) -> int:
         rows = [("vLLM FA3", t_ref)] if t_ref else []
         rows.append(("triton (defaults)", bench_us(lambda: run(PrefillOptions(wgmma=False)))))
         for n in stages:
-            for late in (False, True):
-                prefill_wg.STAGES, prefill_wg.LATE_REFILL = n, late
-                rows.append((f"wgmma, {n} stages" + (", late refill" if late else ""),
+            for late, ws in ((False, False), (True, False), (True, True)):
+                prefill_wg.STAGES, prefill_wg.LATE_REFILL, prefill_wg.WARP_SPECIALIZE = n, late, ws
+                rows.append((f"wgmma, {n} stages" + (", warp-specialized" if ws else ", late refill" if late else ""),
                              bench_us(lambda: run(PrefillOptions(wgmma=True)))))
-        prefill_wg.STAGES, prefill_wg.LATE_REFILL = keep, False
+        prefill_wg.STAGES, prefill_wg.LATE_REFILL, prefill_wg.WARP_SPECIALIZE = keep, True, False
         for who, t in rows:
             x = f"  {t_ref / t:.2f}x FA3" if t_ref else ""
             print(f"{name:<26} {who:<30} {t:8.1f} us {flops / t / 1e6:6.0f} TFLOP/s{x}", flush=True)
