@@ -15,27 +15,36 @@ import pytest
 import torch
 
 
-def compile_prefill_wg(d: int, page: int, hnd: bool, late: bool):
+def _compile(fn, d: int, page: int, warps: int, **consts):
+    """``fn`` (a kernel of ``prefill_wg``) compiled for sm_90 with bf16 descriptors at head dim ``d`` and pages of
+    ``page`` → the compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kvbench.kernels import prefill_wg as wg
 
-    fn = wg._prefill_wg
     lay = repr(wg._layout(d, gl.bfloat16))
     qlay = repr(gl.NVMMASharedLayout.get_default_for([wg.BLOCK_M, d], gl.bfloat16))
     rows = min(page, wg.BLOCK_N)
     ptrs = dict(Q_DESC=f"tensordesc<bf16[{wg.BLOCK_M},{d}],{qlay}>", KN_DESC=f"tensordesc<bf16[{wg.BLOCK_N},{d}],{lay}>",
                 VN_DESC=f"tensordesc<bf16[{wg.BLOCK_N},{d}],{lay}>", KC_DESC=f"tensordesc<bf16[{rows},{d}],{lay}>",
                 VC_DESC=f"tensordesc<bf16[{rows},{d}],{lay}>", PT="*i32", SEQ_LENS="*i32", CU_Q="*i32", OUT="*bf16")
-    consts = dict(G=4, D=d, PAGE=page, HKV=8, HND=hnd, STAGES=wg.STAGES, HEAVY_FIRST=True, LATE=late)
+    consts = dict(G=4, D=d, PAGE=page, HKV=8, STAGES=wg.STAGES, HEAVY_FIRST=True, **consts)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "scale" else "i32") for n in fn.arg_names}
     aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs and "DESC" not in n]
     src = GluonASTSource(fn, sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+
+def compile_prefill_wg(d: int, page: int, hnd: bool, late: bool):
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from kvbench.kernels import prefill_wg as wg
+
+    k = _compile(wg._prefill_wg, d, page, 8, HND=hnd, LATE=late)
+    rows = min(page, wg.BLOCK_N)
     ptx = k.asm["ptx"]
     # scores: D / 16 MMAs of 64 keys at two sites (tile 0, the loop); P·V: 64 / 16 MMAs of D columns, one site
     mma = {n: len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16", ptx)) for n in (64, 128)}
@@ -60,25 +69,10 @@ def compile_prefill_ws(d: int, page: int):
     copies (q once, K and V per tile in the producer's loop), register reallocation between the partitions, shared
     memory.  (Spills are not asserted here: Triton 3.9, CI's, spills 4 bytes in it where 3.6, the GPU machine's,
     spills none.)"""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from kvbench.kernels import prefill_wg as wg
 
-    fn = wg._prefill_ws
-    lay = repr(wg._layout(d, gl.bfloat16))
-    qlay = repr(gl.NVMMASharedLayout.get_default_for([wg.BLOCK_M, d], gl.bfloat16))
+    k = _compile(wg._prefill_ws, d, page, 4, HND=True, REGS=wg.WS_REGS)
     rows = min(page, wg.BLOCK_N)
-    ptrs = dict(Q_DESC=f"tensordesc<bf16[{wg.BLOCK_M},{d}],{qlay}>", KN_DESC=f"tensordesc<bf16[{wg.BLOCK_N},{d}],{lay}>",
-                VN_DESC=f"tensordesc<bf16[{wg.BLOCK_N},{d}],{lay}>", KC_DESC=f"tensordesc<bf16[{rows},{d}],{lay}>",
-                VC_DESC=f"tensordesc<bf16[{rows},{d}],{lay}>", PT="*i32", SEQ_LENS="*i32", CU_Q="*i32", OUT="*bf16")
-    consts = dict(G=4, D=d, PAGE=page, HKV=8, HND=True, STAGES=wg.STAGES, HEAVY_FIRST=True, REGS=wg.WS_REGS)
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "scale" else "i32") for n in fn.arg_names}
-    aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs and "DESC" not in n]
-    src = GluonASTSource(fn, sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = k.asm["ptx"]
     mma = {n: len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16", ptx)) for n in (64, 128)}
     want = {64: 2 * 2 * d // 16, 128: 0}
