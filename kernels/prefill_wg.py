@@ -96,6 +96,25 @@ def _zero_tail(buf, valid, BN: gl.constexpr, D: gl.constexpr, LAY: gl.constexpr)
 
 
 @gluon.jit
+def _program(CU_Q, SEQ_LENS, spt_b, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, HEAVY_FIRST: gl.constexpr):
+    """The program's work: query block ``mb`` (the ones with the most keys first, ``HEAVY_FIRST``) of query head ``h``
+    of sequence ``b``, that sequence's new tokens and cached prefix, its kv head, the number of prefix tiles and of
+    tiles in all, and its page-table row offset."""
+    mb = gl.program_id(0)
+    if HEAVY_FIRST:
+        mb = gl.num_programs(0) - 1 - mb
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start = gl.load(CU_Q + b)
+    q_len = gl.load(CU_Q + b + 1) - q_start
+    seq_len = gl.load(SEQ_LENS + b)
+    prefix = seq_len - q_len
+    n_pre = gl.cdiv(prefix, BN)
+    n_tiles = n_pre + gl.cdiv(gl.minimum(q_len, (mb + 1) * BM), BN)
+    return mb, h, h // G, q_start, q_len, seq_len, prefix, n_pre, n_tiles, b.to(gl.int64) * spt_b
+
+
+@gluon.jit
 def _prefill_wg(
     Q_DESC, KN_DESC, VN_DESC, KC_DESC, VC_DESC, PT, SEQ_LENS, CU_Q, OUT,
     scale, so_t, so_h, spt_b,
@@ -111,21 +130,10 @@ def _prefill_wg(
     T_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte rows of a tile
     DT: gl.constexpr = Q_DESC.dtype
 
-    mb = gl.program_id(0)
-    if HEAVY_FIRST:  # the query blocks with the most keys first
-        mb = gl.num_programs(0) - 1 - mb
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    q_start = gl.load(CU_Q + b)
-    q_len = gl.load(CU_Q + b + 1) - q_start
+    mb, h, hk, q_start, q_len, seq_len, prefix, n_pre, n_tiles, pt_row = _program(CU_Q, SEQ_LENS, spt_b, G, BM, BN,
+                                                                                  HEAVY_FIRST)
     if mb * BM >= q_len:
         return
-    seq_len = gl.load(SEQ_LENS + b)
-    prefix = seq_len - q_len
-    hk = h // G
-    n_pre = gl.cdiv(prefix, BN)
-    n_tiles = n_pre + gl.cdiv(gl.minimum(q_len, (mb + 1) * BM), BN)
-    pt_row = b.to(gl.int64) * spt_b
 
     q_s = gl.allocate_shared_memory(DT, [BM, D], Q_DESC.layout)
     k_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)
@@ -309,21 +317,10 @@ def _prefill_ws(
     BM: gl.constexpr = 128
     BN: gl.constexpr = 64
     DT: gl.constexpr = Q_DESC.dtype
-    mb = gl.program_id(0)
-    if HEAVY_FIRST:
-        mb = gl.num_programs(0) - 1 - mb
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    q_start = gl.load(CU_Q + b)
-    q_len = gl.load(CU_Q + b + 1) - q_start
+    mb, h, hk, q_start, q_len, seq_len, prefix, n_pre, n_tiles, pt_row = _program(CU_Q, SEQ_LENS, spt_b, G, BM, BN,
+                                                                                  HEAVY_FIRST)
     if mb * BM >= q_len:
         return
-    seq_len = gl.load(SEQ_LENS + b)
-    prefix = seq_len - q_len
-    hk = h // G
-    n_pre = gl.cdiv(prefix, BN)
-    n_tiles = n_pre + gl.cdiv(gl.minimum(q_len, (mb + 1) * BM), BN)
-    pt_row = b.to(gl.int64) * spt_b
     q_s = gl.allocate_shared_memory(DT, [BM, D], Q_DESC.layout)
     k_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)
     v_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)

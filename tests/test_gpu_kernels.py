@@ -108,10 +108,13 @@ def test_prefill(fmt):
 def test_prefill_wgmma():
     """The Hopper kernel (``prefill_wg``, ``wgmma=True``) against the float64 reference
     (``kernel_check.check_prefill_wgmma``: prefixes, prompts, pages of 16 / 32 / 64, both layouts, head dims 128 and
-    64, bf16 and float16, groups of 4, 8 and 1), and the calls it refuses."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Hopper kernel runs on sm_90 only")
+    64, bf16 and float16, groups of 4, 8 and 1), and the calls it refuses (every call, on a GPU other than sm_90)."""
     from kvbench.tools.kernel_check import check_prefill_wgmma
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        with pytest.raises(ValueError, match="wgmma=True: needs an sm_90"):
+            check_prefill_wgmma()
+        return
 
     cases = check_prefill_wgmma()
     assert len(cases) == 12

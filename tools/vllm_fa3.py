@@ -64,7 +64,9 @@ def load():
         return _LOADED["ops"]
     path, why = find_library()
     if path is None:
-        raise RuntimeError(f"vLLM's FA3 is not available: {why}")
+        raise RuntimeError(f"vLLM's FA3 is not available: {why} (take vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so out of a "
+                           f"vllm wheel, e.g. `unzip -j vllm-0.26.0-*.whl '*/_vllm_fa3_C.abi3.so'`, and set {ENV} to "
+                           "its path; it needs a Hopper GPU and the torch it was built for)")
     torch.ops.load_library(str(path))
     ops = torch.ops._vllm_fa3_C
     _LOADED.update(ops=ops, path=path, names=check_schema({a.name for a in ops.fwd.default._schema.arguments}, path))

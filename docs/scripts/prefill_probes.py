@@ -10,6 +10,9 @@ engine's prefill step under the serving load) and the bf16 extend of 4 x (7168 c
 problem where its library is found (``tools/vllm_fa3.py``).  ``--check`` first runs both Hopper kernels against the
 float64 reference (``kernel_check.check_prefill``) at the GPU test shapes, and stops on a failure.
 
+``python docs/scripts/prefill_probes.py shapes``: the bf16 extend at five (batch, cached, new) shapes, the Triton kernel
+against the warp-specialized Hopper kernel (where ``prefill.WGMMA_DEFAULT``'s rule comes from).
+
 ``python docs/scripts/prefill_probes.py ncu causal|extend``: three launches of the Hopper kernel on one problem, for
 Nsight Compute (``--launch-skip 2 --launch-count 1``).
 """
@@ -71,18 +74,18 @@ def wg(stages: list[int], do_check: bool, page: int = 16) -> int:
     from kvbench.tools.decode_bench import BenchResults
     from kvbench.tools.prefill_bench import PrefillBench
 
+    keep = prefill_wg.STAGES, prefill_wg.LATE_REFILL, prefill_wg.WARP_SPECIALIZE
     if do_check:
         for ws in (False, True):  # both kernels
             prefill_wg.WARP_SPECIALIZE = ws
             print(f"## float64 checks, {'warp-specialized' if ws else 'one partition'}", flush=True)
             bad = check()
-            prefill_wg.WARP_SPECIALIZE = False
+            prefill_wg.WARP_SPECIALIZE = keep[2]
             if bad:
                 return 1
     print(f"## prefill: Triton kernel against the Hopper kernel — {torch.cuda.get_device_name()}", flush=True)
     pb = PrefillBench(BenchResults(), flashinfer=False, formats=("bf16",), page=page)
     print(f"pages of {page} tokens", flush=True)
-    keep = prefill_wg.STAGES
     for name, flops, run, ref in _problems(pb):
         t_ref = bench_us(ref()) if ref else None
         rows = [("vLLM FA3", t_ref)] if t_ref else []
@@ -92,11 +95,44 @@ def wg(stages: list[int], do_check: bool, page: int = 16) -> int:
                 prefill_wg.STAGES, prefill_wg.LATE_REFILL, prefill_wg.WARP_SPECIALIZE = n, late, ws
                 rows.append((f"wgmma, {n} stages" + (", warp-specialized" if ws else ", late refill" if late else ""),
                              bench_us(lambda: run(PrefillOptions(wgmma=True)))))
-        prefill_wg.STAGES, prefill_wg.LATE_REFILL, prefill_wg.WARP_SPECIALIZE = keep, True, False
+        prefill_wg.STAGES, prefill_wg.LATE_REFILL, prefill_wg.WARP_SPECIALIZE = keep
         for who, t in rows:
             x = f"  {t_ref / t:.2f}x FA3" if t_ref else ""
             print(f"{name:<26} {who:<30} {t:8.1f} us {flops / t / 1e6:6.0f} TFLOP/s{x}", flush=True)
         torch.cuda.empty_cache()
+    return 0
+
+
+SHAPES = ((4, 2048, 1024), (8, 1024, 512), (16, 8192, 128), (2, 16384, 2048), (8, 512, 1024))
+
+
+def shapes() -> int:
+    """The bf16 extend at ``SHAPES`` (batch, cached, new), Triton kernel against the warp-specialized Hopper kernel:
+    where ``prefill.WGMMA_DEFAULT``'s rule (extends with a cached prefix) comes from."""
+    import torch
+
+    from kvbench.kernels import PagedKV, PrefillOptions, paged_prefill, prefill_wg
+    from kvbench.tools.common import bench_us
+    from kvbench.tools.decode_bench import BenchResults
+    from kvbench.tools.prefill_bench import PrefillBench
+
+    keep = prefill_wg.WARP_SPECIALIZE
+    for b, pre, new in SHAPES:
+        pb = PrefillBench(BenchResults(), flashinfer=False, formats=("bf16",), seq=pre + new, new=new, batch=b)
+        x = pb.extend_inputs("bf16")
+        kv, o = PagedKV("bf16", x["kc"], x["vc"]), x["qx"].clone()
+
+        def run(w, x=x, kv=kv, o=o, pre=pre, new=new):
+            return paged_prefill(x["qx"], x["knx"], x["vnx"], x["cux"], new, kv, x["table"], x["lx"], out=o,
+                                 opts=PrefillOptions(max_prefix_len=pre, wgmma=w))
+
+        prefill_wg.WARP_SPECIALIZE = True
+        t0, t1 = bench_us(lambda: run(False)), bench_us(lambda: run(True))
+        print(f"extend bf16 {b}x({pre}+{new}): triton {t0:.1f} us, warp-specialized {t1:.1f} us, {t0 / t1:.2f}x",
+              flush=True)
+        del pb, x, kv, o
+        torch.cuda.empty_cache()
+    prefill_wg.WARP_SPECIALIZE = keep
     return 0
 
 
@@ -127,7 +163,10 @@ def main(argv=None) -> int:
     p.add_argument("--page", type=int, default=16, help="tokens per page (16, the engine's default)")
     n = sub.add_parser("ncu", help="three launches of the Hopper kernel, for Nsight Compute")
     n.add_argument("problem", choices=("causal", "extend"))
+    sub.add_parser("shapes", help="the bf16 extend at SHAPES, Triton against the warp-specialized Hopper kernel")
     a = ap.parse_args(argv)
+    if a.cmd == "shapes":
+        return shapes()
     return wg([int(x) for x in a.stages.split(",")], a.check, a.page) if a.cmd == "wg" else ncu(a.problem)
 
 
