@@ -89,10 +89,12 @@ class PrefillOptions:
     old path); ``max_prefix_len`` (host int: the batch's longest cached prefix, at least every sequence's when
     the prefix workspace runs; 0: prompts only; picks the launch defaults and the workspace plan); ``tma``
     (read q and the new tokens through tensor descriptors); ``prefix_workspace`` (dequantize the prefix once
-    into a float16 workspace, ``prefill.workspace_plan``); ``wgmma`` (the Hopper kernel of ``prefill_wg.py`` for
-    16-bit caches: ``None`` for an extend with a cached prefix (``max_prefix_len`` > 0) at head dim 128 where it
-    applies and no Triton launch option is given, ``True`` that kernel or a ValueError saying why not, ``False``
-    the Triton kernel)."""
+    into a float16 workspace, ``prefill.workspace_plan``); ``wgmma`` (the Hopper kernel of ``prefill_wg.py``; a
+    quantized prefix is dequantized into a workspace of q's 16-bit dtype for it first: ``None`` for an extend with
+    a cached prefix (``max_prefix_len`` > 0) at head dim 128 where it applies and no Triton kernel option (tiles,
+    warps, stages, ``fp8_qk``) is given,
+    over a quantized prefix from ``prefill.WGMMA_WORKSPACE_MIN_Q`` new tokens; ``True`` that kernel or a
+    ValueError saying why not; ``False`` the Triton kernel)."""
 
     block_m: Optional[int] = None
     block_n: Optional[int] = None

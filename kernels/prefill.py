@@ -456,11 +456,19 @@ def paged_prefill(
     out = torch.empty(t, hq, d, dtype=odt, device=q.device) if out is None else out
     if t == 0 or bsz == 0 or max_q_len <= 0:
         return out
-    if _use_wgmma(opts, q, k_new, v_new, kc, vc, kv_format, attn):
+    plan = _use_wgmma(opts, q, k_new, v_new, kc, vc, kv_format, attn, max_q_len, bsz)
+    if plan:
         from kvbench.kernels import prefill_wg
 
-        prefill_wg.launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_len, out,
-                          sm_scale if sm_scale is not None else d**-0.5, opts.heavy_first)
+        sm = sm_scale if sm_scale is not None else d**-0.5
+        if plan is True:
+            prefill_wg.launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_len, out, sm,
+                              opts.heavy_first)
+        else:  # a quantized prefix: dequantized into a workspace of q's dtype first
+            _over_workspace(plan, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, fmt, q,
+                            lambda kwc, vwc, pt, sl, cu, n: prefill_wg.launch_dequantized(
+                                q, k_new, v_new, kwc, vwc, pt, sl, cu, max_q_len, out, sm, opts.heavy_first),
+                            dtype=q.dtype)
         return out
     dp = d // 2 if fmt == 2 else d
     # over an e4m3 prefix, the prefix's Q·Kᵀ runs on the stored fp8 values (fp8 tensor-core dots, float32
@@ -503,7 +511,10 @@ def paged_prefill(
                 out, scale, int(attn.sliding_window or 0), max_q_len, common)
         try:
             if ws_plan is not None:
-                _over_workspace(ws_plan, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, src_fmt, q, k_new, v_new, args)
+                extra = dict(DP_PAD=next_pow2(d), FULL_D=d == next_pow2(d), FP8_QK=False, Q_SPLIT=False)
+                _over_workspace(ws_plan, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, src_fmt, q,
+                                lambda kwc, vwc, pt, sl, cu, n: _launch_prefill(*args, kwc, vwc, pt, sl, cu, n, q, k_new,
+                                                                                v_new, 1, extra))
             else:
                 _launch_prefill(*args, kc, vc, page_table, seq_lens, cu_seqlens_q, bsz, q, k_new, v_new, fmt,
                                 dict(DP_PAD=next_pow2(dp), FULL_D=dp == next_pow2(dp), FP8_QK=fp8_qk, Q_SPLIT=q_split,
@@ -521,30 +532,50 @@ def paged_prefill(
 
 _SHRUNK: dict = {}  # default tiles that did not fit this GPU's shared memory → the smaller ones that did
 # PrefillOptions.wgmma=None: the Hopper kernel where it applies to an extend (a cached prefix, ``max_prefix_len`` > 0
-# given) at head dim 128, where it was measured faster on an H200: 1.03-1.15x the Triton kernel over five extend
-# shapes, and 1.08x on the benchmark's 4 x (7168 + 1024); prompts alone stay on the Triton kernel, which was faster
-# there (docs/kernels.md, "The extend against vLLM's FlashAttention 3")
+# given) at head dim 128, where it was measured faster on an H200: 1.03-1.47x the Triton kernel over five extend
+# shapes, 1.46x (1.01x vLLM's FA3) on the benchmark's 4 x (7168 + 1024); prompts alone stay on the Triton kernel,
+# faster on four of six prompt shapes (docs/kernels.md, "The extend against vLLM's FlashAttention 3")
 WGMMA_DEFAULT = True
+# ... and over a quantized prefix (dequantized into a workspace of q's dtype first) from this many new tokens in the
+# batch's longest sequence, by cache format code (fp8 1, nvfp4 2).  H200, 2026-11-30, 4 x (7168 + new), the Hopper
+# kernel over the workspace against the Triton kernel's defaults (docs/scripts/prefill_probes.py quant, two runs):
+# from 512 new tokens 1.11-1.63x for e4m3, e5m2 and nvfp4; at 256 0.59-1.52x, at 64 and 128 0.34-1.33x (calls this
+# short moved by up to 2x between the runs)
+WGMMA_WORKSPACE_MIN_Q = {1: 512, 2: 512}
 
 
-def _use_wgmma(opts: PrefillOptions, q, k_new, v_new, kc, vc, kv_format: str, attn) -> bool:
-    """Whether the call runs ``prefill_wg``'s Hopper kernel (``PrefillOptions.wgmma``); a ValueError saying why not
-    when it was asked for and cannot take the call."""
+def _use_wgmma(opts: PrefillOptions, q, k_new, v_new, kc, vc, kv_format: str, attn, max_q_len: int = 0,
+               bsz: int = 1):
+    """Whether the call runs ``prefill_wg``'s Hopper kernel (``PrefillOptions.wgmma``): False, True (a 16-bit
+    cache), or, for a quantized cache, the workspace plan its prefix is dequantized by first (into q's dtype); a
+    ValueError saying why not when it was asked for and cannot take the call."""
     want = opts.wgmma
     if want is False or not q.is_cuda or interpreting():
         if want:
             raise ValueError("wgmma=True needs a CUDA device (the Gluon kernel has no interpreter)")
         return False
+    fmt = format_code(kv_format)
     if want is None and (not WGMMA_DEFAULT or any(getattr(opts, k) is not None for k in _LAUNCH)
                          or opts.tma is False or not opts.prefix_full or not opts.max_prefix_len
-                         or q.shape[-1] != 128):
+                         or opts.fp8_qk is not None
+                         or q.shape[-1] != 128 or (fmt and max_q_len < WGMMA_WORKSPACE_MIN_Q[fmt])):
         return False
     from kvbench.kernels import prefill_wg
 
-    why = prefill_wg.unsupported(q, k_new, v_new, kc, vc, kv_format, attn, all(tma_ok(x) for x in (q, k_new, v_new)))
+    plan, why = None, None
+    if fmt and opts.prefix_workspace is False:
+        why = "a quantized prefix is read through a workspace, and prefix_workspace=False refuses one"
+    elif fmt:
+        plan = workspace_plan(fmt, False, opts.max_prefix_len, max_q_len, bsz, kc.num_kv_heads, kc.head_dim,
+                              kc.page_size, True)
+        if plan is None:
+            why = (f"a quantized prefix needs max_prefix_len and one sequence's prefix within WORKSPACE_CAP_BYTES "
+                   f"({WORKSPACE_CAP_BYTES} bytes)")
+    why = why or prefill_wg.unsupported(q, k_new, v_new, kc, vc, kv_format, attn,
+                                        all(tma_ok(x) for x in (q, k_new, v_new)), workspace=bool(fmt))
     if why and want:
         raise ValueError(f"wgmma=True: {why} (leave wgmma unset for the Triton kernel)")
-    return why is None
+    return False if why else (plan or True)
 
 
 def _shrink(tiles: tuple) -> Optional[tuple]:
@@ -658,13 +689,15 @@ def workspace_plan(fmt: int, fp8_qk: bool, max_prefix_len: Optional[int], max_q_
 
 
 def _over_workspace(plan: _WorkspacePlan, kc: CacheArgs, vc: CacheArgs, page_table, seq_lens, cu_q, bsz, fmt, q,
-                    k_new, v_new, args) -> None:
-    """The extend in groups of ``plan.group`` sequences, each over its prefix dequantized into one float16
-    workspace (HND pages of the cache's page size, page ``group · npp`` a spare one for table entries past
-    the planned prefix)."""
+                    run, dtype=torch.float16) -> None:
+    """The extend in groups of ``plan.group`` sequences, each over its prefix dequantized into one workspace of
+    ``dtype`` (float16 for the Triton kernel; q's 16-bit dtype for the Hopper kernel: exact either way, every nvfp4
+    and fp8 value being both a float16 and a bfloat16) in HND pages of the cache's page size, page ``group · npp``
+    a spare one for table entries past the planned prefix.  ``run(kc, vc, page_table, seq_lens, cu_q, n)``
+    attends over one group's workspace."""
     page, hk, d = kc.page_size, kc.num_kv_heads, kc.head_dim
     npages = plan.group * plan.npp
-    kw = torch.empty(npages + 1, hk, page, d, dtype=torch.float16, device=q.device)
+    kw = torch.empty(npages + 1, hk, page, d, dtype=dtype, device=q.device)
     vw = torch.empty_like(kw)
     kwv, vwv = kw.permute(0, 2, 1, 3), vw.permute(0, 2, 1, 3)
     table = torch.full((plan.group, max(page_table.shape[1], plan.npp)), npages, dtype=torch.int32, device=q.device)
@@ -683,5 +716,4 @@ def _over_workspace(plan: _WorkspacePlan, kc: CacheArgs, vc: CacheArgs, page_tab
             D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=page, BLOCK_T=_WS_BLOCK_T, FMT=fmt,
             num_warps=4,
         )
-        _launch_prefill(*args, kwc, vwc, table, sl, cu, n, q, k_new, v_new, 1,
-                        dict(DP_PAD=next_pow2(d), FULL_D=d == next_pow2(d), FP8_QK=False, Q_SPLIT=False))
+        run(kwc, vwc, table, sl, cu, n)

@@ -1,35 +1,37 @@
-"""Paged prefill / extend on Hopper with warpgroup MMAs (Gluon), for 16-bit caches: the cached prefix arrives by TMA,
-one copy per page into a slice of the tile's shared-memory buffer, the new tokens by one copy per tile, and the
-next tile's scores run on the tensor cores while the warps compute this tile's softmax.
+"""Paged prefill / extend on Hopper with warpgroup MMAs (Gluon), over 16-bit pages: the cached prefix arrives by
+TMA, one copy per page into a slice of the tile's shared-memory buffer, the new tokens by one copy per tile, and
+the previous tile's ``P·V`` runs on the tensor cores while the warps compute this tile's softmax.
 
 Why: the Triton kernel (``prefill.py``) gathers the prefix with pointer loads (a tensor descriptor's box cannot
-span pages in random order) and runs each tile's score MMA, softmax and output MMA in turn; on an H200 it reached
+span pages in random order) and runs each tile's score MMA, softmax and output MMA in turn; on an H200 it reaches
 0.71x vLLM's FlashAttention 3 on the extend (docs/kernels.md, "The extend against vLLM's FlashAttention 3").
 
-Layout (one program per 128 query rows x query head x sequence; 8 warps = two warpgroups of 64 rows):
+Layout (one program per 128 query rows x query head x sequence; two warpgroups of 64 rows):
 
-* q ``[128, D]`` is copied once into shared memory and held in registers as the score MMA's left operand.
+* q ``[128, D]`` is copied once into shared memory; the score MMA reads it there.
 * Tiles of ``BLOCK_N`` keys, in order: the prefix's (through the page table: one TMA copy per page, pages of a
   multiple of 16 tokens; a tile past the prefix's last page re-reads that page), then the new tokens' (``k_new``
   / ``v_new`` rows of the sequence).  ``STAGES`` K / V buffers, one mbarrier each.
-* Per tile ``t``: the scores of tile ``t + 1`` are issued, then tile ``t``'s online softmax runs on the warps
-  (base 2, causal and prefix-end masks from the absolute key positions), then ``P·V`` with ``P`` in registers as
-  the left operand; both MMAs are waited for before the iteration ends (nothing in flight across the loop's back
-  edge).  The stage of tile ``t − 1`` is refilled once both are issued, so its page-table loads run while the
-  tensor cores work (``LATE_REFILL``).
-* ``WARP_SPECIALIZE`` (the default): the same loop in ``_prefill_ws`` with a producer warp that issues every copy
-  (waiting on a stage's "empty" mbarrier before refilling it) and one partition per warpgroup, each running its 64
-  rows through all tiles and arriving on the stage's empty barrier after its ``P·V``: no barrier spans the two
-  warpgroups, so one's softmax runs while the other's MMAs do.  The one-partition ``_prefill_wg`` (every warp
-  issues the copies, a barrier over all eight ends each tile) stays as the probe's comparison.
+* ``WARP_SPECIALIZE`` (the default, ``_prefill_ws``): a producer warp issues every copy (waiting on a stage's
+  "empty" mbarrier before refilling it), and each warpgroup is a partition of its own running its 64 rows through
+  all tiles of ``WS_BLOCK_N`` (128) keys over ``WS_STAGES`` (3) stages: tile ``t``'s scores and tile ``t − 1``'s
+  ``P·V`` are issued together, tile ``t``'s online softmax (base 2; the causal and prefix-end masks only on the
+  tiles that need them) runs while ``P·V`` does, with ``P`` in registers as its left operand, and tile ``t − 1``'s
+  stage is released when ``P·V`` is done.  No barrier spans the two warpgroups, so one's softmax also runs while
+  the other's MMAs do.
+* The one-partition ``_prefill_wg`` (64-key tiles, q in registers, every warp issues the copies, a barrier over all
+  eight ends each tile; the next tile's scores in flight during the softmax, ``P·V`` after it) stays as the probe's
+  comparison.
 * On an H200 (docs/kernels.md, "The extend against vLLM's FlashAttention 3") the warp-specialized kernel runs the
-  extend 1.03-1.15x faster than the Triton kernel over five shapes (1187.5 against 1281.9 µs on 4 x (7168 +
-  1024); vLLM's FA3 908.8), and prompts alone slower (8 x 1024: 251.3 against 216.4 µs), so ``paged_prefill`` runs
-  it by default for extends with a known cached prefix at head dim 128 (``prefill.WGMMA_DEFAULT``).
+  benchmark's extend 4 x (7168 + 1024) in 882.9 µs against vLLM's FA3's 892.2 (1.01x; the Triton kernel 1287) and
+  other extends 1.03-1.47x faster than the Triton kernel; prompts alone are mixed (0.36-1.44x), so ``paged_prefill``
+  runs it by default for extends with a known cached prefix at head dim 128 (``prefill.WGMMA_DEFAULT``).
 
-Sliding windows, sinks, fp8 queries and quantized caches stay with the Triton kernel (``unsupported``).  Gluon
+A quantized (fp8 / nvfp4) prefix reaches it through ``prefill.py``'s workspace, dequantized exactly into q's 16-bit
+dtype first; its per-head scales apply in the loop (``SCALED``: the K scale in a prefix tile's score scale, the V
+scale in its ``P``).  Sliding windows, sinks and fp8 queries stay with the Triton kernel (``unsupported``).  Gluon
 has no interpreter: the CPU path is ``prefill.py``; this kernel is checked against the float64 reference on a
-GPU (``tests/test_gpu_kernels.py``) and compiled for sm_90 on the CPU (``tests/test_kernels_compile.py``).
+GPU (``tests/test_gpu_kernels.py``) and compiled for sm_90 on the CPU (``tests/test_prefill_wg.py``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kvbench.kernels import _gluon_compat as compat
 
-__all__ = ["BLOCK_M", "BLOCK_N", "STAGES", "unsupported", "launch"]
+__all__ = ["BLOCK_M", "BLOCK_N", "STAGES", "unsupported", "launch", "launch_dequantized"]
 
 BLOCK_M = 128  # query rows per program: two warpgroups of 64
 BLOCK_N = 64  # keys per tile
@@ -56,7 +58,10 @@ LATE_REFILL = True
 # one-partition kernel on the H200's extend) and the registers each warpgroup partition asks for; False runs
 # ``_prefill_wg`` (the probe's comparison)
 WARP_SPECIALIZE = True
-WS_REGS = 232
+WS_REGS = 240
+# the warp-specialized kernel's key tile and K / V stages (3 x 64 KB at 128 keys, D 128, next to q's 32 KB)
+WS_BLOCK_N = 128
+WS_STAGES = 3
 LOG2E = 1.4426950408889634
 _sync, _tma_load = compat.sync, compat.tma_load
 
@@ -237,9 +242,54 @@ def _ws_producer(Q_DESC, KN_DESC, VN_DESC, KC_DESC, VC_DESC, PT, pt_row, q_s, k_
 
 
 @gluon.jit
+def _softmax(s, m_i, l_i, t, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, lvs, ivs, BN: gl.constexpr,
+             SCALED: gl.constexpr):
+    """Tile ``t``'s online softmax in base 2 on its raw scores ``s`` (``scale`` folded into each exponent's FFMA);
+    the masks (causal, the prefix's end, the sequence's end) are computed only on a tile that needs them: the
+    prefix's last partial tile and the new tokens' tiles that reach past the warpgroup's first row (``q_lo``).
+    ``SCALED`` (a prefix of dequantized values with per-head scales): a prefix tile's scores take ``sc_pre``
+    (``scale`` times the K scale), and its ``P`` comes out multiplied by the V scale (``lvs``, its log2, in the
+    exponent; the sum ``l`` is of the unscaled ``P``: ``ivs`` its inverse), so ``P·V`` needs no other change."""
+    kbase = gl.where(t < n_pre, t * BN, prefix + (t - n_pre) * BN)
+    lim = gl.where(t < n_pre, prefix, seq_len)
+    if (kbase + BN <= lim) & (kbase + BN - 1 <= q_lo):
+        x = s
+    else:
+        kpos = kbase + cols
+        x = gl.where((kpos[None, :] <= qpos[:, None]) & (kpos < lim)[None, :], s, float("-inf"))
+    if SCALED:
+        pre = t < n_pre
+        sc = gl.where(pre, sc_pre, scale)
+        m_new = gl.maximum(m_i, gl.max(x, axis=1) * sc)
+        p = gl.exp2(x * sc - (m_new - gl.where(pre, lvs, 0.0))[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + gl.sum(p, axis=1) * gl.where(pre, ivs, 1.0)
+    else:
+        m_new = gl.maximum(m_i, gl.max(x, axis=1) * scale)
+        p = gl.exp2(x * scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _ws_zero_tail(v_buf, t, n_pre, prefix, BN: gl.constexpr, D: gl.constexpr, T_L: gl.constexpr):
+    """The prefix's last tile: V rows past its end zeroed before ``P·V`` reads them (both warpgroups write the same
+    zeros; each reads after its own)."""
+    if t == n_pre - 1:
+        if prefix % BN != 0:
+            _zero_tail(v_buf, prefix - t * BN, BN, D, T_L)
+            fence_async_shared()
+            _sync()
+
+
+@gluon.jit
 def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
-                 scale, W: gl.constexpr):
-    """Warpgroup ``W``'s rows ``64·W ..`` of the program's 128 through every tile."""
+                 scale, sc_pre, lvs, ivs, SCALED: gl.constexpr, W: gl.constexpr):
+    """Warpgroup ``W``'s rows ``64·W ..`` of the program's 128 through every tile; q's rows stay in shared memory as
+    the score MMA's left operand.  Tile ``t``'s scores and tile ``t − 1``'s ``P·V`` are issued together, and tile
+    ``t``'s softmax runs while ``P·V`` does (``P`` of tile ``t − 1`` held in registers); tile ``t − 1``'s stage is
+    released when its ``P·V`` is done."""
     STAGES: gl.constexpr = k_s.shape[0]
     BN: gl.constexpr = k_s.shape[1]
     D: gl.constexpr = k_s.shape[2]
@@ -247,13 +297,12 @@ def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len
     R: gl.constexpr = 64
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    QA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
     PA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     T_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     mbarrier.wait(ready.index(STAGES), 0)
-    q = q_s.slice(W * R, R).load(QA_L)
-    rows = mb * 128 + W * R + gl.arange(0, R, layout=gl.SliceLayout(1, S_L))
-    qpos = prefix + rows
+    q = q_s.slice(W * R, R)
+    q_lo = prefix + mb * 128 + W * R
+    qpos = q_lo + gl.arange(0, R, layout=gl.SliceLayout(1, S_L))
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
     m_i = gl.full([R], -1.0e30, gl.float32, gl.SliceLayout(1, S_L))
     l_i = gl.zeros([R], gl.float32, gl.SliceLayout(1, S_L))
@@ -262,30 +311,27 @@ def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len
     mbarrier.wait(ready.index(0), 0)
     s = warpgroup_mma(q, k_s.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s])
-    for t in range(n_tiles):
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, lvs, ivs, BN,
+                                  SCALED)
+    _ws_zero_tail(v_s.index(0), 0, n_pre, prefix, BN, D, T_L)
+    pa = gl.convert_layout(p.to(DT), PA_L)
+    for t in range(1, n_tiles):
         st = t % STAGES
-        tn = gl.minimum(t + 1, n_tiles - 1)
-        mbarrier.wait(ready.index(tn % STAGES), (tn // STAGES) & 1)
-        s_next = warpgroup_mma(q, k_s.index(tn % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        kpos = gl.where(t < n_pre, t * BN, prefix + (t - n_pre) * BN) + cols
-        lim = gl.where(t < n_pre, prefix, seq_len)
-        valid = (kpos[None, :] <= qpos[:, None]) & (kpos < lim)[None, :]
-        x = gl.where(valid, s * scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, axis=1))
-        p = gl.exp2(x - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        if t == n_pre - 1:
-            if prefix % BN != 0:  # both warpgroups write the same zeros; each reads after its own
-                _zero_tail(v_s.index(st), prefix - t * BN, BN, D, T_L)
-                fence_async_shared()
-                _sync()
+        sp = (t - 1) % STAGES
+        mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+        s = warpgroup_mma(q, k_s.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        o = warpgroup_mma(pa, v_s.index(sp), o, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s])  # the scores; P·V of tile t - 1 still runs
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, lvs,
+                                      ivs, BN, SCALED)
+        _ws_zero_tail(v_s.index(st), t, n_pre, prefix, BN, D, T_L)
+        o = warpgroup_mma_wait(0, deps=[o])
+        _sync()  # this warpgroup's four warps are past tile t - 1
+        mbarrier.arrive(empty.index(sp))
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        o = warpgroup_mma(gl.convert_layout(p.to(DT), PA_L), v_s.index(st), o, is_async=True)
-        s, o = warpgroup_mma_wait(0, deps=[s_next, o])
-        _sync()  # this warpgroup's four warps are past tile t
-        mbarrier.arrive(empty.index(st))
+        pa = gl.convert_layout(p.to(DT), PA_L)
+    o = warpgroup_mma(pa, v_s.index((n_tiles - 1) % STAGES), o, is_async=True)
+    o = warpgroup_mma_wait(0, deps=[o])
     inv = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L))
     orow = mb * 128 + W * R + gl.arange(0, R, layout=gl.SliceLayout(1, O_L))
     d = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
@@ -295,32 +341,37 @@ def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len
 
 @gluon.jit
 def _ws_consumer0(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
-                  scale):
+                  scale, sc_pre, lvs, ivs, SCALED: gl.constexpr):
     _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
-                 scale, 0)
+                 scale, sc_pre, lvs, ivs, SCALED, 0)
 
 
 @gluon.jit
 def _ws_consumer1(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
-                  scale):
+                  scale, sc_pre, lvs, ivs, SCALED: gl.constexpr):
     _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
-                 scale, 1)
+                 scale, sc_pre, lvs, ivs, SCALED, 1)
 
 
 @gluon.jit
 def _prefill_ws(
-    Q_DESC, KN_DESC, VN_DESC, KC_DESC, VC_DESC, PT, SEQ_LENS, CU_Q, OUT,
+    Q_DESC, KN_DESC, VN_DESC, KC_DESC, VC_DESC, PT, SEQ_LENS, CU_Q, OUT, K_SCALE, V_SCALE,
     scale, so_t, so_h, spt_b,
     G: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, HKV: gl.constexpr, HND: gl.constexpr,
-    STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, REGS: gl.constexpr,
+    STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, REGS: gl.constexpr, SCALED: gl.constexpr,
 ):
     BM: gl.constexpr = 128
-    BN: gl.constexpr = 64
+    BN: gl.constexpr = KN_DESC.block_type.shape[0]
     DT: gl.constexpr = Q_DESC.dtype
     mb, h, hk, q_start, q_len, seq_len, prefix, n_pre, n_tiles, pt_row = _program(CU_Q, SEQ_LENS, spt_b, G, BM, BN,
                                                                                   HEAVY_FIRST)
     if mb * BM >= q_len:
         return
+    # the prefix's per-kv-head scales (used where SCALED): K's into its tiles' score scale, V's into their P
+    vs = gl.load(V_SCALE + hk)
+    sc_pre = scale * gl.load(K_SCALE + hk)
+    lvs = gl.log2(vs)
+    ivs = 1.0 / vs
     q_s = gl.allocate_shared_memory(DT, [BM, D], Q_DESC.layout)
     k_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)
     v_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)
@@ -332,7 +383,8 @@ def _prefill_ws(
         mbarrier.init(empty.index(i), count=2)  # one arrival per warpgroup
     fence_async_shared()
     _sync()
-    cargs = (q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb, scale)
+    cargs = (q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
+             scale, sc_pre, lvs, ivs, SCALED)
     gl.warp_specialize([
         (_ws_consumer0, cargs),
         (_ws_consumer1, cargs),
@@ -341,15 +393,22 @@ def _prefill_ws(
     ], [4, 1], [REGS, 24])
 
 
-def unsupported(q, k_new, v_new, kc, vc, kv_format: str, attn, descriptors_ok: bool) -> str | None:
+def unsupported(q, k_new, v_new, kc, vc, kv_format: str, attn, descriptors_ok: bool,
+                workspace: bool = False) -> str | None:
     """Why this kernel does not apply (None when it does): an sm_90 GPU; a bf16 or float16 cache with q, k_new and
     v_new of its dtype, readable through tensor descriptors (``descriptors_ok``: the caller's ``prefill.tma_ok`` of
-    all three); head dim 64 or 128; pages of a multiple of 16 tokens; no sliding window, sinks or q scale."""
+    all three); head dim 64 or 128; pages of a multiple of 16 tokens; no sliding window, sinks or q scale.
+    ``workspace``: a quantized cache whose prefix the caller dequantizes into a workspace of q's dtype (HND pages
+    of the cache's size) first; then q, k_new and v_new must be bf16 or float16 and the cache's own layout does not
+    matter."""
     import torch
 
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return "needs an sm_90 (Hopper) GPU"
-    if kv_format not in ("bf16", "fp16") or not (q.dtype == k_new.dtype == v_new.dtype == kc.data.dtype):
+    if workspace:
+        if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k_new.dtype == v_new.dtype):
+            return "needs bf16 or float16 q, k_new and v_new of one dtype"
+    elif kv_format not in ("bf16", "fp16") or not (q.dtype == k_new.dtype == v_new.dtype == kc.data.dtype):
         return "needs a bf16 or float16 cache with q, k_new and v_new of its dtype"
     if kc.head_dim not in (64, 128):
         return f"needs head dim 64 or 128, got {kc.head_dim}"
@@ -359,6 +418,8 @@ def unsupported(q, k_new, v_new, kc, vc, kv_format: str, attn, descriptors_ok: b
         return "no sliding window, sinks or q scale (the Triton kernel takes them)"
     if not descriptors_ok:
         return "q, k_new and v_new must be readable through tensor descriptors (prefill.tma_ok)"
+    if workspace:
+        return None if WARP_SPECIALIZE else "a quantized prefix needs the warp-specialized kernel (WARP_SPECIALIZE)"
     for c in (kc, vc):
         x = c.data
         hnd = x.stride(2) == c.page_size * c.head_dim and x.stride(1) == c.head_dim
@@ -371,24 +432,39 @@ def unsupported(q, k_new, v_new, kc, vc, kv_format: str, attn, descriptors_ok: b
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(d: int, dtype):
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dtype)
+def _layout(d: int, dtype, bn: int = BLOCK_N):
+    return gl.NVMMASharedLayout.get_default_for([bn, d], dtype)
 
 
 def launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_len: int, out, sm_scale: float,
            heavy_first: bool = True) -> None:
     """The kernel over ``(query blocks, query heads, sequences)`` (``unsupported`` must have said None)."""
+    _launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_len, out, sm_scale, heavy_first, False)
+
+
+def launch_dequantized(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_len: int, out,
+                       sm_scale: float, heavy_first: bool = True) -> None:
+    """``launch`` over planes of dequantized values (a workspace of q's dtype) whose per-kv-head scales
+    ``kc.scale`` / ``vc.scale`` apply to the prefix (the warp-specialized kernel only)."""
+    _launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_len, out, sm_scale, heavy_first, True)
+
+
+def _launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_len: int, out, sm_scale: float,
+            heavy_first: bool, scaled: bool) -> None:
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    if STAGES < 3:  # the refill of tile t - 1's stage must not be the stage tile t + 1's scores are reading
+    if STAGES < 3 and not WARP_SPECIALIZE:  # tile t - 1's refill must not be the stage tile t + 1's scores read
         raise ValueError(f"prefill_wg.STAGES must be at least 3, got {STAGES}")
+    if WS_STAGES < 2 and WARP_SPECIALIZE:  # a tile's stage is released after the next tile's scores were issued
+        raise ValueError(f"prefill_wg.WS_STAGES must be at least 2, got {WS_STAGES}")
     t, hq, d = q.shape
     hk, page = kc.num_kv_heads, kc.page_size
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    lay = _layout(d, gdt)
     hnd = kc.data.stride(2) == page * d
-    rows = min(page, BLOCK_N)
+    bn = WS_BLOCK_N if WARP_SPECIALIZE else BLOCK_N
+    lay = _layout(d, gdt, bn)
+    rows = min(page, bn)
 
     def plane(c):
         x = c.data.permute(0, 2, 1, 3) if hnd else c.data  # memory order
@@ -403,12 +479,14 @@ def launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_le
     grid = (-(-max_q_len // BLOCK_M), hq, nseq)
     if WARP_SPECIALIZE:
         _prefill_ws[grid](
-            packed(q, BLOCK_M), packed(k_new, BLOCK_N), packed(v_new, BLOCK_N), plane(kc), plane(vc), page_table,
-            seq_lens, cu_seqlens_q, out, float(sm_scale * LOG2E), out.stride(0), out.stride(1), page_table.stride(0),
-            G=hq // hk, D=d, PAGE=page, HKV=hk, HND=hnd, STAGES=STAGES, HEAVY_FIRST=heavy_first, REGS=WS_REGS,
-            num_warps=4,
+            packed(q, BLOCK_M), packed(k_new, bn), packed(v_new, bn), plane(kc), plane(vc), page_table,
+            seq_lens, cu_seqlens_q, out, kc.scale, vc.scale, float(sm_scale * LOG2E), out.stride(0), out.stride(1),
+            page_table.stride(0), G=hq // hk, D=d, PAGE=page, HKV=hk, HND=hnd, STAGES=WS_STAGES,
+            HEAVY_FIRST=heavy_first, REGS=WS_REGS, SCALED=scaled, num_warps=4,
         )
         return
+    if scaled:
+        raise ValueError("prefill_wg: a scaled (dequantized) prefix needs the warp-specialized kernel")
     _prefill_wg[grid](
         packed(q, BLOCK_M), packed(k_new, BLOCK_N), packed(v_new, BLOCK_N), plane(kc), plane(vc), page_table, seq_lens,
         cu_seqlens_q, out, float(sm_scale * LOG2E), out.stride(0), out.stride(1), page_table.stride(0),

@@ -108,7 +108,8 @@ def test_prefill(fmt):
 def test_prefill_wgmma():
     """The Hopper kernel (``prefill_wg``, ``wgmma=True``) against the float64 reference
     (``kernel_check.check_prefill_wgmma``: prefixes, prompts, pages of 16 / 32 / 64, both layouts, head dims 128 and
-    64, bf16 and float16, groups of 4, 8 and 1), and the calls it refuses (every call, on a GPU other than sm_90)."""
+    64, bf16 and float16, groups of 4, 8 and 1; fp8_e4m3, fp8_e5m2 and nvfp4 prefixes through a workspace of q's
+    dtype), and the calls it refuses (every call, on a GPU other than sm_90)."""
     from kvbench.tools.kernel_check import check_prefill_wgmma
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -117,10 +118,11 @@ def test_prefill_wgmma():
         return
 
     cases = check_prefill_wgmma()
-    assert len(cases) == 12
+    assert len(cases) == 20
     for case in cases:
         _ok(case)
-    for fmt, kw in (("fp8_e4m3", {}), ("bf16", dict(window=100))):
+    # a quantized prefix without max_prefix_len (no workspace plan), fp8 queries, a window
+    for fmt, kw in (("fp8_e4m3", {}), ("fp8_e4m3", dict(q_fp8=True, max_prefix_len=32)), ("bf16", dict(window=100))):
         with pytest.raises(ValueError, match="wgmma=True: "):
             check_prefill(fmt, [16], [32], *G32, wgmma=True, **kw)
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 
-def _compile(fn, d: int, page: int, warps: int, **consts):
-    """``fn`` (a kernel of ``prefill_wg``) compiled for sm_90 with bf16 descriptors at head dim ``d`` and pages of
-    ``page`` → the compiled kernel."""
+def _compile(fn, d: int, page: int, warps: int, bn: int, **consts):
+    """``fn`` (a kernel of ``prefill_wg``) compiled for sm_90 with bf16 descriptors at head dim ``d``, tiles of ``bn``
+    keys and pages of ``page`` → the compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -25,13 +25,14 @@ def _compile(fn, d: int, page: int, warps: int, **consts):
 
     from kvbench.kernels import prefill_wg as wg
 
-    lay = repr(wg._layout(d, gl.bfloat16))
+    lay = repr(wg._layout(d, gl.bfloat16, bn))
     qlay = repr(gl.NVMMASharedLayout.get_default_for([wg.BLOCK_M, d], gl.bfloat16))
-    rows = min(page, wg.BLOCK_N)
-    ptrs = dict(Q_DESC=f"tensordesc<bf16[{wg.BLOCK_M},{d}],{qlay}>", KN_DESC=f"tensordesc<bf16[{wg.BLOCK_N},{d}],{lay}>",
-                VN_DESC=f"tensordesc<bf16[{wg.BLOCK_N},{d}],{lay}>", KC_DESC=f"tensordesc<bf16[{rows},{d}],{lay}>",
-                VC_DESC=f"tensordesc<bf16[{rows},{d}],{lay}>", PT="*i32", SEQ_LENS="*i32", CU_Q="*i32", OUT="*bf16")
-    consts = dict(G=4, D=d, PAGE=page, HKV=8, STAGES=wg.STAGES, HEAVY_FIRST=True, **consts)
+    rows = min(page, bn)
+    ptrs = dict(Q_DESC=f"tensordesc<bf16[{wg.BLOCK_M},{d}],{qlay}>", KN_DESC=f"tensordesc<bf16[{bn},{d}],{lay}>",
+                VN_DESC=f"tensordesc<bf16[{bn},{d}],{lay}>", KC_DESC=f"tensordesc<bf16[{rows},{d}],{lay}>",
+                VC_DESC=f"tensordesc<bf16[{rows},{d}],{lay}>", PT="*i32", SEQ_LENS="*i32", CU_Q="*i32", OUT="*bf16",
+                K_SCALE="*fp32", V_SCALE="*fp32")
+    consts = dict(G=4, D=d, PAGE=page, HKV=8, HEAVY_FIRST=True, **consts)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "scale" else "i32") for n in fn.arg_names}
     aligned = [i for i, n in enumerate(fn.arg_names) if n in ptrs and "DESC" not in n]
     src = GluonASTSource(fn, sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
@@ -43,7 +44,7 @@ def compile_prefill_wg(d: int, page: int, hnd: bool, late: bool):
 
     from kvbench.kernels import prefill_wg as wg
 
-    k = _compile(wg._prefill_wg, d, page, 8, HND=hnd, LATE=late)
+    k = _compile(wg._prefill_wg, d, page, 8, wg.BLOCK_N, STAGES=wg.STAGES, HND=hnd, LATE=late)
     rows = min(page, wg.BLOCK_N)
     ptx = k.asm["ptx"]
     # scores: D / 16 MMAs of 64 keys at two sites (tile 0, the loop); P·V: 64 / 16 MMAs of D columns, one site
@@ -64,21 +65,24 @@ def compile_prefill_wg(d: int, page: int, hnd: bool, late: bool):
     assert "0 bytes spill stores" in log and "C751" not in log, log  # C7514/C7515: MMAs serialized
 
 
-def compile_prefill_ws(d: int, page: int):
-    """The warp-specialized kernel: its MMAs (each warpgroup partition's own: scores at two sites, P·V at one), the
-    copies (q once, K and V per tile in the producer's loop), register reallocation between the partitions, shared
-    memory.  (Spills are not asserted here: Triton 3.9, CI's, spills 4 bytes in it where 3.6, the GPU machine's,
-    spills none.)"""
+def compile_prefill_ws(d: int, page: int, bn: int, scaled: bool = False):
+    """The warp-specialized kernel at ``bn`` keys per tile: each warpgroup partition's MMAs (scores at two sites,
+    tile 0's and the loop's, q from shared memory; P·V at two, the loop's and the last tile's), the copies (q once,
+    K and V per tile in the producer's loop), register reallocation between the partitions, shared memory.  (Spills
+    are not asserted: with 128 keys per tile Triton 3.6, the GPU machine's, spills 8 bytes.)  ``scaled``: a
+    dequantized prefix with per-head scales (``SCALED``)."""
     from kvbench.kernels import prefill_wg as wg
 
-    k = _compile(wg._prefill_ws, d, page, 4, HND=True, REGS=wg.WS_REGS)
-    rows = min(page, wg.BLOCK_N)
+    stages = 4 if bn == 64 else 3
+    k = _compile(wg._prefill_ws, d, page, 4, bn, STAGES=stages, HND=True, REGS=wg.WS_REGS, SCALED=scaled)
+    rows = min(page, bn)
     ptx = k.asm["ptx"]
     mma = {n: len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16", ptx)) for n in (64, 128)}
-    want = {64: 2 * 2 * d // 16, 128: 0}
-    want[d] += 2 * 4
+    want = {64: 0, 128: 0}
+    want[bn] += 2 * 2 * d // 16  # two warpgroups, two sites, D / 16 steps
+    want[d] += 2 * 2 * bn // 16
     assert mma == want, (mma, want)
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) >= 1 + 2 * (wg.BLOCK_N // rows + 1)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) >= 1 + 2 * (bn // rows + 1)
     assert "setmaxnreg" in ptx and ptx.count("mbarrier.arrive") >= 2
     assert k.metadata.shared <= 232448, k.metadata.shared
 
@@ -88,7 +92,8 @@ def test_prefill_wg_compiles_for_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.split() == ["128-16-HND-late", "128-64-NHD-late", "64-32-HND-early", "ws-128-16", "ws-64-64"]
+    assert r.stdout.split() == ["128-16-HND-late", "128-64-NHD-late", "64-32-HND-early", "ws-128-16-128", "ws-64-64-128",
+                                "ws-128-32-64", "ws-128-16-128-scaled"]
 
 
 def test_wgmma_routing_on_the_cpu():
@@ -124,7 +129,7 @@ def test_wgmma_default_takes_extends_at_head_dim_128(monkeypatch):
     monkeypatch.setattr(P, "interpreting", lambda: False)
     monkeypatch.setattr(P, "tma_ok", lambda x: True)
     why = {"value": None}
-    monkeypatch.setattr(prefill_wg, "unsupported", lambda *a: why["value"])
+    monkeypatch.setattr(prefill_wg, "unsupported", lambda *a, **k: why["value"])
 
     def use(d=128, **kw):
         q = SimpleNamespace(is_cuda=True, shape=(8, 32, d))
@@ -141,12 +146,52 @@ def test_wgmma_default_takes_extends_at_head_dim_128(monkeypatch):
         use(wgmma=True)
 
 
-def test_fewer_than_three_stages_refused(monkeypatch):
-    # with two, tile t - 1's refill would overwrite the stage tile t + 1's score MMA is reading
+def test_wgmma_default_over_a_quantized_prefix(monkeypatch):
+    """A quantized cache: the Hopper kernel over a workspace of q's dtype (``_use_wgmma`` returns the workspace
+    plan) for an extend from ``WGMMA_WORKSPACE_MIN_Q`` new tokens; fewer, or ``prefix_workspace=False``, or a
+    prefix past the workspace cap: the Triton kernel (a ValueError where ``wgmma=True`` asked for it)."""
+    from types import SimpleNamespace
+
+    from kvbench.kernels import PrefillOptions
+    from kvbench.kernels import prefill as P
+    from kvbench.kernels import prefill_wg
+
+    monkeypatch.setattr(P, "interpreting", lambda: False)
+    monkeypatch.setattr(P, "tma_ok", lambda x: True)
+    seen = []
+    monkeypatch.setattr(prefill_wg, "unsupported", lambda *a, workspace=False: seen.append(workspace))
+    q = SimpleNamespace(is_cuda=True, shape=(8, 32, 128))
+    kc = SimpleNamespace(num_kv_heads=8, head_dim=128, page_size=16)
+
+    def use(fmt, new, bsz=4, **kw):
+        return P._use_wgmma(PrefillOptions(**kw), q, q, q, kc, kc, fmt, None, new, bsz)
+
+    for fmt, code in (("fp8_e4m3", 1), ("fp8_e5m2", 1), ("nvfp4", 2)):
+        n = P.WGMMA_WORKSPACE_MIN_Q[code]
+        plan = use(fmt, n, max_prefix_len=7168)
+        assert isinstance(plan, P._WorkspacePlan) and plan.npp == 448 and plan.group == 4 and seen[-1] is True
+        assert use(fmt, n - 1, max_prefix_len=7168) is False
+        assert use(fmt, n, max_prefix_len=7168, prefix_workspace=False) is False
+        assert isinstance(use(fmt, 1, max_prefix_len=7168, wgmma=True), P._WorkspacePlan)
+        with pytest.raises(ValueError, match="prefix_workspace=False refuses"):
+            use(fmt, n, max_prefix_len=7168, prefix_workspace=False, wgmma=True)
+        with pytest.raises(ValueError, match="needs max_prefix_len"):
+            use(fmt, n, max_prefix_len=1 << 24, wgmma=True)  # one prefix over WORKSPACE_CAP_BYTES
+    assert use("bf16", 1, max_prefix_len=7168) is True and seen[-1] is False
+
+
+def test_too_few_stages_refused(monkeypatch):
+    # one partition: with two stages tile t - 1's refill would overwrite the stage tile t + 1's score MMA is reading;
+    # warp-specialized: a tile's stage is released only after the next tile's scores were issued on the other
     from kvbench.kernels import prefill_wg
 
     monkeypatch.setattr(prefill_wg, "STAGES", 2)
-    with pytest.raises(ValueError, match="at least 3, got 2"):
+    monkeypatch.setattr(prefill_wg, "WARP_SPECIALIZE", False)
+    with pytest.raises(ValueError, match="STAGES must be at least 3, got 2"):
+        prefill_wg.launch(*([None] * 9), out=None, sm_scale=1.0)
+    monkeypatch.setattr(prefill_wg, "WARP_SPECIALIZE", True)
+    monkeypatch.setattr(prefill_wg, "WS_STAGES", 1)
+    with pytest.raises(ValueError, match="WS_STAGES must be at least 2, got 1"):
         prefill_wg.launch(*([None] * 9), out=None, sm_scale=1.0)
 
 
@@ -154,6 +199,6 @@ if __name__ == "__main__":
     for d, page, hnd, late in ((128, 16, True, True), (128, 64, False, True), (64, 32, True, False)):
         compile_prefill_wg(d, page, hnd, late)
         print(f"{d}-{page}-{'HND' if hnd else 'NHD'}-{'late' if late else 'early'}", flush=True)
-    for d, page in ((128, 16), (64, 64)):
-        compile_prefill_ws(d, page)
-        print(f"ws-{d}-{page}", flush=True)
+    for d, page, bn, scaled in ((128, 16, 128, False), (64, 64, 128, False), (128, 32, 64, False), (128, 16, 128, True)):
+        compile_prefill_ws(d, page, bn, scaled)
+        print(f"ws-{d}-{page}-{bn}" + ("-scaled" if scaled else ""), flush=True)

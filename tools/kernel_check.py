@@ -309,16 +309,24 @@ SPLIT_TOL = 4e-3
 def check_prefill_wgmma() -> list[Case]:
     """The Hopper prefill kernel (``wgmma=True``) against the float64 reference: prefixes of whole and partial
     tiles, prompts only, pages of 16 / 32 / 64, HND and NHD, head dims 128 and 64, bf16 and float16, GQA groups of
-    4, 8 and 1 (an sm_90 GPU)."""
+    4, 8 and 1; and over quantized prefixes (fp8_e4m3, fp8_e5m2, nvfp4, calibrated per-head scales) dequantized
+    into a workspace of q's dtype first (an sm_90 GPU)."""
     out = []
+    extends = (([256, 1, 77, 300], [0, 500, 1000, 31]), ([200, 1, 64, 129], [1000, 64, 0, 127]))
     for fmt, dtype, hq, hk, d, page, layout in (("bf16", torch.bfloat16, 32, 8, 128, 16, "HND"),
                                                ("bf16", torch.bfloat16, 32, 8, 128, 64, "NHD"),
                                                ("fp16", torch.float16, 64, 8, 64, 64, "HND"),
                                                ("bf16", torch.bfloat16, 8, 8, 128, 32, "NHD")):
-        for q_lens, prefixes in (([256, 1, 77, 300], [0, 500, 1000, 31]), ([200, 1, 64, 129], [1000, 64, 0, 127]),
-                                 ([256, 1, 77], [0, 0, 0])):
+        for q_lens, prefixes in extends + (([256, 1, 77], [0, 0, 0]),):
             out.append(check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, dtype=dtype, layout=layout,
                                      seed=len(q_lens), wgmma=True))
+    for fmt, dtype, hq, hk, d, page, layout in (("fp8_e4m3", torch.bfloat16, 32, 8, 128, 16, "HND"),
+                                               ("fp8_e5m2", torch.bfloat16, 32, 8, 128, 32, "NHD"),
+                                               ("nvfp4", torch.bfloat16, 32, 8, 128, 16, "HND"),
+                                               ("nvfp4", torch.float16, 64, 8, 64, 64, "HND")):
+        for q_lens, prefixes in extends:
+            out.append(check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, dtype=dtype, layout=layout,
+                                     seed=len(q_lens), wgmma=True, max_prefix_len=max(prefixes)))
     return out
 
 

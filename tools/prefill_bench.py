@@ -314,9 +314,9 @@ def _fi_row(name, flops, ours_us, *args):
 
 def workspace_crossover(formats=("nvfp4", "fp8_e5m2"), new_lens=(16, 64, 128, 256, 512, 1024, 2048), prefix=7168,
                         batch=4, layout="HND") -> list[Row]:
-    """The extend over a quantized prefix at the launch defaults, with the prefix dequantized once into a
-    float16 workspace and in registers, for a range of new-token counts: where ``prefill.WORKSPACE_MIN_Q``
-    comes from.  Each row: the workspace path's µs, the note the in-register µs and their ratio."""
+    """The extend over a quantized prefix on the Triton kernel at its launch defaults, with the prefix dequantized
+    once into a float16 workspace and in registers, for a range of new-token counts: where
+    ``prefill.WORKSPACE_MIN_Q`` comes from.  Each row: the workspace path's µs, the note the in-register µs and their ratio."""
     import torch
 
     from kvbench.kernels import PagedKV, PrefillOptions
@@ -330,7 +330,7 @@ def workspace_crossover(formats=("nvfp4", "fp8_e5m2"), new_lens=(16, 64, 128, 25
             x = pb.extend_inputs(fmt)
             kv = PagedKV(fmt, x["kc"], x["vc"], x["ks"], x["vs"], x["kbs"], x["vbs"])
             out = x["qx"].clone()
-            opts = {ws: PrefillOptions(max_prefix_len=prefix, prefix_workspace=ws) for ws in (True, False)}
+            opts = {ws: PrefillOptions(max_prefix_len=prefix, prefix_workspace=ws, wgmma=False) for ws in (True, False)}
 
             def run(ws, x=x, kv=kv, new=new, out=out, opts=opts):
                 return paged_prefill(x["qx"], x["knx"], x["vnx"], x["cux"], new, kv, x["table"], x["lx"], out=out,

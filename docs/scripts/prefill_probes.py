@@ -1,17 +1,23 @@
 """GPU probes of the paged prefill / extend kernels against FlashAttention 3 (issue 44's extend row; docs/kernels.md,
 "The extend against vLLM's FlashAttention 3").  The figures cited there for the Hopper kernel came from this script.
 
-``python docs/scripts/prefill_probes.py wg [--check] [--stages 3,4,5] [--page 16]``: the Triton kernel (``prefill.py``, launch
-defaults) against the Hopper kernel (``prefill_wg.py``, at each ``STAGES`` given: its refill early and late, and
-the warp-specialized variant), on the problems of ``kvbench
-bench kernels``' prefill part (``tools/prefill_bench.py``): one causal prompt of 8192, 8 prompts of 1024 (the
-engine's prefill step under the serving load) and the bf16 extend of 4 x (7168 cached + 1024 new); 32 / 8 heads, D
-128, pages of 16 (``--page``), HND.  Each row: µs (``do_bench`` median), TFLOP/s and the speed over vLLM's FA3 on the same
-problem where its library is found (``tools/vllm_fa3.py``).  ``--check`` first runs both Hopper kernels against the
-float64 reference (``kernel_check.check_prefill``) at the GPU test shapes, and stops on a failure.
+``python docs/scripts/prefill_probes.py wg [--check] [--stages 4] [--ws 128:3,64:4] [--page 16]``: the Triton kernel
+(``prefill.py``, launch defaults) against the Hopper kernel (``prefill_wg.py``): the one-partition kernel at each
+``STAGES`` given (its refill early and late) and the warp-specialized kernel at each ``--ws`` variant (keys per tile
+: stages), on the problems of ``kvbench bench kernels``' prefill part (``tools/prefill_bench.py``): one causal
+prompt of 8192, 8 prompts of 1024 (the engine's prefill step under the serving load) and the bf16 extend of 4 x
+(7168 cached + 1024 new); 32 / 8 heads, D 128, pages of 16 (``--page``), HND.  Each row: µs (``do_bench`` median),
+TFLOP/s and the speed over vLLM's FA3 on the same problem where its library is found (``tools/vllm_fa3.py``).
+``--check`` first runs each warp-specialized variant against the float64 reference
+(``kernel_check.check_prefill_wgmma``) at the GPU test shapes, and stops on a failure.
 
-``python docs/scripts/prefill_probes.py shapes``: the bf16 extend at five (batch, cached, new) shapes, the Triton kernel
-against the warp-specialized Hopper kernel (where ``prefill.WGMMA_DEFAULT``'s rule comes from).
+``python docs/scripts/prefill_probes.py shapes``: the bf16 extend and prompts alone at eleven (batch, cached, new)
+shapes, the Triton kernel against the warp-specialized Hopper kernel (where ``prefill.WGMMA_DEFAULT``'s rule comes
+from).
+
+``python docs/scripts/prefill_probes.py quant``: extends over fp8_e4m3 / fp8_e5m2 / nvfp4 prefixes, 4 x (7168 + 64 ..
+1024), the Triton kernel against the Hopper kernel over a bf16 workspace, each beside the bf16 extend (where
+``prefill.WGMMA_WORKSPACE_MIN_Q`` comes from).
 
 ``python docs/scripts/prefill_probes.py ncu causal|extend``: three launches of the Hopper kernel on one problem, for
 Nsight Compute (``--launch-skip 2 --launch-count 1``).
@@ -65,7 +71,20 @@ def check() -> int:
     return sum(not c.ok for c in cases)
 
 
-def wg(stages: list[int], do_check: bool, page: int = 16) -> int:
+_SWITCHES = ("STAGES", "LATE_REFILL", "WARP_SPECIALIZE", "WS_BLOCK_N", "WS_STAGES", "WS_REGS")
+
+
+def _ws_variants(spec: str) -> list[tuple[str, dict]]:
+    """``"128:3,64:4"`` (keys per tile : stages) → (label, prefill_wg switches) per variant."""
+    out = []
+    for v in filter(None, spec.split(",")):
+        bn, st = (int(x) for x in v.split(":"))
+        out.append((f"warp-specialized, {bn} keys, {st} stages",
+                    dict(WARP_SPECIALIZE=True, WS_BLOCK_N=bn, WS_STAGES=st, WS_REGS=240 if bn == 128 else 232)))
+    return out
+
+
+def wg(stages: list[int], do_check: bool, page: int = 16, ws: str = "128:3,64:4") -> int:
     import torch
 
     from kvbench.kernels import PrefillOptions
@@ -74,49 +93,58 @@ def wg(stages: list[int], do_check: bool, page: int = 16) -> int:
     from kvbench.tools.decode_bench import BenchResults
     from kvbench.tools.prefill_bench import PrefillBench
 
-    keep = prefill_wg.STAGES, prefill_wg.LATE_REFILL, prefill_wg.WARP_SPECIALIZE
-    if do_check:
-        for ws in (False, True):  # both kernels
-            prefill_wg.WARP_SPECIALIZE = ws
-            print(f"## float64 checks, {'warp-specialized' if ws else 'one partition'}", flush=True)
-            bad = check()
-            prefill_wg.WARP_SPECIALIZE = keep[2]
-            if bad:
-                return 1
-    print(f"## prefill: Triton kernel against the Hopper kernel — {torch.cuda.get_device_name()}", flush=True)
-    pb = PrefillBench(BenchResults(), flashinfer=False, formats=("bf16",), page=page)
-    print(f"pages of {page} tokens", flush=True)
-    for name, flops, run, ref in _problems(pb):
-        t_ref = bench_us(ref()) if ref else None
-        rows = [("vLLM FA3", t_ref)] if t_ref else []
-        rows.append(("triton (defaults)", bench_us(lambda: run(PrefillOptions(wgmma=False)))))
-        for n in stages:
-            for late, ws in ((False, False), (True, False), (True, True)):
-                prefill_wg.STAGES, prefill_wg.LATE_REFILL, prefill_wg.WARP_SPECIALIZE = n, late, ws
-                rows.append((f"wgmma, {n} stages" + (", warp-specialized" if ws else ", late refill" if late else ""),
-                             bench_us(lambda: run(PrefillOptions(wgmma=True)))))
-        prefill_wg.STAGES, prefill_wg.LATE_REFILL, prefill_wg.WARP_SPECIALIZE = keep
-        for who, t in rows:
-            x = f"  {t_ref / t:.2f}x FA3" if t_ref else ""
-            print(f"{name:<26} {who:<30} {t:8.1f} us {flops / t / 1e6:6.0f} TFLOP/s{x}", flush=True)
-        torch.cuda.empty_cache()
+    keep = {k: getattr(prefill_wg, k) for k in _SWITCHES}
+    variants = [(f"one partition, {n} stages" + (", late refill" if late else ""),
+                 dict(WARP_SPECIALIZE=False, STAGES=n, LATE_REFILL=late)) for n in stages for late in (False, True)]
+    variants += _ws_variants(ws)
+
+    def use(sw):
+        for k, v in {**keep, **sw}.items():
+            setattr(prefill_wg, k, v)
+
+    try:
+        if do_check:
+            for label, sw in _ws_variants(ws):  # the warp-specialized variants (the one-partition kernel unchanged)
+                use(sw)
+                print(f"## float64 checks, {label}", flush=True)
+                if check():
+                    return 1
+        print(f"## prefill: Triton kernel against the Hopper kernel — {torch.cuda.get_device_name()}", flush=True)
+        pb = PrefillBench(BenchResults(), flashinfer=False, formats=("bf16",), page=page)
+        print(f"pages of {page} tokens", flush=True)
+        for name, flops, run, ref in _problems(pb):
+            t_ref = bench_us(ref()) if ref else None
+            rows = [("vLLM FA3", t_ref)] if t_ref else []
+            use({})
+            rows.append(("triton (defaults)", bench_us(lambda: run(PrefillOptions(wgmma=False)))))
+            for label, sw in variants:
+                use(sw)
+                rows.append((label, bench_us(lambda: run(PrefillOptions(wgmma=True)))))
+            use({})
+            for who, t in rows:
+                x = f"  {t_ref / t:.2f}x FA3" if t_ref else ""
+                print(f"{name:<26} {who:<40} {t:8.1f} us {flops / t / 1e6:6.0f} TFLOP/s{x}", flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        use({})
     return 0
 
 
-SHAPES = ((4, 2048, 1024), (8, 1024, 512), (16, 8192, 128), (2, 16384, 2048), (8, 512, 1024))
+# (batch, cached, new): extends, then prompts alone (cached 0), short ones as a serving step batches them
+SHAPES = ((4, 2048, 1024), (8, 1024, 512), (16, 8192, 128), (2, 16384, 2048), (8, 512, 1024),
+          (1, 0, 8192), (8, 0, 1024), (16, 0, 256), (64, 0, 128), (4, 0, 64), (1, 0, 1000))
 
 
 def shapes() -> int:
-    """The bf16 extend at ``SHAPES`` (batch, cached, new), Triton kernel against the warp-specialized Hopper kernel:
-    where ``prefill.WGMMA_DEFAULT``'s rule (extends with a cached prefix) comes from."""
+    """The bf16 extend and prompts at ``SHAPES`` (batch, cached, new), Triton kernel against the warp-specialized
+    Hopper kernel: where ``prefill.WGMMA_DEFAULT``'s rule comes from."""
     import torch
 
-    from kvbench.kernels import PagedKV, PrefillOptions, paged_prefill, prefill_wg
+    from kvbench.kernels import PagedKV, PrefillOptions, paged_prefill
     from kvbench.tools.common import bench_us
     from kvbench.tools.decode_bench import BenchResults
     from kvbench.tools.prefill_bench import PrefillBench
 
-    keep = prefill_wg.WARP_SPECIALIZE
     for b, pre, new in SHAPES:
         pb = PrefillBench(BenchResults(), flashinfer=False, formats=("bf16",), seq=pre + new, new=new, batch=b)
         x = pb.extend_inputs("bf16")
@@ -126,13 +154,57 @@ def shapes() -> int:
             return paged_prefill(x["qx"], x["knx"], x["vnx"], x["cux"], new, kv, x["table"], x["lx"], out=o,
                                  opts=PrefillOptions(max_prefix_len=pre, wgmma=w))
 
-        prefill_wg.WARP_SPECIALIZE = True
         t0, t1 = bench_us(lambda: run(False)), bench_us(lambda: run(True))
-        print(f"extend bf16 {b}x({pre}+{new}): triton {t0:.1f} us, warp-specialized {t1:.1f} us, {t0 / t1:.2f}x",
+        what = "extend" if pre else "prompts"
+        print(f"{what} bf16 {b}x({pre}+{new}): triton {t0:.1f} us, warp-specialized {t1:.1f} us, {t0 / t1:.2f}x",
               flush=True)
         del pb, x, kv, o
         torch.cuda.empty_cache()
-    prefill_wg.WARP_SPECIALIZE = keep
+    return 0
+
+
+def quant(new_lens=(64, 128, 256, 512, 1024), prefix: int = 7168, batch: int = 4, fill: bool = True) -> int:
+    """The extend over a quantized prefix, batch x (prefix + new): the Triton kernel (its own defaults: fp8 scores
+    on the stored e4m3 K, the float16 workspace for nvfp4 and e5m2 where ``WORKSPACE_MIN_Q`` says) against the
+    Hopper kernel over a workspace of bf16 (``wgmma=True``), with the bf16 extend (the default: the Hopper kernel)
+    beside: where ``prefill.WGMMA_WORKSPACE_MIN_Q`` comes from.  ``fill``: also the workspace's fill alone (the
+    dequantizing kernel, no attention) at each format's last size."""
+    import torch
+
+    from kvbench.kernels import prefill as P
+    from kvbench.kernels._triton_utils import check_kv
+
+    from kvbench.kernels import PagedKV, PrefillOptions, paged_prefill
+    from kvbench.tools.common import bench_us
+    from kvbench.tools.decode_bench import BenchResults
+    from kvbench.tools.prefill_bench import PrefillBench
+
+    for new in new_lens:
+        t_bf16 = None
+        for fmt in ("bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"):
+            pb = PrefillBench(BenchResults(), flashinfer=False, formats=(fmt,), seq=prefix + new, new=new, batch=batch)
+            x = pb.extend_inputs(fmt)
+            kv = PagedKV(fmt, x["kc"], x["vc"], x["ks"], x["vs"], x["kbs"], x["vbs"])
+            o = x["qx"].clone()
+
+            def run(w, x=x, kv=kv, o=o, new=new):
+                return paged_prefill(x["qx"], x["knx"], x["vnx"], x["cux"], new, kv, x["table"], x["lx"], out=o,
+                                     opts=PrefillOptions(max_prefix_len=prefix, wgmma=w))
+
+            t0, t1 = bench_us(lambda: run(False)), bench_us(lambda: run(True))
+            if fmt == "bf16":
+                t_bf16 = t1
+            print(f"extend {fmt:<9} {batch}x({prefix}+{new}): triton {t0:8.1f} us, hopper {t1:8.1f} us "
+                  f"({t0 / t1:.2f}x); bf16 extend / this: triton {t_bf16 / t0:.2f}x, hopper {t_bf16 / t1:.2f}x",
+                  flush=True)
+            if fill and fmt != "bf16" and new == new_lens[-1]:
+                kc, vc = check_kv(kv, pb.d)
+                plan = P.workspace_plan(P.format_code(fmt), False, prefix, new, batch, pb.hk, pb.d, pb.page, True)
+                t2 = bench_us(lambda: P._over_workspace(plan, kc, vc, x["table"], x["lx"], x["cux"], batch,
+                                                        P.format_code(fmt), x["qx"], lambda *a: None, torch.bfloat16))
+                print(f"  the bf16 workspace's fill alone ({fmt}): {t2:.1f} us", flush=True)
+            del pb, x, kv, o
+            torch.cuda.empty_cache()
     return 0
 
 
@@ -161,13 +233,17 @@ def main(argv=None) -> int:
     p.add_argument("--stages", default="4", help="comma list of prefill_wg.STAGES to time")
     p.add_argument("--check", action="store_true", help="the Hopper kernel against the float64 reference first")
     p.add_argument("--page", type=int, default=16, help="tokens per page (16, the engine's default)")
+    p.add_argument("--ws", default="128:3,64:4", help="warp-specialized variants to check and time, keys per tile:stages")
     n = sub.add_parser("ncu", help="three launches of the Hopper kernel, for Nsight Compute")
     n.add_argument("problem", choices=("causal", "extend"))
+    sub.add_parser("quant", help="quantized extends: the Triton kernel against the Hopper kernel over a workspace")
     sub.add_parser("shapes", help="the bf16 extend at SHAPES, Triton against the warp-specialized Hopper kernel")
     a = ap.parse_args(argv)
     if a.cmd == "shapes":
         return shapes()
-    return wg([int(x) for x in a.stages.split(",")], a.check, a.page) if a.cmd == "wg" else ncu(a.problem)
+    if a.cmd == "quant":
+        return quant()
+    return wg([int(x) for x in a.stages.split(",")], a.check, a.page, a.ws) if a.cmd == "wg" else ncu(a.problem)
 
 
 if __name__ == "__main__":
