@@ -242,14 +242,15 @@ def _ws_producer(Q_DESC, KN_DESC, VN_DESC, KC_DESC, VC_DESC, PT, pt_row, q_s, k_
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, t, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, lvs, ivs, BN: gl.constexpr,
+def _softmax(s, m_i, l_i, t, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, vs, BN: gl.constexpr,
              SCALED: gl.constexpr):
-    """Tile ``t``'s online softmax in base 2 on its raw scores ``s`` (``scale`` folded into each exponent's FFMA);
-    the masks (causal, the prefix's end, the sequence's end) are computed only on a tile that needs them: the
-    prefix's last partial tile and the new tokens' tiles that reach past the warpgroup's first row (``q_lo``).
-    ``SCALED`` (a prefix of dequantized values with per-head scales): a prefix tile's scores take ``sc_pre``
-    (``scale`` times the K scale), and its ``P`` comes out multiplied by the V scale (``lvs``, its log2, in the
-    exponent; the sum ``l`` is of the unscaled ``P``: ``ivs`` its inverse), so ``P·V`` needs no other change."""
+    """Tile ``t``'s online softmax in base 2 on its raw scores ``s`` (``scale`` folded into each exponent's FFMA)
+    → (``P`` for ``P·V``, the output's rescale, the new row maximum and sum); the masks (causal, the prefix's end,
+    the sequence's end) are computed only on a tile that needs them: the prefix's last partial tile and the new
+    tokens' tiles that reach past the warpgroup's first row (``q_lo``).  ``SCALED`` (a prefix of dequantized values
+    with per-head scales): a prefix tile's scores take ``sc_pre`` (``scale`` times the K scale), and its ``P`` is
+    multiplied by the V scale ``vs`` after the row sum took it (any scale, zero and negative ones too), so ``P·V``
+    needs no other change."""
     kbase = gl.where(t < n_pre, t * BN, prefix + (t - n_pre) * BN)
     lim = gl.where(t < n_pre, prefix, seq_len)
     if (kbase + BN <= lim) & (kbase + BN - 1 <= q_lo):
@@ -257,18 +258,17 @@ def _softmax(s, m_i, l_i, t, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc
     else:
         kpos = kbase + cols
         x = gl.where((kpos[None, :] <= qpos[:, None]) & (kpos < lim)[None, :], s, float("-inf"))
+    pre = t < n_pre
     if SCALED:
-        pre = t < n_pre
         sc = gl.where(pre, sc_pre, scale)
-        m_new = gl.maximum(m_i, gl.max(x, axis=1) * sc)
-        p = gl.exp2(x * sc - (m_new - gl.where(pre, lvs, 0.0))[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_new = l_i * alpha + gl.sum(p, axis=1) * gl.where(pre, ivs, 1.0)
     else:
-        m_new = gl.maximum(m_i, gl.max(x, axis=1) * scale)
-        p = gl.exp2(x * scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_new = l_i * alpha + gl.sum(p, axis=1)
+        sc = scale
+    m_new = gl.maximum(m_i, gl.max(x, axis=1) * sc)
+    p = gl.exp2(x * sc - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    if SCALED:
+        p = p * gl.where(pre, vs, 1.0)
     return p, alpha, m_new, l_new
 
 
@@ -285,7 +285,7 @@ def _ws_zero_tail(v_buf, t, n_pre, prefix, BN: gl.constexpr, D: gl.constexpr, T_
 
 @gluon.jit
 def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
-                 scale, sc_pre, lvs, ivs, SCALED: gl.constexpr, W: gl.constexpr):
+                 scale, sc_pre, vs, SCALED: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W``'s rows ``64·W ..`` of the program's 128 through every tile; q's rows stay in shared memory as
     the score MMA's left operand.  Tile ``t``'s scores and tile ``t − 1``'s ``P·V`` are issued together, and tile
     ``t``'s softmax runs while ``P·V`` does (``P`` of tile ``t − 1`` held in registers); tile ``t − 1``'s stage is
@@ -311,7 +311,7 @@ def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len
     mbarrier.wait(ready.index(0), 0)
     s = warpgroup_mma(q, k_s.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s])
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, lvs, ivs, BN,
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, vs, BN,
                                   SCALED)
     _ws_zero_tail(v_s.index(0), 0, n_pre, prefix, BN, D, T_L)
     pa = gl.convert_layout(p.to(DT), PA_L)
@@ -322,8 +322,8 @@ def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len
         s = warpgroup_mma(q, k_s.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         o = warpgroup_mma(pa, v_s.index(sp), o, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s])  # the scores; P·V of tile t - 1 still runs
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, lvs,
-                                      ivs, BN, SCALED)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, vs,
+                                      BN, SCALED)
         _ws_zero_tail(v_s.index(st), t, n_pre, prefix, BN, D, T_L)
         o = warpgroup_mma_wait(0, deps=[o])
         _sync()  # this warpgroup's four warps are past tile t - 1
@@ -341,16 +341,16 @@ def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len
 
 @gluon.jit
 def _ws_consumer0(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
-                  scale, sc_pre, lvs, ivs, SCALED: gl.constexpr):
+                  scale, sc_pre, vs, SCALED: gl.constexpr):
     _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
-                 scale, sc_pre, lvs, ivs, SCALED, 0)
+                 scale, sc_pre, vs, SCALED, 0)
 
 
 @gluon.jit
 def _ws_consumer1(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
-                  scale, sc_pre, lvs, ivs, SCALED: gl.constexpr):
+                  scale, sc_pre, vs, SCALED: gl.constexpr):
     _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
-                 scale, sc_pre, lvs, ivs, SCALED, 1)
+                 scale, sc_pre, vs, SCALED, 1)
 
 
 @gluon.jit
@@ -370,8 +370,6 @@ def _prefill_ws(
     # the prefix's per-kv-head scales (used where SCALED): K's into its tiles' score scale, V's into their P
     vs = gl.load(V_SCALE + hk)
     sc_pre = scale * gl.load(K_SCALE + hk)
-    lvs = gl.log2(vs)
-    ivs = 1.0 / vs
     q_s = gl.allocate_shared_memory(DT, [BM, D], Q_DESC.layout)
     k_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)
     v_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)
@@ -384,7 +382,7 @@ def _prefill_ws(
     fence_async_shared()
     _sync()
     cargs = (q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len, prefix, seq_len, n_pre, n_tiles, mb,
-             scale, sc_pre, lvs, ivs, SCALED)
+             scale, sc_pre, vs, SCALED)
     gl.warp_specialize([
         (_ws_consumer0, cargs),
         (_ws_consumer1, cargs),

@@ -118,7 +118,7 @@ def test_prefill_wgmma():
         return
 
     cases = check_prefill_wgmma()
-    assert len(cases) == 20
+    assert len(cases) == 21
     for case in cases:
         _ok(case)
     # a quantized prefix without max_prefix_len (no workspace plan), fp8 queries, a window

@@ -112,6 +112,15 @@ def test_prefill_split_query_matches_converted_k(d, window, sinks):
     assert ref.err <= C.TOL[torch.bfloat16], ref.line()
 
 
+@pytest.mark.parametrize("workspace", [False, True])
+def test_prefill_zero_and_negative_v_scales(workspace):
+    # the per-head V scale multiplies the prefix's contribution whatever its sign or size, in registers and over the
+    # workspace (the Hopper kernel's check, kernel_check.check_prefill_wgmma, has the same case on a GPU)
+    case = C.check_prefill("fp8_e4m3", [33, 1, 7], [0, 50, 100], 8, 2, 64, 16, layout="HND", seed=5, device="cpu",
+                           max_prefix_len=100, prefix_workspace=workspace, v_scale_factors=[0.0, -1.0])
+    assert case.err <= C.TOL[torch.bfloat16] and "v_scale x [0.0, -1.0]" in case.line(), case.line()
+
+
 def test_prefill_block_shapes_and_pure_prefill():
     case = C.check_prefill("fp8_e4m3", [33, 17], [0, 0], 2, 2, 32, 16, dtype=torch.float32, device="cpu", seed=2,
                            block_m=32, block_n=16)

@@ -252,7 +252,7 @@ def check_decode(fmt, lens, hq, hk, d, page, *, dtype=torch.bfloat16, window=Non
 
 
 def _prefill_run(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype, window, sinks, q_fp8, device, seed, variants,
-                 layout="NHD"):
+                 layout="NHD", v_scale_factors=None):
     """The prefill kernel once per launch-option dict in ``variants`` on the same fresh inputs (outputs
     poisoned first) → (outputs, float64 reference, label)."""
     from kvbench.kernels import paged_prefill
@@ -260,6 +260,8 @@ def _prefill_run(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype, window, sinks
     gen = torch.Generator().manual_seed(seed)
     lens = [a + b for a, b in zip(q_lens, prefixes)]
     kv, table = _attn_inputs(fmt, lens, hk, d, page, device, gen, layout)
+    if v_scale_factors is not None:  # per kv head: zero, negative, ... scales
+        kv["v_scale"] = kv["v_scale"] * torch.tensor(v_scale_factors, device=device)
     t = sum(q_lens)
     q, qs = _query(gen, (t, hq, d), dtype, device, q_fp8)
     k_new, v_new = _tokens(gen, t, hk, d, dtype, device), _tokens(gen, t, hk, d, dtype, device)
@@ -279,9 +281,11 @@ def _prefill_run(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype, window, sinks
 
 
 def check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype=torch.bfloat16, window=None, sinks=False,
-                  q_fp8=False, device="cuda", seed=0, layout="NHD", **launch) -> Case:
+                  q_fp8=False, device="cuda", seed=0, layout="NHD", v_scale_factors=None, **launch) -> Case:
     (out,), ref, label = _prefill_run(fmt, q_lens, prefixes, hq, hk, d, page, dtype=dtype, window=window, sinks=sinks,
-                                      q_fp8=q_fp8, device=device, seed=seed, variants=[launch], layout=layout)
+                                      q_fp8=q_fp8, device=device, seed=seed, variants=[launch], layout=layout,
+                                      v_scale_factors=v_scale_factors)
+    label += f" v_scale x {v_scale_factors}" if v_scale_factors is not None else ""
     if "tma" in launch:
         label += " tma" if launch["tma"] else " no-tma"
     if "fp8_qk" in launch:
@@ -302,15 +306,14 @@ def check_prefill_workspace(fmt, q_lens, prefixes, hq, hk, d, page, *, dtype=tor
     return Case("prefill", f"{label} prefix workspace", rel_err(ws, ref), TOL[dtype], detail)
 
 
-# two bf16 outputs of the same attention that differ only in rounding: a few units in bf16's last place
-SPLIT_TOL = 4e-3
+SPLIT_TOL = 4e-3  # two bf16 outputs of the same attention that differ in rounding: a few units in the last place
 
 
 def check_prefill_wgmma() -> list[Case]:
     """The Hopper prefill kernel (``wgmma=True``) against the float64 reference: prefixes of whole and partial
     tiles, prompts only, pages of 16 / 32 / 64, HND and NHD, head dims 128 and 64, bf16 and float16, GQA groups of
-    4, 8 and 1; and over quantized prefixes (fp8_e4m3, fp8_e5m2, nvfp4, calibrated per-head scales) dequantized
-    into a workspace of q's dtype first (an sm_90 GPU)."""
+    4, 8 and 1; and over quantized prefixes (fp8_e4m3, fp8_e5m2, nvfp4, calibrated per-head scales; one case with
+    zero and negative V scales) dequantized into a workspace of q's dtype first (an sm_90 GPU)."""
     out = []
     extends = (([256, 1, 77, 300], [0, 500, 1000, 31]), ([200, 1, 64, 129], [1000, 64, 0, 127]))
     for fmt, dtype, hq, hk, d, page, layout in (("bf16", torch.bfloat16, 32, 8, 128, 16, "HND"),
@@ -327,6 +330,8 @@ def check_prefill_wgmma() -> list[Case]:
         for q_lens, prefixes in extends:
             out.append(check_prefill(fmt, q_lens, prefixes, hq, hk, d, page, dtype=dtype, layout=layout,
                                      seed=len(q_lens), wgmma=True, max_prefix_len=max(prefixes)))
+    out.append(check_prefill("fp8_e4m3", *extends[0], 32, 8, 128, 16, layout="HND", seed=5, wgmma=True,
+                             max_prefix_len=1000, v_scale_factors=[0.0, -1.0, 1.0, 2.0, 0.0, -0.5, 1.0, 1.0]))
     return out
 
 
