@@ -659,7 +659,8 @@ WORKSPACE_CAP_BYTES = 256 << 20  # one workspace at most; batches whose prefixes
 # 1.91 / 2.16 / 2.66x at 16 / 64 / 128 / 256 / 512 / 1024 / 2048 new tokens; fp8_e5m2 0.47x up to 128,
 # 0.75x at 256, 1.02x at 512, 1.06x at 1024, 1.10x at 2048.
 WORKSPACE_MIN_Q = {2: 256, 1: 1024}
-_WS_BLOCK_T = 64
+_WS_BLOCK_T = 64  # the workspace fill's tokens per program, and its warps
+_WS_FILL_WARPS = 4
 
 
 @dataclass
@@ -714,6 +715,6 @@ def _over_workspace(plan: _WorkspacePlan, kc: CacheArgs, vc: CacheArgs, page_tab
             kc.bs_page_stride, kc.bs_tok_stride, kc.bs_head_stride, vc.bs_head_stride, pt.stride(0),
             kwv.stride(0), kwv.stride(1), kwv.stride(2), plan.npp,
             D=d, DP_PAD=next_pow2(dp), NB=next_pow2(max(d // 16, 1)), PAGE=page, BLOCK_T=_WS_BLOCK_T, FMT=fmt,
-            num_warps=4,
+            num_warps=_WS_FILL_WARPS,
         )
         run(kwc, vwc, table, sl, cu, n)

@@ -9,19 +9,17 @@ span pages in random order) and runs each tile's score MMA, softmax and output M
 Layout (one program per 128 query rows x query head x sequence; two warpgroups of 64 rows):
 
 * q ``[128, D]`` is copied once into shared memory; the score MMA reads it there.
-* Tiles of ``BLOCK_N`` keys, in order: the prefix's (through the page table: one TMA copy per page, pages of a
+* Tiles of ``WS_BLOCK_N`` keys, in order: the prefix's (through the page table: one TMA copy per page, pages of a
   multiple of 16 tokens; a tile past the prefix's last page re-reads that page), then the new tokens' (``k_new``
-  / ``v_new`` rows of the sequence).  ``STAGES`` K / V buffers, one mbarrier each.
-* ``WARP_SPECIALIZE`` (the default, ``_prefill_ws``): a producer warp issues every copy (waiting on a stage's
-  "empty" mbarrier before refilling it), and each warpgroup is a partition of its own running its 64 rows through
-  all tiles of ``WS_BLOCK_N`` (128) keys over ``WS_STAGES`` (3) stages: tile ``t``'s scores and tile ``t − 1``'s
-  ``P·V`` are issued together, tile ``t``'s online softmax (base 2; the causal and prefix-end masks only on the
-  tiles that need them) runs while ``P·V`` does, with ``P`` in registers as its left operand, and tile ``t − 1``'s
-  stage is released when ``P·V`` is done.  No barrier spans the two warpgroups, so one's softmax also runs while
-  the other's MMAs do.
-* The one-partition ``_prefill_wg`` (64-key tiles, q in registers, every warp issues the copies, a barrier over all
-  eight ends each tile; the next tile's scores in flight during the softmax, ``P·V`` after it) stays as the probe's
-  comparison.
+  / ``v_new`` rows of the sequence).  ``WS_STAGES`` K / V buffers, one "ready" and one "empty" mbarrier each.
+* Warp-specialized (``_prefill_ws``): a producer warp issues every copy (waiting on a stage's "empty" mbarrier
+  before refilling it), and each warpgroup is a partition of its own running its 64 rows through all tiles of
+  ``WS_BLOCK_N`` (128) keys over ``WS_STAGES`` (3) stages: tile ``t``'s scores and tile ``t − 1``'s ``P·V`` are
+  issued together, tile ``t``'s online softmax (base 2; the causal and prefix-end masks only on the tiles that need
+  them) runs while ``P·V`` does, with ``P`` in registers as its left operand, and tile ``t − 1``'s stage is released
+  when ``P·V`` is done.  No barrier spans the two warpgroups, so one's softmax also runs while the other's MMAs do.
+  (A one-partition form, every warp issuing copies and a barrier over all eight per tile, ran 1.4-1.6x slower on
+  every problem timed and was removed; docs/kernels.md.)
 * On an H200 (docs/kernels.md, "The extend against vLLM's FlashAttention 3") the warp-specialized kernel runs the
   benchmark's extend 4 x (7168 + 1024) in 882.9 µs against vLLM's FA3's 892.2 (1.01x; the Triton kernel 1287) and
   other extends 1.03-1.47x faster than the Triton kernel; prompts alone are mixed (0.36-1.44x), so ``paged_prefill``
@@ -29,8 +27,8 @@ Layout (one program per 128 query rows x query head x sequence; two warpgroups o
 
 A quantized (fp8 / nvfp4) prefix reaches it through ``prefill.py``'s workspace, dequantized exactly into q's 16-bit
 dtype first; its per-head scales apply in the loop (``SCALED``: the K scale in a prefix tile's score scale, the V
-scale in its ``P``).  Sliding windows, sinks and fp8 queries stay with the Triton kernel (``unsupported``).  Gluon
-has no interpreter: the CPU path is ``prefill.py``; this kernel is checked against the float64 reference on a
+scale once on the output accumulator when the last prefix tile's ``P·V`` is in it).  Sliding windows, sinks and
+fp8 queries stay with the Triton kernel (``unsupported``).  Gluon has no interpreter: the CPU path is ``prefill.py``; this kernel is checked against the float64 reference on a
 GPU (``tests/test_gpu_kernels.py``) and compiled for sm_90 on the CPU (``tests/test_prefill_wg.py``).
 """
 
@@ -45,19 +43,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kvbench.kernels import _gluon_compat as compat
 
-__all__ = ["BLOCK_M", "BLOCK_N", "STAGES", "unsupported", "launch", "launch_dequantized"]
+__all__ = ["BLOCK_M", "WS_BLOCK_N", "WS_STAGES", "unsupported", "launch", "launch_dequantized"]
 
 BLOCK_M = 128  # query rows per program: two warpgroups of 64
-BLOCK_N = 64  # keys per tile
-STAGES = 4  # K / V tile buffers: 4 x 32 KB at D 128, next to q's 32 KB
-# a stage's refill issued after P·V, both MMAs in flight (True), or after the next tile's scores alone (False: 27% slower
-# on the H200's extend, docs/kernels.md); each TMA copy is preceded by a barrier over the program's warps, and the
-# page-table loads feed it, so the warps stall there until the copies can be issued
-LATE_REFILL = True
-# the warp-specialized kernel (``_prefill_ws``: a producer warp, one partition per warpgroup; the default, 1.18x the
-# one-partition kernel on the H200's extend) and the registers each warpgroup partition asks for; False runs
-# ``_prefill_wg`` (the probe's comparison)
-WARP_SPECIALIZE = True
+# the registers each warpgroup partition asks for (Triton 3.6 spills 8 bytes at 240, 44 at 232)
 WS_REGS = 240
 # the warp-specialized kernel's key tile and K / V stages (3 x 64 KB at 128 keys, D 128, next to q's 32 KB)
 WS_BLOCK_N = 128
@@ -119,104 +108,7 @@ def _program(CU_Q, SEQ_LENS, spt_b, G: gl.constexpr, BM: gl.constexpr, BN: gl.co
     return mb, h, h // G, q_start, q_len, seq_len, prefix, n_pre, n_tiles, b.to(gl.int64) * spt_b
 
 
-@gluon.jit
-def _prefill_wg(
-    Q_DESC, KN_DESC, VN_DESC, KC_DESC, VC_DESC, PT, SEQ_LENS, CU_Q, OUT,
-    scale, so_t, so_h, spt_b,
-    G: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, HKV: gl.constexpr, HND: gl.constexpr,
-    STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, LATE: gl.constexpr = False,
-):
-    BM: gl.constexpr = 128
-    BN: gl.constexpr = 64
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, D, 16])
-    QA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
-    PA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    T_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte rows of a tile
-    DT: gl.constexpr = Q_DESC.dtype
-
-    mb, h, hk, q_start, q_len, seq_len, prefix, n_pre, n_tiles, pt_row = _program(CU_Q, SEQ_LENS, spt_b, G, BM, BN,
-                                                                                  HEAVY_FIRST)
-    if mb * BM >= q_len:
-        return
-
-    q_s = gl.allocate_shared_memory(DT, [BM, D], Q_DESC.layout)
-    k_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)
-    v_s = gl.allocate_shared_memory(DT, [STAGES, BN, D], KN_DESC.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES + 1):
-        mbarrier.init(ready.index(i), count=1)
-    fence_async_shared()
-    _sync()
-    qbar = ready.index(STAGES)
-    mbarrier.expect(qbar, Q_DESC.block_type.nbytes)
-    _tma_load(Q_DESC, [q_start + mb * BM, h * D], qbar, q_s)
-    for i in gl.static_range(STAGES):
-        if i < n_tiles:
-            _issue(KC_DESC, VC_DESC, KN_DESC, VN_DESC, k_s.index(i), v_s.index(i), ready.index(i), PT, pt_row, i,
-                   n_pre, prefix, q_start, hk, PAGE, HKV, HND, D, BN)
-    mbarrier.wait(qbar, 0)
-    q = q_s.load(QA_L)
-
-    rows = mb * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
-    qpos = prefix + rows  # each row's absolute position
-    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-    m_i = gl.full([BM], -1.0e30, gl.float32, gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, S_L))
-    o = gl.zeros([BM, D], gl.float32, O_L)
-    zero_s = gl.zeros([BM, BN], gl.float32, S_L)
-
-    mbarrier.wait(ready.index(0), 0)
-    s = warpgroup_mma(q, k_s.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=[s])
-    for t in range(n_tiles):
-        st = t % STAGES
-        tn = gl.minimum(t + 1, n_tiles - 1)  # the last iteration recomputes its own tile's scores, discarded
-        mbarrier.wait(ready.index(tn % STAGES), (tn // STAGES) & 1)
-        s_next = warpgroup_mma(q, k_s.index(tn % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        if not LATE:
-            if t >= 1:  # tile t - 1's stage: its P·V was waited for, and both warpgroups synced, last iteration
-                if t - 1 + STAGES < n_tiles:
-                    prev = (t - 1) % STAGES
-                    _issue(KC_DESC, VC_DESC, KN_DESC, VN_DESC, k_s.index(prev), v_s.index(prev), ready.index(prev),
-                           PT, pt_row, t - 1 + STAGES, n_pre, prefix, q_start, hk, PAGE, HKV, HND, D, BN)
-        # keys by absolute position: the prefix's (below ``prefix``), then the new tokens' (causal)
-        kpos = gl.where(t < n_pre, t * BN, prefix + (t - n_pre) * BN) + cols
-        lim = gl.where(t < n_pre, prefix, seq_len)
-        valid = (kpos[None, :] <= qpos[:, None]) & (kpos < lim)[None, :]
-        x = gl.where(valid, s * scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, axis=1))
-        p = gl.exp2(x - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        if t == n_pre - 1:
-            if prefix % BN != 0:  # the prefix's last tile: V rows past its end zeroed before P·V reads them
-                _zero_tail(v_s.index(st), prefix - t * BN, BN, D, T_L)
-                fence_async_shared()
-                _sync()
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        pa = gl.convert_layout(p.to(DT), PA_L)
-        o = warpgroup_mma(pa, v_s.index(st), o, is_async=True)
-        if LATE:  # the refill behind both MMAs in flight
-            if t >= 1:
-                if t - 1 + STAGES < n_tiles:
-                    prev = (t - 1) % STAGES
-                    _issue(KC_DESC, VC_DESC, KN_DESC, VN_DESC, k_s.index(prev), v_s.index(prev), ready.index(prev),
-                           PT, pt_row, t - 1 + STAGES, n_pre, prefix, q_start, hk, PAGE, HKV, HND, D, BN)
-        s, o = warpgroup_mma_wait(0, deps=[s_next, o])
-        _sync()  # both warpgroups are past tile t: its stage may be refilled
-    for i in gl.static_range(STAGES + 1):
-        mbarrier.invalidate(ready.index(i))
-
-    inv = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L))
-    orow = mb * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
-    d = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
-    optr = OUT + (q_start + orow).to(gl.int64)[:, None] * so_t + h * so_h + d[None, :]
-    gl.store(optr, (o * inv[:, None]).to(OUT.dtype.element_ty), mask=(orow < q_len)[:, None])
-
-
-# ------------------------------------------------------------------ warp-specialized variant (WARP_SPECIALIZE)
+# ------------------------------------------------------------------ the warp-specialized kernel
 # One producer warp issues q's and every tile's copies (waiting on a stage's "empty" barrier before refilling it);
 # each of the two warpgroups is a partition of its own that runs its 64 rows through all tiles and arrives on the
 # stage's empty barrier when its P·V is done: no barrier spans the warpgroups, so one's softmax can run while the
@@ -242,15 +134,14 @@ def _ws_producer(Q_DESC, KN_DESC, VN_DESC, KC_DESC, VC_DESC, PT, pt_row, q_s, k_
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, t, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, vs, BN: gl.constexpr,
+def _softmax(s, m_i, l_i, t, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, BN: gl.constexpr,
              SCALED: gl.constexpr):
     """Tile ``t``'s online softmax in base 2 on its raw scores ``s`` (``scale`` folded into each exponent's FFMA)
     → (``P`` for ``P·V``, the output's rescale, the new row maximum and sum); the masks (causal, the prefix's end,
     the sequence's end) are computed only on a tile that needs them: the prefix's last partial tile and the new
     tokens' tiles that reach past the warpgroup's first row (``q_lo``).  ``SCALED`` (a prefix of dequantized values
-    with per-head scales): a prefix tile's scores take ``sc_pre`` (``scale`` times the K scale), and its ``P`` is
-    multiplied by the V scale ``vs`` after the row sum took it (any scale, zero and negative ones too), so ``P·V``
-    needs no other change."""
+    with per-head scales): a prefix tile's scores take ``sc_pre`` (``scale`` times the K scale); the V scale is the
+    consumer's (``_ws_consumer``)."""
     kbase = gl.where(t < n_pre, t * BN, prefix + (t - n_pre) * BN)
     lim = gl.where(t < n_pre, prefix, seq_len)
     if (kbase + BN <= lim) & (kbase + BN - 1 <= q_lo):
@@ -267,8 +158,6 @@ def _softmax(s, m_i, l_i, t, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc
     p = gl.exp2(x * sc - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.sum(p, axis=1)
-    if SCALED:
-        p = p * gl.where(pre, vs, 1.0)
     return p, alpha, m_new, l_new
 
 
@@ -289,7 +178,8 @@ def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len
     """Warpgroup ``W``'s rows ``64·W ..`` of the program's 128 through every tile; q's rows stay in shared memory as
     the score MMA's left operand.  Tile ``t``'s scores and tile ``t − 1``'s ``P·V`` are issued together, and tile
     ``t``'s softmax runs while ``P·V`` does (``P`` of tile ``t − 1`` held in registers); tile ``t − 1``'s stage is
-    released when its ``P·V`` is done."""
+    released when its ``P·V`` is done.  ``SCALED``: the prefix tiles come first, so the V scale ``vs`` multiplies the
+    accumulator once, when the last prefix tile's ``P·V`` is in it (exact for any scale; no work per score)."""
     STAGES: gl.constexpr = k_s.shape[0]
     BN: gl.constexpr = k_s.shape[1]
     D: gl.constexpr = k_s.shape[2]
@@ -311,8 +201,7 @@ def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len
     mbarrier.wait(ready.index(0), 0)
     s = warpgroup_mma(q, k_s.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s])
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, vs, BN,
-                                  SCALED)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, BN, SCALED)
     _ws_zero_tail(v_s.index(0), 0, n_pre, prefix, BN, D, T_L)
     pa = gl.convert_layout(p.to(DT), PA_L)
     for t in range(1, n_tiles):
@@ -322,16 +211,21 @@ def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len
         s = warpgroup_mma(q, k_s.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         o = warpgroup_mma(pa, v_s.index(sp), o, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s])  # the scores; P·V of tile t - 1 still runs
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, vs,
-                                      BN, SCALED)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, n_pre, prefix, seq_len, q_lo, qpos, cols, scale, sc_pre, BN,
+                                      SCALED)
         _ws_zero_tail(v_s.index(st), t, n_pre, prefix, BN, D, T_L)
         o = warpgroup_mma_wait(0, deps=[o])
         _sync()  # this warpgroup's four warps are past tile t - 1
         mbarrier.arrive(empty.index(sp))
+        if SCALED:  # o holds every prefix tile's P·V once tile n_pre - 1's is in: the V scale, once
+            alpha = gl.where(t == n_pre, alpha * vs, alpha)
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         pa = gl.convert_layout(p.to(DT), PA_L)
     o = warpgroup_mma(pa, v_s.index((n_tiles - 1) % STAGES), o, is_async=True)
     o = warpgroup_mma_wait(0, deps=[o])
+    if SCALED:  # no tile of new tokens (a program always has its diagonal tile; kept exact regardless)
+        if n_tiles == n_pre:
+            o = o * vs
     inv = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L))
     orow = mb * 128 + W * R + gl.arange(0, R, layout=gl.SliceLayout(1, O_L))
     d = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
@@ -417,7 +311,7 @@ def unsupported(q, k_new, v_new, kc, vc, kv_format: str, attn, descriptors_ok: b
     if not descriptors_ok:
         return "q, k_new and v_new must be readable through tensor descriptors (prefill.tma_ok)"
     if workspace:
-        return None if WARP_SPECIALIZE else "a quantized prefix needs the warp-specialized kernel (WARP_SPECIALIZE)"
+        return None
     for c in (kc, vc):
         x = c.data
         hnd = x.stride(2) == c.page_size * c.head_dim and x.stride(1) == c.head_dim
@@ -430,7 +324,7 @@ def unsupported(q, k_new, v_new, kc, vc, kv_format: str, attn, descriptors_ok: b
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(d: int, dtype, bn: int = BLOCK_N):
+def _layout(d: int, dtype, bn: int = 128):
     return gl.NVMMASharedLayout.get_default_for([bn, d], dtype)
 
 
@@ -452,15 +346,13 @@ def _launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_l
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    if STAGES < 3 and not WARP_SPECIALIZE:  # tile t - 1's refill must not be the stage tile t + 1's scores read
-        raise ValueError(f"prefill_wg.STAGES must be at least 3, got {STAGES}")
-    if WS_STAGES < 2 and WARP_SPECIALIZE:  # a tile's stage is released after the next tile's scores were issued
+    if WS_STAGES < 2:  # a tile's stage is released after the next tile's scores were issued
         raise ValueError(f"prefill_wg.WS_STAGES must be at least 2, got {WS_STAGES}")
     t, hq, d = q.shape
     hk, page = kc.num_kv_heads, kc.page_size
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     hnd = kc.data.stride(2) == page * d
-    bn = WS_BLOCK_N if WARP_SPECIALIZE else BLOCK_N
+    bn = WS_BLOCK_N
     lay = _layout(d, gdt, bn)
     rows = min(page, bn)
 
@@ -475,19 +367,9 @@ def _launch(q, k_new, v_new, kc, vc, page_table, seq_lens, cu_seqlens_q, max_q_l
 
     nseq = cu_seqlens_q.shape[0] - 1
     grid = (-(-max_q_len // BLOCK_M), hq, nseq)
-    if WARP_SPECIALIZE:
-        _prefill_ws[grid](
-            packed(q, BLOCK_M), packed(k_new, bn), packed(v_new, bn), plane(kc), plane(vc), page_table,
-            seq_lens, cu_seqlens_q, out, kc.scale, vc.scale, float(sm_scale * LOG2E), out.stride(0), out.stride(1),
-            page_table.stride(0), G=hq // hk, D=d, PAGE=page, HKV=hk, HND=hnd, STAGES=WS_STAGES,
-            HEAVY_FIRST=heavy_first, REGS=WS_REGS, SCALED=scaled, num_warps=4,
-        )
-        return
-    if scaled:
-        raise ValueError("prefill_wg: a scaled (dequantized) prefix needs the warp-specialized kernel")
-    _prefill_wg[grid](
-        packed(q, BLOCK_M), packed(k_new, BLOCK_N), packed(v_new, BLOCK_N), plane(kc), plane(vc), page_table, seq_lens,
-        cu_seqlens_q, out, float(sm_scale * LOG2E), out.stride(0), out.stride(1), page_table.stride(0),
-        G=hq // hk, D=d, PAGE=page, HKV=hk, HND=hnd, STAGES=STAGES, HEAVY_FIRST=heavy_first, LATE=LATE_REFILL,
-        num_warps=8,
+    _prefill_ws[grid](
+        packed(q, BLOCK_M), packed(k_new, bn), packed(v_new, bn), plane(kc), plane(vc), page_table,
+        seq_lens, cu_seqlens_q, out, kc.scale, vc.scale, float(sm_scale * LOG2E), out.stride(0), out.stride(1),
+        page_table.stride(0), G=hq // hk, D=d, PAGE=page, HKV=hk, HND=hnd, STAGES=WS_STAGES,
+        HEAVY_FIRST=heavy_first, REGS=WS_REGS, SCALED=scaled, num_warps=4,
     )

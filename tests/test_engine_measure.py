@@ -4,6 +4,8 @@ asked shape is timed, its pages are given back, and kernel names are sorted into
 
 from __future__ import annotations
 
+import contextlib
+
 from kvbench.runtime.config import EngineConfig
 from kvbench.runtime.engine import Engine
 from kvbench.tools.engine_measure import kernel_kind, prefill_breakdown
@@ -19,12 +21,28 @@ def test_kernel_kinds():
     assert kernel_kind("_fused_rope_quant_append_kernel") == "other"
 
 
-def test_prefill_breakdown_times_the_step_and_frees_its_pages():
-    e = Engine(EngineConfig(model=TINY, device="cpu", kv_budget_gb=0.01, max_model_len=128, max_num_batched_tokens=96))
+@contextlib.contextmanager
+def _tiny_engine(**kw):
+    e = Engine(EngineConfig(model=TINY, device="cpu", kv_budget_gb=0.01, max_model_len=128, **kw))
     try:
-        row = prefill_breakdown(e, seqs=3, prompt=32, iters=2)
+        yield e
     finally:
         e.shutdown()
+
+
+def test_prefill_breakdown_times_the_step_and_frees_its_pages():
+    with _tiny_engine(max_num_batched_tokens=96) as e:
+        row = prefill_breakdown(e, seqs=3, prompt=32, iters=2)
     assert row["tokens"] == 96 and row["step_ms"] > 0 and row["tokens_per_s"] > 0
     assert e.cache.allocator.num_used == 0
     assert set(row) >= {"gemm_ms", "attention_ms", "other_ms", "kernel_ms", "kernels"}
+
+
+def test_served_decode_step_counts_the_steps_between_two_runs():
+    from kvbench.tools.engine_measure import served_decode_step
+
+    with _tiny_engine(max_running=3) as e:
+        row = served_decode_step(e, batch=3, ctx=40, steps=8)
+    # 8 tokens per request take 7 decode steps (the first token comes from the prefill), 2 take 1: 6 in between
+    assert row["steps"] == 6 and row["step_s"] > 0
+    assert e.cache.allocator.num_used == 0

@@ -39,42 +39,16 @@ def _compile(fn, d: int, page: int, warps: int, bn: int, **consts):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
-def compile_prefill_wg(d: int, page: int, hnd: bool, late: bool):
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    from kvbench.kernels import prefill_wg as wg
-
-    k = _compile(wg._prefill_wg, d, page, 8, wg.BLOCK_N, STAGES=wg.STAGES, HND=hnd, LATE=late)
-    rows = min(page, wg.BLOCK_N)
-    ptx = k.asm["ptx"]
-    # scores: D / 16 MMAs of 64 keys at two sites (tile 0, the loop); P·V: 64 / 16 MMAs of D columns, one site
-    mma = {n: len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16", ptx)) for n in (64, 128)}
-    want = {64: 2 * d // 16, 128: 0}
-    want[d] += 4
-    assert mma == want, (mma, want)
-    # q, then K and V per tile: one copy per page of the prefix (one per tile for pages of whole tiles) or one of the
-    # new tokens, in the prologue's STAGES tiles and the loop's refill
-    copies = 1 + (wg.STAGES + 1) * 2 * (wg.BLOCK_N // rows + 1)
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == copies
-    assert k.metadata.shared <= 232448, k.metadata.shared
-    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
-        f.write(ptx)
-        f.flush()
-        log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
-                             text=True, check=True).stderr
-    assert "0 bytes spill stores" in log and "C751" not in log, log  # C7514/C7515: MMAs serialized
-
-
-def compile_prefill_ws(d: int, page: int, bn: int, scaled: bool = False):
+def compile_prefill_ws(d: int, page: int, bn: int, scaled: bool = False, hnd: bool = True):
     """The warp-specialized kernel at ``bn`` keys per tile: each warpgroup partition's MMAs (scores at two sites,
     tile 0's and the loop's, q from shared memory; P·V at two, the loop's and the last tile's), the copies (q once,
     K and V per tile in the producer's loop), register reallocation between the partitions, shared memory.  (Spills
     are not asserted: with 128 keys per tile Triton 3.6, the GPU machine's, spills 8 bytes.)  ``scaled``: a
-    dequantized prefix with per-head scales (``SCALED``)."""
+    dequantized prefix with per-head scales (``SCALED``); ``hnd``: HND pages (else NHD)."""
     from kvbench.kernels import prefill_wg as wg
 
     stages = 4 if bn == 64 else 3
-    k = _compile(wg._prefill_ws, d, page, 4, bn, STAGES=stages, HND=True, REGS=wg.WS_REGS, SCALED=scaled)
+    k = _compile(wg._prefill_ws, d, page, 4, bn, STAGES=stages, HND=hnd, REGS=wg.WS_REGS, SCALED=scaled)
     rows = min(page, bn)
     ptx = k.asm["ptx"]
     mma = {n: len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16", ptx)) for n in (64, 128)}
@@ -92,8 +66,8 @@ def test_prefill_wg_compiles_for_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.split() == ["128-16-HND-late", "128-64-NHD-late", "64-32-HND-early", "ws-128-16-128", "ws-64-64-128",
-                                "ws-128-32-64", "ws-128-16-128-scaled"]
+    assert r.stdout.split() == ["ws-128-16-128-HND", "ws-64-64-128-HND", "ws-128-32-64-HND", "ws-128-16-128-HND-scaled",
+                                "ws-128-64-128-NHD", "ws-64-32-64-NHD"]
 
 
 def test_wgmma_routing_on_the_cpu():
@@ -181,24 +155,16 @@ def test_wgmma_default_over_a_quantized_prefix(monkeypatch):
 
 
 def test_too_few_stages_refused(monkeypatch):
-    # one partition: with two stages tile t - 1's refill would overwrite the stage tile t + 1's score MMA is reading;
-    # warp-specialized: a tile's stage is released only after the next tile's scores were issued on the other
+    # a tile's stage is released only after the next tile's scores were issued on the other
     from kvbench.kernels import prefill_wg
 
-    monkeypatch.setattr(prefill_wg, "STAGES", 2)
-    monkeypatch.setattr(prefill_wg, "WARP_SPECIALIZE", False)
-    with pytest.raises(ValueError, match="STAGES must be at least 3, got 2"):
-        prefill_wg.launch(*([None] * 9), out=None, sm_scale=1.0)
-    monkeypatch.setattr(prefill_wg, "WARP_SPECIALIZE", True)
     monkeypatch.setattr(prefill_wg, "WS_STAGES", 1)
     with pytest.raises(ValueError, match="WS_STAGES must be at least 2, got 1"):
         prefill_wg.launch(*([None] * 9), out=None, sm_scale=1.0)
 
 
 if __name__ == "__main__":
-    for d, page, hnd, late in ((128, 16, True, True), (128, 64, False, True), (64, 32, True, False)):
-        compile_prefill_wg(d, page, hnd, late)
-        print(f"{d}-{page}-{'HND' if hnd else 'NHD'}-{'late' if late else 'early'}", flush=True)
-    for d, page, bn, scaled in ((128, 16, 128, False), (64, 64, 128, False), (128, 32, 64, False), (128, 16, 128, True)):
-        compile_prefill_ws(d, page, bn, scaled)
-        print(f"ws-{d}-{page}-{bn}" + ("-scaled" if scaled else ""), flush=True)
+    for d, page, bn, scaled, hnd in ((128, 16, 128, False, True), (64, 64, 128, False, True), (128, 32, 64, False, True),
+                                     (128, 16, 128, True, True), (128, 64, 128, False, False), (64, 32, 64, False, False)):
+        compile_prefill_ws(d, page, bn, scaled, hnd)
+        print(f"ws-{d}-{page}-{bn}-{'HND' if hnd else 'NHD'}" + ("-scaled" if scaled else ""), flush=True)

@@ -430,8 +430,8 @@ def test_speed_targets_of_issue_44():
     assert got["decode nvfp4 >= 2.9x faster than bf16 (64 x 8192)"] == (True, "2.95x (graph replays; eager 2.01x)")
     assert got["extend bf16 >= 1.0x flashinfer fa3's speed"] == (True, "1.01x (1040 us against 1052)")
     assert "extend bf16 >= 1.0x vLLM's FA3's speed" not in got  # not measured: no verdict
-    assert got["extend nvfp4 prefix >= 0.9x the bf16 extend's speed"] == (False, "0.75x")
-    assert got["extend fp8_e4m3 prefix >= 0.95x the bf16 extend's speed"] == (False, "0.81x")
+    assert got["extend nvfp4 prefix >= 0.9x the bf16 extend's speed"] == (False, "0.75x (1378 us against 1040)")
+    assert got["extend fp8_e4m3 prefix >= 0.95x the bf16 extend's speed"] == (False, "0.81x (1291 us against 1040)")
     assert got["append fused <= 0.6x unfused (up to 128 tokens)"] == (False, "worst 0.70x (nvfp4, T=128)")
     assert got["append fused <= 1.3x a plain bf16 store (every format, up to 512)"] == (False, "worst 1.55x (nvfp4, T=512)")
     assert len(got) == 10
@@ -439,6 +439,15 @@ def test_speed_targets_of_issue_44():
     got = {name: (ok, val) for name, ok, val in speed_targets(res)}
     assert got["extend bf16 >= 1.0x vLLM's FA3's speed"] == (False, "0.90x (1040 us against 936)")
     assert got["extend bf16 >= 1.0x flashinfer fa3's speed"] == (True, "1.01x (1040 us against 1052)")
+    # graph replays judge an extend target where both rows have one (the host's launch work out), the calls beside
+    res.pre.update(extend_bf16_graph=800.0, vllm_fa3_extend_bf16_graph=880.0, extend_nvfp4_graph=860.0)
+    got = {name: (ok, val) for name, ok, val in speed_targets(res)}
+    assert got["extend bf16 >= 1.0x vLLM's FA3's speed"] == (
+        True, "1.10x (graph replays, 800 us against 880; calls 0.90x)")
+    assert got["extend nvfp4 prefix >= 0.9x the bf16 extend's speed"] == (
+        True, "0.93x (graph replays, 860 us against 800; calls 0.75x)")
+    assert got["extend fp8_e4m3 prefix >= 0.95x the bf16 extend's speed"] == (False, "0.81x (1291 us against 1040)")
+    assert got["extend bf16 >= 1.0x flashinfer fa3's speed"] == (True, "1.01x (1040 us against 1052)")  # no replay
     assert speed_targets(BenchResults()) == []  # nothing measured: no verdicts
 
 

@@ -102,6 +102,17 @@ def graph_us(fn: Callable, rep: int = 50) -> float:
     return 1e3 * tt.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
+def graph_note(pre: dict, key: str, fn: Callable) -> str:
+    """``fn`` (a row's call) timed as CUDA-graph replays too, recorded as ``pre[key + "_graph"]`` (the extend
+    targets are judged on them, ``kernel_bench._extend_ratio``) → text for the row's note; a call that cannot be
+    captured says why."""
+    try:
+        pre[key + "_graph"] = graph_us(fn)
+    except Exception as e:  # noqa: BLE001 - no replay: the targets fall back to the calls' timing
+        return f"; graph replay failed: {type(e).__name__}: {' '.join(str(e).split())[:80]}"
+    return f"; graph replay {pre[key + '_graph']:.1f} us"
+
+
 def bench_us(fn: Callable, graph: bool = False) -> float:
     """Median time of ``fn`` in microseconds (``graph``: ``graph_us``)."""
     import triton.testing as tt

@@ -59,6 +59,33 @@ def decode_step_times(engine, batch: int, ctx: int, iters: int = 20) -> dict:
         return {"step_s": statistics.median(times), "host_s": statistics.median(host)}
 
 
+def served_decode_step(engine, batch: int, ctx: int, steps: int = 64) -> dict:
+    """The decode step as the engine serves: ``batch`` greedy requests run through ``generate`` (the engine's own
+    loop: steps launched ahead where it does that, CUDA graphs where it has them), timed by its step counters
+    (``EngineStats.step_seconds``, each decode step from the step before it being done to its own tokens being
+    done).  Two runs, of ``steps // 4`` and of ``steps`` tokens per request, are subtracted, so the prefill and the
+    first and last decode steps fall out; the prompts are ``ctx - 5 · steps / 8`` tokens, so the steps counted
+    attend over ``ctx`` cached tokens on average.  ``{"step_s", "steps"}``: mean seconds per decode step and how many
+    steps the mean is over."""
+    short = max(steps // 4, 2)
+    prompt = [(7 * i) % 1000 + 10 for i in range(ctx - (short + steps) // 2)]
+
+    def run(n: int) -> tuple[float, int]:
+        s0 = engine.stats()
+        outs = engine.generate([[i] + prompt for i in range(batch)], SamplingParams(max_tokens=n, ignore_eos=True))
+        s1 = engine.stats()
+        if any(len(o.token_ids) != n for o in outs):
+            raise RuntimeError("a request ended early")
+        return (s1.step_seconds.get("decode", 0.0) - s0.step_seconds.get("decode", 0.0),
+                s1.step_counts.get("decode", 0) - s0.step_counts.get("decode", 0))
+
+    run(short)  # warm-up
+    (ta, na), (tb, nb) = run(short), run(steps)
+    if nb <= na:
+        raise RuntimeError(f"no decode steps to time ({na} then {nb})")
+    return {"step_s": (tb - ta) / (nb - na), "steps": nb - na}
+
+
 @contextlib.contextmanager
 def _decode_batch(engine, batch: int, ctx: int):
     """A decode batch of ``batch`` sequences with ``ctx - 1`` tokens cached (their pages freed afterwards)."""

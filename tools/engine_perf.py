@@ -7,7 +7,8 @@
    against the roofline (weight bytes + KV bytes) / copy bandwidth; MLA models (``--model
    synthetic:deepseek-v2-lite``) count their latent cache (one ``rank + rope`` plane per layer, scales
    included) as the KV bytes; a graphed step's row carries its ``anatomy`` (``step_anatomy``: host and
-   device parts, and the time the device idles); an eager step's kernels by name (``profile``) and a prefill
+   device parts, and the time the device idles) and the step as the engine serves (``served_decode_step``: its own
+   loop, steps launched ahead, ``--served-steps``); an eager step's kernels by name (``profile``) and a prefill
    step's (``--prefill SEQSxPROMPT``) by kind, with the GEMMs' TFLOP/s (``prefill``);
 3. max concurrent sequences without queueing per KV format at a fixed KV budget (measured from the
    scheduler's running count while requests of a fixed length are served);
@@ -35,6 +36,7 @@ from kvbench.tools.engine_measure import (  # noqa: F401 - re-exported: the meas
     decode_step,
     decode_step_times,
     kernel_breakdown,
+    served_decode_step,
     peak_concurrency,
     prefill_breakdown,
     step_anatomy,
@@ -124,6 +126,8 @@ def _parse_args(argv):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--served-steps", type=int, default=64,
+                    help="decode steps per request of the served measure (0: skip it; engine_measure.served_decode_step)")
     ap.add_argument("--decode-backend", default="triton")
     ap.add_argument("--gemm-library", default="cublas", choices=("cublas", "cublaslt", "triton"),
                     help="the linear layers' library (EngineConfig.gemm_library)")
@@ -152,9 +156,10 @@ class _Sections:
 
     def _decode_cfg(self, fmt: str, eager: bool) -> EngineConfig:
         a = self.args
-        return EngineConfig(model=a.model, kv_dtype=fmt, prefill_backend="torch", decode_backend=a.decode_backend,
-                            device=a.device, max_running=a.batch, max_model_len=a.ctx + 16,
-                            kv_budget_gb=a.batch * (a.ctx + 16) * 1.05 * _bpt(a.model, fmt) / 2**30,
+        pre = "triton" if a.device.startswith("cuda") else "torch"  # the served measure's prompts
+        return EngineConfig(model=a.model, kv_dtype=fmt, prefill_backend=pre, decode_backend=a.decode_backend,
+                            device=a.device, max_running=a.batch, max_model_len=a.ctx + a.served_steps + 16,
+                            kv_budget_gb=a.batch * (a.ctx + a.served_steps + 16) * 1.05 * _bpt(a.model, fmt) / 2**30,
                             enforce_eager=eager, gemm_library=a.gemm_library)
 
     def bandwidth(self):
@@ -170,9 +175,15 @@ class _Sections:
         row = {"kv": fmt, "cuda_graphs": e.runner.graphs is not None, "step_ms": t * 1e3,
                "host_ms": tt["host_s"] * 1e3,
                "weight_GB": wb / 1e9, "kv_GB": kvb / 1e9, "mla": e.cache.spec.mla}
+        served = a.served_steps > 0 and not e.config.enforce_eager  # the eager engines' rows: synchronous only
+        if served:
+            sv = served_decode_step(e, a.batch, a.ctx, a.served_steps)
+            row.update(served_step_ms=sv["step_s"] * 1e3, served_steps=sv["steps"])
         if "copy_bandwidth_GBs" in self.res:
             roof = (wb + kvb) / (self.res["copy_bandwidth_GBs"] * 1e9)
             row.update(roofline_ms=roof * 1e3, ratio=t / roof)
+            if served:
+                row["served_ratio"] = row["served_step_ms"] / 1e3 / roof
         if e.runner.graphs is not None and "anatomy" not in self.skip:
             row["anatomy"] = step_anatomy(e, a.batch, a.ctx)
         return row

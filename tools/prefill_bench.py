@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
-from kvbench.tools.common import Row, bench_formats, bench_us as _bench, causal_name, fi_kv, speedup
+from kvbench.tools.common import (Row, bench_formats, bench_us as _bench, causal_name, fi_kv, graph_note,
+                                  speedup)
 from kvbench.tools.decode_bench import BenchResults
 from kvbench.tools.streaming import Step
 
@@ -172,12 +173,15 @@ class PrefillBench:
         qq, qs = (x["q8"], x["qsc"]) if fp8_q else (x["qx"], None)
         kv = PagedKV(fmt, x["kc"], x["vc"], x["ks"], x["vs"], x["kbs"], x["vbs"])
         attn, out = AttentionParams(q_scale=qs), x["qx"].clone()
-        t, cfg, dflt = _best(lambda kw: paged_prefill(qq, x["knx"], x["vnx"], x["cux"], self.new, kv, x["table"],
-                                                      x["lx"], attn=attn, out=out,
-                                                      opts=PrefillOptions(max_prefix_len=self.pre, **kw, **opt)),
-                             f"extend {fmt}{tag}")
-        self.res.pre[f"extend_{fmt}{tag.replace(' ', '_')}"] = t
-        yield Row(self._extend_name("triton", fmt, tag), t, tflops=_tflops(self.fl, t), note=_note(len(CONFIGS), cfg, dflt))
+        def run(kw):
+            return paged_prefill(qq, x["knx"], x["vnx"], x["cux"], self.new, kv, x["table"], x["lx"], attn=attn,
+                                 out=out, opts=PrefillOptions(max_prefix_len=self.pre, **kw, **opt))
+
+        t, cfg, dflt = _best(run, f"extend {fmt}{tag}")
+        key = f"extend_{fmt}{tag.replace(' ', '_')}"
+        self.res.pre[key] = t
+        note = _note(len(CONFIGS), cfg, dflt) + graph_note(self.res.pre, key, lambda: run({}))
+        yield Row(self._extend_name("triton", fmt, tag), t, tflops=_tflops(self.fl, t), note=note)
 
     def _sdpa_extend_row(self) -> Iterator[Row]:
         """torch SDPA on the dense bf16 extend: ``new`` queries per sequence over ``pre + new`` keys, causal

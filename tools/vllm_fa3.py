@@ -164,14 +164,18 @@ def causal_row(pb, n: int, length: int):
 
 def extend_row(pb, fmt: str, tag: str):
     """FA3 on ``pb``'s extend of ``fmt`` (bf16 queries over bf16 pages; e4m3 queries over e4m3 pages);
-    records its µs as ``res.pre["vllm_fa3_extend_<fmt>[_<tag>]"]`` for the targets."""
+    records its µs as ``res.pre["vllm_fa3_extend_<fmt>[_<tag>]"]`` for the targets, and as CUDA-graph replays
+    with ``_graph`` after the key."""
     x = pb.extend_inputs(fmt)
     key = f"extend_{fmt}{tag.replace(' ', '_')}"
     fp8 = fmt == "fp8_e4m3"
     qq = x["q8"] if fp8 else x["qx"]
     sc = dict(q_scale=x["qsc"], k_scale=x["ks"], v_scale=x["vs"]) if fp8 else {}
-    row = _row(f"{pb._extend_name('vLLM FA3', fmt, tag)} (paged)", pb.fl, pb.res.pre.get(key),
-               lambda: PagedFA3(qq, x["kc"], x["vc"], x["cux"], pb.new, x["table"], x["lx"], pb.seq, **sc))
+    make = lambda: PagedFA3(qq, x["kc"], x["vc"], x["cux"], pb.new, x["table"], x["lx"], pb.seq, **sc)  # noqa: E731
+    row = _row(f"{pb._extend_name('vLLM FA3', fmt, tag)} (paged)", pb.fl, pb.res.pre.get(key), make)
     if row.us == row.us:
+        from kvbench.tools.common import graph_note
+
         pb.res.pre[f"vllm_fa3_{key}"] = row.us
+        row.note = (row.note + graph_note(pb.res.pre, f"vllm_fa3_{key}", make())).lstrip("; ")
     yield row

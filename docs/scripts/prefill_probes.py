@@ -1,10 +1,9 @@
 """GPU probes of the paged prefill / extend kernels against FlashAttention 3 (issue 44's extend row; docs/kernels.md,
 "The extend against vLLM's FlashAttention 3").  The figures cited there for the Hopper kernel came from this script.
 
-``python docs/scripts/prefill_probes.py wg [--check] [--stages 4] [--ws 128:3,64:4] [--page 16]``: the Triton kernel
-(``prefill.py``, launch defaults) against the Hopper kernel (``prefill_wg.py``): the one-partition kernel at each
-``STAGES`` given (its refill early and late) and the warp-specialized kernel at each ``--ws`` variant (keys per tile
-: stages), on the problems of ``kvbench bench kernels``' prefill part (``tools/prefill_bench.py``): one causal
+``python docs/scripts/prefill_probes.py wg [--check] [--ws 128:3,64:4] [--page 16]``: the Triton kernel
+(``prefill.py``, launch defaults) against the Hopper kernel (``prefill_wg.py``) at each ``--ws`` variant (keys per
+tile : stages), on the problems of ``kvbench bench kernels``' prefill part (``tools/prefill_bench.py``): one causal
 prompt of 8192, 8 prompts of 1024 (the engine's prefill step under the serving load) and the bf16 extend of 4 x
 (7168 cached + 1024 new); 32 / 8 heads, D 128, pages of 16 (``--page``), HND.  Each row: µs (``do_bench`` median),
 TFLOP/s and the speed over vLLM's FA3 on the same problem where its library is found (``tools/vllm_fa3.py``).
@@ -15,9 +14,15 @@ TFLOP/s and the speed over vLLM's FA3 on the same problem where its library is f
 shapes, the Triton kernel against the warp-specialized Hopper kernel (where ``prefill.WGMMA_DEFAULT``'s rule comes
 from).
 
-``python docs/scripts/prefill_probes.py quant``: extends over fp8_e4m3 / fp8_e5m2 / nvfp4 prefixes, 4 x (7168 + 64 ..
-1024), the Triton kernel against the Hopper kernel over a bf16 workspace, each beside the bf16 extend (where
-``prefill.WGMMA_WORKSPACE_MIN_Q`` comes from).
+``python docs/scripts/prefill_probes.py quant [--new 64,128,256,512,1024] [--fill 64:4,128:4,128:8]``: extends over
+fp8_e4m3 / fp8_e5m2 / nvfp4 prefixes, 4 x (7168 + new), the Triton kernel against the Hopper kernel over a bf16
+workspace, each beside the bf16 extend (where ``prefill.WGMMA_WORKSPACE_MIN_Q`` comes from); at the last size, the
+Hopper call's kernels by name (torch profiler, µs per call) and the workspace fill alone at each ``--fill`` variant
+(tokens per program : warps).
+
+``python docs/scripts/prefill_probes.py ws-parts [--format fp8_e4m3]``: the Hopper kernel's device time (torch
+profiler) on the bf16 extend and over a quantized prefix's workspace: as run (scaled), unscaled, refilled with normal
+values, and with its pages in random order.
 
 ``python docs/scripts/prefill_probes.py ncu causal|extend``: three launches of the Hopper kernel on one problem, for
 Nsight Compute (``--launch-skip 2 --launch-count 1``).
@@ -71,7 +76,7 @@ def check() -> int:
     return sum(not c.ok for c in cases)
 
 
-_SWITCHES = ("STAGES", "LATE_REFILL", "WARP_SPECIALIZE", "WS_BLOCK_N", "WS_STAGES", "WS_REGS")
+_SWITCHES = ("WS_BLOCK_N", "WS_STAGES", "WS_REGS")
 
 
 def _ws_variants(spec: str) -> list[tuple[str, dict]]:
@@ -80,11 +85,11 @@ def _ws_variants(spec: str) -> list[tuple[str, dict]]:
     for v in filter(None, spec.split(",")):
         bn, st = (int(x) for x in v.split(":"))
         out.append((f"warp-specialized, {bn} keys, {st} stages",
-                    dict(WARP_SPECIALIZE=True, WS_BLOCK_N=bn, WS_STAGES=st, WS_REGS=240 if bn == 128 else 232)))
+                    dict(WS_BLOCK_N=bn, WS_STAGES=st, WS_REGS=240 if bn == 128 else 232)))
     return out
 
 
-def wg(stages: list[int], do_check: bool, page: int = 16, ws: str = "128:3,64:4") -> int:
+def wg(do_check: bool, page: int = 16, ws: str = "128:3,64:4") -> int:
     import torch
 
     from kvbench.kernels import PrefillOptions
@@ -94,9 +99,7 @@ def wg(stages: list[int], do_check: bool, page: int = 16, ws: str = "128:3,64:4"
     from kvbench.tools.prefill_bench import PrefillBench
 
     keep = {k: getattr(prefill_wg, k) for k in _SWITCHES}
-    variants = [(f"one partition, {n} stages" + (", late refill" if late else ""),
-                 dict(WARP_SPECIALIZE=False, STAGES=n, LATE_REFILL=late)) for n in stages for late in (False, True)]
-    variants += _ws_variants(ws)
+    variants = _ws_variants(ws)
 
     def use(sw):
         for k, v in {**keep, **sw}.items():
@@ -104,7 +107,7 @@ def wg(stages: list[int], do_check: bool, page: int = 16, ws: str = "128:3,64:4"
 
     try:
         if do_check:
-            for label, sw in _ws_variants(ws):  # the warp-specialized variants (the one-partition kernel unchanged)
+            for label, sw in variants:
                 use(sw)
                 print(f"## float64 checks, {label}", flush=True)
                 if check():
@@ -163,12 +166,33 @@ def shapes() -> int:
     return 0
 
 
-def quant(new_lens=(64, 128, 256, 512, 1024), prefix: int = 7168, batch: int = 4, fill: bool = True) -> int:
+def _kernels_us(fn, calls: int = 20) -> dict:
+    """{kernel name: µs of device time per call of ``fn``} by the torch profiler, after two warm-up calls."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t and e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.key[:40]] = out.get(e.key[:40], 0.0) + t / calls
+    return out
+
+
+def quant(new_lens=(64, 128, 256, 512, 1024), prefix: int = 7168, batch: int = 4, fills: str = "64:4,128:4,128:8") -> int:
     """The extend over a quantized prefix, batch x (prefix + new): the Triton kernel (its own defaults: fp8 scores
     on the stored e4m3 K, the float16 workspace for nvfp4 and e5m2 where ``WORKSPACE_MIN_Q`` says) against the
     Hopper kernel over a workspace of bf16 (``wgmma=True``), with the bf16 extend (the default: the Hopper kernel)
-    beside: where ``prefill.WGMMA_WORKSPACE_MIN_Q`` comes from.  ``fill``: also the workspace's fill alone (the
-    dequantizing kernel, no attention) at each format's last size."""
+    beside: where ``prefill.WGMMA_WORKSPACE_MIN_Q`` comes from.  At each format's last size: the Hopper call's
+    kernels by name, and the workspace's fill alone (no attention) at each ``fills`` variant (tokens per program :
+    warps; the first is what the call above ran with only if it is ``prefill._WS_BLOCK_T``:``_WS_FILL_WARPS``)."""
     import torch
 
     from kvbench.kernels import prefill as P
@@ -179,6 +203,7 @@ def quant(new_lens=(64, 128, 256, 512, 1024), prefix: int = 7168, batch: int = 4
     from kvbench.tools.decode_bench import BenchResults
     from kvbench.tools.prefill_bench import PrefillBench
 
+    keep = (P._WS_BLOCK_T, P._WS_FILL_WARPS)
     for new in new_lens:
         t_bf16 = None
         for fmt in ("bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"):
@@ -197,20 +222,82 @@ def quant(new_lens=(64, 128, 256, 512, 1024), prefix: int = 7168, batch: int = 4
             print(f"extend {fmt:<9} {batch}x({prefix}+{new}): triton {t0:8.1f} us, hopper {t1:8.1f} us "
                   f"({t0 / t1:.2f}x); bf16 extend / this: triton {t_bf16 / t0:.2f}x, hopper {t_bf16 / t1:.2f}x",
                   flush=True)
-            if fill and fmt != "bf16" and new == new_lens[-1]:
+            if new == new_lens[-1]:
+                parts = _kernels_us(lambda: run(True))
+                print("  hopper call's kernels, us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()),
+                      flush=True)
+            if fmt != "bf16" and new == new_lens[-1]:
                 kc, vc = check_kv(kv, pb.d)
                 plan = P.workspace_plan(P.format_code(fmt), False, prefix, new, batch, pb.hk, pb.d, pb.page, True)
-                t2 = bench_us(lambda: P._over_workspace(plan, kc, vc, x["table"], x["lx"], x["cux"], batch,
-                                                        P.format_code(fmt), x["qx"], lambda *a: None, torch.bfloat16))
-                print(f"  the bf16 workspace's fill alone ({fmt}): {t2:.1f} us", flush=True)
+                try:
+                    for v in filter(None, fills.split(",")):
+                        P._WS_BLOCK_T, P._WS_FILL_WARPS = (int(y) for y in v.split(":"))
+                        fill = lambda: P._over_workspace(plan, kc, vc, x["table"], x["lx"], x["cux"], batch,  # noqa: E731
+                                                         P.format_code(fmt), x["qx"], lambda *a: None, torch.bfloat16)
+                        k = {n: t for n, t in _kernels_us(fill).items() if "dequant" in n}
+                        print(f"  the bf16 workspace's fill ({fmt}), {v}: {bench_us(fill):.1f} us per call, "
+                              f"kernel {sum(k.values()):.1f} us", flush=True)
+                finally:
+                    P._WS_BLOCK_T, P._WS_FILL_WARPS = keep
             del pb, x, kv, o
             torch.cuda.empty_cache()
     return 0
 
 
+def ws_parts(fmt: str = "fp8_e4m3", prefix: int = 7168, new: int = 1024, batch: int = 4) -> int:
+    """Why the Hopper kernel takes longer over a workspace than over a bf16 cache: its device time (torch profiler)
+    on the bf16 extend, then over one ``fmt`` prefix's workspace as the extend runs it (``SCALED``), over the same
+    workspace unscaled, over that workspace refilled with normal random values (unscaled), and with its pages in
+    random order as a cache's are."""
+    import math
+
+    import torch
+
+    from kvbench.kernels import PagedKV, PrefillOptions, paged_prefill, prefill_wg
+    from kvbench.kernels import prefill as P
+    from kvbench.kernels._triton_utils import check_kv
+    from kvbench.tools.decode_bench import BenchResults
+    from kvbench.tools.prefill_bench import PrefillBench
+
+    def attn_us(fn) -> float:
+        return sum(t for n, t in _kernels_us(fn).items() if "_prefill_ws" in n)
+
+    for f in ("bf16", fmt):
+        pb = PrefillBench(BenchResults(), flashinfer=False, formats=(f,), seq=prefix + new, new=new, batch=batch)
+        x = pb.extend_inputs(f)
+        kv = PagedKV(f, x["kc"], x["vc"], x["ks"], x["vs"], x["kbs"], x["vbs"])
+        o = x["qx"].clone()
+        t = attn_us(lambda: paged_prefill(x["qx"], x["knx"], x["vnx"], x["cux"], new, kv, x["table"], x["lx"], out=o,
+                                          opts=PrefillOptions(max_prefix_len=prefix, wgmma=True)))
+        print(f"{f:<9} the extend as paged_prefill runs it: _prefill_ws {t:.1f} us", flush=True)
+        if f == "bf16":
+            continue
+        kc, vc = check_kv(kv, pb.d)
+        plan = P.workspace_plan(P.format_code(f), False, prefix, new, batch, pb.hk, pb.d, pb.page, True)
+        ws = []
+        P._over_workspace(plan, kc, vc, x["table"], x["lx"], x["cux"], batch, P.format_code(f), x["qx"],
+                          lambda *a: ws.append(a), torch.bfloat16)
+        kwc, vwc, table, sl, cu, _ = ws[0]
+        sm = 1.0 / math.sqrt(pb.d)
+        args = (x["qx"], x["knx"], x["vnx"], kwc, vwc, table, sl, cu, new, o, sm)
+        for label, fn in (("workspace, scaled (as run)", prefill_wg.launch_dequantized),
+                          ("workspace, unscaled", prefill_wg.launch)):
+            print(f"{f:<9} {label}: _prefill_ws {attn_us(lambda fn=fn: fn(*args)):.1f} us", flush=True)
+        kwc.data.normal_()
+        vwc.data.normal_()
+        print(f"{f:<9} workspace of normal values, unscaled: _prefill_ws {attn_us(lambda: prefill_wg.launch(*args)):.1f} us",
+              flush=True)
+        shuffled = table.clone()
+        shuffled[:, :plan.npp] = torch.randperm(plan.group * plan.npp, device=table.device).view(plan.group, -1).int()
+        sargs = args[:5] + (shuffled,) + args[6:]
+        print(f"{f:<9} the same, pages in random order: _prefill_ws {attn_us(lambda: prefill_wg.launch(*sargs)):.1f} us",
+              flush=True)
+    return 0
+
+
 def ncu(problem: str) -> int:
     """Three launches of the Hopper kernel on one problem (``causal`` 8 x 1024 or ``extend``), for
-    ``ncu --kernel-name regex:_prefill_wg --launch-skip 2 --launch-count 1 ... python prefill_probes.py ncu extend``."""
+    ``ncu --kernel-name regex:_prefill_ws --launch-skip 2 --launch-count 1 ... python prefill_probes.py ncu extend``."""
     import torch
 
     from kvbench.kernels import PrefillOptions
@@ -230,20 +317,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python docs/scripts/prefill_probes.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("wg", help="the Triton kernel against the Hopper kernel, and vLLM's FA3")
-    p.add_argument("--stages", default="4", help="comma list of prefill_wg.STAGES to time")
     p.add_argument("--check", action="store_true", help="the Hopper kernel against the float64 reference first")
     p.add_argument("--page", type=int, default=16, help="tokens per page (16, the engine's default)")
     p.add_argument("--ws", default="128:3,64:4", help="warp-specialized variants to check and time, keys per tile:stages")
     n = sub.add_parser("ncu", help="three launches of the Hopper kernel, for Nsight Compute")
     n.add_argument("problem", choices=("causal", "extend"))
-    sub.add_parser("quant", help="quantized extends: the Triton kernel against the Hopper kernel over a workspace")
+    qp = sub.add_parser("quant", help="quantized extends: the Triton kernel against the Hopper kernel over a workspace")
+    qp.add_argument("--new", default="64,128,256,512,1024", help="new tokens per sequence, comma list")
+    qp.add_argument("--fill", default="64:4,128:4,128:8", help="workspace fill variants, tokens per program:warps")
     sub.add_parser("shapes", help="the bf16 extend at SHAPES, Triton against the warp-specialized Hopper kernel")
+    wp = sub.add_parser("ws-parts", help="the Hopper kernel's device time over a workspace: scaled, unscaled, data")
+    wp.add_argument("--format", default="fp8_e4m3")
     a = ap.parse_args(argv)
     if a.cmd == "shapes":
         return shapes()
+    if a.cmd == "ws-parts":
+        return ws_parts(a.format)
     if a.cmd == "quant":
-        return quant()
-    return wg([int(x) for x in a.stages.split(",")], a.check, a.page, a.ws) if a.cmd == "wg" else ncu(a.problem)
+        return quant(tuple(int(x) for x in a.new.split(",")), fills=a.fill)
+    return wg(a.check, a.page, a.ws) if a.cmd == "wg" else ncu(a.problem)
 
 
 if __name__ == "__main__":
