@@ -28,8 +28,9 @@ Layout (one program per 128 query rows x query head x sequence; two warpgroups o
 A quantized (fp8 / nvfp4) prefix reaches it through ``prefill.py``'s workspace, dequantized exactly into q's 16-bit
 dtype first; its per-head scales apply in the loop (``SCALED``: the K scale in a prefix tile's score scale, the V
 scale once on the output accumulator when the last prefix tile's ``P·V`` is in it).  Sliding windows, sinks and
-fp8 queries stay with the Triton kernel (``unsupported``).  Gluon has no interpreter: the CPU path is ``prefill.py``; this kernel is checked against the float64 reference on a
-GPU (``tests/test_gpu_kernels.py``) and compiled for sm_90 on the CPU (``tests/test_prefill_wg.py``).
+fp8 queries stay with the Triton kernel (``unsupported``).  Gluon has no interpreter: the CPU path is
+``prefill.py``; this kernel is checked against the float64 reference on a GPU (``tests/test_gpu_kernels.py``) and
+compiled for sm_90 on the CPU (``tests/test_prefill_wg.py``).
 """
 
 from __future__ import annotations

@@ -186,7 +186,8 @@ def _kernels_us(fn, calls: int = 20) -> dict:
     return out
 
 
-def quant(new_lens=(64, 128, 256, 512, 1024), prefix: int = 7168, batch: int = 4, fills: str = "64:4,128:4,128:8") -> int:
+def quant(new_lens=(64, 128, 256, 512, 1024), prefix: int = 7168, batch: int = 4,
+          fills: str = "64:4,128:4,128:8") -> int:
     """The extend over a quantized prefix, batch x (prefix + new): the Triton kernel (its own defaults: fp8 scores
     on the stored e4m3 K, the float16 workspace for nvfp4 and e5m2 where ``WORKSPACE_MIN_Q`` says) against the
     Hopper kernel over a workspace of bf16 (``wgmma=True``), with the bf16 extend (the default: the Hopper kernel)
@@ -232,8 +233,11 @@ def quant(new_lens=(64, 128, 256, 512, 1024), prefix: int = 7168, batch: int = 4
                 try:
                     for v in filter(None, fills.split(",")):
                         P._WS_BLOCK_T, P._WS_FILL_WARPS = (int(y) for y in v.split(":"))
-                        fill = lambda: P._over_workspace(plan, kc, vc, x["table"], x["lx"], x["cux"], batch,  # noqa: E731
-                                                         P.format_code(fmt), x["qx"], lambda *a: None, torch.bfloat16)
+
+                        def fill():
+                            P._over_workspace(plan, kc, vc, x["table"], x["lx"], x["cux"], batch, P.format_code(fmt),
+                                              x["qx"], lambda *a: None, torch.bfloat16)
+
                         k = {n: t for n, t in _kernels_us(fill).items() if "dequant" in n}
                         print(f"  the bf16 workspace's fill ({fmt}), {v}: {bench_us(fill):.1f} us per call, "
                               f"kernel {sum(k.values()):.1f} us", flush=True)
@@ -285,13 +289,13 @@ def ws_parts(fmt: str = "fp8_e4m3", prefix: int = 7168, new: int = 1024, batch: 
             print(f"{f:<9} {label}: _prefill_ws {attn_us(lambda fn=fn: fn(*args)):.1f} us", flush=True)
         kwc.data.normal_()
         vwc.data.normal_()
-        print(f"{f:<9} workspace of normal values, unscaled: _prefill_ws {attn_us(lambda: prefill_wg.launch(*args)):.1f} us",
-              flush=True)
+        t = attn_us(lambda: prefill_wg.launch(*args))
+        print(f"{f:<9} workspace of normal values, unscaled: _prefill_ws {t:.1f} us", flush=True)
         shuffled = table.clone()
         shuffled[:, :plan.npp] = torch.randperm(plan.group * plan.npp, device=table.device).view(plan.group, -1).int()
         sargs = args[:5] + (shuffled,) + args[6:]
-        print(f"{f:<9} the same, pages in random order: _prefill_ws {attn_us(lambda: prefill_wg.launch(*sargs)):.1f} us",
-              flush=True)
+        t = attn_us(lambda: prefill_wg.launch(*sargs))
+        print(f"{f:<9} the same, pages in random order: _prefill_ws {t:.1f} us", flush=True)
     return 0
 
 
