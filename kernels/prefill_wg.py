@@ -222,11 +222,9 @@ def _ws_consumer(q_s, k_s, v_s, ready, empty, OUT, so_t, so_h, h, q_start, q_len
             alpha = gl.where(t == n_pre, alpha * vs, alpha)
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         pa = gl.convert_layout(p.to(DT), PA_L)
+    # the last tile is always one of new tokens (a program has its diagonal tile), so the V scale went in above
     o = warpgroup_mma(pa, v_s.index((n_tiles - 1) % STAGES), o, is_async=True)
     o = warpgroup_mma_wait(0, deps=[o])
-    if SCALED:  # no tile of new tokens (a program always has its diagonal tile; kept exact regardless)
-        if n_tiles == n_pre:
-            o = o * vs
     inv = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L))
     orow = mb * 128 + W * R + gl.arange(0, R, layout=gl.SliceLayout(1, O_L))
     d = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
@@ -325,7 +323,7 @@ def unsupported(q, k_new, v_new, kc, vc, kv_format: str, attn, descriptors_ok: b
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(d: int, dtype, bn: int = 128):
+def _layout(d: int, dtype, bn: int):
     return gl.NVMMASharedLayout.get_default_for([bn, d], dtype)
 
 

@@ -36,9 +36,9 @@ from kvbench.tools.engine_measure import (  # noqa: F401 - re-exported: the meas
     decode_step,
     decode_step_times,
     kernel_breakdown,
-    served_decode_step,
     peak_concurrency,
     prefill_breakdown,
+    served_decode_step,
     step_anatomy,
     weight_bytes_read_per_step,
 )

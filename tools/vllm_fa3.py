@@ -140,15 +140,21 @@ class PagedFA3:
 
 
 # ---------------------------------------------------------------------------------- benchmark rows
-def _row(name, flops, ours_us, make):
-    """An anchor row with kvbench's speed-up over it, or why it is missing."""
-    from kvbench.tools.common import Row, bench_us, speedup
+def _row(name, flops, ours_us, make, pre: Optional[dict] = None, key: str = ""):
+    """An anchor row with kvbench's speed-up over it, or why it is missing; with ``pre``, its µs recorded as
+    ``pre[key]`` and the same call's CUDA-graph replays as ``pre[key + "_graph"]`` (``common.graph_note``)."""
+    from kvbench.tools.common import Row, bench_us, graph_note, speedup
 
     try:
-        t = bench_us(make())
+        fa3 = make()
+        t = bench_us(fa3)
     except Exception as e:  # noqa: BLE001 - no anchor: the library refused these inputs
         return Row(f"{name} (failed)", float("nan"), note=f"{type(e).__name__}: {' '.join(str(e).split())[:160]}")
-    return Row(name, t, tflops=flops / (t * 1e-6) / 1e12, kvbench_x=speedup(t, ours_us))
+    note = ""
+    if pre is not None:
+        pre[key] = t
+        note = graph_note(pre, key, fa3).lstrip("; ")
+    return Row(name, t, tflops=flops / (t * 1e-6) / 1e12, kvbench_x=speedup(t, ours_us), note=note)
 
 
 def causal_row(pb, n: int, length: int):
@@ -171,11 +177,6 @@ def extend_row(pb, fmt: str, tag: str):
     fp8 = fmt == "fp8_e4m3"
     qq = x["q8"] if fp8 else x["qx"]
     sc = dict(q_scale=x["qsc"], k_scale=x["ks"], v_scale=x["vs"]) if fp8 else {}
-    make = lambda: PagedFA3(qq, x["kc"], x["vc"], x["cux"], pb.new, x["table"], x["lx"], pb.seq, **sc)  # noqa: E731
-    row = _row(f"{pb._extend_name('vLLM FA3', fmt, tag)} (paged)", pb.fl, pb.res.pre.get(key), make)
-    if row.us == row.us:
-        from kvbench.tools.common import graph_note
-
-        pb.res.pre[f"vllm_fa3_{key}"] = row.us
-        row.note = (row.note + graph_note(pb.res.pre, f"vllm_fa3_{key}", make())).lstrip("; ")
-    yield row
+    yield _row(f"{pb._extend_name('vLLM FA3', fmt, tag)} (paged)", pb.fl, pb.res.pre.get(key),
+               lambda: PagedFA3(qq, x["kc"], x["vc"], x["cux"], pb.new, x["table"], x["lx"], pb.seq, **sc),
+               pb.res.pre, f"vllm_fa3_{key}")
